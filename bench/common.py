@@ -1,0 +1,86 @@
+"""Helpers shared by the benchmark suites: where results go and what every result records."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def gpu_key() -> str:
+    """A short architecture key for results/<gpu>/: 'h100', 'h200', 'a100', or 'cpu'."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name(0)
+    m = re.search(r"\b([AHBL]\d{2,3})\b", name.upper())
+    return m.group(1).lower() if m else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def env_info() -> dict[str, Any]:
+    """Versions and hardware, recorded with every result."""
+    info: dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "gpu_key": gpu_key(),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.cuda.is_available():
+        info["gpu_name"] = torch.cuda.get_device_name(0)
+        info["gpu_count"] = torch.cuda.device_count()
+        info["cuda"] = torch.version.cuda
+        try:
+            info["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())
+        except (AttributeError, RuntimeError):
+            info["nccl"] = None
+    return info
+
+
+def results_path(name: str, key: str | None = None) -> Path:
+    """bench/results/<gpu>/<name>.json, or $OUT/<gpu>/<name>.json when BENCH_OUT is set (device runs)."""
+    base = Path(os.environ["BENCH_OUT"]) if os.environ.get("BENCH_OUT") else RESULTS_DIR
+    path = base / (key or gpu_key()) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_result(name: str, payload: dict[str, Any], key: str | None = None) -> Path:
+    """Write one benchmark's JSON with the environment attached; returns the path."""
+    path = results_path(name, key)
+    path.write_text(json.dumps({"env": env_info(), **payload}, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def copy_bandwidth_gbps(numel: int = 1 << 28, reps: int = 20) -> float:
+    """This GPU's device-to-device copy bandwidth in GB/s (bytes read + written), measured now."""
+    import triton.testing
+
+    src = torch.randn(numel, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
+    return 2 * numel * src.element_size() / (ms * 1e-3) / 1e9

@@ -1,0 +1,45 @@
+"""Test-suite setup shared by every test module.
+
+Without a GPU the kernels are exercised through Triton's interpreter, which must be switched on before
+``triton`` is first imported, so this happens here, at collection time.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+NUM_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_multi = pytest.mark.skip(reason="needs 2 or more CUDA GPUs")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+        if "multigpu" in item.keywords and NUM_GPUS < 2:
+            item.add_marker(skip_multi)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed(request):
+    # A different but reproducible seed per test: fresh random data, never the same tensors everywhere.
+    torch.manual_seed(abs(hash(request.node.nodeid)) % (2**31))
+    yield
+
+
+def poisoned(shape, dtype, device="cpu"):
+    """A fresh tensor full of NaN, so any element a kernel forgets to write shows up."""
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def kernel_device() -> str:
+    return "cuda" if HAS_CUDA else "cpu"
