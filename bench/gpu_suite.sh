@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: the GPU tests and the benchmarks, logs and JSON under $OUT, a short table last.
+#
+#   bash bench/gpu_suite.sh [stage ...]     stages: env tests kernels offload e2e (default: all that fit the GPUs)
+#
+# Every step runs under `timeout` so a hang cannot eat the lease; a failed step is reported and the
+# suite goes on. Multi-GPU steps issue the same collectives on every rank (fixed step counts).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# NVLink multicast stays off (the machine sets these too; never unset them).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+FINAL="${OUT:-$PWD/out}"
+# Everything is written to a work folder and packed into one archive at the end: the device tool
+# brings back only a few files.
+OUT="$FINAL/work"
+mkdir -p "$OUT"
+export BENCH_OUT="$OUT/results"
+
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+STAGES=("$@")
+if [ ${#STAGES[@]} -eq 0 ]; then
+  STAGES=(env tests kernels offload)
+  [ "$NGPU" -ge 2 ] && STAGES+=(e2e)
+fi
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+
+step() {  # step NAME SECONDS CMD...: run with a timeout, log to $OUT/NAME.log, record status
+  local name=$1 secs=$2
+  shift 2
+  local start=$SECONDS
+  echo "== $name (limit ${secs}s): $*"
+  timeout --kill-after=10 "$secs" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  printf '%-14s rc=%-3s %4ss\n' "$name" "$rc" "$((SECONDS - start))" >>"$SUMMARY"
+}
+
+for stage in "${STAGES[@]}"; do
+  case $stage in
+    env)
+      step env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv;
+        python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.nccl.version())"' ;;
+    tests)
+      step tests 420 python3 -m pytest -q -x --timeout=300 -p no:cacheprovider tests \
+        --junitxml="$OUT/tests-junit.xml" ;;
+    kernels)
+      step kernels 360 python3 bench/kernels/run.py --sizes "${KERNEL_SIZES:-1M,16M,64M,256M,512M}" ;;
+    kernels-pb)
+      step kernels-pb 240 python3 -m pytest -q -p no:cacheprovider bench/kernels/test_bench_kernels.py \
+        --benchmark-enable --benchmark-json="$OUT/kernels-pytest-benchmark.json" ;;
+    offload)
+      step offload 300 python3 bench/offload/run.py ${OFFLOAD_ARGS:-} ;;
+    e2e)
+      step e2e 540 torchrun --standalone --nproc_per_node "$NGPU" bench/e2e/run.py --regime both \
+        --impls "${E2E_IMPLS:-shardfuse,fsdp2,fsdp1}" --steps "${E2E_STEPS:-15}" --warmup 3 ${E2E_ARGS:-} ;;
+    *)
+      echo "unknown stage: $stage" >&2 ;;
+  esac
+done
+
+tar -C "$OUT" -czf "$FINAL/suite.tgz" .
+echo
+echo "== gpu_suite summary ($NGPU GPUs; logs and JSON in suite.tgz)"
+grep -hE '[0-9]+ (passed|failed|skipped|error)' "$OUT/tests.log" 2>/dev/null | tail -n 1
+cat "$SUMMARY"

@@ -1,0 +1,22 @@
+"""What a kernel benchmark case is. Each kernel family's ``bench_<family>.py`` returns a list of these.
+
+A case is one kernel at one size: the shardfuse call, the PyTorch sequence(s) it replaces, and the bytes
+the fewest-pass version must move (each input read once, each output written once), from which GB/s and
+the share of the GPU's copy bandwidth are computed by ``bench/kernels/run.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class KernelCase:
+    family: str  # "shard_cast", "flatten_pad", "pre_divide", "post_divide", "chunk_cat", "concat", ...
+    name: str  # readable id, e.g. "fp32->bf16 n=67108864"
+    numel: int  # elements processed (output elements)
+    bytes_moved: int  # minimum bytes read + written
+    shardfuse: Callable[[], object]  # runs the shardfuse kernel once (buffers preallocated)
+    baselines: dict[str, Callable[[], object]] = field(default_factory=dict)  # PyTorch sequences replaced
+    num_tensors: int = 1  # for multi-tensor forms

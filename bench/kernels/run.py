@@ -1,0 +1,118 @@
+"""Time every kernel family against the PyTorch sequences it replaces and this GPU's copy bandwidth.
+
+    PYTHONPATH=$PWD python bench/kernels/run.py [--sizes 1M,16M,64M,256M,512M] [--families shard_cast,...]
+
+Times are medians of CUDA-event timings (``triton.testing.do_bench``). GB/s counts the fewest bytes the
+operation must move (each input read once, each output written once), so a multi-pass baseline scores
+lower for the extra passes it makes. Writes ``bench/results/<gpu>/kernels.json`` (or under $BENCH_OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.common import copy_bandwidth_gbps, write_result  # noqa: E402
+from bench.kernels.cases import KernelCase  # noqa: E402
+
+FAMILY_MODULES = ("bench_cast", "bench_flatten", "bench_grad_divide", "bench_chunk_cat", "bench_concat")
+DEFAULT_SIZES = "1M,16M,64M,256M,512M"
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper()
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+
+
+def time_ms(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def run_case(case: KernelCase, copy_gbps: float) -> dict:
+    row = {
+        "family": case.family,
+        "name": case.name,
+        "numel": case.numel,
+        "num_tensors": case.num_tensors,
+        "bytes": case.bytes_moved,
+    }
+    ms = time_ms(case.shardfuse)
+    row["shardfuse_ms"] = ms
+    row["shardfuse_gbps"] = case.bytes_moved / (ms * 1e-3) / 1e9
+    row["pct_copy_bw"] = 100.0 * row["shardfuse_gbps"] / copy_gbps
+    row["baselines"] = {}
+    for label, fn in case.baselines.items():
+        b_ms = time_ms(fn)
+        row["baselines"][label] = {"ms": b_ms, "speedup": b_ms / ms}
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated element counts (K/M/G suffixes)")
+    parser.add_argument("--families", default="", help="comma-separated bench modules to run (default: all)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/kernels/run.py needs a CUDA GPU")
+
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    wanted = {f.strip() for f in args.families.split(",") if f.strip()}
+    copy_gbps = copy_bandwidth_gbps()
+    print(f"device copy bandwidth: {copy_gbps:.0f} GB/s", flush=True)
+
+    rows = []
+    for mod_name in FAMILY_MODULES:
+        if wanted and mod_name.removeprefix("bench_") not in wanted and mod_name not in wanted:
+            continue
+        module = importlib.import_module(f"bench.kernels.{mod_name}")
+        for size in sizes:
+            # Build one size at a time so the largest cases never share memory with others.
+            try:
+                cases = module.cases([size])
+            except torch.cuda.OutOfMemoryError:
+                print(f"{mod_name} n={size}: out of memory, skipped", flush=True)
+                continue
+            for case in cases:
+                row = run_case(case, copy_gbps)
+                rows.append(row)
+                base = ", ".join(f"{k} x{v['speedup']:.2f}" for k, v in row["baselines"].items())
+                print(
+                    f"{case.family:12s} {case.name:40s} {row['shardfuse_gbps']:7.0f} GB/s "
+                    f"{row['pct_copy_bw']:5.1f}% copy  [{base}]",
+                    flush=True,
+                )
+            del cases
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    path = write_result("kernels", {"copy_bandwidth_gbps": copy_gbps, "sizes": sizes, "rows": rows})
+    print(f"wrote {path}")
+    print_summary(rows, copy_gbps)
+
+
+def print_summary(rows: list[dict], copy_gbps: float) -> None:
+    """The short table: per family, worst % of copy bandwidth at >= 64 MB and worst speedup over baselines."""
+    print(f"\n== kernel summary (copy bandwidth {copy_gbps:.0f} GB/s)")
+    print(f"{'family':14s} {'min %copy >=64MB':>17s} {'min speedup':>12s} {'max speedup':>12s}")
+    for family in dict.fromkeys(r["family"] for r in rows):
+        fam = [r for r in rows if r["family"] == family]
+        big = [r["pct_copy_bw"] for r in fam if r["bytes"] >= 64e6]
+        speedups = [b["speedup"] for r in fam for b in r["baselines"].values()]
+        print(
+            f"{family:14s} {min(big) if big else float('nan'):16.1f}% "
+            f"{min(speedups) if speedups else float('nan'):11.2f}x {max(speedups) if speedups else float('nan'):11.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
