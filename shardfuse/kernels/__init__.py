@@ -1,0 +1,39 @@
+"""Triton kernels for the sharded data path, each beside its plain-PyTorch reference.
+
+Importable on their own: nothing here knows about process groups. CUDA tensors take the Triton path; CPU
+tensors take the reference unless Triton's interpreter is on (``TRITON_INTERPRET=1``).
+"""
+
+from shardfuse.kernels.cast import cast_shard, cast_shard_ref, cast_shards, cast_shards_ref
+from shardfuse.kernels.chunk_cat import chunk_cat, chunk_cat_ref
+from shardfuse.kernels.concat import concat_microbatches, concat_microbatches_ref, split_microbatches
+from shardfuse.kernels.flatten import flatten_pad, flatten_pad_ref, padded_numel, unflatten_into, unflatten_into_ref
+from shardfuse.kernels.grad_divide import (
+    gradient_divide_factors,
+    post_divide,
+    post_divide_ref,
+    pre_divide_pad,
+    pre_divide_pad_ref,
+)
+
+__all__ = [
+    "cast_shard",
+    "cast_shard_ref",
+    "cast_shards",
+    "cast_shards_ref",
+    "chunk_cat",
+    "chunk_cat_ref",
+    "concat_microbatches",
+    "concat_microbatches_ref",
+    "flatten_pad",
+    "flatten_pad_ref",
+    "gradient_divide_factors",
+    "padded_numel",
+    "post_divide",
+    "post_divide_ref",
+    "pre_divide_pad",
+    "pre_divide_pad_ref",
+    "split_microbatches",
+    "unflatten_into",
+    "unflatten_into_ref",
+]

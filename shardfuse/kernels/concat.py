@@ -1,0 +1,214 @@
+"""Chunked microbatch concat: join per-microbatch tensors along dim 0 into one preallocated buffer in one
+launch, replacing ``torch.cat(list)`` for the outputs (and input gradients) of an offloaded model slice.
+
+Each contiguous input is a contiguous segment of the output, so the kernel is a multi-tensor copy: a pointer
+table, a per-tensor block-start prefix table and an in-kernel binary search map every program to
+(tensor, block). The copy moves raw bits (the tensors are addressed as integers of the same width), so it
+is exact for every dtype of 1, 2, 4 or 8 bytes, NaN payloads included.
+
+Non-contiguous inputs are copied straight into their slot of the output with ``Tensor.copy_`` (one extra
+copy kernel per such input, but no temporary); the contiguous ones still share the single launch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from torch.profiler import record_function
+
+from shardfuse.kernels._common import BLOCK_SIZE, check_same_device, int64_table, use_triton
+
+logger = logging.getLogger(__name__)
+
+# BLOCK_SIZE=4096 over 256 threads: 16 elements each, several 16-byte vectors in flight per thread.
+_NUM_WARPS = 8
+
+__all__ = ["concat_microbatches", "split_microbatches", "concat_microbatches_ref"]
+
+# Same-width integer dtypes the kernel copies through: a copy of raw bits is exact for any dtype.
+_BITS_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _concat_kernel(
+    meta_ptr,
+    out_ptr,
+    num_tensors,
+    search_steps,
+    ALIGNED: tl.constexpr,
+    VEC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """meta (int64) = [src pointers | numels | out offsets | block starts (T+1)]; out_ptr is typed as an
+    integer of the element width, and so are the sources."""
+    pid = tl.program_id(0).to(tl.int64)
+    numel_tab = meta_ptr + num_tensors
+    offset_tab = meta_ptr + 2 * num_tensors
+    start_tab = meta_ptr + 3 * num_tensors
+    # Binary search for the tensor i with start[i] <= pid < start[i + 1]; empty tensors own no program.
+    lo = pid * 0
+    hi = lo + num_tensors
+    for _ in range(search_steps):
+        mid = (lo + hi) // 2
+        go_right = tl.load(start_tab + mid) <= pid
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    n = tl.load(numel_tab + lo)
+    src_addr = tl.load(meta_ptr + lo)
+    dst_off = tl.load(offset_tab + lo)
+    if ALIGNED:
+        # Host-checked: sources 16-byte aligned, destination offsets whole 16-byte vectors.
+        src_addr = tl.multiple_of(src_addr, 16)
+        dst_off = tl.multiple_of(dst_off, VEC)
+    src = src_addr.to(tl.pointer_type(out_ptr.dtype.element_ty))
+    dst = out_ptr + dst_off
+    start = (pid - tl.load(start_tab + lo)) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    if start + BLOCK <= n:
+        tl.store(dst + offs, tl.load(src + offs))
+    else:
+        mask = offs < n
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launchers (public API)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _validate(tensors: Sequence[torch.Tensor], out: torch.Tensor | None) -> tuple[list[torch.Tensor], tuple]:
+    """Check the inputs (and ``out``); return them as a list and the output shape."""
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+        raise TypeError(
+            f"concat_microbatches takes a sequence of tensors, got {type(tensors).__name__}: wrap it in a list"
+        )
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("concat_microbatches got an empty list of tensors: pass at least one tensor")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensors[{i}] is a {type(t).__name__}, not a torch.Tensor")
+        if t.dim() == 0:
+            raise ValueError(f"tensors[{i}] is 0-dimensional and cannot be joined along dim 0: use t.reshape(1)")
+    trailing = tuple(tensors[0].shape[1:])
+    for i, t in enumerate(tensors):
+        if tuple(t.shape[1:]) != trailing:
+            raise ValueError(
+                f"concat_microbatches needs one trailing shape: tensors[0].shape={tuple(tensors[0].shape)} "
+                f"but tensors[{i}].shape={tuple(t.shape)}: only dim 0 may differ"
+            )
+        if t.dtype != tensors[0].dtype:
+            raise TypeError(
+                f"concat_microbatches needs one dtype: tensors[0] is {tensors[0].dtype} but tensors[{i}] is "
+                f"{t.dtype}: cast them first"
+            )
+    names = [f"tensors[{i}]" for i in range(len(tensors))]
+    check_same_device(tensors + ([out] if out is not None else []), names + (["out"] if out is not None else []))
+    shape = (sum(t.shape[0] for t in tensors), *trailing)
+    if out is not None:
+        if tuple(out.shape) != shape:
+            raise ValueError(
+                f"concat_microbatches out has shape {tuple(out.shape)}, expected {shape}: "
+                f"allocate torch.empty({shape}, dtype={tensors[0].dtype})"
+            )
+        if out.dtype != tensors[0].dtype:
+            raise TypeError(
+                f"concat_microbatches out has dtype {out.dtype} but the tensors are {tensors[0].dtype}: "
+                f"pass an out of the tensors' dtype"
+            )
+        if not out.is_contiguous():
+            raise ValueError(
+                f"concat_microbatches out must be contiguous (got stride={out.stride()}): pass a contiguous buffer"
+            )
+    return tensors, shape
+
+
+def concat_microbatches(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.cat(tensors, dim=0, out=out)`` in one launch for any number of tensors.
+
+    All tensors share the trailing shape (``shape[1:]``), dtype and device; ``out`` (allocated when not
+    given) must be contiguous with shape ``(sum of dim 0, *trailing)`` and the same dtype. Contiguous inputs
+    are copied by one Triton kernel; each non-contiguous input is copied into its slot with ``copy_``.
+    Returns ``out``.
+    """
+    with record_function("shardfuse.kernels:concat_microbatches"):
+        tensors, shape = _validate(tensors, out)
+        if out is None:
+            out = torch.empty(shape, dtype=tensors[0].dtype, device=tensors[0].device)
+        bits = _BITS_DTYPE.get(out.element_size())
+        if bits is None or not use_triton(*tensors, out):
+            return concat_microbatches_ref(tensors, out=out)
+        out_bits = out.view(-1).view(bits)
+        vec = 16 // out.element_size()
+        ptrs, numels, offsets, block_starts = [], [], [], [0]
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            if n and t.is_contiguous():
+                ptrs.append(t.data_ptr())
+                numels.append(n)
+                offsets.append(offset)
+                block_starts.append(block_starts[-1] + triton.cdiv(n, BLOCK_SIZE))
+            elif n:
+                # No strided path in the kernel: copy_ writes the slot directly, with no temporary.
+                out.view(-1)[offset : offset + n].view(t.shape).copy_(t)
+            offset += n
+        if not ptrs:
+            return out
+        aligned = out.data_ptr() % 16 == 0 and all(p % 16 == 0 for p in ptrs) and all(o % vec == 0 for o in offsets)
+        num_tensors = len(ptrs)
+        meta = int64_table(ptrs + numels + offsets + block_starts, out.device)
+        _concat_kernel[(block_starts[-1],)](
+            meta,
+            out_bits,
+            num_tensors,
+            math.ceil(math.log2(num_tensors)) if num_tensors > 1 else 0,
+            ALIGNED=aligned,
+            VEC=vec,
+            BLOCK=BLOCK_SIZE,
+            num_warps=_NUM_WARPS,
+        )
+        return out
+
+
+def split_microbatches(buffer: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+    """Views of ``buffer`` along dim 0 of the given sizes (the inverse of :func:`concat_microbatches`).
+
+    ``sizes`` must be non-negative integers summing to ``buffer.shape[0]``. No copy is made.
+    """
+    with record_function("shardfuse.kernels:split_microbatches"):
+        if buffer.dim() == 0:
+            raise ValueError("split_microbatches needs a buffer with at least one dimension, got a 0-dim tensor")
+        sizes = list(sizes)
+        for i, s in enumerate(sizes):
+            if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+                raise ValueError(f"split_microbatches sizes must be non-negative ints, got sizes[{i}]={s!r}")
+        if sum(sizes) != buffer.shape[0]:
+            raise ValueError(
+                f"split_microbatches sizes sum to {sum(sizes)} but buffer.shape[0]={buffer.shape[0]}: "
+                f"{sizes=} must add up to the buffer's dim 0"
+            )
+        return list(buffer.split(sizes, dim=0))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reference (plain PyTorch, same signature)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def concat_microbatches_ref(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain-PyTorch :func:`concat_microbatches` (``torch.cat``)."""
+    tensors, shape = _validate(tensors, out)
+    if out is None:
+        return torch.cat(tensors, dim=0)
+    return torch.cat(tensors, dim=0, out=out)

@@ -1,0 +1,298 @@
+"""Shard cast kernels (``cast_shard``, ``cast_shards``) against their references and ``Tensor.to``.
+
+On CPU the Triton kernels run under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1); on a
+GPU the same tests run on CUDA tensors, and the ``gpu``-marked ones add large, >2^31 and launch-count checks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardfuse.kernels._common import interpreting
+from shardfuse.kernels.cast import cast_shard, cast_shard_ref, cast_shards, cast_shards_ref
+from tests.conftest import kernel_device, poisoned
+
+DEVICE = kernel_device()
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PAIRS = [(a, b) for a in DTYPES for b in DTYPES]
+SIZES = [0, 1, 7, 131, 4099]  # 4099 > one 4096-element block
+
+
+def pair_id(pair: tuple[str, str]) -> str:
+    return f"{pair[0]}->{pair[1]}"
+
+
+def max_ulp(src_dtype: torch.dtype, dst_dtype: torch.dtype) -> int:
+    """Allowed distance in bit patterns between our result and ``Tensor.to``.
+
+    Triton's CPU interpreter truncates a down-cast to bf16 instead of rounding to nearest-even, so under
+    the interpreter a bf16 result may sit 1 ulp from PyTorch's. Everything else (and everything on the
+    GPU) must be bit-exact.
+    """
+    return 1 if interpreting() and dst_dtype == torch.bfloat16 and src_dtype != torch.bfloat16 else 0
+
+
+def assert_bits(actual: torch.Tensor, expected: torch.Tensor, ulp: int = 0) -> None:
+    """Bitwise equality (NaN where NaN, whatever the payload), or within ``ulp`` steps of the bit pattern."""
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    a, e = actual.reshape(-1), expected.reshape(-1)
+    nan_a, nan_e = a.isnan(), e.isnan()
+    assert torch.equal(nan_a, nan_e), f"NaN positions differ at {(nan_a != nan_e).nonzero()[:4].tolist()}"
+    bits = {4: torch.int32, 2: torch.int16}[a.element_size()]
+    ab, eb = a[~nan_a].view(bits).long(), e[~nan_e].view(bits).long()
+    diff = (ab - eb).abs()
+    if diff.numel():
+        worst = int(diff.argmax())
+        assert diff[worst] <= ulp, (
+            f"{int((diff > ulp).sum())} elements differ by more than {ulp} ulp, e.g. got {a[~nan_a][worst]} "
+            f"expected {e[~nan_e][worst]}"
+        )
+
+
+def fresh(n: int, dtype: torch.dtype, device: str = DEVICE) -> torch.Tensor:
+    """Random values over many binades (exercises rounding), drawn in fp32 and stored as ``dtype``."""
+    x = torch.randn(n, device=device) * torch.exp2(torch.randint(-12, 12, (n,), device=device).float())
+    return x.to(dtype)
+
+
+# ------------------------------------------------------------------ cast_shard
+
+
+@pytest.mark.parametrize("n", SIZES, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("pair", PAIRS, ids=pair_id)
+def test_cast_shard_matches_to(pair, n):
+    src_dt, dst_dt = DTYPES[pair[0]], DTYPES[pair[1]]
+    src = fresh(n, src_dt)
+    out = poisoned((n,), dst_dt, DEVICE)
+    assert cast_shard(src, out) is out
+    ulp = max_ulp(src_dt, dst_dt)
+    assert_bits(out, src.to(dst_dt), ulp)
+    assert_bits(out, cast_shard_ref(src, poisoned((n,), dst_dt, DEVICE)), ulp)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # numpy, under the interpreter
+@pytest.mark.parametrize("pair", PAIRS, ids=pair_id)
+def test_cast_shard_nan_inf_propagate(pair):
+    src_dt, dst_dt = DTYPES[pair[0]], DTYPES[pair[1]]
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e5, -7e4, 1e-8, 3e38])
+    src = torch.cat([specials, torch.randn(57)]).to(src_dt).to(DEVICE)
+    out = cast_shard(src, dtype=dst_dt)
+    assert out.isnan()[0] and out[1] == float("inf") and out[2] == -float("inf")
+    assert_bits(out, src.to(dst_dt), max_ulp(src_dt, dst_dt))
+
+
+@pytest.mark.parametrize("dst", list(DTYPES), ids=str)
+def test_cast_shard_allocates_with_src_shape(dst):
+    src = fresh(3 * 43, torch.float32).view(3, 43)
+    out = cast_shard(src, dtype=DTYPES[dst])
+    assert out.shape == (3, 43) and out.dtype == DTYPES[dst] and out.device == src.device
+    assert_bits(out, src.to(DTYPES[dst]), max_ulp(torch.float32, DTYPES[dst]))
+    copy = cast_shard(src)  # no out, no dtype: a plain copy in src's dtype
+    assert copy.dtype == torch.float32 and copy.data_ptr() != src.data_ptr()
+    assert_bits(copy, src)
+
+
+@pytest.mark.parametrize("n", [1, 131, 4099], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("pair", [("fp32", "bf16"), ("fp32", "fp16"), ("bf16", "fp32")], ids=pair_id)
+def test_cast_shard_into_slice_keeps_neighbours(pair, n):
+    # out is this rank's part of a bigger all-gather buffer: only its elements may change.
+    src_dt, dst_dt = DTYPES[pair[0]], DTYPES[pair[1]]
+    buf = poisoned((n + 13,), dst_dt, DEVICE)
+    out = buf[5 : 5 + n]
+    src = fresh(n, src_dt).view(1, n)  # src of another shape: out only needs the numel
+    cast_shard(src, out)
+    assert_bits(out, src.view(-1).to(dst_dt), max_ulp(src_dt, dst_dt))
+    assert buf[:5].isnan().all() and buf[5 + n :].isnan().all(), "guard elements were overwritten"
+
+
+def test_cast_shard_cpu_reference_path(monkeypatch):
+    # Without the interpreter a CPU tensor takes the PyTorch reference path; results must agree.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    src = fresh(131, torch.float32, "cpu")
+    out = cast_shard(src, poisoned((131,), torch.float16))
+    assert_bits(out, src.half())
+
+
+# ------------------------------------------------------------------ cast_shards
+
+
+def tiny_sources(count: int, dtypes: list[torch.dtype], max_numel: int = 40) -> list[torch.Tensor]:
+    sizes = torch.randint(0, max_numel, (count,)).tolist()
+    sizes[0], sizes[-1] = 0, max_numel + 3  # an empty one and one spanning an odd tail
+    return [fresh(k, dtypes[i % len(dtypes)]) for i, k in enumerate(sizes)]
+
+
+@pytest.mark.parametrize("dst", list(DTYPES), ids=str)
+def test_cast_shards_flat_200_tiny_mixed(dst):
+    dst_dt = DTYPES[dst]
+    srcs = tiny_sources(200, list(DTYPES.values()))
+    total = sum(s.numel() for s in srcs)
+    buf = poisoned((total + 8,), dst_dt, DEVICE)
+    out = buf[3 : 3 + total]
+    assert cast_shards(srcs, out) is out
+    expected = torch.cat([s.to(dst_dt) for s in srcs])
+    ulp = 1 if interpreting() and dst_dt == torch.bfloat16 else 0
+    assert_bits(out, expected, ulp)
+    assert_bits(out, cast_shards_ref(srcs, poisoned((total,), dst_dt, DEVICE)), ulp)
+    assert buf[:3].isnan().all() and buf[3 + total :].isnan().all(), "guard elements were overwritten"
+
+
+def test_cast_shards_flat_with_offsets_leaves_gaps():
+    srcs = [fresh(k, torch.float32) for k in (7, 0, 4099, 1, 131)]
+    offsets = [100, 3, 4300, 0, 8500]  # out of order, with gaps
+    out = poisoned((8700,), torch.float16, DEVICE)
+    cast_shards(srcs, out, offsets=offsets)
+    written = torch.zeros(8700, dtype=torch.bool, device=DEVICE)
+    for s, o in zip(srcs, offsets):
+        assert_bits(out[o : o + s.numel()], s.half())
+        written[o : o + s.numel()] = True
+    assert out[~written].isnan().all(), "elements outside the destination ranges were written"
+    ref = cast_shards_ref(srcs, poisoned((8700,), torch.float16, DEVICE), offsets=offsets)
+    assert_bits(out, ref)
+
+
+def test_cast_shards_list_mixed_dtypes():
+    pairs = [(a, b) for a in DTYPES.values() for b in DTYPES.values()] * 3
+    sizes = [0, 1, 7, 131, 4099, 5, 64, 257, 3]
+    srcs = [fresh(sizes[i % len(sizes)], a).view(-1, 1) for i, (a, _) in enumerate(pairs)]
+    outs = [poisoned((s.numel(),), b, DEVICE) for s, (_, b) in zip(srcs, pairs)]
+    result = cast_shards(srcs, outs)
+    assert isinstance(result, list) and all(r is o for r, o in zip(result, outs))
+    refs = cast_shards_ref(srcs, [poisoned((s.numel(),), b, DEVICE) for s, (_, b) in zip(srcs, pairs)])
+    for s, o, r, (a, b) in zip(srcs, outs, refs, pairs):
+        assert_bits(o, s.view(-1).to(b), max_ulp(a, b))
+        assert_bits(o, r, max_ulp(a, b))
+
+
+def test_cast_shards_empty():
+    out = poisoned((4,), torch.bfloat16, DEVICE)
+    assert cast_shards([], out) is out and out.isnan().all()
+    assert cast_shards([], []) == []
+    srcs = [torch.empty(0, device=DEVICE)] * 3
+    assert cast_shards(srcs, poisoned((0,), torch.bfloat16, DEVICE)).numel() == 0
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_cast_shard_errors():
+    src = fresh(8, torch.float32)
+    with pytest.raises(TypeError, match=r"src has unsupported dtype torch.int64"):
+        cast_shard(torch.arange(8, device=DEVICE))
+    with pytest.raises(TypeError, match=r"out has unsupported dtype torch.int32"):
+        cast_shard(src, torch.empty(8, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match=r"all tensors must be on one device.*out=meta"):
+        cast_shard(src, torch.empty(8, dtype=torch.bfloat16, device="meta"))
+    with pytest.raises(ValueError, match=r"out is too small: out.numel\(\)=7 < required 8"):
+        cast_shard(src, torch.empty(7, device=DEVICE))
+    with pytest.raises(ValueError, match=r"exactly src.numel\(\) elements: out.numel\(\)=9 src.numel\(\)=8"):
+        cast_shard(src, torch.empty(9, device=DEVICE))
+    with pytest.raises(ValueError, match=r"out must be contiguous"):
+        cast_shard(src, torch.empty(16, device=DEVICE)[::2])
+    with pytest.raises(ValueError, match=r"src must be contiguous"):
+        cast_shard(fresh(16, torch.float32)[::2])
+    with pytest.raises(ValueError, match=r"dtype=torch.float16 does not match out.dtype=torch.bfloat16"):
+        cast_shard(src, torch.empty(8, dtype=torch.bfloat16, device=DEVICE), dtype=torch.float16)
+
+
+def test_cast_shards_errors():
+    srcs = [fresh(5, torch.float32), fresh(3, torch.float32)]
+    out = torch.empty(8, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(TypeError, match=r"srcs\[1\] has unsupported dtype torch.int64"):
+        cast_shards([srcs[0], torch.arange(3, device=DEVICE)], out)
+    with pytest.raises(ValueError, match=r"srcs\[1\] must be contiguous"):
+        cast_shards([srcs[0], fresh(6, torch.float32)[::2]], out)
+    with pytest.raises(ValueError, match=r"all tensors must be on one device.*out=meta"):
+        cast_shards(srcs, torch.empty(8, device="meta"))
+    with pytest.raises(ValueError, match=r"out is too small: out.numel\(\)=7 < required 8"):
+        cast_shards(srcs, out[:7])
+    with pytest.raises(ValueError, match=r"out is too small: out.numel\(\)=8 < required 13"):
+        cast_shards(srcs, out, offsets=[0, 10])
+    with pytest.raises(ValueError, match=r"len\(offsets\)=1 != len\(srcs\)=2"):
+        cast_shards(srcs, out, offsets=[0])
+    with pytest.raises(ValueError, match=r"offsets must be >= 0, got \[-1\]"):
+        cast_shards(srcs, out, offsets=[-1, 4])
+    with pytest.raises(ValueError, match=r"destination ranges overlap: srcs\[0\] ends at 5 but srcs\[1\] starts at 4"):
+        cast_shards(srcs, out, offsets=[0, 4])
+    with pytest.raises(ValueError, match=r"out must be contiguous"):
+        cast_shards(srcs, torch.empty(16, device=DEVICE)[::2])
+    with pytest.raises(ValueError, match=r"offsets only apply when out is one flat tensor"):
+        cast_shards(srcs, [torch.empty(5, device=DEVICE), torch.empty(3, device=DEVICE)], offsets=[0, 5])
+    with pytest.raises(ValueError, match=r"len\(out\)=1 != len\(srcs\)=2"):
+        cast_shards(srcs, [torch.empty(5, device=DEVICE)])
+    with pytest.raises(ValueError, match=r"out\[1\].numel\(\)=4 != srcs\[1\].numel\(\)=3"):
+        cast_shards(srcs, [torch.empty(5, device=DEVICE), torch.empty(4, device=DEVICE)])
+    with pytest.raises(TypeError, match=r"out\[0\] has unsupported dtype torch.int64"):
+        cast_shards(srcs, [torch.empty(5, dtype=torch.int64, device=DEVICE), torch.empty(3, device=DEVICE)])
+    with pytest.raises(ValueError, match=r"all tensors must be on one device.*out\[1\]=meta"):
+        cast_shards(srcs, [torch.empty(5, device=DEVICE), torch.empty(3, device="meta")])
+
+
+# ------------------------------------------------------------------ GPU only
+
+
+def cuda_kernels(fn) -> list[str]:
+    """Names of the CUDA kernels one call of ``fn`` runs (after a warm-up call that compiles)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [
+        e.name for e in prof.events()
+        if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", PAIRS, ids=pair_id)
+def test_gpu_cast_shard_bit_exact_large(pair):
+    src_dt, dst_dt = DTYPES[pair[0]], DTYPES[pair[1]]
+    n = (1 << 25) + 3
+    src = fresh(n, src_dt, "cuda")
+    src[:: 1 << 20] = float("nan")
+    src[7 :: 1 << 21] = float("inf")
+    out = cast_shard(src, poisoned((n,), dst_dt, "cuda"))
+    assert_bits(out, src.to(dst_dt))
+
+
+@pytest.mark.gpu
+def test_gpu_cast_shard_past_2_pow_31():
+    n = (1 << 31) + 5
+    need = 2 * n * 2 + (n + (1 << 30))  # in + out (fp16) + room for the comparison
+    if torch.cuda.mem_get_info()[0] < need:
+        pytest.skip(f"needs {need / 2**30:.1f} GiB of free GPU memory")
+    src = torch.randn(n, dtype=torch.float16, device="cuda")
+    out = torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")
+    cast_shard(src, out)
+    assert torch.equal(out[-4099:], src[-4099:]), "the tail past 2^31 was not copied"
+    assert torch.equal(out, src)
+
+
+@pytest.mark.gpu
+def test_gpu_cast_shard_one_launch():
+    src = fresh((1 << 20) + 1, torch.float32, "cuda")
+    out = torch.empty(src.numel(), dtype=torch.bfloat16, device="cuda")
+    names = cuda_kernels(lambda: cast_shard(src, out))
+    assert len(names) == 1 and "_cast_shard_kernel" in names[0], names
+
+
+@pytest.mark.gpu
+def test_gpu_cast_shards_5000_tensors_one_launch():
+    sizes = torch.randint(0, 3000, (5000,)).tolist()
+    srcs = [fresh(k, torch.float32, "cuda") for k in sizes]
+    total = sum(sizes)
+    out = poisoned((total,), torch.bfloat16, "cuda")
+    names = cuda_kernels(lambda: cast_shards(srcs, out))
+    assert len(names) == 1 and "_cast_shards_kernel" in names[0], names
+    assert_bits(out, torch.cat(srcs).to(torch.bfloat16))
+    outs = [poisoned((k,), torch.float16, "cuda") for k in sizes]
+    names = cuda_kernels(lambda: cast_shards(srcs, outs))
+    assert len(names) == 1 and "_cast_shards_kernel" in names[0], names
+    for s, o in zip(srcs, outs):
+        assert_bits(o, s.half())

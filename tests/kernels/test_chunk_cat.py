@@ -1,0 +1,202 @@
+"""chunk_cat against torch._chunk_cat, its reference and plain PyTorch.
+
+On CPU the Triton kernel runs under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardfuse.kernels._common import interpreting
+from shardfuse.kernels.chunk_cat import chunk_cat, chunk_cat_ref
+from tests.conftest import kernel_device, poisoned
+
+DEVICE = kernel_device()
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_PAIRS = [(a, b) for a in DTYPES for b in DTYPES]
+# 3-D, 1-D, dim0 not divisible by most world sizes, dim0 < world size, a prime length past one block.
+MIXED_SHAPES = [(5, 3, 2), (7,), (2, 3), (131,), (1, 4), (4099,)]
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Exact equality (NaN where NaN), except bf16 under the interpreter: 1 ulp.
+
+    Triton's CPU interpreter truncates fp32 -> bf16 instead of rounding to nearest-even, so a bf16 output
+    can sit one step of the bit pattern away from PyTorch's there; on the GPU the cast is exact.
+    """
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if actual.dtype == torch.bfloat16 and interpreting():
+        assert torch.equal(actual.isnan(), expected.isnan()), "NaN positions differ"
+        a = actual.view(torch.int16).int()
+        e = expected.view(torch.int16).int()
+        close = ((a - e).abs() <= 1) | (actual == expected) | actual.isnan()
+        assert close.all(), f"{(~close).sum()} bf16 elements more than 1 ulp off, e.g. {actual[~close][:4]}"
+    else:
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
+
+
+def randn(shape, dtype):
+    return (torch.randn(shape, device=DEVICE) * 4).to(dtype)
+
+
+def scaled_chunk_cat(tensors, ws, factor, dtype):
+    """Plain PyTorch: torch._chunk_cat, then fp32 true division, then the cast."""
+    x = torch._chunk_cat(tensors, 0, ws).float()
+    return (x / torch.tensor(factor, device=x.device)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ws", range(1, 9), ids=lambda w: f"ws{w}")
+def test_matches_torch_chunk_cat(ws, dtype):
+    tensors = [randn(s, DTYPES[dtype]) for s in MIXED_SHAPES]
+    expected = torch._chunk_cat(tensors, 0, ws)
+    # A pure copy (no factor, no cast): exact even under the interpreter.
+    assert torch.equal(chunk_cat(tensors, ws), expected)
+    assert torch.equal(chunk_cat_ref(tensors, ws), expected)
+
+
+@pytest.mark.parametrize("n", [1, 7, 131, 4099], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("ws", range(1, 9), ids=lambda w: f"ws{w}")
+def test_single_1d(ws, n):
+    t = randn(n, torch.float32)
+    out = poisoned((ws, -(-n // ws)), torch.float32, DEVICE)
+    assert chunk_cat([t], ws, out=out) is out
+    assert torch.equal(out, torch._chunk_cat([t], 0, ws))
+
+
+@pytest.mark.parametrize("ws", [1, 3, 5, 8], ids=lambda w: f"ws{w}")
+@pytest.mark.parametrize("factor", [1.0, 2.0, 3.0, 0.5], ids=lambda f: f"f{f:g}")
+@pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=lambda p: f"{p[0]}->{p[1]}")
+def test_factor_and_cast(pair, factor, ws):
+    src, dst = DTYPES[pair[0]], DTYPES[pair[1]]
+    tensors = [randn(s, src) for s in MIXED_SHAPES[:5]]
+    row = sum(-(-(s[0]) // ws) * (torch.Size(s).numel() // s[0]) for s in MIXED_SHAPES[:5])
+    out = poisoned((ws, row), dst, DEVICE)
+    chunk_cat(tensors, ws, factor=factor, out=out)
+    assert_same(out, scaled_chunk_cat(tensors, ws, factor, dst))
+    assert_same(out, chunk_cat_ref(tensors, ws, factor=factor, dtype=dst))
+    # dtype= without out allocates the right thing
+    assert_same(chunk_cat(tensors, ws, factor=factor, dtype=dst), out)
+
+
+def test_padding_exactly_zero_and_every_element_written():
+    tensors = [randn((2, 3), torch.float32), randn((5,), torch.float32)]  # ws=4: dim0 < ws and uneven
+    out = poisoned((4, 3 + 2), torch.float16, DEVICE)
+    chunk_cat(tensors, 4, factor=3.0, out=out)
+    assert not out.isnan().any(), "an output element was never written"
+    # rows 2, 3 of tensor 0 and row 3 of tensor 1 are padding: +0 bit patterns
+    assert torch.equal(out[2:, :3].view(torch.int16), torch.zeros(2, 3, dtype=torch.int16))
+    assert torch.equal(out[3:, 3:].view(torch.int16), torch.zeros(1, 2, dtype=torch.int16))
+    assert_same(out, scaled_chunk_cat(tensors, 4, 3.0, torch.float16))
+
+
+def test_zero_dim_and_empty_tensors():
+    # torch._chunk_cat rejects empty tensors and crashes on 0-dim ones; here a 0-dim tensor is shape (1,)
+    # and an empty one contributes nothing.
+    scalar, a, b = randn((), torch.float32), randn((5,), torch.float32), randn((0, 3), torch.float32)
+    empty_rest = randn((3, 0), torch.float32)
+    out = chunk_cat([scalar, b, a, empty_rest], 2, factor=2.0)
+    expected = scaled_chunk_cat([scalar.reshape(1), a], 2, 2.0, torch.float32)
+    assert torch.equal(out, expected)
+    assert torch.equal(chunk_cat_ref([scalar, b, a, empty_rest], 2, factor=2.0), expected)
+    assert torch.equal(chunk_cat([b, a], 2), torch._chunk_cat([a], 0, 2))  # empty first tensor
+    assert chunk_cat([b], 3).shape == (3, 0)
+
+
+def test_non_contiguous_inputs():
+    t = randn((6, 7), torch.bfloat16).t()  # (7, 6), not contiguous
+    u = randn((9, 4), torch.bfloat16)[:, ::2]
+    assert not t.is_contiguous() and not u.is_contiguous()
+    assert torch.equal(chunk_cat([t, u], 3), torch._chunk_cat([t, u], 0, 3))
+
+
+def test_nan_inf_propagate():
+    t = randn((11, 3), torch.float32)
+    t[0, 0], t[5, 1], t[10, 2] = float("nan"), float("inf"), float("-inf")
+    out = chunk_cat([t], 4, factor=3.0, dtype=torch.float16)
+    assert_same(out, scaled_chunk_cat([t], 4, 3.0, torch.float16))
+    assert out.isnan().sum() == 1 and out.isinf().sum() == 2
+
+
+def test_out_slice_view_guards_untouched():
+    tensors = [randn((7, 2), torch.float32), randn((3,), torch.float32)]
+    ws, row = 3, 3 * 2 + 1
+    buf = torch.full((ws * row + 10,), -77.0, device=DEVICE)
+    out = buf[5 : 5 + ws * row].view(ws, row)  # contiguous but unaligned
+    out.fill_(float("nan"))
+    chunk_cat(tensors, ws, factor=2.0, out=out)
+    assert_same(out, scaled_chunk_cat(tensors, ws, 2.0, torch.float32))
+    assert (buf[:5] == -77.0).all() and (buf[5 + ws * row :] == -77.0).all(), "guard elements were overwritten"
+
+
+def test_errors():
+    t = randn((4, 2), torch.float32)
+    with pytest.raises(TypeError, match="sequence of tensors.*wrap it in a list"):
+        chunk_cat(t, 2)
+    with pytest.raises(ValueError, match="empty list"):
+        chunk_cat([], 2)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="world_size >= 1"):
+            chunk_cat([t], bad)
+    for bad in (0.0, -2.0, float("inf")):
+        with pytest.raises(ValueError, match="finite number > 0"):
+            chunk_cat([t], 2, factor=bad)
+    with pytest.raises(TypeError, match=r"tensors\[1\] is a float"):
+        chunk_cat([t, 1.0], 2)
+    with pytest.raises(TypeError, match=r"tensors\[0\] has unsupported dtype torch.int64"):
+        chunk_cat([torch.arange(4, device=DEVICE)], 2)
+    with pytest.raises(TypeError, match="one dtype"):
+        chunk_cat([t, t.half()], 2)
+    with pytest.raises(TypeError, match="dtype=torch.float16 but out.dtype=torch.float32"):
+        chunk_cat([t], 2, dtype=torch.float16, out=torch.empty(2, 4, device=DEVICE))
+    with pytest.raises(TypeError, match="output dtype torch.int32"):
+        chunk_cat([t], 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"shape \(2, 5\), expected \(world_size, row_numel\)=\(2, 4\)"):
+        chunk_cat([t], 2, out=torch.empty(2, 5, device=DEVICE))
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        chunk_cat([t], 2, out=torch.empty(4, 2, device=DEVICE).t())
+    with pytest.raises(ValueError, match="one device"):
+        chunk_cat([t], 2, out=torch.empty(2, 4, device="meta"))
+
+
+# ------------------------------------------------------------------ GPU: large, exact, one launch
+
+
+def _cuda_kernel_count(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # compile and warm up outside the profiled region
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(
+        1
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ws", [2, 3, 8], ids=lambda w: f"ws{w}")
+@pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=lambda p: f"{p[0]}->{p[1]}")
+def test_gpu_exact_one_launch(pair, ws):
+    src, dst = DTYPES[pair[0]], DTYPES[pair[1]]
+    shapes = [(4096, 1024), (4099, 3), (1000,), (7, 5, 3), (1,), (2048,)]  # aligned and unaligned layouts
+    tensors = [torch.randn(s, device="cuda").mul_(1000).to(src) for s in shapes]
+    out = chunk_cat(tensors, ws, factor=3.0, dtype=dst)
+    torch.testing.assert_close(out, chunk_cat_ref(tensors, ws, factor=3.0, dtype=dst), rtol=0, atol=0)
+    if src == dst:
+        assert torch.equal(chunk_cat(tensors, ws), torch._chunk_cat(tensors, 0, ws))
+    assert _cuda_kernel_count(lambda: chunk_cat(tensors, ws, factor=3.0, out=out)) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_thousands_of_tensors_one_launch():
+    gen = torch.Generator().manual_seed(0)
+    dims = torch.randint(1, 64, (3000, 2), generator=gen).tolist()
+    tensors = [torch.randn(d, device="cuda") for d in dims] + [torch.randn(1 << 20, device="cuda")]
+    out = chunk_cat(tensors, 8, factor=2.0, dtype=torch.bfloat16)
+    torch.testing.assert_close(out, chunk_cat_ref(tensors, 8, factor=2.0, dtype=torch.bfloat16), rtol=0, atol=0)
+    assert _cuda_kernel_count(lambda: chunk_cat(tensors, 8, factor=2.0, out=out)) == 1

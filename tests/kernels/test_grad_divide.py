@@ -1,0 +1,327 @@
+"""Gradient pre-/post-division kernels against their references and plain PyTorch.
+
+On CPU the Triton kernels run under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardfuse.kernels._common import interpreting
+from shardfuse.kernels.grad_divide import (
+    gradient_divide_factors,
+    post_divide,
+    post_divide_ref,
+    pre_divide_pad,
+    pre_divide_pad_ref,
+)
+from tests.conftest import kernel_device, poisoned
+
+DEVICE = kernel_device()
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_PAIRS = [(a, b) for a in DTYPES for b in DTYPES]
+FACTORS = [1.0, 2.0, 3.0, 0.5]
+SIZES = [0, 1, 7, 131, 4099]
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Exact equality (NaN where NaN), except bf16 under the interpreter: 1 ulp.
+
+    Triton's CPU interpreter truncates fp32 -> bf16 instead of rounding to nearest-even, so a bf16 output
+    can sit one step of the bit pattern away from PyTorch's there; on the GPU the cast is exact.
+    """
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if actual.dtype == torch.bfloat16 and interpreting():
+        assert torch.equal(actual.isnan(), expected.isnan()), "NaN positions differ"
+        a = actual.view(torch.int16).int()
+        e = expected.view(torch.int16).int()
+        close = ((a - e).abs() <= 1) | (actual == expected) | actual.isnan()
+        assert close.all(), f"{(~close).sum()} bf16 elements more than 1 ulp off, e.g. {actual[~close][:4]}"
+    else:
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
+
+
+def assert_positive_zero(t: torch.Tensor) -> None:
+    bits = {4: torch.int32, 2: torch.int16}[t.element_size()]
+    assert torch.equal(t.view(bits), torch.zeros_like(t.view(bits))), "padding is not exactly +0"
+
+
+def randn(n, dtype, scale=4.0):
+    return (torch.randn(n, device=DEVICE) * scale).to(dtype)
+
+
+def true_div(x: torch.Tensor, f: float) -> torch.Tensor:
+    # Plain PyTorch: fp32 true division (a device tensor, so CUDA does not use the reciprocal shortcut).
+    return x.float() / torch.tensor(f, device=x.device)
+
+
+# ------------------------------------------------------------------ gradient_divide_factors
+
+
+def _fairscale_rule(ws: int) -> float:
+    f = 1
+    while ws % f == 0 and ws / f > f:
+        f *= 2
+    return float(f)
+
+
+@pytest.mark.parametrize("world_size", range(1, 65), ids=lambda w: f"ws{w}")
+def test_gradient_divide_factors(world_size):
+    pre, post = gradient_divide_factors(world_size)
+    assert pre == _fairscale_rule(world_size)
+    assert pre * post == world_size
+    assert pre >= 1 and int(pre) & (int(pre) - 1) == 0, f"{pre=} is not a power of two"
+
+
+@pytest.mark.parametrize(
+    "world_size,expected",
+    [(1, (1, 1)), (2, (2, 1)), (3, (2, 1.5)), (4, (2, 2)), (6, (4, 1.5)), (8, (4, 2)), (16, (4, 4)), (32, (8, 4))],
+    ids=lambda v: str(v),
+)
+def test_gradient_divide_factors_values(world_size, expected):
+    assert gradient_divide_factors(world_size) == expected
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.0, True, "4"], ids=repr)
+def test_gradient_divide_factors_rejects(bad):
+    with pytest.raises(ValueError, match="world_size >= 1"):
+        gradient_divide_factors(bad)
+
+
+# ------------------------------------------------------------------ pre_divide_pad
+
+
+@pytest.mark.parametrize("n", SIZES, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("factor", FACTORS, ids=lambda f: f"f{f:g}")
+@pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=lambda p: f"{p[0]}->{p[1]}")
+def test_pre_divide_pad_single(pair, factor, n):
+    gd, od = DTYPES[pair[0]], DTYPES[pair[1]]
+    pad = (-n) % 8 + 3  # always some padding to zero
+    g = randn(n, gd)
+    out = poisoned((n + pad,), od, DEVICE)
+    assert pre_divide_pad(g, out, factor) is out
+    expected = F.pad(true_div(g, factor).to(od), (0, pad))
+    assert_same(out, expected)
+    assert_same(out, pre_divide_pad_ref(g, poisoned((n + pad,), od, DEVICE), factor))
+    assert_positive_zero(out[n:])
+
+
+@pytest.mark.parametrize("factor", [1.0, 3.0], ids=lambda f: f"f{f:g}")
+@pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=lambda p: f"{p[0]}->{p[1]}")
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        [(7,), (131,), (0,), (4099,), (1,)],
+        [(3, 5), (2, 2, 2), (1,)],
+        [(8,), (128,), (4096,), (16,)],
+        [(0,), (0, 3), (5,)],
+        [(0,), (0,)],
+    ],
+    ids=["odd", "nd", "aligned", "empty-first", "all-empty"],
+)
+def test_pre_divide_pad_multi(shapes, pair, factor):
+    gd, od = DTYPES[pair[0]], DTYPES[pair[1]]
+    grads = [randn(s, gd) for s in shapes]
+    n = sum(g.numel() for g in grads)
+    pad = (-n) % 5 + 4100  # padding spanning more than one block
+    out = poisoned((n + pad,), od, DEVICE)
+    pre_divide_pad(grads, out, factor)
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    assert_same(out, F.pad(true_div(flat, factor).to(od), (0, pad)))
+    assert_same(out, pre_divide_pad_ref(grads, poisoned((n + pad,), od, DEVICE), factor))
+    assert_positive_zero(out[n:])
+
+
+@pytest.mark.parametrize("num", [1, 3], ids=lambda k: f"{k}grads")
+def test_pre_divide_pad_no_padding_and_2d_out(num):
+    grads = [randn(6, torch.float32) for _ in range(num)]
+    out = poisoned((num * 2, 3), torch.bfloat16, DEVICE)  # exactly n elements, 2-D
+    pre_divide_pad(grads, out, 2.0)
+    assert_same(out.view(-1), true_div(torch.cat(grads), 2.0).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("num", [1, 3], ids=lambda k: f"{k}grads")
+def test_pre_divide_pad_slice_out_guards_untouched(num):
+    grads = [randn(s, torch.float16) for s in [37, 5, 11][:num]]
+    n = sum(g.numel() for g in grads)
+    buf = torch.full((n + 20,), -77.0, device=DEVICE)
+    out = buf[3 : n + 10]  # unaligned view, 7 elements of padding
+    out.fill_(float("nan"))
+    pre_divide_pad(grads, out, 3.0)
+    assert_same(out, F.pad(true_div(torch.cat(grads), 3.0), (0, 7)))
+    assert (buf[:3] == -77.0).all() and (buf[n + 10 :] == -77.0).all(), "guard elements were overwritten"
+
+
+@pytest.mark.parametrize("num", [1, 2], ids=lambda k: f"{k}grads")
+@pytest.mark.parametrize("od", ["fp32", "fp16"])
+def test_pre_divide_pad_nan_inf_propagate(od, num):
+    g = randn(300, torch.float32)
+    g[[0, 17, 299]] = torch.tensor([float("nan"), float("inf"), float("-inf")], device=DEVICE)
+    grads = [g] if num == 1 else [g[:100], g[100:]]
+    out = poisoned((304,), DTYPES[od], DEVICE)
+    pre_divide_pad(grads, out, 3.0)
+    assert out[0].isnan() and out[17] == float("inf") and out[299] == float("-inf")
+    assert_same(out, F.pad(true_div(g, 3.0).to(DTYPES[od]), (0, 4)))
+
+
+def test_pre_divide_pad_errors():
+    g = randn(10, torch.float32)
+    out = torch.empty(12, device=DEVICE)
+    with pytest.raises(ValueError, match="empty list"):
+        pre_divide_pad([], out, 2.0)
+    with pytest.raises(TypeError, match=r"grads\[1\] is a list"):
+        pre_divide_pad([g, [1.0]], out, 2.0)
+    with pytest.raises(ValueError, match=r"not contiguous.*\.contiguous\(\)"):
+        pre_divide_pad([randn(12, torch.float32).view(3, 4).t()], torch.empty(12, device=DEVICE), 2.0)
+    with pytest.raises(TypeError, match="one dtype"):
+        pre_divide_pad([g[:2], g[2:4].half()], out, 2.0)
+    with pytest.raises(TypeError, match="unsupported dtype torch.int64"):
+        pre_divide_pad(torch.arange(4, device=DEVICE), out, 2.0)
+    with pytest.raises(TypeError, match="out has unsupported dtype"):
+        pre_divide_pad(g, torch.empty(12, dtype=torch.int32, device=DEVICE), 2.0)
+    with pytest.raises(ValueError, match=r"out is too small: out.numel\(\)=9 < required 10"):
+        pre_divide_pad(g, torch.empty(9, device=DEVICE), 2.0)
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        pre_divide_pad(g, torch.empty(24, device=DEVICE)[::2], 2.0)
+    with pytest.raises(ValueError, match="one device"):
+        pre_divide_pad(g, torch.empty(12, device="meta"), 2.0)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="finite number > 0"):
+            pre_divide_pad(g, out, bad)
+
+
+# ------------------------------------------------------------------ post_divide
+
+
+@pytest.mark.parametrize("n", SIZES, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
+@pytest.mark.parametrize("factor", FACTORS, ids=lambda f: f"f{f:g}")
+@pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=lambda p: f"{p[0]}->{p[1]}")
+def test_post_divide(pair, factor, accumulate, n):
+    sd, od = DTYPES[pair[0]], DTYPES[pair[1]]
+    big = randn(n + 9, sd)
+    src = big[5 : 5 + n]  # a slice of a larger reduce-scatter output
+    if accumulate:
+        existing = randn(n, od, scale=1.0)  # random, not zero: the sum must really happen
+        out = existing.clone()
+        expected = (existing.float() + true_div(src, factor)).to(od)
+    else:
+        out = poisoned((n,), od, DEVICE)
+        expected = true_div(src, factor).to(od)
+        existing = out
+    ref_out = existing.clone()
+    assert post_divide(src, out, factor, accumulate=accumulate) is out
+    assert_same(out, expected)
+    assert_same(out, post_divide_ref(src, ref_out, factor, accumulate=accumulate))
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
+def test_post_divide_in_place_and_2d(accumulate):
+    src = randn(6 * 7, torch.float32).view(6, 7)
+    expected = true_div(src, 3.0) + (src.float() if accumulate else 0)
+    post_divide(src, src, 3.0, accumulate=accumulate)
+    assert_same(src, expected)
+
+
+def test_post_divide_slice_out_guards_untouched():
+    src = randn(131, torch.bfloat16)
+    buf = torch.full((140,), -77.0, device=DEVICE)
+    existing = randn(131, torch.float32)
+    buf[4:135] = existing
+    post_divide(src, buf[4:135], 2.0, accumulate=True)
+    assert_same(buf[4:135], existing + true_div(src, 2.0))
+    assert (buf[:4] == -77.0).all() and (buf[135:] == -77.0).all(), "guard elements were overwritten"
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
+def test_post_divide_nan_inf_propagate(accumulate):
+    src = randn(50, torch.float16)
+    src[[1, 2, 3]] = torch.tensor([float("nan"), float("inf"), float("-inf")], dtype=torch.float16, device=DEVICE)
+    out = randn(50, torch.float32)
+    expected = true_div(src, 3.0) + (out if accumulate else 0)
+    post_divide(src, out, 3.0, accumulate=accumulate)
+    assert out[1].isnan() and out[2] == float("inf") and out[3] == float("-inf")
+    assert_same(out, expected)
+
+
+def test_post_divide_errors():
+    src = randn(10, torch.float32)
+    with pytest.raises(ValueError, match=r"same size.*src.numel\(\)=10 out.numel\(\)=12"):
+        post_divide(src, torch.empty(12, device=DEVICE), 2.0)
+    with pytest.raises(ValueError, match=r"out is too small"):
+        post_divide(src, torch.empty(8, device=DEVICE), 2.0)
+    with pytest.raises(ValueError, match=r"src is not contiguous.*\.contiguous\(\)"):
+        post_divide(randn(20, torch.float32)[::2], torch.empty(10, device=DEVICE), 2.0)
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        post_divide(src, torch.empty(20, device=DEVICE)[::2], 2.0)
+    with pytest.raises(TypeError, match="src has unsupported dtype"):
+        post_divide(torch.arange(10, device=DEVICE), torch.empty(10, device=DEVICE), 2.0)
+    with pytest.raises(TypeError, match="out has unsupported dtype"):
+        post_divide(src, torch.empty(10, dtype=torch.int32, device=DEVICE), 2.0)
+    with pytest.raises(ValueError, match="one device"):
+        post_divide(src, torch.empty(10, device="meta"), 2.0)
+    buf = randn(15, torch.float32)
+    with pytest.raises(ValueError, match="overlap"):
+        post_divide(buf[:10], buf[5:15], 2.0)
+    for bad in (0.0, -3.0, float("nan")):
+        with pytest.raises(ValueError, match="finite number > 0"):
+            post_divide(src, torch.empty(10, device=DEVICE), bad)
+
+
+# ------------------------------------------------------------------ GPU: large, exact, one launch
+
+
+def _cuda_kernel_count(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # compile and warm up outside the profiled region
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(
+        1
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=lambda p: f"{p[0]}->{p[1]}")
+def test_gpu_pre_divide_pad_exact_one_launch(pair):
+    gd, od = DTYPES[pair[0]], DTYPES[pair[1]]
+    n = (1 << 24) + 3
+    g = torch.randn(n, device="cuda").mul_(1000).to(gd)
+    out = poisoned((n + 5,), od, "cuda")
+    pre_divide_pad(g, out, 3.0)
+    torch.testing.assert_close(out, pre_divide_pad_ref(g, torch.empty_like(out), 3.0), rtol=0, atol=0)
+    assert _cuda_kernel_count(lambda: pre_divide_pad(g, out, 3.0)) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_pre_divide_pad_thousands_of_tensors_one_launch():
+    gen = torch.Generator().manual_seed(0)
+    sizes = torch.randint(0, 3000, (3000,), generator=gen).tolist() + [1 << 20, 4099, 0, 1]
+    grads = [torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in sizes]
+    n = sum(sizes)
+    out = poisoned((n + 8191,), torch.float32, "cuda")
+    pre_divide_pad(grads, out, 3.0)
+    torch.testing.assert_close(out, pre_divide_pad_ref(grads, torch.empty_like(out), 3.0), rtol=0, atol=0)
+    assert _cuda_kernel_count(lambda: pre_divide_pad(grads, out, 3.0)) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
+@pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=lambda p: f"{p[0]}->{p[1]}")
+def test_gpu_post_divide_exact_one_launch(pair, accumulate):
+    sd, od = DTYPES[pair[0]], DTYPES[pair[1]]
+    n = (1 << 24) + 7
+    src = torch.randn(n + 3, device="cuda").mul_(1000).to(sd)[3:]
+    base = torch.randn(n, device="cuda").to(od)
+    out, ref = base.clone(), base.clone()
+    post_divide(src, out, 3.0, accumulate=accumulate)
+    post_divide_ref(src, ref, 3.0, accumulate=accumulate)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert _cuda_kernel_count(lambda: post_divide(src, out, 3.0, accumulate=accumulate)) == 1
