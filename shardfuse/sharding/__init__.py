@@ -1,0 +1,27 @@
+"""The sharding layer: ``FullyShardedDataParallel`` on flat shards, side streams and shardfuse kernels."""
+
+from shardfuse.sharding._state import TrainingState
+from shardfuse.sharding.fully_sharded import FullyShardedDataParallel
+from shardfuse.sharding.wrap import (
+    ModuleClassWrapPolicy,
+    auto_wrap,
+    config_auto_wrap_policy,
+    default_auto_wrap_policy,
+    enable_wrap,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+    wrap,
+)
+
+__all__ = [
+    "FullyShardedDataParallel",
+    "ModuleClassWrapPolicy",
+    "TrainingState",
+    "auto_wrap",
+    "config_auto_wrap_policy",
+    "default_auto_wrap_policy",
+    "enable_wrap",
+    "size_based_auto_wrap_policy",
+    "transformer_auto_wrap_policy",
+    "wrap",
+]

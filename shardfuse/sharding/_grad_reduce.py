@@ -1,0 +1,127 @@
+"""The post-backward data path: full gradient -> pre-divide/cast/pad -> reduce-scatter -> post-divide into the
+sharded gradient, on the post-backward stream.
+
+Lifetimes without ``record_stream``: the full gradient was allocated by the compute stream and is read by the
+post-backward stream, so a reference is kept (with an event) until the compute stream has waited for that
+read; scratch buffers are allocated on the post-backward stream and only ever used there; the sharded
+gradient is allocated on the compute stream, written on the post-backward stream, and the compute stream
+waits for the post-backward stream at the end of backward before anyone reads it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch.profiler import record_function
+
+from shardfuse.sharding import _collectives as coll
+from shardfuse.sharding import _data_path as dp
+from shardfuse.sharding._streams import Streams, record_event, use_stream, wait_event, wait_stream
+from shardfuse.sharding.flat_param import FlatParamHandle
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ReduceConfig:
+    """How one unit reduces its gradients."""
+
+    reduce_dtype: torch.dtype
+    predivide: float
+    postdivide: float
+    group: coll.ProcessGroup  # the reduce-scatter process group
+
+
+@dataclass
+class PendingFrees:
+    """Tensors read by the post-backward stream, released once the compute stream has waited for the read."""
+
+    items: list[tuple[torch.Tensor, torch.cuda.Event | None]] = field(default_factory=list)
+    # Offloaded gradients: (flat parameter, host copy being written on the post-backward stream, its device
+    # source, kept alive until the post-backward stream has finished with it).
+    host_grads: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def add(self, tensor: torch.Tensor, event: torch.cuda.Event | None, streams: Streams, keep: int = 1) -> None:
+        """Hold ``tensor`` until ``event``; release older entries beyond ``keep`` after a device-side wait."""
+        if event is None:  # CPU: everything already ran synchronously
+            return
+        while len(self.items) >= keep:
+            old, old_event = self.items.pop(0)
+            wait_event(streams.current(), old_event)
+            del old
+        self.items.append((tensor, event))
+
+    def release_all(self) -> None:
+        """Drop every held tensor (the caller made the compute stream wait for the post-backward stream)."""
+        self.items.clear()
+
+
+def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pending: PendingFrees) -> None:
+    """Reduce-scatter ``handle.full_param.grad`` into ``handle.flat.grad`` (accumulating into an existing one).
+
+    The full gradient is detached from ``full_param`` immediately, so it is freed as soon as the
+    post-backward stream has consumed it.
+    """
+    full_param = handle.full_param
+    grad = full_param.grad
+    full_param.grad = None
+    if grad is None:
+        return
+    flat = handle.flat
+    offload = flat.device != grad.device
+    current = streams.current()
+    if offload:
+        # The shard lives on the host: reduce into a device temporary, then copy it out.
+        dest = torch.empty(handle.shard_numel, dtype=flat.dtype, device=grad.device)
+        accumulate = False
+    elif flat.grad is None:
+        # Allocated on the compute stream, so its memory is reused only in compute-stream order.
+        dest = torch.empty_like(flat, memory_format=torch.contiguous_format)
+        flat.grad = dest
+        accumulate = False
+    else:
+        dest = flat.grad
+        if dest.shape != flat.shape:
+            raise RuntimeError(
+                f"flat parameter gradient has shape {tuple(dest.shape)} but the shard has {tuple(flat.shape)}: "
+                f"do not assign .grad of FullyShardedDataParallel parameters by hand"
+            )
+        accumulate = True
+    post_backward = streams.post_backward
+    wait_stream(post_backward, current)
+    with record_function("shardfuse.sharding:reduce_scatter"), use_stream(post_backward):
+        g = grad.view(-1)
+        if cfg.predivide == 1.0 and cfg.reduce_dtype == g.dtype:
+            rs_in = g  # padding of the full gradient is already zero (SplitBackward fills it)
+        else:
+            rs_in = torch.empty(handle.padded_numel, dtype=cfg.reduce_dtype, device=g.device)
+            dp.reduce_input(g.narrow(0, 0, handle.numel), rs_in, cfg.predivide)
+        if handle.world_size == 1:
+            rs_out = rs_in
+        else:
+            rs_out = torch.empty(handle.shard_numel, dtype=cfg.reduce_dtype, device=g.device)
+            coll.reduce_scatter_into(rs_out, rs_in, cfg.group, handle.world_size)
+        dp.reduce_output(rs_out, dest, cfg.postdivide, accumulate)
+        if offload:
+            host = torch.empty(dest.shape, dtype=dest.dtype, pin_memory=torch.cuda.is_available())
+            host.copy_(dest, non_blocking=True)
+            pending.host_grads.append((flat, host, dest))
+        event = record_event(post_backward)
+    pending.add(grad, event, streams)
+
+
+def finish_host_grads(pending: PendingFrees, streams: Streams) -> None:
+    """Land offloaded gradients in ``flat.grad`` on the host (waits for the copies: offload syncs by design)."""
+    if not pending.host_grads:
+        return
+    if streams.post_backward is not None:
+        streams.post_backward.synchronize()
+    for flat, host, _ in pending.host_grads:
+        if flat.grad is None:
+            flat.grad = host
+        else:
+            flat.grad.add_(host)
+    pending.host_grads.clear()
+

@@ -1,0 +1,222 @@
+"""Flat parameters: one padded flat shard per (dtype, requires_grad) group of a unit's own parameters.
+
+A :class:`FlatParamHandle` owns
+
+- ``flat``: the ``nn.Parameter`` the optimizer sees, this rank's 1/world_size shard (shard dtype, e.g. fp32);
+- ``full_param``: a leaf tensor of the padded full size in the compute dtype whose storage is allocated only
+  while the full parameters are gathered (``untyped_storage().resize_``); during forward the module's
+  parameters are views of it, so autograd accumulates one flat full-size gradient into ``full_param.grad``.
+
+Keeping the two tensors apart means neither ever changes dtype or shape, so autograd keeps a single gradient
+accumulator for ``full_param`` across several forward passes, and ``flat.grad`` is always shard-shaped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from shardfuse.sharding import _collectives as coll
+from shardfuse.sharding import _data_path as dp
+from shardfuse.sharding._streams import Streams, record_event, use_stream, wait_event, wait_stream
+
+logger = logging.getLogger(__name__)
+
+# Marks original parameters once they were flattened, to catch a Parameter shared across two units.
+FLATTENED_MARK = "_shardfuse_flattened_into"
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One registration of an original parameter: ``module.<attr>`` is unique parameter ``index``."""
+
+    module: nn.Module
+    attr: str
+    fqn: str  # name relative to the unit's wrapped module, e.g. "layers.0.weight"
+    index: int
+
+
+def iter_own_modules(module: nn.Module, is_unit: type, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """``(prefix, submodule)`` pairs of ``module``'s tree, not descending into nested ``is_unit`` instances."""
+    yield prefix, module
+    for name, child in module._modules.items():
+        if child is None or isinstance(child, is_unit):
+            continue
+        yield from iter_own_modules(child, is_unit, f"{prefix}{name}.")
+
+
+class FlatParamHandle:
+    """One flat parameter group of a unit: sharded storage, the gathered full buffer and their views."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        slots: list[ParamSlot],
+        *,
+        group: coll.ProcessGroup,
+        rank: int,
+        world_size: int,
+        shard_device: torch.device,
+        pin: bool,
+    ) -> None:
+        """Flatten ``params`` (unique, one dtype and requires_grad) and keep this rank's shard.
+
+        Args:
+            params: the unique parameters of the group, in flattening order.
+            slots: every registration of them (shared parameters appear more than once).
+            group, rank, world_size: the process group the shard belongs to.
+            shard_device: where the shard lives (the parameters' device, or CPU with move_params_to_cpu).
+            pin: pin the CPU shard so host->device copies can run asynchronously.
+        """
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.shapes = [p.shape for p in params]
+        self.numels = [p.numel() for p in params]
+        self.slots = slots
+        self.names = [""] * len(params)
+        for s in slots:  # the first registration names the parameter
+            if not self.names[s.index]:
+                self.names[s.index] = s.fqn
+        self.requires_grad = params[0].requires_grad
+        self.dtype = params[0].dtype
+        self.numel = sum(self.numels)
+        with torch.no_grad():
+            full = dp.flatten_padded([p.detach() for p in params], world_size, self.dtype)
+        self.padded_numel = full.numel()
+        self.shard_numel = self.padded_numel // world_size
+        # A fresh contiguous tensor: the full flattened buffer is released when this returns.
+        shard = full.narrow(0, rank * self.shard_numel, self.shard_numel).clone()
+        del full
+        if shard.device != shard_device:
+            shard = shard.to(shard_device)
+        if pin and shard.device.type == "cpu" and torch.cuda.is_available():
+            shard = shard.pin_memory()
+        self.flat = nn.Parameter(shard, requires_grad=self.requires_grad)
+        # Split sizes of the full buffer into parameters plus the padding tail (one SplitBackward node).
+        self.split_sizes = [*self.numels, self.padded_numel - self.numel]
+        # Set by init_full_buffer() (lazy init, once the compute device is final).
+        self.full_param: torch.Tensor | None = None
+        self.full_data: torch.Tensor | None = None  # alias of full_param with its own version counter
+        self.compute_dtype = self.dtype
+        self.is_full = False
+        self.gathered_version = -1
+        self.ag_event: torch.cuda.Event | None = None
+        self.fired = False  # post-backward hook ran in this backward pass
+        # While sharded, the original attributes are meta tensors: shape/dtype/`is None` checks (e.g. in
+        # extra_repr) work, and reading data fails loudly instead of touching freed memory.
+        self.placeholders = [torch.empty(s, dtype=self.dtype, device="meta") for s in self.shapes]
+        self.clear_views()
+
+    # ----------------------------------------------------------------------------------------------
+    # set-up
+    # ----------------------------------------------------------------------------------------------
+
+    def init_full_buffer(self, compute_dtype: torch.dtype, device: torch.device) -> None:
+        """Create the (unallocated) full buffer in ``compute_dtype`` on ``device``."""
+        self.compute_dtype = compute_dtype
+        full = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
+        full.untyped_storage().resize_(0)
+        full.requires_grad_(self.requires_grad)
+        self.full_param = full
+        # ``.data`` gives an alias with a separate version counter: writing gathered values through it does
+        # not invalidate the views autograd saved for backward.
+        self.full_data = full.data
+        self.is_full = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the gathered full buffer."""
+        return self.padded_numel * torch.empty((), dtype=self.compute_dtype).element_size()
+
+    # ----------------------------------------------------------------------------------------------
+    # gather / free
+    # ----------------------------------------------------------------------------------------------
+
+    def unshard(self, streams: Streams) -> None:
+        """Issue the rebuild of the full parameters on the all-gather stream (idempotent).
+
+        The shard is cast (or copied) straight into this rank's slice of the padded full buffer, which is
+        then all-gathered in place. The compute stream must call :meth:`wait_full` before reading it.
+        """
+        if self.is_full and self.gathered_version == self.flat._version:
+            return
+        ag = streams.all_gather
+        with record_function("shardfuse.sharding:all_gather"):
+            # The all-gather stream waits for all compute queued so far: the optimizer's last writes to the
+            # shard, and the last reads of any buffer freed to this stream's pool, which it may now reuse.
+            wait_stream(ag, streams.current())
+            with use_stream(ag):
+                storage = self.full_data.untyped_storage()
+                if storage.size() == 0:
+                    storage.resize_(self.nbytes)
+                local = self.full_data.narrow(0, self.rank * self.shard_numel, self.shard_numel)
+                src = self.flat.detach()
+                if src.device != local.device:
+                    src = src.to(local.device, non_blocking=True)
+                dp.cast_into(src, local)
+                coll.all_gather_into(self.full_data, local, self.group, self.world_size)
+                self.ag_event = record_event(ag)
+        self.is_full = True
+        self.gathered_version = self.flat._version
+
+    def wait_full(self, streams: Streams) -> None:
+        """Make the compute stream wait for the pending all-gather of this handle."""
+        if self.ag_event is not None:
+            wait_event(streams.current(), self.ag_event)
+            self.ag_event = None
+
+    def reshard(self) -> None:
+        """Free the full buffer (storage size 0); views saved by autograd see it again after the next gather."""
+        if not self.is_full:
+            return
+        # No record_stream: the block returns to the all-gather stream's pool, and every later allocation
+        # there is preceded by that stream waiting for the compute stream (see unshard).
+        self.full_data.untyped_storage().resize_(0)
+        self.is_full = False
+        self.ag_event = None
+        self.clear_views()
+
+    def views(self) -> list[torch.Tensor]:
+        """Views of the gathered full buffer shaped like the original parameters (autograd-connected)."""
+        chunks = self.full_param.split(self.split_sizes)
+        return [c.view(s) for c, s in zip(chunks, self.shapes)]
+
+    def set_views(self) -> None:
+        """Point every original parameter attribute at its view of the full buffer."""
+        views = self.views()
+        for s in self.slots:
+            # Plain attribute (the Parameter was removed from module._parameters at wrap time); writing the
+            # instance dict skips nn.Module.__setattr__'s checks on the hot path.
+            s.module.__dict__[s.attr] = views[s.index]
+
+    def clear_views(self) -> None:
+        """Point the original parameter attributes at meta placeholders (the full buffer is freed)."""
+        for s in self.slots:
+            s.module.__dict__[s.attr] = self.placeholders[s.index]
+
+    # ----------------------------------------------------------------------------------------------
+    # full-precision gathers (state dicts, summon_full_params, optimizer state)
+    # ----------------------------------------------------------------------------------------------
+
+    def gather_full_precision(self, device: torch.device, source: torch.Tensor | None = None) -> torch.Tensor:
+        """All-gather ``source`` (default: the shard) in its own dtype into a fresh padded buffer on ``device``."""
+        src = self.flat.detach() if source is None else source
+        out = torch.empty(self.padded_numel, dtype=src.dtype, device=device)
+        local = out.narrow(0, self.rank * self.shard_numel, self.shard_numel)
+        local.copy_(src)
+        coll.all_gather_into(out, local, self.group, self.world_size)
+        return out
+
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a padded full buffer."""
+        return full.narrow(0, self.rank * self.shard_numel, self.shard_numel)
+
+    def split_full(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """Views of an unpadded-or-padded full buffer shaped like the original parameters."""
+        return [c.view(s) for c, s in zip(full.split(self.split_sizes), self.shapes)]

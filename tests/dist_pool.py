@@ -1,0 +1,185 @@
+"""A reusable pool of distributed worker processes for tests.
+
+Spawning a process group costs seconds on a small machine, so a test module starts one pool of N workers
+(one gloo or NCCL group) once and runs many check functions in it. A check is a module-level function
+(picklable by reference); every rank runs it with the same arguments and the results come back as a list
+indexed by rank. A worker exception is re-raised in the test process with the rank and the worker's
+traceback; every wait has a timeout, so a hang fails the test (and the pool is restarted) instead of
+blocking the suite.
+
+Usage::
+
+    @pytest.fixture(scope="module")
+    def pool():
+        with DistPool(world_size=2) as p:
+            yield p
+
+    def test_something(pool):
+        results = pool.run(check_something, 13)
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class WorkerError(RuntimeError):
+    """A check raised in a worker; the message carries the rank and the worker's traceback."""
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on localhost."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dumps(obj: Any) -> bytes:
+    # torch.save keeps tensors out of shared memory / file-descriptor passing between processes.
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _worker(
+    rank: int, world_size: int, port: int, backend: str, env: dict[str, str], tasks: Any, results: Any
+) -> None:
+    os.environ.update(env)  # TRITON_INTERPRET and friends, before anything imports triton
+    import torch.distributed as dist
+
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            device_id=torch.device("cuda", rank) if backend == "nccl" else None,
+        )
+        results.put((rank, "ready", None))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+        return
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        task_id, payload = item
+        try:
+            fn, args, kwargs = _loads(payload)
+            out = fn(*args, **kwargs)
+            results.put((rank, task_id, ("ok", _dumps(out))))
+        except BaseException:
+            results.put((rank, task_id, ("error", traceback.format_exc())))
+    dist.destroy_process_group()
+
+
+class DistPool:
+    """``world_size`` worker processes in one process group, running check functions on demand."""
+
+    def __init__(self, world_size: int = 2, backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """Configure (not start) a pool; ``backend`` is "gloo" (CPU) or "nccl" (one GPU per rank)."""
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size=}")
+        if backend == "nccl" and torch.cuda.device_count() < world_size:
+            raise RuntimeError(f"nccl pool needs {world_size} GPUs, found {torch.cuda.device_count()}")
+        self.world_size = world_size
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self._procs: list[Any] = []
+        self._task_id = 0
+
+    def __enter__(self) -> DistPool:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Spawn the workers and wait until the process group is up."""
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        env = {k: v for k, v in os.environ.items() if k.startswith(("TRITON", "TORCH", "NCCL", "GLOO", "PYTHON"))}
+        port = free_port()
+        self._procs = [
+            ctx.Process(
+                target=_worker, args=(r, self.world_size, port, self.backend, env, self._tasks[r], self._results),
+                daemon=True,
+            )
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        ready = self._collect("ready", timeout_s=max(self.timeout_s, 180.0))
+        errors = {r: v for r, v in ready.items() if v is not None}
+        if errors:
+            self.close(force=True)
+            raise WorkerError(f"worker start-up failed: {errors}")
+
+    def _collect(self, task_id: Any, timeout_s: float) -> dict[int, Any]:
+        got: dict[int, Any] = {}
+        while len(got) < self.world_size:
+            try:
+                rank, tid, value = self._results.get(timeout=timeout_s)
+            except queue.Empty:
+                missing = sorted(set(range(self.world_size)) - set(got))
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                self.close(force=True)
+                raise TimeoutError(
+                    f"DistPool: ranks {missing} gave no answer to task {task_id!r} within {timeout_s:.0f}s "
+                    f"(dead workers: {dead}); the pool was shut down"
+                ) from None
+            if tid == "ready" or tid == "error":
+                got[rank] = None if tid == "ready" else value
+            elif tid == task_id:
+                got[rank] = value
+            # Answers to an older, abandoned task are dropped.
+        return got
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results by rank or raise a WorkerError."""
+        if not self._procs:
+            self.start()
+        self._task_id += 1
+        payload = _dumps((fn, args, kwargs))
+        for q in self._tasks:
+            q.put((self._task_id, payload))
+        got = self._collect(self._task_id, timeout_s or self.timeout_s)
+        errors = [(r, v[1]) for r, v in sorted(got.items()) if v[0] == "error"]
+        if errors:
+            text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in errors)
+            raise WorkerError(f"{getattr(fn, '__name__', fn)} failed on ranks {[r for r, _ in errors]}:\n{text}")
+        return [_loads(got[r][1]) for r in range(self.world_size)]
+
+    def close(self, force: bool = False) -> None:
+        """Stop the workers (politely unless ``force``)."""
+        if not self._procs:
+            return
+        if not force:
+            for q in self._tasks:
+                q.put(None)
+            for p in self._procs:
+                p.join(timeout=30)
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=10)
+        self._procs = []

@@ -1,0 +1,209 @@
+"""World size 1 (parity with the plain model) and one test per misuse error, in a gloo group of 1."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardfuse.sharding import FullyShardedDataParallel as FSDP
+from shardfuse.sharding import TrainingState
+from tests.dist_pool import DistPool
+from tests.sharding._models import batch, build, loss_fn, make_optim, reference_train, wrap_model
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with DistPool(world_size=1) as p:
+        yield p
+
+
+def test_needs_a_process_group():
+    # In the test process itself: no process group exists here.
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="call torch.distributed.init_process_group"):
+        FSDP(nn.Linear(3, 5))
+
+
+def check_world_size_1_parity() -> bool:
+    cfg: dict[str, Any] = dict(nested=True)
+    model = wrap_model(build(cfg), cfg)
+    opt = make_optim(model.parameters(), cfg)
+    losses = []
+    for step in range(5):
+        opt.zero_grad(set_to_none=True)
+        ids, target = batch(step, 0, 1)
+        loss = loss_fn(model, ids, target, step, cfg)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    ref, ref_losses, _ = reference_train(cfg, 1, 5)
+    assert losses == [x[0] for x in ref_losses]
+    sd = model.state_dict()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(sd[k], v), k
+    assert model.is_root and not model.module.blocks[0].is_root
+    assert model.training_state == TrainingState.IDLE
+    return True
+
+
+def test_world_size_1_parity(pool):
+    assert pool.run(check_world_size_1_parity) == [True]
+
+
+def _raises(exc: type[BaseException], match: str, fn: Any, *args: Any, **kwargs: Any) -> None:
+    with pytest.raises(exc, match=match):
+        fn(*args, **kwargs)
+
+
+class _CallsSummonInForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.owner: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.owner.summon_full_params():
+            pass
+        return self.lin(x)
+
+
+class _CallsStateDictInForward(_CallsSummonInForward):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.owner.state_dict()
+        return self.lin(x)
+
+
+def check_errors() -> bool:
+    # Wrapping twice.
+    m = nn.Linear(3, 5)
+    w = FSDP(m)
+    _raises(ValueError, "already a FullyShardedDataParallel instance", FSDP, w)
+    _raises(ValueError, "was already wrapped by FullyShardedDataParallel", FSDP, m)
+    # Parameters on several devices (cpu + meta).
+    mixed = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3, device="meta"))
+    _raises(ValueError, r"on several devices \(\['cpu', 'meta'\]", FSDP, mixed)
+    # Unsupported or inconsistent arguments.
+    _raises(NotImplementedError, "flatten_parameters=False is not supported", FSDP, nn.Linear(3, 3),
+            flatten_parameters=False)
+    _raises(ValueError, "fp32_reduce_scatter=True only applies with mixed_precision=True", FSDP, nn.Linear(3, 3),
+            fp32_reduce_scatter=True)
+    _raises(ValueError, "compute_dtype=torch.bfloat16 needs mixed_precision=True", FSDP, nn.Linear(3, 3),
+            compute_dtype=torch.bfloat16)
+    _raises(ValueError, "compute_dtype=torch.int8 is not supported", FSDP, nn.Linear(3, 3),
+            mixed_precision=True, compute_dtype=torch.int8)
+    _raises(ValueError, "move_grads_to_cpu=True needs move_params_to_cpu=True", FSDP, nn.Linear(3, 3),
+            move_grads_to_cpu=True)
+    _raises(NotImplementedError, "move_grads_to_cpu=False is not supported", FSDP, nn.Linear(3, 3),
+            move_params_to_cpu=True, move_grads_to_cpu=False)
+    _raises(ValueError, "gradient_predivide_factor must be > 0", FSDP, nn.Linear(3, 3), gradient_predivide_factor=0)
+    _raises(NotImplementedError, "process_group_reduce_scatter='x'", FSDP, nn.Linear(3, 3),
+            process_group_reduce_scatter="x")
+    _raises(TypeError, "wraps an nn.Module, got int", FSDP, 3)
+    # Integer parameter.
+    bad = nn.Linear(3, 3)
+    bad.count = nn.Parameter(torch.zeros(2, dtype=torch.long), requires_grad=False)
+    _raises(TypeError, r"parameter count has dtype torch.int64; only floating-point", FSDP, bad)
+    # A parameter shared across two units.
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight = a.weight
+    seq = nn.Sequential(a, b)
+    seq[0] = FSDP(a)
+    _raises(ValueError, "shared with a module already wrapped by another", FSDP, seq)
+    # summon_full_params / state_dict during forward.
+    for cls, match in ((_CallsSummonInForward, r"summon_full_params\(\) is not allowed .* running its forward"),
+                       (_CallsStateDictInForward, r"state_dict\(\) is not allowed .* running its forward")):
+        inner = cls()
+        model = FSDP(inner)
+        inner.owner = model
+        _raises(RuntimeError, match, model, torch.randn(2, 3))
+    # clip_grad_norm_ on a nested unit.
+    model = wrap_model(build({}), {})
+    _raises(RuntimeError, "must be called on the root", model.module.blocks[0].clip_grad_norm_, 1.0)
+    # Backward reaching a unit's parameters without going through its outputs.
+    model = wrap_model(build({}), {})
+    model(batch(0, 0, 1)[0])
+    view = model.module.head.weight  # the view used by the last forward
+    _raises(RuntimeError, "without its pre-backward hook", view.sum().backward)
+    # reset_parameters after wrapping.
+    model = FSDP(nn.Linear(3, 3))
+    _raises(RuntimeError, "pass allow_reset_parameters=True", model.module.reset_parameters)
+    # Replacing a Parameter inside summon_full_params without allow_reset_parameters.
+    model = FSDP(nn.Linear(3, 3))
+
+    def replace() -> None:
+        with model.summon_full_params():
+            model.module.weight = nn.Parameter(torch.zeros(3, 3))
+
+    _raises(RuntimeError, "was replaced by a new tensor inside summon_full_params", replace)
+    # ... which allow_reset_parameters=True permits (and copies back).
+    model = FSDP(nn.Linear(3, 3), allow_reset_parameters=True)
+    with model.summon_full_params():
+        model.module.reset_parameters()
+        model.module.weight = nn.Parameter(torch.full((3, 3), 2.0))
+    assert torch.equal(model.state_dict()["weight"], torch.full((3, 3), 2.0))
+    # State dict loading errors.
+    model = FSDP(nn.Linear(3, 3))
+    _raises(RuntimeError, r"missing keys \['bias'\]", model.load_state_dict, {"weight": torch.zeros(3, 3)})
+    _raises(RuntimeError, r"unexpected keys \['extra'\]", model.load_state_dict,
+            {"weight": torch.zeros(3, 3), "bias": torch.zeros(3), "extra": torch.zeros(1)})
+    _raises(RuntimeError, r"size mismatch for weight: the state dict has shape \(4, 3\)", model.load_state_dict,
+            {"weight": torch.zeros(4, 3), "bias": torch.zeros(3)})
+    res = model.load_state_dict({"weight": torch.ones(3, 3)}, strict=False)
+    assert res.missing_keys == ["bias"] and torch.equal(model.state_dict()["weight"], torch.ones(3, 3))
+    _raises(ValueError, "needs a dict made by gather_full_optim_state_dict", model.get_shard_from_optim_state_dict, {})
+    _raises(ValueError, r"set_gradient_divide_factors needs pre > 0, got pre=-1", model.set_gradient_divide_factors,
+            -1, 1)
+    opt = torch.optim.SGD([*model.parameters(), nn.Parameter(torch.zeros(1))], lr=0.1)
+    _raises(ValueError, "not flat parameters of this FullyShardedDataParallel tree",
+            model.gather_full_optim_state_dict, opt)
+    return True
+
+
+def test_misuse_errors(pool):
+    assert pool.run(check_errors) == [True]
+
+
+def _root_flat_grad_vs_ref(model: FSDP, ref: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    h = model._handles[0]
+    ref_params = dict(ref.named_parameters())
+    want = torch.cat([ref_params[n].grad.reshape(-1) for n in h.names])
+    return model.flat_param_0.grad[: h.numel], want
+
+
+def check_set_factors_and_repr() -> bool:
+    for (pre, post), scale in (((2.0, 0.5), 1.0), ((4.0, 1.0), 0.25)):
+        model = wrap_model(build({}), {})
+        model.set_gradient_divide_factors(pre, post)
+        assert all(u.gradient_predivide_factor == pre for u in model._units())
+        loss_fn(model, *batch(0, 0, 1), 0, {}).backward()
+        ref = build({})
+        loss_fn(ref, *batch(0, 0, 1), 0, {}).backward()
+        got, want = _root_flat_grad_vs_ref(model, ref)
+        # Powers of two: division is exact, so the scaled gradient matches bit for bit.
+        assert torch.equal(got, want * scale), (pre, post)
+    assert "world_size=1" in repr(model)
+    verbose = FSDP(nn.Linear(3, 3), verbose=True)
+    assert "reshard_after_forward=True" in repr(verbose)
+    return True
+
+
+def test_set_gradient_divide_factors(pool):
+    assert pool.run(check_set_factors_and_repr) == [True]
+
+
+def check_move_params_to_cpu_eval() -> bool:
+    model = FSDP(build({}), move_params_to_cpu=True)
+    ref = build({})
+    with torch.no_grad():
+        out = model(batch(0, 0, 1)[0])
+    assert torch.equal(out, ref(batch(0, 0, 1)[0]))
+    return True
+
+
+def test_move_params_to_cpu_forward(pool):
+    assert pool.run(check_move_params_to_cpu_eval) == [True]
+
