@@ -1,0 +1,500 @@
+"""Moving slices between the host and the compute device: streams, buffer slots, gradients, optimizers.
+
+Stream discipline (CUDA; on the CPU every stream and event is a no-op and copies are synchronous):
+
+* the *compute* stream is the caller's current stream; all math runs there;
+* host->device copies (slice parameters, stashed activations) run on the ``h2d`` side stream; before
+  writing a slot the ``h2d`` stream waits for the compute stream (the slot's previous reader) and for the
+  slot's last device->host read; the compute stream waits on the load's ``ready`` event before using it;
+* device->host copies (boundary activations, gradients, updated master weights) run on the ``d2h`` side
+  stream after waiting for the compute stream; a slot read by ``d2h`` records an event that its next
+  writer waits on; host buffers are never read on the host before ``d2h`` is synchronised at the end of
+  backward.
+
+Parameter slots: two device buffers of the largest slice, reused (one computes while the other is being
+filled). Gradient slots: two fp32 buffers (one is accumulated while the other drains to the host).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardfuse.offload._slices import Slice
+
+logger = logging.getLogger(__name__)
+
+
+class _Slot:
+    __slots__ = ("buf", "event")
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.event: torch.cuda.Event | None = None  # last device->host read of ``buf`` still in flight
+
+
+class SlotPool:
+    """At most ``count`` device buffers of ``numel`` elements, allocated on first use and reused."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, count: int) -> None:
+        self.numel, self.dtype, self.device, self.count = numel, dtype, device, count
+        self._free: list[_Slot] = []
+        self._made = 0
+
+    def has_free(self) -> bool:
+        return bool(self._free) or self._made < self.count
+
+    def acquire(self) -> _Slot:
+        if self._free:
+            return self._free.pop()
+        if self._made >= self.count:
+            raise RuntimeError(f"shardfuse.offload internal error: all {self.count} {self.dtype} slots are in use")
+        self._made += 1
+        return _Slot(self._alloc())
+
+    def _alloc(self) -> torch.Tensor:
+        return torch.empty(self.numel, dtype=self.dtype, device=self.device)
+
+    def release(self, slot: _Slot) -> None:
+        self._free.append(slot)
+
+    def clear(self) -> None:
+        """Give the buffers back to the caching allocator, if none is in use."""
+        if len(self._free) == self._made:
+            self._free, self._made = [], 0
+
+
+class Stashed:
+    """A boundary activation parked in pinned host memory; ``event`` marks the end of its copy."""
+
+    __slots__ = ("host", "device", "event")
+
+    def __init__(self, host: torch.Tensor, device: torch.device, event: torch.cuda.Event | None) -> None:
+        self.host, self.device, self.event = host, device, event
+
+
+class Loaded:
+    """A slice resident on the compute device (issued; usable after the compute stream waited ``ready``)."""
+
+    def __init__(self, s: Slice, slot: _Slot, master: _Slot | None, stamp: tuple[int, int]) -> None:
+        self.slice = s
+        self.slot = slot
+        self.master = master  # fp32 master copy on the device (optimizer in backward), may be ``slot``
+        self.stamp = stamp
+        self.ready: torch.cuda.Event | None = None
+        self.inputs: list[torch.Tensor] | None = None
+        self.stash: Sequence[Any] | None = None  # whose stashed activations ``inputs`` are
+        self.inputs_ready: torch.cuda.Event | None = None
+        self.waited = False
+
+    def leaves(self, requires_grad: bool) -> list[torch.Tensor]:
+        """Fresh leaf tensors viewing the slot, one per parameter (requiring grad where the master does)."""
+        views = self.slice.views(self.slot.buf)
+        return [
+            v.detach().requires_grad_(requires_grad and p.requires_grad) for v, p in zip(views, self.slice.params)
+        ]
+
+
+class GradBuffers:
+    """The device gradient buffers of one slice's backward."""
+
+    __slots__ = ("slot", "lp_slot", "flat", "lp_flat")
+
+    def __init__(self, slot: _Slot, lp_slot: _Slot | None, n: int) -> None:
+        self.slot, self.lp_slot = slot, lp_slot
+        self.flat = slot.buf[:n]
+        self.lp_flat = lp_slot.buf[:n] if lp_slot is not None else None
+
+    @property
+    def target(self) -> torch.Tensor:
+        """Where autograd accumulates (compute dtype)."""
+        return self.lp_flat if self.lp_flat is not None else self.flat
+
+
+class Step:
+    """Bookkeeping of one forward with autograd until its backward finishes."""
+
+    def __init__(self) -> None:
+        self.grads: list[tuple[Slice, torch.Tensor]] = []
+        self.finish_queued = False
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
+class Engine:
+    """Owns the side streams and device buffers of one ``OffloadModel``."""
+
+    def __init__(
+        self,
+        slices: Sequence[Slice],
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        master_dtype: torch.dtype,
+        optimizers: Sequence[torch.optim.Optimizer | None] | None,
+    ) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.lp = compute_dtype != master_dtype
+        self.optimizers = list(optimizers) if optimizers is not None else None
+        numel = max(s.numel for s in slices)
+        self.param_pool = SlotPool(numel, compute_dtype, device, 2)
+        self.master_pool = SlotPool(numel, master_dtype, device, 2) if self.lp else None
+        self.grad_pool = SlotPool(numel, master_dtype, device, 2)
+        self.lp_grad_pool = SlotPool(numel, compute_dtype, device, 1) if self.lp else None
+        self._prefetched: dict[int, Loaded] = {}
+        self._h2d: torch.cuda.Stream | None = None
+        self._d2h: torch.cuda.Stream | None = None
+        self._steps: weakref.WeakSet[Step] = weakref.WeakSet()
+        self._opt_moved: dict[nn.Parameter, list[str]] = {}
+        self.bytes_moved = {"h2d": 0, "d2h": 0}  # bytes issued across the bus, for benchmarks
+
+    def _count(self, direction: str, t: torch.Tensor) -> None:
+        self.bytes_moved[direction] += t.numel() * t.element_size()
+
+    # ------------------------------------------------------------------ streams
+    def compute_stream(self) -> torch.cuda.Stream | None:
+        return torch.cuda.current_stream(self.device) if self.cuda else None
+
+    @property
+    def h2d(self) -> torch.cuda.Stream | None:
+        if self.cuda and self._h2d is None:
+            self._h2d = torch.cuda.Stream(self.device)
+        return self._h2d
+
+    @property
+    def d2h(self) -> torch.cuda.Stream | None:
+        if self.cuda and self._d2h is None:
+            self._d2h = torch.cuda.Stream(self.device)
+        return self._d2h
+
+    def _on(self, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    def _record(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+        if stream is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    def new_step(self) -> Step:
+        step = Step()
+        self._steps.add(step)
+        return step
+
+    # ------------------------------------------------------------------ loading
+    def _needs_master(self, s: Slice, phase: str) -> bool:
+        return self.optimizers is not None and phase == "backward" and s.trainable
+
+    def _issue(self, s: Slice, phase: str, stash: Sequence[Any] | None) -> Loaded:
+        need_master = self._needs_master(s, phase)
+        compute, h2d = self.compute_stream(), self.h2d
+        slot = self.param_pool.acquire()
+        ld = Loaded(s, slot, None, s.stamp())
+        if h2d is not None:
+            h2d.wait_stream(compute)
+            if slot.event is not None:
+                h2d.wait_event(slot.event)
+        n = s.numel
+        with self._on(h2d), torch.no_grad():
+            dst = slot.buf[:n]
+            if not self.lp:
+                dst.copy_(s.flat, non_blocking=True)
+                self._count("h2d", s.flat)
+                ld.master = slot if need_master else None
+            elif need_master or not s.shadow_fresh():
+                assert self.master_pool is not None and s.shadow is not None
+                ms = self.master_pool.acquire()
+                if h2d is not None and ms.event is not None:
+                    h2d.wait_event(ms.event)
+                mdst = ms.buf[:n]
+                mdst.copy_(s.flat, non_blocking=True)
+                self._count("h2d", s.flat)
+                dst.copy_(mdst)  # cast on the device: the fp32 weights crossed the bus once
+                if need_master:
+                    ld.master = ms
+                else:
+                    # refresh the low-precision host shadow so that later loads move half the bytes
+                    self.master_pool.release(ms)
+                    slot.event = s.shadow_event = self._copy_out(s.shadow, dst, self._record(h2d))
+                    s.mark_shadow_fresh()
+            else:
+                assert s.shadow is not None
+                if h2d is not None and s.shadow_event is not None:
+                    h2d.wait_event(s.shadow_event)  # the shadow may still be landing from its refresh
+                dst.copy_(s.shadow, non_blocking=True)
+                self._count("h2d", s.shadow)
+            ld.ready = self._record(h2d)
+        if stash is not None:
+            ld.inputs, ld.inputs_ready = self._restore(stash)
+            ld.stash = stash
+        return ld
+
+    def _copy_out(
+        self, host: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None
+    ) -> torch.cuda.Event | None:
+        """Copy ``src`` (device) into ``host`` on the d2h stream once ``after`` (or the compute stream) is done."""
+        self._count("d2h", src)
+        d2h = self.d2h
+        if d2h is None:
+            host.copy_(src)
+            return None
+        if after is not None:
+            d2h.wait_event(after)
+        else:
+            d2h.wait_stream(self.compute_stream())
+        with torch.cuda.stream(d2h):
+            host.copy_(src, non_blocking=True)
+        return self._record(d2h)
+
+    def _restore(self, stash: Sequence[Any]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+        """Bring stashed activations back to the device on the h2d stream."""
+        h2d = self.h2d
+        out: list[torch.Tensor] = []
+        # allocated on the compute stream, which is also where they are used and freed
+        targets = [torch.empty(x.host.shape, dtype=x.host.dtype, device=x.device) if isinstance(x, Stashed) else None
+                   for x in stash]
+        if h2d is not None:
+            h2d.wait_stream(self.compute_stream())
+        with self._on(h2d):
+            for x, t in zip(stash, targets):
+                if t is None:
+                    out.append(x)
+                    continue
+                if h2d is not None and x.event is not None:
+                    h2d.wait_event(x.event)  # never read the host copy before it has landed
+                t.copy_(x.host, non_blocking=True)
+                self._count("h2d", t)
+                out.append(t)
+        return out, self._record(h2d)
+
+    def _compatible(self, ld: Loaded, phase: str) -> bool:
+        if ld.stamp != ld.slice.stamp():
+            return False  # the master changed since (an optimizer step): reload
+        return not (self._needs_master(ld.slice, phase) and ld.master is None)
+
+    def _wait(self, ld: Loaded) -> None:
+        # parameters and restored activations are waited separately: a slice kept resident since the
+        # forward (already waited) gets its activations restored only when its backward starts
+        if self.cuda:
+            compute = self.compute_stream()
+            if not ld.waited:
+                compute.wait_event(ld.ready)
+            if ld.inputs_ready is not None:
+                compute.wait_event(ld.inputs_ready)
+        ld.waited = True
+        ld.inputs_ready = None
+
+    def _drop(self, ld: Loaded) -> None:
+        # the compute stream waits for the copy first, so the slot is never reused under a running copy
+        self._wait(ld)
+        self.release(ld)
+
+    def drop_prefetched(self, keep: int | None = None) -> None:
+        for idx in [i for i in self._prefetched if i != keep]:
+            self._drop(self._prefetched.pop(idx))
+
+    def _make_room(self, s: Slice, phase: str) -> None:
+        if not self.param_pool.has_free() or (
+            self.master_pool is not None and self._needs_master(s, phase) and not self.master_pool.has_free()
+        ):
+            self.drop_prefetched(keep=s.index)
+
+    def acquire(self, s: Slice, phase: str, stash: Sequence[Any] | None = None) -> Loaded:
+        """Make ``s`` resident for ``phase`` ('forward' or 'backward'); the compute stream may use it now."""
+        with torch.profiler.record_function(f"shardfuse.offload:{phase}_load"):
+            ld = self._prefetched.pop(s.index, None)
+            if ld is not None and not self._compatible(ld, phase):
+                self._drop(ld)
+                ld = None
+            if ld is None:
+                self._make_room(s, phase)
+                ld = self._issue(s, phase, stash)
+            elif stash is not None and ld.stash is not stash:
+                # parked without activations (kept since the forward), or with another call's
+                ld.inputs, ld.inputs_ready = self._restore(stash)
+                ld.stash = stash
+            self._wait(ld)
+            return ld
+
+    def prefetch(self, s: Slice, phase: str, stash: Sequence[Any] | None = None) -> None:
+        """Start loading ``s`` on the side stream, if a slot is free; :meth:`acquire` picks it up."""
+        with torch.profiler.record_function(f"shardfuse.offload:{phase}_load"):
+            if s.index in self._prefetched:
+                return
+            if not self.param_pool.has_free():
+                return
+            if self._needs_master(s, phase) and self.master_pool is not None and not self.master_pool.has_free():
+                return
+            self._prefetched[s.index] = self._issue(s, phase, stash)
+
+    def release(self, ld: Loaded, keep: bool = False) -> None:
+        """Done computing with ``ld``; ``keep`` parks it for the backward that follows the forward."""
+        if keep:
+            self._prefetched[ld.slice.index] = ld
+            return
+        self.param_pool.release(ld.slot)
+        if ld.master is not None and ld.master is not ld.slot:
+            assert self.master_pool is not None
+            self.master_pool.release(ld.master)
+        ld.inputs = ld.stash = None
+
+    # ------------------------------------------------------------------ activations
+    def stash(self, t: torch.Tensor) -> Any:
+        """Park a boundary activation in pinned host memory (device->host on the d2h stream)."""
+        if not t.is_cuda:
+            return t
+        d2h = self.d2h
+        d2h.wait_stream(self.compute_stream())
+        with torch.cuda.stream(d2h):
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+        self._count("d2h", t)
+        t.record_stream(d2h)  # the activation was made on the compute stream and may be freed there
+        return Stashed(host, t.device, self._record(d2h))
+
+    # ------------------------------------------------------------------ gradients
+    def grad_buffers(self, s: Slice) -> GradBuffers:
+        """Zeroed device gradient buffers for ``s``'s backward."""
+        compute = self.compute_stream()
+        slot = self.grad_pool.acquire()
+        if compute is not None and slot.event is not None:
+            compute.wait_event(slot.event)  # its previous contents are still draining to the host
+        lp_slot = self.lp_grad_pool.acquire() if self.lp_grad_pool is not None else None
+        gb = GradBuffers(slot, lp_slot, s.numel)
+        gb.flat.zero_()
+        if gb.lp_flat is not None:
+            gb.lp_flat.zero_()
+        return gb
+
+    def accumulate_microbatch(self, gb: GradBuffers) -> None:
+        """Fold one microbatch's low-precision gradient into the fp32 gradient (no-op in fp32)."""
+        if gb.lp_flat is not None:
+            with torch.no_grad():
+                gb.flat.add_(gb.lp_flat)
+                gb.lp_flat.zero_()
+
+    def finish_slice(self, ld: Loaded, gb: GradBuffers | None, step: Step) -> None:
+        """After a slice's backward: step its optimizer or send its gradient home; release its buffers."""
+        s = ld.slice
+        with torch.profiler.record_function("shardfuse.offload:backward_drop"):
+            if gb is not None:
+                if self.optimizers is not None:
+                    self._optimizer_step(ld, gb)
+                else:
+                    host = torch.empty(s.numel, dtype=gb.flat.dtype, pin_memory=self.cuda)
+                    gb.slot.event = self._copy_out(host, gb.flat, None)
+                    step.grads.append((s, host))
+                self.grad_pool.release(gb.slot)
+                if gb.lp_slot is not None:
+                    assert self.lp_grad_pool is not None
+                    self.lp_grad_pool.release(gb.lp_slot)
+            self.release(ld)
+
+    def _optimizer_step(self, ld: Loaded, gb: GradBuffers) -> None:
+        s = ld.slice
+        opt = self.optimizers[s.index] if self.optimizers is not None else None
+        if opt is None:
+            return
+        assert ld.master is not None
+        n = s.numel
+        master = ld.master.buf[:n]
+        with torch.profiler.record_function("shardfuse.offload:optimizer_step"), torch.no_grad():
+            self._state_to(opt, s, device=True)
+            host_data = [p.data for p in s.params]
+            for p, mv, gv in zip(s.params, s.views(master), s.views(gb.flat)):
+                p.data = mv
+                p.grad = gv if p.requires_grad else None
+            try:
+                opt.step()
+            finally:
+                opt.zero_grad(set_to_none=True)
+                for p, hd in zip(s.params, host_data):
+                    p.data = hd
+            self._state_to(opt, s, device=False)
+            ev = self._copy_out(s.flat, master, None)
+            ld.master.event = ev
+            if self.lp:
+                assert s.shadow is not None
+                dst = ld.slot.buf[:n]
+                dst.copy_(master)
+                ld.slot.event = s.shadow_event = self._copy_out(s.shadow, dst, None)
+                s.mark_shadow_fresh()
+
+    def _state_to(self, opt: torch.optim.Optimizer, s: Slice, device: bool) -> None:
+        """Keep optimizer state on the host between steps; bring it to the device for the step."""
+        if not self.cuda:
+            return
+        if device:
+            for p in s.params:
+                st = opt.state.get(p)
+                for k in self._opt_moved.get(p, []) if st else []:
+                    if k in st:
+                        st[k] = st[k].to(self.device, non_blocking=True)
+                        self._count("h2d", st[k])
+            return
+        d2h = self.d2h
+        d2h.wait_stream(self.compute_stream())
+        for p in s.params:
+            st = opt.state.get(p)
+            if not st:
+                continue
+            moved = []
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.is_cuda:
+                    with torch.cuda.stream(d2h):
+                        host = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+                        host.copy_(v, non_blocking=True)
+                    self._count("d2h", v)
+                    v.record_stream(d2h)
+                    st[k] = host
+                    moved.append(k)
+            self._opt_moved[p] = moved
+
+    def finish(self, step: Step) -> None:
+        """End of backward: wait for every device->host copy, then hand gradients to the master params."""
+        if self._d2h is not None:
+            self._d2h.synchronize()
+        with torch.no_grad():
+            for s, host in step.grads:
+                for p, g in zip(s.params, s.views(host)):
+                    if not p.requires_grad:
+                        continue
+                    if p.grad is None:
+                        p.grad = g
+                    else:
+                        p.grad.add_(g)  # gradient accumulation over several backwards
+        step.grads = []
+        self._steps.discard(step)
+        self.drop_prefetched()
+        if not self._steps:
+            self.clear()
+
+    def idle(self) -> None:
+        """After a forward without autograd: drop what is parked, give buffers back when no backward is due."""
+        if not self._steps:
+            self.drop_prefetched()
+            self.clear()
+
+    def clear(self) -> None:
+        for pool in (self.param_pool, self.master_pool, self.grad_pool, self.lp_grad_pool):
+            if pool is not None:
+                pool.clear()
+
+
+def make_optimizers(
+    slices: Sequence[Slice], factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+) -> list[torch.optim.Optimizer | None]:
+    """One optimizer per slice over its trainable parameters (None for a slice without any)."""
+    out: list[torch.optim.Optimizer | None] = []
+    for s in slices:
+        params = [p for p in s.params if p.requires_grad]
+        out.append(factory(params) if params else None)
+    return out

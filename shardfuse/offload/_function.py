@@ -1,0 +1,408 @@
+"""The offload checkpoint autograd Function, shared by ``OffloadModel`` slices and ``checkpoint_wrapper``.
+
+One :class:`BlockCall` object describes one forward call of a block (an offload slice, or a module wrapped
+by ``checkpoint_wrapper``) from its forward to the end of its backward. :class:`OffloadCheckpointFunction`
+is the autograd node that runs it. Two modes:
+
+* ``recompute=True``: the forward runs under ``no_grad`` and keeps only the block's inputs (optionally in
+  host memory); backward recomputes the forward per microbatch with the CPU and CUDA RNG state (and
+  autocast state) of the original forward restored, then backpropagates the matching chunk of the output
+  gradient through the recomputed graph.
+* ``recompute=False``: the forward builds the autograd graph per microbatch and keeps it (activations stay
+  resident); backward runs it. Subclasses may replace saved tensors by tokens (saved-tensor hooks), which is
+  how an offloaded slice avoids pinning its parameters into the graph.
+
+Both modes split every batched input (tensor leaves with ``ndim >= 1``) along dim 0 into microbatches and
+join the microbatch results with the chunked concat kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from shardfuse.kernels.concat import concat_microbatches, split_microbatches
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_GRAD_ERROR = (
+    "Checkpointing is not compatible with .grad() or backward(inputs=...): the block is recomputed inside "
+    "backward and writes parameter gradients as a side effect; call loss.backward() instead"
+)
+
+
+# ----------------------------------------------------------------------------------------- RNG and autocast
+
+
+class RngState:
+    """CPU generator state plus the CUDA generator states of some devices, captured at one moment."""
+
+    __slots__ = ("cpu", "cuda")
+
+    def __init__(self, cpu: torch.Tensor, cuda: dict[int, torch.Tensor]) -> None:
+        self.cpu = cpu
+        self.cuda = cuda
+
+    @classmethod
+    def capture(cls, cuda_devices: Sequence[int]) -> RngState:
+        """Snapshot the CPU generator and the CUDA generators of ``cuda_devices``."""
+        return cls(torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in cuda_devices})
+
+    def restore(self) -> None:
+        """Put the generators back into this state."""
+        torch.set_rng_state(self.cpu)
+        for dev, state in self.cuda.items():
+            torch.cuda.set_rng_state(state, dev)
+
+
+@contextlib.contextmanager
+def rng_replay(state: RngState) -> Iterator[None]:
+    """Run a block with the RNG as it was in ``state``, then restore the RNG as it is now.
+
+    The restore keeps the caller's random stream untouched by the recompute, so a checkpointed model draws
+    the same random numbers in later steps as the plain model does.
+    """
+    now = RngState.capture(list(state.cuda))
+    state.restore()
+    try:
+        yield
+    finally:
+        now.restore()
+
+
+def _autocast_devices() -> list[str]:
+    return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
+def capture_autocast() -> list[tuple[str, bool, torch.dtype]]:
+    """The autocast state of the forward, so that the recompute in backward casts exactly the same way."""
+    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _autocast_devices()]
+
+
+@contextlib.contextmanager
+def autocast_replay(state: list[tuple[str, bool, torch.dtype]]) -> Iterator[None]:
+    """Re-enter the autocast state captured by :func:`capture_autocast`."""
+    with contextlib.ExitStack() as stack:
+        for dev, enabled, dtype in state:
+            stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
+        yield
+
+
+def cuda_devices_of(tensors: Sequence[torch.Tensor], extra: torch.device | None = None) -> list[int]:
+    """CUDA device indices whose RNG a block may use: those of its tensors, plus ``extra``."""
+    devs = {t.device.index for t in tensors if t.is_cuda}
+    if extra is not None and extra.type == "cuda":
+        devs.add(extra.index if extra.index is not None else torch.cuda.current_device())
+    return sorted(d for d in devs if d is not None)
+
+
+# ----------------------------------------------------------------------------------------- pytrees
+
+
+class Packed:
+    """A pytree split into its tensor leaves (what autograd sees) and everything else (kept as is)."""
+
+    def __init__(self, tree: Any) -> None:
+        leaves, self.spec = tree_flatten(tree)
+        self.tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        self.tensors: list[torch.Tensor] = [leaves[i] for i in self.tensor_pos]
+        self._leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+
+    def rebuild(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """The same pytree with its tensor leaves replaced by ``tensors`` (in order)."""
+        leaves = list(self._leaves)
+        for pos, t in zip(self.tensor_pos, tensors):
+            leaves[pos] = t
+        return tree_unflatten(leaves, self.spec)
+
+
+# ----------------------------------------------------------------------------------------- microbatches
+
+
+def microbatch_sizes(batch: int, num_microbatches: int) -> list[int]:
+    """Balanced microbatch sizes (the first ``batch % n`` get one more row), like ``torch.tensor_split``."""
+    if batch < num_microbatches:
+        raise ValueError(
+            f"batch size {batch} is smaller than num_microbatches={num_microbatches}: "
+            f"use a batch of at least {num_microbatches} rows or lower num_microbatches"
+        )
+    base, rem = divmod(batch, num_microbatches)
+    return [base + (1 if i < rem else 0) for i in range(num_microbatches)]
+
+
+def batch_size_of(tensors: Sequence[torch.Tensor], what: str) -> int | None:
+    """The common dim-0 size of the batched tensors (``ndim >= 1``); None when there are none."""
+    sizes = {t.shape[0] for t in tensors if t.dim() >= 1}
+    if len(sizes) > 1:
+        shapes = [tuple(t.shape) for t in tensors]
+        raise ValueError(
+            f"{what}: every batched tensor must have the same size along dim 0 to be split into microbatches, "
+            f"got shapes {shapes}; use num_microbatches=1 or give all inputs the batch as dim 0"
+        )
+    return sizes.pop() if sizes else None
+
+
+def split_batch(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """Views of ``t`` per microbatch along dim 0; a 0-dim tensor is shared by every microbatch."""
+    if len(sizes) == 1 or t.dim() == 0:
+        return [t] * len(sizes)
+    return split_microbatches(t, sizes)
+
+
+def join_batch(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Join per-microbatch tensors along dim 0 with the chunked concat kernel (one launch, any dtype).
+
+    Not differentiable: only called where autograd is not recording (inside the Function).
+    """
+    if len(parts) == 1:
+        return parts[0]
+    if parts[0].dim() == 0:
+        raise ValueError(
+            f"cannot join {len(parts)} microbatch results that are 0-dim tensors (shape ()): a block that reduces "
+            "the batch (e.g. returns a loss) cannot be split into microbatches; use num_microbatches=1"
+        )
+    return concat_microbatches(parts)
+
+
+# ----------------------------------------------------------------------------------------- the block call
+
+
+class BlockCall:
+    """One forward call of a block, carried to its backward by :class:`OffloadCheckpointFunction`.
+
+    Subclasses override the ``*_enter`` / ``*_exit`` hooks (make parameters resident, release them, move
+    gradients) and :meth:`run`; the base class does the microbatching, RNG replay and autograd plumbing.
+    """
+
+    profile_prefix = "shardfuse.offload"
+
+    def __init__(
+        self,
+        fn: Callable[..., Any] | None,
+        args: Packed,
+        *,
+        recompute: bool,
+        num_microbatches: int = 1,
+        offload_inputs: bool = False,
+        rng_device: torch.device | None = None,
+    ) -> None:
+        self.fn = fn
+        self.args = args
+        self.recompute = recompute
+        self.num_microbatches = num_microbatches
+        self.offload_inputs = offload_inputs
+        self.rng_device = rng_device
+        self.sizes: list[int] = [0]
+        self.split_in: list[bool] = []
+        self.out: Packed | None = None
+        self.out_split: list[bool] = []
+        self._rng: list[RngState] = []
+        self._autocast: list[tuple[str, bool, torch.dtype]] = []
+        self._saved: list[Any] = []
+        self._inner: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+
+    # ---- hooks for subclasses
+    def run(self, *args: Any) -> Any:
+        """Compute the block on one microbatch (the positional arguments of the block)."""
+        assert self.fn is not None
+        return self.fn(*args)
+
+    def forward_enter(self) -> None:
+        """Called before the forward computes (make parameters resident)."""
+
+    def forward_exit(self) -> None:
+        """Called after the forward computed every microbatch."""
+
+    def backward_enter(self) -> None:
+        """Called when backward reaches the block, before any recompute."""
+
+    def microbatch_backward_exit(self, index: int) -> None:
+        """Called after the backward of microbatch ``index``."""
+
+    def backward_exit(self) -> None:
+        """Called after the backward of every microbatch (move gradients out, release parameters)."""
+
+    def saved_tensors_hooks(self) -> contextlib.AbstractContextManager:
+        """Saved-tensor hooks around the graph kept by ``recompute=False`` (none by default)."""
+        return contextlib.nullcontext()
+
+    def stash(self, t: torch.Tensor) -> Any:
+        """Keep an input for the recompute; moved to host memory when ``offload_inputs``."""
+        if self.offload_inputs and t.device.type != "cpu":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            host.copy_(t, non_blocking=True)
+            return (host, t.device)
+        return t
+
+    def unstash(self) -> list[torch.Tensor]:
+        """The stashed inputs, back on their devices."""
+        out = []
+        for s in self._saved:
+            if isinstance(s, tuple):
+                host, dev = s
+                out.append(host.to(dev, non_blocking=True))
+            else:
+                out.append(s)
+        return out
+
+    # ---- forward
+    def forward(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Run the block on every microbatch; return the joined tensor leaves of its output."""
+        batch = batch_size_of(tensors, "block inputs") if self.num_microbatches > 1 else None
+        if self.num_microbatches > 1 and batch is None:
+            raise ValueError(
+                f"num_microbatches={self.num_microbatches} needs at least one input tensor with a batch dim "
+                "(ndim >= 1); use num_microbatches=1"
+            )
+        self.sizes = microbatch_sizes(batch, self.num_microbatches) if batch is not None else [0]
+        self.split_in = [t.dim() >= 1 for t in tensors]
+        per_mb = [split_batch(t, self.sizes) for t in tensors]
+        mbs = [[chunks[j] for chunks in per_mb] for j in range(len(self.sizes))]
+
+        self.forward_enter()
+        if self.recompute:
+            # stash before computing, so that a device->host copy overlaps the compute
+            with torch.profiler.record_function(f"{self.profile_prefix}:forward_drop"):
+                self._saved = [self.stash(t) for t in tensors]
+        outs: list[list[torch.Tensor]] = []
+        with torch.profiler.record_function(f"{self.profile_prefix}:forward_compute"):
+            if self.recompute:
+                self._autocast = capture_autocast()
+                rng_devs = cuda_devices_of(tensors, self.rng_device)
+                with torch.no_grad():
+                    for mb in mbs:
+                        self._rng.append(RngState.capture(rng_devs))
+                        outs.append(self._flatten_out(self.run(*self.args.rebuild(mb))))
+            else:
+                with torch.enable_grad(), self.saved_tensors_hooks():
+                    for mb in mbs:
+                        detached = [_detach_for_grad(t) for t in mb]
+                        flat = self._flatten_out(self.run(*self.args.rebuild(detached)))
+                        self._inner.append((detached, flat))
+                        outs.append([o.detach() for o in flat])
+        with torch.profiler.record_function(f"{self.profile_prefix}:forward_drop"):
+            self.forward_exit()
+        with torch.no_grad():
+            joined = [join_batch([o[k] for o in outs]) for k in range(len(outs[0]))]
+        self.out_split = [len(outs) > 1 for _ in joined]
+        return tuple(joined)
+
+    def _flatten_out(self, out: Any) -> list[torch.Tensor]:
+        packed = Packed(out)
+        if self.out is None:
+            self.out = packed
+        return packed.tensors
+
+    # ---- backward
+    def backward(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Backpropagate ``grads`` (one per output tensor leaf); return one gradient per input tensor."""
+        self.backward_enter()
+        n_mb = len(self.sizes)
+        grad_mbs = [self._split_grad(g, n_mb) for g in grads]
+        in_grads: list[list[torch.Tensor | None]] = []
+        if self.recompute:
+            inputs = self.unstash()
+            self._saved = []
+            per_mb = [split_batch(t, self.sizes) for t in inputs]
+            for j in range(n_mb):
+                detached = [_detach_for_grad(chunks[j]) for chunks in per_mb]
+                with (
+                    torch.profiler.record_function(f"{self.profile_prefix}:backward_recompute"),
+                    rng_replay(self._rng[j]),
+                    autocast_replay(self._autocast),
+                    torch.enable_grad(),
+                ):
+                    outs = Packed(self.run(*self.args.rebuild(detached))).tensors
+                with torch.profiler.record_function(f"{self.profile_prefix}:backward_pass"):
+                    _run_backward(outs, [g[j] for g in grad_mbs])
+                in_grads.append([d.grad if d.requires_grad else None for d in detached])
+                del outs, detached
+                self.microbatch_backward_exit(j)
+        else:
+            for j, (detached, outs) in enumerate(self._inner):
+                with torch.profiler.record_function(f"{self.profile_prefix}:backward_pass"):
+                    _run_backward(outs, [g[j] for g in grad_mbs])
+                in_grads.append([d.grad if d.requires_grad else None for d in detached])
+                self.microbatch_backward_exit(j)
+            self._inner = []
+        self.backward_exit()
+        with torch.no_grad():
+            return [self._join_grad([g[k] for g in in_grads], self.split_in[k]) for k in range(len(self.split_in))]
+
+    def _split_grad(self, g: torch.Tensor | None, n_mb: int) -> list[torch.Tensor | None]:
+        if g is None or n_mb == 1:
+            return [g] * n_mb
+        if g.dim() == 0 or g.shape[0] != sum(self.sizes):
+            raise ValueError(
+                f"output gradient of shape {tuple(g.shape)} does not have the batch ({sum(self.sizes)} rows) as "
+                "dim 0, so it cannot be split into microbatches: a block must keep the batch dim to use "
+                "num_microbatches > 1"
+            )
+        return list(torch.split(g, self.sizes, dim=0))
+
+    def _join_grad(self, parts: list[torch.Tensor | None], was_split: bool) -> torch.Tensor | None:
+        present = [p for p in parts if p is not None]
+        if not present:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        if not was_split:
+            # a 0-dim input shared by every microbatch: its gradient is the sum over microbatches
+            total = present[0].clone()
+            for p in present[1:]:
+                total += p
+            return total
+        if len(present) != len(parts):
+            like = present[0]
+            parts = [
+                like.new_zeros((n, *like.shape[1:])) if p is None else p for p, n in zip(parts, self.sizes)
+            ]
+        return join_batch(parts)  # type: ignore[arg-type]
+
+
+def _detach_for_grad(t: torch.Tensor) -> torch.Tensor:
+    d = t.detach()
+    if t.requires_grad and (t.is_floating_point() or t.is_complex()):
+        d.requires_grad_(True)
+    return d
+
+
+def _run_backward(outs: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+    pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+
+class OffloadCheckpointFunction(torch.autograd.Function):
+    """Autograd node of one :class:`BlockCall`.
+
+    ``dummy`` is a 0-element tensor that requires grad: it puts the node into the graph even when no input
+    requires grad (the first block of a model, fed by data), so that backward reaches the block's parameters.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, call: BlockCall, dummy: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.call = call
+        return call.forward(tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError(CHECKPOINT_GRAD_ERROR)
+        call: BlockCall = ctx.call
+        ctx.call = None  # free the stashed inputs once backward is through
+        in_grads = call.backward(grads)
+        return (None, None, *in_grads)
+
+
+def apply_block(call: BlockCall, tensors: Sequence[torch.Tensor]) -> Any:
+    """Run ``call`` through :class:`OffloadCheckpointFunction` and rebuild the block's output pytree."""
+    dummy = torch.empty(0, requires_grad=True)
+    outs = OffloadCheckpointFunction.apply(call, dummy, *tensors)
+    assert call.out is not None
+    return call.out.rebuild(outs)

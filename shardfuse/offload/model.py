@@ -1,0 +1,366 @@
+"""``OffloadModel``: train an ``nn.Sequential`` larger than GPU memory by streaming slices from the host.
+
+Drop-in for FairScale's ``fairscale.experimental.nn.OffloadModel``. The model is cut into slices of balanced
+parameter count whose fp32 master weights live in pinned host memory; a slice is on the GPU only while it
+computes, and the next one is copied in on a side stream meanwhile. See ``DESIGN.md`` ("Offload").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.utils._pytree import tree_map
+
+from shardfuse.offload._engine import Engine, GradBuffers, Loaded, Step, make_optimizers
+from shardfuse.offload._function import BlockCall, Packed, apply_block
+from shardfuse.offload._slices import Slice, partition
+
+logger = logging.getLogger(__name__)
+
+_CPU = torch.device("cpu")
+_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class _ParamRef:
+    """Stands in for a saved tensor that is a view of a slice's parameter buffer (``recompute=False``)."""
+
+    __slots__ = ("size", "stride", "offset")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.size, self.stride, self.offset = t.shape, t.stride(), t.storage_offset()
+
+
+class _SliceCall(BlockCall):
+    """One slice's forward call: loads the slice around the compute, sends its gradients home after."""
+
+    def __init__(
+        self,
+        model: OffloadModel,
+        s: Slice,
+        step: Step,
+        prev: _SliceCall | None,
+        args: Packed,
+        keep_after_forward: bool,
+    ) -> None:
+        super().__init__(
+            None,
+            args,
+            recompute=model.checkpoint_activation,
+            num_microbatches=model.num_microbatches,
+            offload_inputs=True,
+            rng_device=model.device,
+        )
+        self.engine: Engine = model._engine
+        self.slices: list[Slice] = model._slices
+        self.slice = s
+        self.step = step
+        self.prev = prev
+        self.keep = keep_after_forward
+        self.current: Loaded | None = None
+        self.leaves: list[torch.Tensor] | None = None
+        self.grads: GradBuffers | None = None
+        self._fwd_storage: int | None = None
+
+    def run(self, *args: Any) -> Any:
+        assert self.leaves is not None
+        return functional_call(self.slice.chain, dict(zip(self.slice.names, self.leaves)), args)
+
+    def forward_enter(self) -> None:
+        self.current = self.engine.acquire(self.slice, "forward")
+        if self.slice.index + 1 < len(self.slices):
+            self.engine.prefetch(self.slices[self.slice.index + 1], "forward")
+        # recompute=False builds the graph now, so the parameters must be leaves that require grad
+        self.leaves = self.current.leaves(requires_grad=not self.recompute)
+        self._fwd_storage = self.current.slot.buf.untyped_storage().data_ptr()
+
+    def forward_exit(self) -> None:
+        assert self.current is not None
+        self.engine.release(self.current, keep=self.keep)
+        self.current = None
+        if self.recompute:
+            self.leaves = None
+
+    def stash(self, t: torch.Tensor) -> Any:
+        return self.engine.stash(t)
+
+    def unstash(self) -> list[torch.Tensor]:
+        assert self.current is not None and self.current.inputs is not None
+        return self.current.inputs
+
+    def saved_tensors_hooks(self) -> contextlib.AbstractContextManager:
+        # The graph kept by recompute=False must not pin the parameter slot: saved views of it become
+        # references that are resolved against whatever slot holds the slice again in backward.
+        def pack(t: torch.Tensor) -> Any:
+            try:
+                same = t.device.type != "meta" and t.untyped_storage().data_ptr() == self._fwd_storage
+            except (RuntimeError, NotImplementedError):
+                same = False
+            return _ParamRef(t) if same else t
+
+        def unpack(x: Any) -> torch.Tensor:
+            if isinstance(x, _ParamRef):
+                assert self.current is not None, "parameter needed outside the slice's backward"
+                return self.current.slot.buf.as_strided(x.size, x.stride, x.offset)
+            return x
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def backward_enter(self) -> None:
+        if not self.step.finish_queued:
+            self.step.finish_queued = True
+            step, engine = self.step, self.engine
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: engine.finish(step))
+        self.current = self.engine.acquire(self.slice, "backward", self._saved if self.recompute else None)
+        prev = self.prev
+        if prev is not None:
+            self.engine.prefetch(prev.slice, "backward", prev._saved if prev.recompute else None)
+        if self.recompute:
+            self.leaves = self.current.leaves(requires_grad=True)
+        assert self.leaves is not None
+        if self.slice.trainable:
+            self.grads = self.engine.grad_buffers(self.slice)
+            # autograd accumulates in place into a .grad that already exists: the gradients of every
+            # microbatch land in the flat buffer, ready for one device->host copy
+            for leaf, g in zip(self.leaves, self.slice.views(self.grads.target)):
+                if leaf.requires_grad:
+                    leaf.grad = g
+
+    def microbatch_backward_exit(self, index: int) -> None:
+        if self.grads is not None:
+            self.engine.accumulate_microbatch(self.grads)
+
+    def backward_exit(self) -> None:
+        assert self.current is not None
+        if self.leaves is not None:
+            for leaf in self.leaves:
+                leaf.grad = None
+        self.engine.finish_slice(self.current, self.grads, self.step)
+        self.current, self.leaves, self.grads = None, None, None
+
+
+class OffloadModel(nn.Module):
+    """Train an ``nn.Sequential`` whose weights live in host memory, streamed to ``device`` slice by slice.
+
+    Args:
+        model: the model, an ``nn.Sequential``. Its first layer receives all positional inputs of
+            :meth:`forward`; every later layer receives the previous layer's output (one argument).
+        device: where the slices compute (a CUDA device; CPU for CPU-only runs and tests).
+        offload_device: where the weights live between uses; only the CPU is supported.
+        num_slices: number of slices, balanced by parameter count (contiguous layer ranges).
+        checkpoint_activation: keep only slice-boundary activations (in pinned host memory) and recompute
+            each slice in backward, microbatch by microbatch. Without it, activations stay on the device.
+        num_microbatches: split every batched input (dim 0) into this many microbatches per slice.
+        compute_dtype: compute in this dtype (bf16/fp16). The fp32 master weights stay on the host, a host
+            shadow in ``compute_dtype`` is what crosses the bus, and gradients come back as fp32 on the
+            master parameters. Floating inputs are cast to it.
+        optimizer_in_backward: ``factory(params) -> Optimizer``, called once per slice; that optimizer is
+            stepped and zero_grad'ed on the device while the slice is resident in backward (optimizer state
+            is kept on the host between steps). The master parameters then get no ``.grad``, and **the user
+            must not step an optimizer of their own** (it would see no gradients).
+
+    Parameters keep their names and identity (``"0.weight"``, ...): ``parameters()``, ``state_dict()`` and
+    ``load_state_dict()`` work as on the original model, and any torch optimizer can step them on the host
+    after ``backward()``. Buffers (e.g. batch-norm statistics) are small and stay on ``device``; note that a
+    recomputed forward updates running statistics a second time, as with ``torch.utils.checkpoint``.
+    Do not move the model with ``.to()`` / ``.cuda()`` / ``.half()``: placement is this class's job.
+    """
+
+    def __init__(
+        self,
+        model: nn.Sequential,
+        device: torch.device | str,
+        offload_device: torch.device | str = _CPU,
+        num_slices: int = 3,
+        checkpoint_activation: bool = False,
+        num_microbatches: int = 1,
+        *,
+        compute_dtype: torch.dtype | None = None,
+        optimizer_in_backward: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(model, nn.Sequential):
+            raise TypeError(
+                f"OffloadModel needs an nn.Sequential, got {type(model).__name__}: express the model as "
+                "nn.Sequential(*layers), each layer taking the previous layer's output"
+            )
+        if len(model) == 0:
+            raise ValueError("OffloadModel got an empty nn.Sequential: give it at least one layer")
+        device = _check_device(device)
+        offload_device = torch.device(offload_device)
+        if offload_device.type != "cpu":
+            raise ValueError(
+                f"offload_device={offload_device} is not supported: weights are offloaded to host memory, "
+                "pass offload_device=torch.device('cpu')"
+            )
+        if not isinstance(num_microbatches, int) or num_microbatches < 1:
+            raise ValueError(f"num_microbatches={num_microbatches!r} must be an int >= 1")
+        if not isinstance(num_slices, int):
+            raise TypeError(f"num_slices={num_slices!r} must be an int")
+        if compute_dtype is not None and compute_dtype not in _COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype={compute_dtype} is not supported: use one of {list(_COMPUTE_DTYPES)}")
+        if optimizer_in_backward is not None and not callable(optimizer_in_backward):
+            raise TypeError(
+                f"optimizer_in_backward must be a callable params -> Optimizer, got "
+                f"{type(optimizer_in_backward).__name__}: e.g. lambda ps: torch.optim.SGD(ps, lr=0.1)"
+            )
+        params = list(model.parameters())
+        dtypes = sorted({str(p.dtype) for p in params})
+        if len(dtypes) > 1 or any(not p.is_floating_point() for p in params):
+            raise TypeError(
+                f"OffloadModel needs all parameters in one floating dtype, got {dtypes}: convert the model "
+                "first (e.g. model.float()) and use compute_dtype= for low-precision compute"
+            )
+        master_dtype = params[0].dtype if params else torch.float32
+
+        layers = list(model.named_children())
+        ranges = partition([sum(p.numel() for p in m.parameters()) for _, m in layers], num_slices)
+        owner: dict[int, int] = {}
+        for i, (a, b) in enumerate(ranges):
+            for _, m in layers[a:b]:
+                for p in m.parameters():
+                    if owner.setdefault(id(p), i) != i:
+                        raise ValueError(
+                            f"a parameter of shape {tuple(p.shape)} is shared by slices {owner[id(p)]} and {i}: "
+                            "tied weights must fall into one slice; change num_slices or untie them"
+                        )
+
+        self.device = device
+        self.offload_device = offload_device
+        self.num_slices = num_slices
+        self.checkpoint_activation = checkpoint_activation
+        self.num_microbatches = num_microbatches
+        self.compute_dtype = compute_dtype
+        for name, layer in layers:
+            self.add_module(name, layer)
+        with torch.no_grad():
+            for m in self.modules():
+                for k, b in m._buffers.items():
+                    if b is not None:
+                        m._buffers[k] = b.to(device)
+        pin = device.type == "cuda"
+        self._slices: list[Slice] = [Slice(i, a, layers[a:b], pin) for i, (a, b) in enumerate(ranges)]
+        lp = compute_dtype is not None and compute_dtype != master_dtype
+        if lp:
+            for s in self._slices:
+                s.make_shadow(compute_dtype, pin)
+        self._optimizers = make_optimizers(self._slices, optimizer_in_backward) if optimizer_in_backward else None
+        self._engine = Engine(
+            self._slices, device, compute_dtype if lp else master_dtype, master_dtype, self._optimizers
+        )
+        logger.info(
+            "OffloadModel: %d layers in %d slices %s, device=%s, checkpoint=%s, microbatches=%d, compute=%s",
+            len(layers), num_slices, ranges, device, checkpoint_activation, num_microbatches, compute_dtype,
+        )
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def slice_ranges(self) -> list[tuple[int, int]]:
+        """The ``[start, stop)`` layer range of each slice."""
+        return [(s.start, s.stop) for s in self._slices]
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer | None]:
+        """The per-slice optimizers made by ``optimizer_in_backward`` (empty without it)."""
+        return list(self._optimizers or [])
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __getitem__(self, idx: int) -> nn.Module:
+        """The layer at position ``idx``, as in the original ``nn.Sequential``."""
+        return list(self._modules.values())[idx]
+
+    def transfer_stats(self, reset: bool = False) -> dict[str, int]:
+        """Bytes copied host->device (``"h2d"``) and device->host (``"d2h"``) so far; ``reset`` zeroes them."""
+        stats = dict(self._engine.bytes_moved)
+        if reset:
+            self._engine.bytes_moved = {"h2d": 0, "d2h": 0}
+        return stats
+
+    def _apply(self, fn: Any, recurse: bool = True) -> OffloadModel:
+        raise RuntimeError(
+            "OffloadModel places its parameters itself (pinned host memory, streamed to the device): do not "
+            "call .to()/.cuda()/.cpu()/.half()/.float() on it; pass device= and compute_dtype= to OffloadModel"
+        )
+
+    # ------------------------------------------------------------------ forward
+    def _prepare_input(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if x.is_floating_point() and self.compute_dtype is not None:
+            return x.to(self.device, dtype=self.compute_dtype, non_blocking=True)
+        return x.to(self.device, non_blocking=True)
+
+    def forward(self, *inputs: Any) -> Any:
+        """Run the model; with autograd enabled the result can be backpropagated as usual."""
+        if not inputs:
+            raise ValueError("OffloadModel.forward needs at least one input")
+        args: tuple[Any, ...] = tree_map(self._prepare_input, inputs)
+        if not torch.is_grad_enabled():
+            return self._forward_no_grad(args)
+        step = self._engine.new_step()
+        prev: _SliceCall | None = None
+        n = len(self._slices)
+        out: Any = None
+        for i, s in enumerate(self._slices):
+            packed = Packed(args)
+            if s.trainable or any(t.requires_grad for t in packed.tensors):
+                call = _SliceCall(self, s, step, prev, packed, keep_after_forward=i == n - 1)
+                out = apply_block(call, packed.tensors)
+                prev = call
+            else:
+                with torch.no_grad():
+                    out = self._run_streamed(s, args)
+            args = (out,)
+        return out
+
+    def _run_streamed(self, s: Slice, args: Sequence[Any]) -> Any:
+        ld = self._engine.acquire(s, "forward")
+        if s.index + 1 < len(self._slices):
+            self._engine.prefetch(self._slices[s.index + 1], "forward")
+        with torch.profiler.record_function("shardfuse.offload:forward_compute"):
+            out = functional_call(s.chain, dict(zip(s.names, ld.leaves(False))), tuple(args))
+        with torch.profiler.record_function("shardfuse.offload:forward_drop"):
+            self._engine.release(ld)
+        return out
+
+    def _forward_no_grad(self, args: tuple[Any, ...]) -> Any:
+        out: Any = None
+        for s in self._slices:
+            out = self._run_streamed(s, args)
+            args = (out,)
+        self._engine.idle()
+        return out
+
+    def extra_repr(self) -> str:
+        return (
+            f"device={self.device}, num_slices={self.num_slices}, slices={self.slice_ranges}, "
+            f"checkpoint_activation={self.checkpoint_activation}, num_microbatches={self.num_microbatches}, "
+            f"compute_dtype={self.compute_dtype}"
+        )
+
+    def named_slices(self) -> Iterator[tuple[int, list[str]]]:
+        """Each slice's index with the names of the layers it holds."""
+        for s in self._slices:
+            yield s.index, list(s.chain._modules)
+
+
+def _check_device(device: torch.device | str) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"device={device} but CUDA is not available: pass device=torch.device('cpu') for a CPU-only run"
+            )
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+    if device.type != "cpu":
+        raise ValueError(f"device={device} is not supported: OffloadModel computes on a CUDA device (or the CPU)")
+    return device
