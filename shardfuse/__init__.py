@@ -1,0 +1,37 @@
+"""shardfuse: fully sharded data parallelism and layer-wise CPU offload for PyTorch on fused Triton kernels.
+
+The public API; everything else in the package is private. Kernels live in ``shardfuse.kernels``.
+"""
+
+from shardfuse import kernels
+from shardfuse.offload import OffloadModel, checkpoint_wrapper
+from shardfuse.sharding import (
+    FullyShardedDataParallel,
+    ModuleClassWrapPolicy,
+    TrainingState,
+    auto_wrap,
+    config_auto_wrap_policy,
+    default_auto_wrap_policy,
+    enable_wrap,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+    wrap,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FullyShardedDataParallel",
+    "ModuleClassWrapPolicy",
+    "OffloadModel",
+    "TrainingState",
+    "auto_wrap",
+    "checkpoint_wrapper",
+    "config_auto_wrap_policy",
+    "default_auto_wrap_policy",
+    "enable_wrap",
+    "kernels",
+    "size_based_auto_wrap_policy",
+    "transformer_auto_wrap_policy",
+    "wrap",
+]
