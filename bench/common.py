@@ -26,6 +26,9 @@ def gpu_key() -> str:
 
 
 def git_commit() -> str:
+    # The device machine gets the working tree without .git: the caller passes the commit along.
+    if os.environ.get("SHARDFUSE_COMMIT"):
+        return os.environ["SHARDFUSE_COMMIT"]
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,

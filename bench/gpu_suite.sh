@@ -43,7 +43,8 @@ for stage in "${STAGES[@]}"; do
       step env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv;
         python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.nccl.version())"' ;;
     tests)
-      step tests 420 python3 -m pytest -q -x --timeout=300 -p no:cacheprovider tests \
+      # The GPU-marked tests by default (CI runs the CPU suite); TEST_MARK="" runs everything.
+      step tests 420 python3 -m pytest -q --timeout=300 -p no:cacheprovider tests -m "${TEST_MARK-gpu or multigpu}" \
         --junitxml="$OUT/tests-junit.xml" ;;
     kernels)
       step kernels 360 python3 bench/kernels/run.py --sizes "${KERNEL_SIZES:-1M,16M,64M,256M,512M}" ;;

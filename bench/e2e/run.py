@@ -1,0 +1,427 @@
+"""End-to-end training benchmark: shardfuse vs FSDP2 vs FSDP1 (vs FairScale), one after another in one job.
+
+    PYTHONPATH=$PWD torchrun --standalone --nproc_per_node 2 bench/e2e/run.py --regime both \\
+        --impls shardfuse,fsdp2,fsdp1 --steps 20 --warmup 3 [--profile DIR]
+    # CPU smoke test of the script itself (gloo, tiny model):
+    PYTHONPATH=$PWD torchrun --standalone --nproc_per_node 2 bench/e2e/run.py --device cpu --config tiny \\
+        --impls shardfuse,fsdp2,fsdp1 --steps 2 --warmup 1
+
+The model is the Llama-style decoder of ``examples/llama.py`` (``--config bench``: 953M parameters), with bf16
+compute, fp32 gradient reduction and AdamW (lr 1e-4, PyTorch's default foreach setting), every decoder layer one
+sharded unit plus the root:
+
+- ``shardfuse``: ``FullyShardedDataParallel(mixed_precision=True, compute_dtype=bf16, fp32_reduce_scatter=True)``
+- ``fsdp2``: ``fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))``
+- ``fsdp1``: ``torch.distributed.fsdp.FullyShardedDataParallel`` with ``MixedPrecision(bf16, fp32, bf16)``, a
+  transformer auto-wrap policy, ``use_orig_params=False``
+- ``fairscale``: FairScale's FSDP with the same flags as shardfuse (when ``fairscale`` is importable)
+- ``baseline``: one GPU, no sharding, fp32 parameters under ``torch.autocast(bf16)``; rank 0 runs it alone while
+  the other ranks wait (``--no-baseline`` skips it).
+
+Regimes, per GPU: ``8k`` = batch 4 x seq 2048 (compute-bound), ``1k`` = batch 1 x seq 1024 (communication-bound);
+the sequence is capped at the model's ``max_seq_len`` (the tiny config's 32 on the CPU).
+
+Measured per implementation and regime: mean step time (forward + backward + optimizer step, synchronised
+before and after every step) over ``--steps`` after ``--warmup``, max over ranks; tokens/s/GPU; MFU =
+(6 * N * tokens + causal attention flops 6 * L * seq^2 * dim * batch) / (step time * peak), N = the parameters
+used in matrix products (all but the input embedding table), peak = ``--peak-tflops`` (989 TFLOP/s, H100/H200
+dense bf16); peak memory (``max_memory_allocated`` from after wrapping to the last step, max over ranks); the
+last step's loss averaged over ranks (all implementations start from the same weights and see the same data).
+
+Every rank runs the same collectives with fixed step counts. An implementation that raises on every rank
+alike (e.g. at wrap time) is recorded as an error and the job goes on; one that fails on some ranks only would
+desynchronise the collectives, so the process-group timeout (``--pg-timeout``) then ends the job with a log.
+Rank 0 writes ``e2e_<N>gpu.json`` through ``bench.common.write_result`` after every implementation (so a
+crash keeps what was measured) and prints a table at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import functools
+import gc
+import os
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+# NVLink multicast (NVLS) stays off unless the caller set it; other variables are left alone.
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.common import write_result  # noqa: E402
+from examples.llama import DecoderLayer, Llama, LlamaConfig, next_token_loss  # noqa: E402
+
+REGIMES: dict[str, tuple[int, int]] = {"8k": (4, 2048), "1k": (1, 1024)}  # (batch, seq) per GPU
+IMPLS = ("shardfuse", "fsdp2", "fsdp1", "fairscale")
+DEFAULT_PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
+PROFILE_STEPS = 3
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line arguments."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--regime", choices=("8k", "1k", "both"), default="both")
+    p.add_argument("--impls", default="shardfuse,fsdp2,fsdp1", help=f"comma-separated, from {', '.join(IMPLS)}")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per implementation and regime")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
+    p.add_argument("--config", choices=("tiny", "small", "bench"), default="bench", help="model size")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS, help="bf16 peak for MFU")
+    p.add_argument("--no-baseline", action="store_true", help="skip the one-GPU unsharded baseline")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help=f"write a chrome trace of {PROFILE_STEPS} shardfuse steps of the 1k regime (rank 0) to DIR")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pg-timeout", type=float, default=600.0, help="process-group timeout in seconds")
+    p.add_argument("--name", default=None, help="result name (default e2e_<N>gpu)")
+    args = p.parse_args(argv)
+    impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+    unknown = [i for i in impls if i not in IMPLS]
+    if unknown or not impls:
+        p.error(f"--impls {args.impls!r}: unknown {unknown}; choose from {', '.join(IMPLS)}")
+    args.impl_list = impls
+    if args.steps < 1 or args.warmup < 0:
+        p.error(f"need --steps >= 1 and --warmup >= 0, got {args.steps=} {args.warmup=}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but no CUDA GPU is visible: pass --device cpu for a smoke test")
+    return args
+
+
+# ------------------------------------------------------------------------------------------------ wrapping
+
+
+def shardfuse_fsdp() -> type[nn.Module]:
+    """shardfuse's FullyShardedDataParallel (package root once exported there)."""
+    try:
+        from shardfuse import FullyShardedDataParallel
+    except ImportError:
+        from shardfuse.sharding.fully_sharded import FullyShardedDataParallel
+    return FullyShardedDataParallel
+
+
+def unavailable_reason(impl: str) -> str | None:
+    """Why ``impl`` cannot run in this environment (the same answer on every rank), or None."""
+    try:
+        if impl == "shardfuse":
+            shardfuse_fsdp()
+        elif impl == "fairscale":
+            import fairscale.nn.data_parallel  # noqa: F401
+        elif impl == "fsdp2":
+            from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError as exc:
+        return f"not importable: {exc}"
+    return None
+
+
+def wrap_shardfuse(model: Llama, device: torch.device) -> nn.Module:
+    """Each decoder layer, then the root, in shardfuse's FSDP (bf16 compute, fp32 reduce-scatter)."""
+    from shardfuse.sharding.wrap import ModuleClassWrapPolicy, auto_wrap, enable_wrap, wrap
+
+    kwargs = dict(mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True)
+    with enable_wrap(wrapper_cls=shardfuse_fsdp(), **kwargs):
+        model = auto_wrap(model, auto_wrap_policy=ModuleClassWrapPolicy({DecoderLayer}))
+        return wrap(model)
+
+
+def wrap_fsdp2(model: Llama, device: torch.device) -> nn.Module:
+    """``fully_shard`` on each decoder layer, then on the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def wrap_fsdp1(model: Llama, device: torch.device) -> nn.Module:
+    """FSDP1 with a transformer auto-wrap policy on the decoder layer class."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={DecoderLayer})
+    return FullyShardedDataParallel(
+        model, auto_wrap_policy=policy, mixed_precision=mp, device_id=device, use_orig_params=False
+    )
+
+
+def wrap_fairscale(model: Llama, device: torch.device) -> nn.Module:
+    """FairScale 0.4's FSDP on each decoder layer, then the root, with the flags shardfuse gets."""
+    from fairscale.nn.data_parallel import FullyShardedDataParallel
+
+    kwargs = dict(mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True)
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = FullyShardedDataParallel(layer, **kwargs)
+    return FullyShardedDataParallel(model, **kwargs)
+
+
+WRAPPERS: dict[str, Callable[[Llama, torch.device], nn.Module]] = {
+    "shardfuse": wrap_shardfuse,
+    "fsdp2": wrap_fsdp2,
+    "fsdp1": wrap_fsdp1,
+    "fairscale": wrap_fairscale,
+    "baseline": lambda model, device: model,
+}
+
+
+# ------------------------------------------------------------------------------------------------ measuring
+
+
+def model_flops_per_step(cfg: LlamaConfig, batch: int, seq: int) -> float:
+    """Training flops of one step on one GPU: 6 N T for the matrix products plus causal attention."""
+    n_matmul = cfg.num_params() - cfg.vocab_size * cfg.dim  # the input embedding is a lookup, no flops
+    tokens = batch * seq
+    # QK^T and AV: 2 * 2 * seq^2 * dim per sequence and layer forward, halved by causality, x3 for backward.
+    attention = 6.0 * cfg.n_layers * seq * seq * cfg.dim * batch
+    return 6.0 * n_matmul * tokens + attention
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the GPU (no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_data(cfg: LlamaConfig, batch: int, seq: int, rank: int, seed: int, device: torch.device) -> list[torch.Tensor]:
+    """A few seeded random token batches of this rank, (batch, seq + 1) each, cycled through the steps."""
+    gen = torch.Generator().manual_seed(seed * 7919 + rank)
+    return [torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=gen).to(device) for _ in range(4)]
+
+
+def step_fn(model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, autocast: bool) -> torch.Tensor:
+    """One training step; returns the (detached) loss."""
+    ctx = torch.autocast(tokens.device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with ctx:
+        logits = model(tokens[:, :-1])
+    loss = next_token_loss(logits, tokens[:, 1:])
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+@contextlib.contextmanager
+def maybe_profile(path: Path | None, device: torch.device) -> Iterator[None]:
+    """Record a chrome trace to ``path`` when given."""
+    if path is None:
+        yield
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        yield
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    print(f"wrote profiler trace {path}", flush=True)
+
+
+def measure(
+    impl: str, regime: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.device, rank: int,
+) -> dict[str, Any]:
+    """Build, wrap and train ``impl`` for warmup + steps on this rank; returns this rank's numbers."""
+    batch, seq = REGIMES[regime]
+    seq = min(seq, cfg.max_seq_len)
+    data = make_data(cfg, batch, seq, rank, args.seed, device)
+    with torch.device(device):
+        model = Llama(cfg)
+    model.init_weights(args.seed)
+    model = WRAPPERS[impl](model, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    autocast = impl == "baseline"
+    if device.type == "cuda":
+        mem_after_wrap = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    loss = None
+    for i in range(args.warmup + args.steps):
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.profiler.record_function(f"bench.e2e:{impl}_step"):
+            loss = step_fn(model, opt, data[i % len(data)], autocast)
+        sync(device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    out: dict[str, Any] = {
+        "batch": batch, "seq": seq, "step_ms_list": [t * 1e3 for t in times],
+        "step_ms": 1e3 * sum(times) / len(times), "loss_last": loss.float().item(),
+    }
+    if device.type == "cuda":
+        out["peak_bytes"] = torch.cuda.max_memory_allocated(device)
+        out["mem_after_wrap_bytes"] = mem_after_wrap
+    if args.profile and impl == "shardfuse" and regime == "1k":
+        path = Path(args.profile) / f"shardfuse_1k_{dist.get_world_size()}gpu_rank0.json" if rank == 0 else None
+        # Every rank runs the same steps (collectives stay matched); rank 0 records them.
+        with maybe_profile(path, device):
+            for i in range(PROFILE_STEPS):
+                with torch.profiler.record_function("bench.e2e:shardfuse_step"):
+                    step_fn(model, opt, data[i % len(data)], autocast)
+            sync(device)
+    del model, opt, loss, data
+    return out
+
+
+def free_memory(device: torch.device) -> None:
+    """Release everything the last implementation left behind."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+# ------------------------------------------------------------------------------------------------ driver
+
+
+def run_one(
+    impl: str, regime: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.device,
+    rank: int, world: int, host_group: dist.ProcessGroup | None,
+) -> dict[str, Any]:
+    """Measure one (impl, regime) on all ranks in lockstep; returns the row (meaningful on rank 0)."""
+    batch, seq = REGIMES[regime]
+    row: dict[str, Any] = {"impl": impl, "regime": regime}
+    only_rank0 = impl == "baseline"
+    mine: dict[str, Any] = {}
+    error = None
+    if not only_rank0 or rank == 0:
+        try:
+            mine = measure(impl, regime, cfg, args, device, rank)
+        except Exception as exc:  # recorded, and the other ranks learn of it below
+            traceback.print_exc()
+            error = f"rank {rank}: {type(exc).__name__}: {exc}"
+    free_memory(device)
+    # Host-side agreement (gloo): the baseline's waiting ranks block here until rank 0 is done.
+    failed = torch.tensor([0.0 if error is None else 1.0])
+    dist.all_reduce(failed, group=host_group)
+    participants = 1 if only_rank0 else world
+    stats = torch.tensor([
+        mine.get("step_ms", 0.0), float(mine.get("peak_bytes", 0)), mine.get("loss_last", 0.0),
+    ], dtype=torch.float64)
+    maxed = stats.clone()
+    dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=host_group)
+    summed = stats.clone()
+    dist.all_reduce(summed, group=host_group)
+    if failed.item():
+        row["error"] = error or "failed on another rank (see its log)"
+        return row
+    if not mine:  # a rank that only waited for the baseline
+        return row
+    step_ms = maxed[0].item()
+    tokens = mine["batch"] * mine["seq"]
+    row.update(
+        batch=mine["batch"], seq=mine["seq"], gpus=participants, step_ms=step_ms,
+        step_ms_rank0=mine["step_ms"], step_ms_list_rank0=mine["step_ms_list"],
+        tok_s_gpu=tokens / (step_ms * 1e-3), loss_last=summed[2].item() / participants,
+    )
+    if (batch, seq) != (mine["batch"], mine["seq"]):
+        row["note"] = f"regime {regime} capped to batch {mine['batch']} x seq {mine['seq']} by the model config"
+    if device.type == "cuda":
+        flops = model_flops_per_step(cfg, mine["batch"], mine["seq"])
+        row["mfu"] = flops / (step_ms * 1e-3) / (args.peak_tflops * 1e12)
+        row["peak_gib"] = maxed[1].item() / 2**30
+        row["mem_after_wrap_gib_rank0"] = mine["mem_after_wrap_bytes"] / 2**30
+    return row
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """The compact comparison table (rank 0)."""
+    ref = {r["regime"]: r["step_ms"] for r in rows if r["impl"] == "fsdp2" and "step_ms" in r}
+    print(f"\n{'impl':10s} {'regime':6s} {'step ms':>9s} {'tok/s/GPU':>10s} {'MFU %':>6s} {'peak GiB':>9s} "
+          f"{'loss':>7s} {'vs fsdp2':>9s}")
+    for r in rows:
+        if "step_ms" not in r:
+            print(f"{r['impl']:10s} {r['regime']:6s} {r.get('error') or r.get('skipped')}")
+            continue
+        mfu = f"{100 * r['mfu']:6.1f}" if "mfu" in r else f"{'-':>6s}"
+        peak = f"{r['peak_gib']:9.2f}" if "peak_gib" in r else f"{'-':>9s}"
+        speedup = f"{ref[r['regime']] / r['step_ms']:8.2f}x" if r["regime"] in ref else f"{'-':>9s}"
+        print(f"{r['impl']:10s} {r['regime']:6s} {r['step_ms']:9.1f} {r['tok_s_gpu']:10,.0f} {mfu} {peak} "
+              f"{r['loss_last']:7.3f} {speedup}")
+    print("(vs fsdp2: FSDP2's step time / this step time; > 1 is faster)", flush=True)
+
+
+def _init_distributed(args: argparse.Namespace) -> tuple[int, int, int]:
+    """Join torchrun's process group (or make a world of one); returns (rank, world, local_rank)."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(
+        "nccl" if args.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=args.pg_timeout)
+    )
+    return rank, world, local_rank
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run every requested (regime, impl) and write the result JSON."""
+    args = parse_args(argv)
+    rank, world, local_rank = _init_distributed(args)
+    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
+    # Host-side bookkeeping goes through gloo, so waiting ranks never spin on a GPU collective.
+    host_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+    cfg = LlamaConfig.named(args.config)
+    regimes = ["8k", "1k"] if args.regime == "both" else [args.regime]
+    impls = (["baseline"] if not args.no_baseline else []) + args.impl_list
+    name = args.name or f"e2e_{world}gpu"
+    if rank == 0:
+        print(f"e2e: {world} x {device.type}, {args.config} model ({cfg.num_params():,} params), regimes {regimes}, "
+              f"impls {impls}, {args.warmup} warm-up + {args.steps} timed steps", flush=True)
+    payload: dict[str, Any] = {
+        "config": {
+            "model": args.config, **asdict(cfg), "params": cfg.num_params(), "world_size": world,
+            "device": device.type, "steps": args.steps, "warmup": args.warmup, "lr": args.lr,
+            "optimizer": "AdamW (foreach default)", "compute_dtype": "bfloat16", "reduce_dtype": "float32",
+            "peak_tflops": args.peak_tflops, "regimes": {r: REGIMES[r] for r in regimes},
+            "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
+        },
+        "results": [],
+    }
+    rows: list[dict[str, Any]] = payload["results"]
+    for regime in regimes:
+        for impl in impls:
+            reason = unavailable_reason(impl)
+            if reason is not None:
+                if rank == 0:
+                    print(f"-- {impl} {regime}: skipped ({reason})", flush=True)
+                rows.append({"impl": impl, "regime": regime, "skipped": reason})
+                continue
+            if rank == 0:
+                print(f"-- {impl} {regime} ...", flush=True)
+            row = run_one(impl, regime, cfg, args, device, rank, world, host_group)
+            rows.append(row)
+            if rank == 0:
+                if "step_ms" in row:
+                    print(f"   {row['step_ms']:.1f} ms/step, {row['tok_s_gpu']:,.0f} tok/s/GPU, "
+                          f"loss {row['loss_last']:.3f}", flush=True)
+                else:
+                    print(f"   error: {row['error']}", flush=True)
+                write_result(name, payload)
+    if rank == 0:
+        path = write_result(name, payload)
+        print_table(rows)
+        print(f"wrote {path}", flush=True)
+    dist.barrier(group=host_group)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Shard cast benchmark cases: fp32 -> bf16 into the all-gather input, one shard or many tensors.
+
+Each case moves the fewest bytes a one-pass cast must move (read fp32 once, write bf16 once); the
+baselines are what PyTorch / FSDP2 run today:
+
+- one flat shard: ``out.copy_(src)`` (a single cast kernel, the ceiling to match);
+- the FSDP2 two-pass sequence on ~16 per-parameter shards: ``torch._foreach_copy_`` of the fp32 shards into
+  bf16 per-parameter tensors, then ``torch._foreach_copy_`` (or ``torch.cat``) into the all-gather input;
+- 1000 small tensors: ``torch._foreach_copy_`` into per-tensor bf16 outputs.
+
+GPU only: every tensor is built on "cuda" inside ``cases``. The runner is ``bench/kernels/run.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from bench.kernels.cases import KernelCase
+from shardfuse.kernels.cast import cast_shard, cast_shards
+
+FAMILY = "shard_cast"
+NUM_PARAMS = 16  # per-parameter shards in one FSDP unit's flat shard
+NUM_SMALL = 1000  # tensors in the multi-tensor case
+WORLD_SIZE = 2  # the all-gather input is this rank's slice of a WORLD_SIZE-times larger buffer
+
+
+def split_sizes(n: int, parts: int, seed: int = 0) -> list[int]:
+    """``parts`` uneven positive sizes summing to ``n`` (uneven like real parameters)."""
+    parts = max(1, min(parts, n))
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.rand(parts, generator=gen) + 0.25
+    sizes = [max(1, int(w)) for w in (weights / weights.sum() * n).tolist()]
+    sizes[-1] += n - sum(sizes)
+    if sizes[-1] < 1:  # rounding pushed the last one under 1: take the excess from the largest
+        big = max(range(parts), key=sizes.__getitem__)
+        sizes[big] += sizes[-1] - 1
+        sizes[-1] = 1
+    return sizes
+
+
+def _shard_cases(n: int) -> list[KernelCase]:
+    dev = "cuda"
+    nbytes = n * (4 + 2)  # read fp32 once, write bf16 once
+    # The all-gather input: this rank (rank 1) writes its slice, as before a real all-gather.
+    ag = torch.empty(WORLD_SIZE * n, dtype=torch.bfloat16, device=dev)
+    ag_in = ag[n : 2 * n]
+    shard = torch.randn(n, device=dev)
+
+    # FSDP2 keeps one fp32 shard per parameter; emulate with NUM_PARAMS uneven ones of the same total.
+    sizes = split_sizes(n, NUM_PARAMS)
+    params = list(torch.randn(n, device=dev).split(sizes))
+    params = [p.clone() for p in params]  # separate allocations, like real per-parameter shards
+    bf16_params = [torch.empty_like(p, dtype=torch.bfloat16) for p in params]
+    ag_views = list(ag_in.split(sizes))
+
+    def fsdp2_foreach_x2():
+        torch._foreach_copy_(bf16_params, params)  # pass 1: cast each parameter shard
+        torch._foreach_copy_(ag_views, bf16_params)  # pass 2: copy into the all-gather input
+
+    def fsdp2_to_cat():
+        torch.cat([p.to(torch.bfloat16) for p in params], out=ag_in)
+
+    baselines = {"fsdp2_foreach_copy_x2": fsdp2_foreach_x2, "fsdp2_to+cat": fsdp2_to_cat}
+    return [
+        KernelCase(
+            family=FAMILY,
+            name=f"fp32->bf16 flat shard n={n}",
+            numel=n,
+            bytes_moved=nbytes,
+            shardfuse=lambda: cast_shard(shard, ag_in),
+            baselines={"copy_": lambda: ag_in.copy_(shard), **baselines},
+        ),
+        KernelCase(
+            family=FAMILY,
+            name=f"fp32->bf16 {len(params)} params n={n}",
+            numel=n,
+            bytes_moved=nbytes,
+            shardfuse=lambda: cast_shards(params, ag_in),
+            baselines=baselines,
+            num_tensors=len(params),
+        ),
+    ]
+
+
+def _multi_case(n: int) -> KernelCase:
+    dev = "cuda"
+    sizes = split_sizes(n, NUM_SMALL, seed=1)
+    srcs = [torch.randn(k, device=dev) for k in sizes]
+    outs = [torch.empty(k, dtype=torch.bfloat16, device=dev) for k in sizes]
+    return KernelCase(
+        family=FAMILY,
+        name=f"fp32->bf16 {len(sizes)} tensors n={n}",
+        numel=n,
+        bytes_moved=n * (4 + 2),
+        shardfuse=lambda: cast_shards(srcs, outs),
+        baselines={"foreach_copy_": lambda: torch._foreach_copy_(outs, srcs)},
+        num_tensors=len(sizes),
+    )
+
+
+def cases(sizes: Sequence[int]) -> list[KernelCase]:
+    """The shard-cast cases at each size (elements of the fp32 shard): one shard, 16 params, 1000 tensors."""
+    out: list[KernelCase] = []
+    for n in sizes:
+        out += _shard_cases(n)
+        out.append(_multi_case(n))
+    return out

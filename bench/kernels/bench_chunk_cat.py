@@ -1,0 +1,67 @@
+"""Benchmark cases for chunk_cat (the reduce-scatter input layout with the gradient scale and cast fused)
+against ``torch._chunk_cat`` + ``div_`` (and with the per-tensor ``.to`` cast FSDP2 does first).
+
+Inputs look like a decoder block's gradients: 2-D weights (rows x 1024) of a few sizes plus 1-D norm and
+bias vectors of odd lengths, in two groupings: 8 tensors, and many small tensors (up to 1024).
+World size 8, FairScale predivide 4. GPU only; tensors are built on "cuda" inside :func:`cases`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from bench.kernels.cases import KernelCase
+from shardfuse.kernels.chunk_cat import chunk_cat
+from shardfuse.kernels.grad_divide import gradient_divide_factors
+
+WORLD_SIZE = 8
+PRE, _ = gradient_divide_factors(WORLD_SIZE)
+SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+PAIRS = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float32)]
+
+
+def _shapes(n: int, num: int) -> list[tuple[int, ...]]:
+    """About n elements in num tensors: 2-D weights with uneven row counts, then two odd 1-D vectors."""
+    hidden = max(1, min(1024, n // (4 * num)))  # small sizes: narrower rows, so the total stays near n
+    per = max(1, n // num // hidden)
+    shapes: list[tuple[int, ...]] = [(max(1, per - 1 + i % 3), hidden) for i in range(max(1, num - 2))]
+    left = max(3, n - sum(r * c for r, c in shapes))  # both vectors non-empty (torch._chunk_cat needs that)
+    shapes += [(left // 2 + 1,), (left - left // 2 - 1,)]
+    return shapes
+
+
+def _case(n: int, num: int, src: torch.dtype, dst: torch.dtype) -> KernelCase:
+    tensors = [torch.randn(s, device="cuda").to(src) for s in _shapes(n, num)]
+    out = chunk_cat(tensors, WORLD_SIZE, factor=PRE, dtype=dst)
+
+    def chunk_cat_div():
+        torch._chunk_cat(tensors, 0, WORLD_SIZE, out=out)
+        out.div_(PRE)
+
+    def to_chunk_cat_div():
+        torch._chunk_cat([t.to(dst) for t in tensors], 0, WORLD_SIZE, out=out)
+        out.div_(PRE)
+
+    in_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    return KernelCase(
+        family="chunk_cat",
+        name=f"{SHORT[src]}->{SHORT[dst]} {len(tensors)} tensors n={sum(t.numel() for t in tensors)}",
+        numel=out.numel(),
+        bytes_moved=in_bytes + out.numel() * out.element_size(),
+        shardfuse=lambda: chunk_cat(tensors, WORLD_SIZE, factor=PRE, out=out),
+        baselines={"to+_chunk_cat+div_": to_chunk_cat_div} if src != dst else {"_chunk_cat+div_": chunk_cat_div},
+        num_tensors=len(tensors),
+    )
+
+
+def cases(sizes: Sequence[int]) -> list[KernelCase]:
+    """chunk_cat cases at each size (total gradient elements): 8 tensors, and many small ones."""
+    result = []
+    for n in sizes:
+        many = max(8, min(1024, n // 65536))
+        result += [_case(n, 8, s, d) for s, d in PAIRS]
+        if many > 8:
+            result += [_case(n, many, s, d) for s, d in PAIRS[:1]]
+    return result
