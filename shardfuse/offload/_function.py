@@ -199,6 +199,7 @@ class BlockCall:
         self.rng_device = rng_device
         self.sizes: list[int] = [0]
         self.split_in: list[bool] = []
+        self.grad_in: list[bool] = []
         self.out: Packed | None = None
         self.out_split: list[bool] = []
         self._rng: list[RngState] = []
@@ -261,6 +262,9 @@ class BlockCall:
             )
         self.sizes = microbatch_sizes(batch, self.num_microbatches) if batch is not None else [0]
         self.split_in = [t.dim() >= 1 for t in tensors]
+        # Recorded now: the stashed copies brought back for the recompute are new tensors that no longer
+        # know which inputs required grad.
+        self.grad_in = [_wants_grad(t) for t in tensors]
         per_mb = [split_batch(t, self.sizes) for t in tensors]
         mbs = [[chunks[j] for chunks in per_mb] for j in range(len(self.sizes))]
 
@@ -281,7 +285,7 @@ class BlockCall:
             else:
                 with torch.enable_grad(), self.saved_tensors_hooks():
                     for mb in mbs:
-                        detached = [_detach_for_grad(t) for t in mb]
+                        detached = [_detach_for_grad(t, g) for t, g in zip(mb, self.grad_in)]
                         flat = self._flatten_out(self.run(*self.args.rebuild(detached)))
                         self._inner.append((detached, flat))
                         outs.append([o.detach() for o in flat])
@@ -310,7 +314,7 @@ class BlockCall:
             self._saved = []
             per_mb = [split_batch(t, self.sizes) for t in inputs]
             for j in range(n_mb):
-                detached = [_detach_for_grad(chunks[j]) for chunks in per_mb]
+                detached = [_detach_for_grad(chunks[j], g) for chunks, g in zip(per_mb, self.grad_in)]
                 with (
                     torch.profiler.record_function(f"{self.profile_prefix}:backward_recompute"),
                     rng_replay(self._rng[j]),
@@ -365,11 +369,12 @@ class BlockCall:
         return join_batch(parts)  # type: ignore[arg-type]
 
 
-def _detach_for_grad(t: torch.Tensor) -> torch.Tensor:
-    d = t.detach()
-    if t.requires_grad and (t.is_floating_point() or t.is_complex()):
-        d.requires_grad_(True)
-    return d
+def _wants_grad(t: torch.Tensor) -> bool:
+    return t.requires_grad and (t.is_floating_point() or t.is_complex())
+
+
+def _detach_for_grad(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    return t.detach().requires_grad_(requires_grad)
 
 
 def _run_backward(outs: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:

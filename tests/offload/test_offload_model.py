@@ -519,3 +519,13 @@ def test_transfer_accounting_and_resident_last_slice():
     }
     loss_of(off(torch.randn(4, 5)), [torch.randn(4, 4)]).backward()  # no step in between: shadow still fresh
     assert off.transfer_stats() == {"h2d": 2 * total + 2 * (total - sizes[-1]), "d2h": 4 * total}
+
+
+@pytest.mark.parametrize("num_slices", [2, 4], ids=lambda n: f"slices{n}")
+def test_checkpoint_with_stash_round_trip(monkeypatch, num_slices):
+    # On CUDA the boundary activations come back from pinned host memory as new tensors that do not
+    # require grad; on the CPU the stash keeps the tensor itself. Make the CPU stash return a copy too, so
+    # a recompute that trusts the restored tensor's requires_grad (and drops every gradient but the last
+    # slice's) fails here, not only on a GPU.
+    monkeypatch.setattr(_engine.Engine, "stash", lambda self, t: t.detach().clone())
+    train_both(mlp, num_slices, 2, True, mlp_inputs(6), steps=2)
