@@ -113,6 +113,10 @@ class Packed:
         self.tensors: list[torch.Tensor] = [leaves[i] for i in self.tensor_pos]
         self._leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
 
+    def drop_tensors(self) -> None:
+        """Forget the tensor leaves, keeping the structure: a call kept for backward must not pin them."""
+        self.tensors = []
+
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> Any:
         """The same pytree with its tensor leaves replaced by ``tensors`` (in order)."""
         leaves = list(self._leaves)
@@ -294,6 +298,11 @@ class BlockCall:
         with torch.no_grad():
             joined = [join_batch([o[k] for o in outs]) for k in range(len(outs[0]))]
         self.out_split = [len(outs) > 1 for _ in joined]
+        # The call lives until backward (in ctx): holding the inputs or the first microbatch's outputs here
+        # would keep every block's activations on the device, which is what recompute exists to avoid.
+        self.args.drop_tensors()
+        assert self.out is not None
+        self.out.drop_tensors()
         return tuple(joined)
 
     def _flatten_out(self, out: Any) -> list[torch.Tensor]:

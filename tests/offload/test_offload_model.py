@@ -529,3 +529,29 @@ def test_checkpoint_with_stash_round_trip(monkeypatch, num_slices):
     # slice's) fails here, not only on a GPU.
     monkeypatch.setattr(_engine.Engine, "stash", lambda self, t: t.detach().clone())
     train_both(mlp, num_slices, 2, True, mlp_inputs(6), steps=2)
+
+
+def test_checkpoint_forward_keeps_no_boundary_activation(monkeypatch):
+    # With checkpoint_activation=True only the stashed (host) copies may outlive the forward: the calls
+    # kept for backward must not pin a slice's device input or output. The stash returns a copy, as on CUDA.
+    import gc
+    import weakref
+
+    from shardfuse.offload import model as offload_model
+
+    monkeypatch.setattr(_engine.Engine, "stash", lambda self, t: t.detach().clone())
+    seen: list[weakref.ref] = []
+    real_apply = offload_model.apply_block
+
+    def recording_apply(call, tensors):
+        seen.extend(weakref.ref(t) for t in tensors)
+        return real_apply(call, tensors)
+
+    monkeypatch.setattr(offload_model, "apply_block", recording_apply)
+    off = OffloadModel(mlp(), "cpu", num_slices=4, checkpoint_activation=True, num_microbatches=2)
+    out = off(torch.randn(6, 5))
+    gc.collect()
+    alive = [i for i, r in enumerate(seen[1:], start=1) if r() is not None]  # seen[0] is the caller's input
+    assert alive == [], f"boundary activations of slices {alive} are still alive after the forward"
+    out.sum().backward()
+    assert all(p.grad is not None for p in off.parameters())
