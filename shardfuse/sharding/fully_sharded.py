@@ -660,8 +660,11 @@ class FullyShardedDataParallel(nn.Module):
                 if nxt is not None and nxt.training_state == TrainingState.IDLE:
                     with record_function("shardfuse.sharding:prefetch"):
                         nxt._unshard()
-            # The views autograd saved in forward share the full buffer's storage, restored in place.
-            self._wait_and_set_views(set_views=False)
+            # The views autograd saved in forward share the full buffer's storage, restored in place. The
+            # module attributes get fresh autograd-connected views too (grad mode is off inside backward):
+            # an activation-checkpoint recompute inside the wrapped module reads them.
+            with torch.enable_grad():
+                self._wait_and_set_views()
 
     def _post_backward_hook(self, handle: FlatParamHandle, full_param: torch.Tensor) -> None:
         with record_function("shardfuse.sharding:post_backward"):

@@ -74,13 +74,7 @@ def check_checkpointed_fsdp(cfg: dict[str, Any], offload_to_cpu: bool, fsdp_outs
 @pytest.mark.parametrize("fsdp_outside", [True, False], ids=["fsdp-of-ckpt", "ckpt-of-fsdp"])
 @pytest.mark.parametrize("offload_to_cpu", [False, True], ids=["on-device", "offload-to-cpu"])
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep-full"])
-def test_checkpoint_wrapper_with_fsdp(pool, offload_to_cpu, reshard, fsdp_outside, request):
-    if fsdp_outside and reshard:
-        # Needs the sharding side: the unit's pre-backward hook gathers the full parameters but leaves the
-        # module attributes on their meta placeholders (set_views=False), so a recompute that runs inside the
-        # wrapped module (not through the unit's forward) finds no parameters. Reported to the lead.
-        request.applymarker(pytest.mark.xfail(reason="FSDP pre-backward does not set views for a recompute "
-                                                     "inside the wrapped module", strict=False))
+def test_checkpoint_wrapper_with_fsdp(pool, offload_to_cpu, reshard, fsdp_outside):
     cfg = {"optim": "sgd", "reshard_after_forward": reshard}
     calls = pool.run(check_checkpointed_fsdp, cfg, offload_to_cpu, fsdp_outside)
     # 2 blocks x STEPS forwards, each run twice (forward + recompute in backward)
