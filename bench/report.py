@@ -1,0 +1,909 @@
+"""Render the stored benchmark results as ``docs/benchmarks.md`` (tables and PNG plots) and a README summary.
+
+    python bench/report.py                            # docs/benchmarks.md + docs/img/*.png from bench/results
+    python bench/report.py --results DIR --out FILE --img-dir DIR      # other places (e.g. a scratch copy)
+    python bench/report.py --summary                  # print only the short README table
+    python bench/report.py --readme README.md         # also rewrite the README's results table
+    python bench/report.py --compare NEW.json         # regression check, see bench/regress.py
+
+Inputs are the JSON files the benchmark runners write through ``bench.common.write_result``, one folder per
+GPU architecture: ``bench/results/<gpu>/kernels.json`` (``bench/kernels/run.py``),
+``bench/results/<gpu>/e2e_<N>gpu.json`` (``bench/e2e/run.py``) and ``bench/results/<gpu>/offload.json``
+(``bench/offload/run.py``). Every file carries an ``"env"`` entry (GPU, versions, date, commit) that is
+printed above each table. Missing files and keys are tolerated; with no results at all the page says so.
+
+The README table goes between the lines ``<!-- results:start -->`` and ``<!-- results:end -->``; a README
+that has neither marker but a line that is exactly ``RESULTS_TABLE`` gets that line replaced by the
+markers and the table, so the next run finds the markers.
+
+Plots need matplotlib (``pip install -e .[plot]``); without it the page is written without them and says
+so. Only the standard library is needed otherwise (no torch import), so the report runs anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_RESULTS = REPO / "bench" / "results"
+DEFAULT_OUT = REPO / "docs" / "benchmarks.md"
+DEFAULT_IMG = REPO / "docs" / "img"
+
+START_MARK = "<!-- results:start -->"
+END_MARK = "<!-- results:end -->"
+PLACEHOLDER = "RESULTS_TABLE"
+
+# Display order and names of the end-to-end implementations (bench/e2e/run.py's --impls plus its baseline).
+IMPL_ORDER = ("baseline", "shardfuse", "fsdp2", "fsdp1", "fairscale")
+IMPL_LABEL = {
+    "baseline": "one GPU, no sharding (autocast)",
+    "shardfuse": "shardfuse `FullyShardedDataParallel`",
+    "fsdp2": "FSDP2 `fully_shard`",
+    "fsdp1": "FSDP1",
+    "fairscale": "FairScale FSDP",
+}
+REGIME_ORDER = ("8k", "1k")
+REGIME_LABEL = {"8k": "8K tokens per GPU (compute-bound)", "1k": "1K tokens per GPU (communication-bound)"}
+
+# Offload variants of bench/offload/run.py.
+OFFLOAD_ORDER = (
+    "plain",
+    "shardfuse",
+    "shardfuse_bf16",
+    "shardfuse_opt_in_bwd",
+    "shardfuse_bf16_opt_in_bwd",
+    "fairscale",
+    "fsdp2_cpu_offload",
+)
+OFFLOAD_LABEL = {
+    "plain": "plain GPU, everything resident",
+    "shardfuse": "shardfuse `OffloadModel`",
+    "shardfuse_bf16": "shardfuse `OffloadModel`, `compute_dtype=bf16`",
+    "shardfuse_opt_in_bwd": "shardfuse `OffloadModel`, `optimizer_in_backward`",
+    "shardfuse_bf16_opt_in_bwd": "shardfuse `OffloadModel`, bf16 + `optimizer_in_backward`",
+    "fairscale": "FairScale `OffloadModel`",
+    "fsdp2_cpu_offload": "FSDP2 `fully_shard` + `CPUOffloadPolicy`",
+}
+KERNEL_BIG_BYTES = 64e6  # the "large buffer" threshold of the kernel summaries (bench/kernels/run.py uses it)
+DASH = "-"
+
+
+# ------------------------------------------------------------------------------------------------ loading
+
+
+@dataclass
+class Result:
+    """One stored result file."""
+
+    gpu: str  # the folder name under results/, e.g. "h200"
+    name: str  # the file stem, e.g. "e2e_2gpu"
+    path: Path
+    kind: str  # "kernels", "e2e", "offload", "unknown" or "unreadable"
+    data: dict[str, Any] = field(default_factory=dict)
+    problem: str | None = None
+
+    @property
+    def env(self) -> dict[str, Any]:
+        env = self.data.get("env")
+        return env if isinstance(env, dict) else {}
+
+
+def detect_kind(name: str, data: Any) -> str:
+    """Which runner wrote ``data`` (by its keys, then by the file name)."""
+    if not isinstance(data, dict):
+        return "unknown"
+    rows = data.get("rows")
+    if isinstance(rows, list) and (not rows or any(isinstance(r, dict) and "family" in r for r in rows)):
+        return "kernels"
+    if isinstance(data.get("results"), list):
+        return "e2e"
+    if isinstance(data.get("variants"), dict):
+        return "offload"
+    if name == "kernels":
+        return "kernels"
+    if name.startswith("e2e"):
+        return "e2e"
+    if name.startswith("offload"):
+        return "offload"
+    return "unknown"
+
+
+def load_file(path: Path, gpu: str | None = None) -> Result:
+    """Read one result file; a file that cannot be parsed becomes a Result of kind ``unreadable``."""
+    gpu = gpu if gpu is not None else path.parent.name
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        return Result(gpu, path.stem, path, "unreadable", {}, f"{type(exc).__name__}: {exc}")
+    if not isinstance(data, dict):
+        return Result(gpu, path.stem, path, "unknown", {}, "top level is not a JSON object")
+    return Result(gpu, path.stem, path, detect_kind(path.stem, data), data)
+
+
+def _result_sort_key(r: Result) -> tuple[int, int, str]:
+    order = {"e2e": 0, "offload": 1, "kernels": 2, "unknown": 3, "unreadable": 4}
+    m = re.search(r"(\d+)gpu", r.name)
+    return order.get(r.kind, 5), int(m.group(1)) if m else 0, r.name
+
+
+def load_results(results_dir: Path) -> dict[str, list[Result]]:
+    """``{gpu: [results...]}`` for every ``<results_dir>/<gpu>/*.json``, GPUs and files in a stable order."""
+    out: dict[str, list[Result]] = {}
+    if not results_dir.is_dir():
+        return out
+    for gpu_dir in sorted(p for p in results_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        files = sorted(gpu_dir.glob("*.json"))
+        if files:
+            out[gpu_dir.name] = sorted((load_file(f, gpu_dir.name) for f in files), key=_result_sort_key)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ formatting
+
+
+def _num(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return None if math.isnan(v) or math.isinf(v) else float(v)
+
+
+def fmt(v: Any, spec: str, suffix: str = "") -> str:
+    """``format(v, spec) + suffix``, or a dash for missing / non-numeric / NaN values."""
+    x = _num(v)
+    return DASH if x is None else f"{format(x, spec)}{suffix}"
+
+
+def fmt_bytes(n: Any) -> str:
+    """Decimal units, as GB/s is: 1 MB = 1e6 bytes."""
+    x = _num(n)
+    if x is None:
+        return DASH
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.1f} {unit}"
+    return f"{x:.0f} B"
+
+
+def cell(text: Any) -> str:
+    """A markdown table cell: pipes escaped, newlines flattened."""
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[Any]], align: Sequence[str] | None = None) -> list[str]:
+    """A markdown table; ``align`` holds "l" or "r" per column (default: first left, the rest right)."""
+    align = align or ["l"] + ["r"] * (len(header) - 1)
+    lines = [
+        "| " + " | ".join(cell(h) for h in header) + " |",
+        "|" + "|".join("---" if a == "l" else "---:" for a in align) + "|",
+    ]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def gpu_label(gpu: str, results: Sequence[Result]) -> str:
+    """A heading for one GPU folder: the device name recorded in the results, else the folder name."""
+    names = sorted({str(r.env["gpu_name"]) for r in results if r.env.get("gpu_name")})
+    return f"{gpu.upper()} ({', '.join(names)})" if names else gpu.upper()
+
+
+def env_line(env: dict[str, Any]) -> str:
+    """One line with the environment a result was measured in."""
+    if not env:
+        return "_Environment: not recorded._"
+    parts = []
+    gpu = env.get("gpu_name")
+    if gpu:
+        count = env.get("gpu_count")
+        parts.append(f"GPU {gpu}" + (f" x{count}" if count else ""))
+    elif env.get("gpu_key"):
+        parts.append(f"GPU key {env['gpu_key']}")
+    for key, label in (
+        ("torch", "torch"),
+        ("triton", "triton"),
+        ("cuda", "CUDA"),
+        ("nccl", "NCCL"),
+        ("python", "Python"),
+    ):
+        if env.get(key):
+            parts.append(f"{label} {env[key]}")
+    if env.get("date"):
+        parts.append(f"date {env['date']}")
+    if env.get("commit"):
+        parts.append(f"commit `{env['commit']}`")
+    return "_Environment: " + "; ".join(parts) + "._"
+
+
+def _rel(target: Path, start_dir: Path) -> str:
+    return Path(os.path.relpath(target.resolve(), start_dir.resolve())).as_posix()
+
+
+# ------------------------------------------------------------------------------------------------ plots
+
+
+class Plotter:
+    """Saves PNG plots under ``img_dir`` when matplotlib is importable (and plots are wanted)."""
+
+    def __init__(self, img_dir: Path, enabled: bool = True) -> None:
+        self.img_dir = img_dir
+        self.plt = None
+        self.reason = "" if enabled else "plots were not requested (--no-plots)"
+        self.written: list[Path] = []
+        if enabled:
+            try:
+                import matplotlib
+
+                matplotlib.use("Agg")
+                import matplotlib.pyplot as plt
+
+                self.plt = plt
+            except ImportError:
+                self.reason = "matplotlib is not installed (`pip install -e .[plot]`)"
+
+    @property
+    def available(self) -> bool:
+        return self.plt is not None
+
+    def save(self, fig: Any, name: str) -> Path:
+        self.img_dir.mkdir(parents=True, exist_ok=True)
+        path = self.img_dir / name
+        fig.tight_layout()
+        # No software/date metadata: an unchanged plot stays byte-identical between runs.
+        fig.savefig(path, dpi=110, metadata={"Software": None})
+        self.plt.close(fig)
+        self.written.append(path)
+        return path
+
+    def e2e(self, res: Result, rows: list[dict[str, Any]]) -> Path | None:
+        """Grouped bars of tokens/s/GPU per regime and implementation."""
+        if not self.available:
+            return None
+        regimes = _ordered({r["regime"] for r in rows if _num(r.get("tok_s_gpu"))}, REGIME_ORDER)
+        impls = _ordered({r["impl"] for r in rows if _num(r.get("tok_s_gpu"))}, IMPL_ORDER)
+        if not regimes or not impls:
+            return None
+        value = {(r["regime"], r["impl"]): r["tok_s_gpu"] for r in rows if _num(r.get("tok_s_gpu"))}
+        fig, ax = self.plt.subplots(figsize=(7, 3.6))
+        width = 0.8 / len(impls)
+        for i, impl in enumerate(impls):
+            xs = [j + (i - (len(impls) - 1) / 2) * width for j in range(len(regimes))]
+            ys = [value.get((rg, impl), 0.0) for rg in regimes]
+            ax.bar(xs, ys, width, label="one GPU, unsharded" if impl == "baseline" else impl)
+        ax.set_xticks(range(len(regimes)))
+        ax.set_xticklabels([REGIME_LABEL.get(r, r) for r in regimes], fontsize=8)
+        ax.set_ylabel("tokens/s/GPU")
+        world = res.data.get("config", {}).get("world_size", "?")
+        ax.set_title(f"{res.gpu.upper()}: end-to-end training, {world} GPUs")
+        ax.legend(fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+        return self.save(fig, f"{res.gpu}_{res.name}_tokens.png")
+
+    def kernels(self, res: Result, families: dict[str, list[dict[str, Any]]], copy_gbps: float | None) -> Path | None:
+        """GB/s against bytes moved, one panel per kernel family: shardfuse, its baselines, the copy line."""
+        if not self.available or not families:
+            return None
+        n = len(families)
+        cols = min(3, n)
+        nrows = math.ceil(n / cols)
+        fig, axes = self.plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+        for ax, (family, rows) in zip([a for row in axes for a in row], families.items()):
+            series: dict[str, list[tuple[float, float]]] = {}
+            for r in rows:
+                nbytes = _num(r.get("bytes"))
+                if not nbytes:
+                    continue
+                variant = _variant(r.get("name", ""))
+                gbps = _num(r.get("shardfuse_gbps"))
+                if gbps:
+                    series.setdefault(f"shardfuse {variant}", []).append((nbytes, gbps))
+                for label, b in (r.get("baselines") or {}).items():
+                    ms = _num(b.get("ms")) if isinstance(b, dict) else None
+                    if ms:
+                        series.setdefault(f"{label} {variant}", []).append((nbytes, nbytes / (ms * 1e-3) / 1e9))
+            for label, pts in series.items():
+                pts.sort()
+                style = "-o" if label.startswith("shardfuse") else "--x"
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label.strip(), markersize=3)
+            if copy_gbps:
+                ax.axhline(copy_gbps, color="black", linewidth=0.8, linestyle=":", label="device copy")
+            ax.set_xscale("log")
+            ax.set_title(family, fontsize=9)
+            ax.set_xlabel("bytes moved", fontsize=8)
+            ax.set_ylabel("GB/s", fontsize=8)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=5)
+        for ax in [a for row in axes for a in row][n:]:
+            ax.set_visible(False)
+        return self.save(fig, f"{res.gpu}_{res.name}_gbps.png")
+
+    def offload(self, res: Result, variants: dict[str, dict[str, Any]]) -> Path | None:
+        """Horizontal bars of step time per variant."""
+        if not self.available:
+            return None
+        names = [v for v in _ordered(variants, OFFLOAD_ORDER) if _num(variants[v].get("step_ms"))]
+        if not names:
+            return None
+        fig, ax = self.plt.subplots(figsize=(7, 0.45 * len(names) + 1.2))
+        ax.barh(range(len(names)), [variants[v]["step_ms"] for v in names])
+        ax.set_yticks(range(len(names)))
+        ax.set_yticklabels(names, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("step time, ms (lower is better)")
+        ax.set_title(f"{res.gpu.upper()}: offload")
+        ax.grid(axis="x", alpha=0.3)
+        return self.save(fig, f"{res.gpu}_{res.name}_step.png")
+
+
+def _ordered(keys: Iterable[str], preferred: Sequence[str]) -> list[str]:
+    keys = list(dict.fromkeys(keys))
+    return [k for k in preferred if k in keys] + sorted(k for k in keys if k not in preferred)
+
+
+def _variant(name: str) -> str:
+    """A kernel case name without its size (``"fp32->bf16 flat shard n=1048576"`` -> ``"fp32->bf16 flat shard"``)."""
+    return re.sub(r"\s*\bn=\d+", "", str(name)).strip()
+
+
+# ------------------------------------------------------------------------------------------------ sections
+
+
+def _e2e_rows(res: Result) -> list[dict[str, Any]]:
+    rows = res.data.get("results")
+    return (
+        [r for r in rows if isinstance(r, dict) and r.get("impl") and r.get("regime")] if isinstance(rows, list) else []
+    )
+
+
+def _regime_shape(res: Result, regime: str, rows: list[dict[str, Any]]) -> str:
+    for r in rows:
+        if r.get("regime") == regime and r.get("batch") and r.get("seq"):
+            return f"batch {r['batch']} x seq {r['seq']}"
+    shape = res.data.get("config", {}).get("regimes", {}).get(regime)
+    if isinstance(shape, (list, tuple)) and len(shape) == 2:
+        return f"batch {shape[0]} x seq {shape[1]}"
+    return ""
+
+
+def _e2e_config_line(cfg: dict[str, Any]) -> str:
+    if not cfg:
+        return ""
+    bits = []
+    if _num(cfg.get("params")):
+        bits.append(f"{cfg['params'] / 1e6:.0f}M-parameter Llama-style decoder (`{cfg.get('model', '?')}` config")
+        shape = ", ".join(f"{k} {cfg[k]}" for k in ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size") if k in cfg)
+        bits[-1] += f": {shape})" if shape else ")"
+    if cfg.get("compute_dtype"):
+        bits.append(f"{cfg['compute_dtype']} compute")
+    if cfg.get("reduce_dtype"):
+        bits.append(f"{cfg['reduce_dtype']} gradient reduction")
+    if cfg.get("optimizer"):
+        bits.append(str(cfg["optimizer"]))
+    if cfg.get("steps") is not None:
+        bits.append(f"mean of {cfg['steps']} steps after {cfg.get('warmup', '?')} warm-up")
+    if _num(cfg.get("peak_tflops")):
+        bits.append(f"MFU against {cfg['peak_tflops']:g} TFLOP/s")
+    if cfg.get("device") and cfg["device"] != "cuda":
+        bits.append(f"device {cfg['device']} (smoke run, not a measurement)")
+    return "Setup: " + "; ".join(bits) + "." if bits else ""
+
+
+def e2e_section(res: Result, plots: Plotter, out_dir: Path) -> list[str]:
+    cfg = res.data.get("config") if isinstance(res.data.get("config"), dict) else {}
+    world = cfg.get("world_size")
+    title = f"End-to-end training, {world} GPUs" if world else "End-to-end training"
+    lines = [f"### {title} (`{res.name}.json`)", "", env_line(res.env), ""]
+    setup = _e2e_config_line(cfg)
+    if setup:
+        lines += [setup, ""]
+    rows = _e2e_rows(res)
+    if not rows:
+        return lines + ["No rows in this file.", ""]
+    for regime in _ordered({r["regime"] for r in rows}, REGIME_ORDER):
+        rr = [r for r in rows if r["regime"] == regime]
+        shape = _regime_shape(res, regime, rr)
+        lines += [f"#### {REGIME_LABEL.get(regime, regime)}" + (f", {shape}" if shape else ""), ""]
+        fsdp2 = next((_num(r.get("step_ms")) for r in rr if r["impl"] == "fsdp2" and _num(r.get("step_ms"))), None)
+        body, notes = [], []
+        for impl in _ordered({r["impl"] for r in rr}, IMPL_ORDER):
+            for r in (x for x in rr if x["impl"] == impl):
+                label = IMPL_LABEL.get(impl, impl)
+                step = _num(r.get("step_ms"))
+                if step is None:
+                    why = r.get("error") or r.get("skipped") or "no measurement"
+                    body.append([label, "failed" if r.get("error") else "skipped", DASH, DASH, DASH, DASH])
+                    notes.append(f"{label}: {'error' if r.get('error') else 'skipped'}: {why}")
+                    continue
+                mfu = _num(r.get("mfu"))
+                speed = f"{fsdp2 / step:.2f}x" if fsdp2 and impl != "baseline" else DASH
+                body.append(
+                    [
+                        label,
+                        fmt(step, ".1f"),
+                        fmt(r.get("tok_s_gpu"), ",.0f"),
+                        DASH if mfu is None else f"{100 * mfu:.1f}",
+                        fmt(r.get("peak_gib"), ".2f"),
+                        speed,
+                    ]
+                )
+                if r.get("note"):
+                    notes.append(f"{label}: {r['note']}")
+        lines += table(["implementation", "step ms", "tokens/s/GPU", "MFU %", "peak GiB", "vs FSDP2"], body)
+        lines.append("")
+        lines += [f"- {n}" for n in notes]
+        if notes:
+            lines.append("")
+    lines += ["_vs FSDP2: FSDP2's step time divided by this step time (above 1.00x is faster)._", ""]
+    img = plots.e2e(res, rows)
+    if img is not None:
+        lines += [f"![tokens/s/GPU, {res.gpu} {res.name}]({_rel(img, out_dir)})", ""]
+    return lines
+
+
+def _kernel_families(res: Result) -> dict[str, list[dict[str, Any]]]:
+    rows = res.data.get("rows")
+    fams: dict[str, list[dict[str, Any]]] = {}
+    for r in rows if isinstance(rows, list) else []:
+        if isinstance(r, dict) and r.get("family"):
+            fams.setdefault(str(r["family"]), []).append(r)
+    return fams
+
+
+def _speedups(rows: list[dict[str, Any]]) -> list[float]:
+    return [
+        s
+        for r in rows
+        for b in (r.get("baselines") or {}).values()
+        if isinstance(b, dict) and (s := _num(b.get("speedup"))) is not None
+    ]
+
+
+def kernel_summary(res: Result) -> list[tuple[str, int, float | None, float | None, float | None, float | None]]:
+    """Per family: (family, cases, min and max % of copy bandwidth at >= 64 MB, min and max speedup)."""
+    out = []
+    for family, rows in _kernel_families(res).items():
+        big = [p for r in rows if (_num(r.get("bytes")) or 0) >= KERNEL_BIG_BYTES and (p := _num(r.get("pct_copy_bw")))]
+        sp = _speedups(rows)
+        out.append(
+            (
+                family,
+                len(rows),
+                min(big) if big else None,
+                max(big) if big else None,
+                min(sp) if sp else None,
+                max(sp) if sp else None,
+            )
+        )
+    return out
+
+
+def kernels_section(res: Result, plots: Plotter, out_dir: Path) -> list[str]:
+    lines = [f"### Kernels (`{res.name}.json`)", "", env_line(res.env), ""]
+    copy_gbps = _num(res.data.get("copy_bandwidth_gbps"))
+    if copy_gbps:
+        lines += [
+            f"Device copy bandwidth measured in the same run (bytes read + written): **{copy_gbps:,.0f} GB/s**. "
+            "GB/s counts the fewest bytes each operation must move (every input read once, every output "
+            "written once); a PyTorch sequence that makes more passes scores lower for them.",
+            "",
+        ]
+    fams = _kernel_families(res)
+    if not fams:
+        return lines + ["No rows in this file.", ""]
+    lines += ["Summary (large buffers are those of at least 64 MB moved):", ""]
+    body = [
+        [f"`{f}`", n, fmt(lo, ".1f", "%"), fmt(hi, ".1f", "%"), fmt(smin, ".2f", "x"), fmt(smax, ".2f", "x")]
+        for f, n, lo, hi, smin, smax in kernel_summary(res)
+    ]
+    lines += table(
+        ["family", "cases", "min % of copy BW, large", "max % of copy BW, large", "min speedup", "max speedup"], body
+    )
+    lines.append("")
+    for family, rows in fams.items():
+        labels = list(dict.fromkeys(k for r in rows for k in (r.get("baselines") or {})))
+        lines += [f"#### `{family}`", ""]
+        body = []
+        for r in sorted(rows, key=lambda r: (_variant(r.get("name", "")), _num(r.get("bytes")) or 0)):
+            base = r.get("baselines") or {}
+            body.append(
+                [
+                    r.get("name", DASH),
+                    fmt_bytes(r.get("bytes")),
+                    fmt(r.get("shardfuse_ms"), ".4f"),
+                    fmt(r.get("shardfuse_gbps"), ",.0f"),
+                    fmt(r.get("pct_copy_bw"), ".1f", "%"),
+                ]
+                + [fmt((base.get(lb) or {}).get("speedup"), ".2f", "x") for lb in labels]
+            )
+        header = ["case", "bytes moved", "shardfuse ms", "GB/s", "% of copy BW"] + [f"vs `{lb}`" for lb in labels]
+        lines += table(header, body)
+        lines.append("")
+    lines += [
+        "_vs X: the time of PyTorch sequence X divided by shardfuse's time for the same case (above 1.00x is faster)._",
+        "",
+    ]
+    img = plots.kernels(res, fams, copy_gbps)
+    if img is not None:
+        lines += [f"![kernel GB/s, {res.gpu}]({_rel(img, out_dir)})", ""]
+    return lines
+
+
+def offload_section(res: Result, plots: Plotter, out_dir: Path) -> list[str]:
+    lines = [f"### Offload (`{res.name}.json`)", "", env_line(res.env), ""]
+    cfg = res.data.get("config") if isinstance(res.data.get("config"), dict) else {}
+    if cfg:
+        model = (
+            f"{cfg.get('layers', '?')} x (Linear({cfg.get('width', '?')}, {cfg.get('width', '?')}) + ReLU)"
+            + (f", {cfg['params_m']:.0f}M fp32 parameters" if _num(cfg.get("params_m")) else "")
+            + (f" ({cfg['model_gib']:.2f} GiB)" if _num(cfg.get("model_gib")) else "")
+        )
+        lines += [
+            f"Setup: {model}; batch {cfg.get('batch', '?')}; SGD; {cfg.get('slices', '?')} slices, "
+            f"{cfg.get('microbatches', '?')} microbatches, activation checkpointing; mean of "
+            f"{cfg.get('steps', '?')} steps after {cfg.get('warmup', '?')} warm-up.",
+            "",
+        ]
+    variants = res.data.get("variants")
+    variants = {k: v for k, v in variants.items() if isinstance(v, dict)} if isinstance(variants, dict) else {}
+    if not variants:
+        lines += ["No variants in this file.", ""]
+    else:
+        body, notes, estimated = [], [], False
+        for name in _ordered(variants, OFFLOAD_ORDER):
+            v = variants[name]
+            label = OFFLOAD_LABEL.get(name, name)
+            if _num(v.get("step_ms")) is None:
+                body.append([label, "failed" if v.get("error") else "skipped", DASH, DASH, DASH, DASH])
+                notes.append(
+                    f"{label}: {'error' if v.get('error') else 'skipped'}: "
+                    f"{v.get('error') or v.get('skipped') or 'no measurement'}"
+                )
+                continue
+            mark = "*" if v.get("traffic") == "estimated" else ""
+            estimated |= bool(mark)
+            body.append(
+                [
+                    label,
+                    fmt(v.get("step_ms"), ".1f"),
+                    fmt(v.get("vs_plain"), ".2f", "x"),
+                    fmt(v.get("h2d_gbps"), ".1f", mark),
+                    fmt(v.get("d2h_gbps"), ".1f", mark),
+                    fmt(v.get("peak_gib"), ".2f"),
+                ]
+            )
+        lines += table(
+            ["variant", "step ms", "vs plain GPU", "host->device GB/s", "device->host GB/s", "peak GPU GiB"], body
+        )
+        lines.append("")
+        lines += [f"- {n}" for n in notes]
+        if notes:
+            lines.append("")
+        lines.append(
+            "_vs plain GPU: this step time divided by the plain GPU step time (lower is better). "
+            "GB/s: bytes copied per step / step time"
+            + ("; * estimated from the parameter traffic rather than counted" if estimated else "")
+            + "._"
+        )
+        lines.append("")
+    capped = res.data.get("capped")
+    if isinstance(capped, dict) and capped:
+        lines += ["Capped run (the process is held to a GPU memory budget smaller than the model):", ""]
+        if _num(capped.get("step_ms")) is None:
+            lines += [f"- failed: {capped.get('error', 'no measurement')}", ""]
+        else:
+            body = [
+                [
+                    capped.get("model", DASH),
+                    fmt(capped.get("model_gib"), ".2f"),
+                    fmt(capped.get("budget_gib"), ".2f"),
+                    fmt(capped.get("model_over_budget"), ".1f", "x"),
+                    fmt(capped.get("step_ms"), ".1f"),
+                    fmt(capped.get("samples_per_s"), ",.0f"),
+                    fmt(capped.get("peak_gib"), ".2f"),
+                ]
+            ]
+            lines += table(
+                ["model", "model GiB", "budget GiB", "model / budget", "step ms", "samples/s", "peak GPU GiB"], body
+            )
+            lines.append("")
+    img = plots.offload(res, variants)
+    if img is not None:
+        lines += [f"![offload step time, {res.gpu}]({_rel(img, out_dir)})", ""]
+    return lines
+
+
+def other_section(res: Result) -> list[str]:
+    why = res.problem or "not written by a known benchmark runner"
+    return [f"- `{res.gpu}/{res.path.name}`: not shown ({why})."]
+
+
+# ------------------------------------------------------------------------------------------------ the page
+
+
+HOW_MEASURED = """\
+## How these numbers are made
+
+- `bench/kernels/run.py`: every kernel family against the PyTorch sequences it replaces, at several sizes,
+  with the GPU's own device-copy bandwidth measured in the same run (medians of CUDA-event timings).
+- `bench/e2e/run.py` under `torchrun`: a Llama-style decoder trained with shardfuse, FSDP2 `fully_shard`,
+  FSDP1 (and FairScale when installed), one after another in the same job, every decoder layer one sharded
+  unit plus the root; two regimes per GPU: 8K tokens (batch 4 x seq 2048) and 1K tokens (batch 1 x seq 1024).
+  Step time is the max over ranks of the mean step time (forward, backward and optimizer step, synchronised
+  before and after each step); tokens/s/GPU follows from it; MFU = (6 x matmul parameters x tokens + causal
+  attention flops) / (step time x the dense bf16 peak named in the setup line); peak memory is
+  `torch.cuda.max_memory_allocated` from after wrapping to the last step, max over ranks.
+- `bench/offload/run.py`: one GPU trains a model kept in host memory with shardfuse's `OffloadModel`,
+  FairScale's `OffloadModel` (when installed) and FSDP2 with `CPUOffloadPolicy`, against the same model
+  resident on the GPU. Host<->device GB/s is bytes copied per step divided by the step time: counted by
+  `OffloadModel.transfer_stats()` for shardfuse, estimated from the parameter traffic for the others.
+- `bash bench/gpu_suite.sh` runs the GPU tests and all three on one machine (results under
+  `$OUT/work/results/<gpu>/`, packed in `$OUT/suite.tgz`). Run alone, each runner writes
+  `bench/results/<gpu>/<name>.json`; this page is rendered from those files by `python bench/report.py`, and
+  `python bench/regress.py NEW.json` compares a new result with the stored one (see
+  [Regression check](#regression-check) below).
+"""
+
+REGRESSION_NOTE = """\
+## Regression check
+
+`python bench/regress.py NEW.json` compares a fresh result file with the stored file of the same name for
+the same GPU (`bench/results/<gpu>/<name>.json`, the GPU taken from the new file's `env.gpu_key`) and exits
+with status 1 when a shardfuse time (kernel time, training step time, offload step time) is slower by more
+than the noise band (`--noise`, default 5%), or when a shardfuse row measured before now failed. The other
+implementations are listed for context only: when FSDP2 slowed down by the same amount, the machine
+changed, not shardfuse (the check prints a note when their median changed beyond the band). `--min-ms`
+exempts times too short to measure reliably (launch-bound kernel cases); `--baseline OLD.json` compares
+with a given file. `python bench/report.py --compare NEW.json` runs the same check.
+"""
+
+
+def render(results: dict[str, list[Result]], out_path: Path, plots: Plotter) -> str:
+    """The whole ``benchmarks.md`` text."""
+    out_dir = out_path.parent
+    lines = [
+        "# Benchmark results",
+        "",
+        "<!-- Generated by `python bench/report.py` from bench/results/<gpu>/*.json: edit the script, not this "
+        "file. -->",
+        "",
+    ]
+    if not results:
+        lines += [
+            "No benchmark results are stored yet: `bench/results/` holds no `<gpu>/*.json` files.",
+            "",
+            "Run `bash bench/gpu_suite.sh` on a GPU machine (or the runners one by one, see below), copy the JSON "
+            "files it writes into `bench/results/<gpu>/`, and run `python bench/report.py` to render this page.",
+            "",
+            HOW_MEASURED,
+            REGRESSION_NOTE,
+        ]
+        return "\n".join(lines)
+    lines += ["Results by GPU architecture:", ""]
+    for gpu, rs in results.items():
+        lines.append(
+            f"- [{gpu_label(gpu, rs)}](#{_anchor(gpu_label(gpu, rs))}): " + ", ".join(f"`{r.name}`" for r in rs)
+        )
+    lines.append("")
+    if not plots.available:
+        lines += [f"_Plots were skipped: {plots.reason}._", ""]
+    lines += ["## Summary", ""] + summary_table(results, link=None) + [""]
+    for gpu, rs in results.items():
+        lines += [f"## {gpu_label(gpu, rs)}", ""]
+        others: list[str] = []
+        for r in rs:
+            if r.kind == "e2e":
+                lines += e2e_section(r, plots, out_dir)
+            elif r.kind == "kernels":
+                lines += kernels_section(r, plots, out_dir)
+            elif r.kind == "offload":
+                lines += offload_section(r, plots, out_dir)
+            else:
+                others += other_section(r)
+        if others:
+            lines += ["Other files in this folder:", ""] + others + [""]
+    lines += [HOW_MEASURED, REGRESSION_NOTE]
+    return "\n".join(lines)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to dashes."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+# ------------------------------------------------------------------------------------------------ README table
+
+
+def _shardfuse_speed(ours: float | None, ref: float | None, higher_is_better: bool) -> str:
+    if ours is None or ref is None or ours == 0 or ref == 0:
+        return ""
+    ratio = ours / ref if higher_is_better else ref / ours
+    return f" ({ratio:.2f}x)"
+
+
+def _span(lo: float, hi: float, spec: str, suffix: str) -> str:
+    a, b = format(lo, spec), format(hi, spec)
+    return f"{a}{suffix}" if a == b else f"{a}-{b}{suffix}"
+
+
+def summary_rows(results: dict[str, list[Result]]) -> list[list[str]]:
+    """Rows of the short table: one per (GPU, e2e file, regime), one per offload file, one per kernel file."""
+    rows: list[list[str]] = []
+    for gpu, rs in results.items():
+        for r in rs:
+            if r.kind == "e2e":
+                world = r.data.get("config", {}).get("world_size")
+                rr = _e2e_rows(r)
+                for regime in _ordered({x["regime"] for x in rr}, REGIME_ORDER):
+                    tok = {x["impl"]: _num(x.get("tok_s_gpu")) for x in rr if x["regime"] == regime}
+                    if not any(v is not None for v in tok.values()):
+                        continue
+                    bench = f"training, {world} GPUs, {regime.upper()} tokens/GPU" if world else f"training, {regime}"
+                    ours = fmt(tok.get("shardfuse"), ",.0f")
+                    if ours != DASH:
+                        ours += _shardfuse_speed(tok.get("shardfuse"), tok.get("fsdp2"), True)
+                    rows.append(
+                        [
+                            gpu.upper(),
+                            bench,
+                            "tokens/s/GPU",
+                            ours,
+                            fmt(tok.get("fsdp2"), ",.0f"),
+                            fmt(tok.get("fsdp1"), ",.0f"),
+                            fmt(tok.get("fairscale"), ",.0f"),
+                        ]
+                    )
+            elif r.kind == "offload":
+                v = r.data.get("variants") if isinstance(r.data.get("variants"), dict) else {}
+                ms = {k: _num(x.get("step_ms")) for k, x in v.items() if isinstance(x, dict)}
+                if not any(x is not None for x in ms.values()):
+                    continue
+                plain = ms.get("plain")
+                metric = f"step ms (plain GPU {plain:.1f})" if plain else "step ms"
+                ours = fmt(ms.get("shardfuse"), ".1f")
+                if ours != DASH and plain:
+                    ours += f" ({ms['shardfuse'] / plain:.2f}x plain)"
+                rows.append(
+                    [
+                        gpu.upper(),
+                        "offload, 1 GPU",
+                        metric,
+                        ours,
+                        fmt(ms.get("fsdp2_cpu_offload"), ".1f"),
+                        DASH,
+                        fmt(ms.get("fairscale"), ".1f"),
+                    ]
+                )
+            elif r.kind == "kernels":
+                summ = kernel_summary(r)
+                lows = [x[2] for x in summ if x[2] is not None]
+                highs = [x[3] for x in summ if x[3] is not None]
+                smin = [x[4] for x in summ if x[4] is not None]
+                smax = [x[5] for x in summ if x[5] is not None]
+                if lows:
+                    rows.append(
+                        [
+                            gpu.upper(),
+                            "kernels, buffers >= 64 MB",
+                            "% of copy bandwidth",
+                            _span(min(lows), max(highs), ".0f", "%"),
+                            DASH,
+                            DASH,
+                            DASH,
+                        ]
+                    )
+                if smin:
+                    rows.append(
+                        [
+                            gpu.upper(),
+                            "kernels, all sizes",
+                            "speedup vs the PyTorch sequence replaced",
+                            _span(min(smin), max(smax), ".2f", "x"),
+                            DASH,
+                            DASH,
+                            DASH,
+                        ]
+                    )
+    return rows
+
+
+def summary_table(results: dict[str, list[Result]], link: str | None = "docs/benchmarks.md") -> list[str]:
+    """The short results table (markdown lines) for the README (``link``: to benchmarks.md) or the page itself."""
+    rows = summary_rows(results)
+    where = f"[{Path(link).name}]({link})" if link else "the sections below"
+    if not rows:
+        return [f"No benchmark results are stored yet (see {where} for how to produce them)."]
+    lines = table(
+        ["GPU", "benchmark", "metric", "shardfuse", "FSDP2", "FSDP1", "FairScale"],
+        rows,
+        ["l", "l", "l", "r", "r", "r", "r"],
+    )
+    lines += [
+        "",
+        "Ratios in parentheses: shardfuse against FSDP2 (training, above 1.00x is faster) or against the "
+        "plain GPU step (offload, lower is better). Offload columns: FSDP2 = `fully_shard` with "
+        f"`CPUOffloadPolicy`, FairScale = its `OffloadModel`. Every number comes from `bench/results/`; "
+        f"environments and details in {where}.",
+    ]
+    return lines
+
+
+def update_readme(text: str, table_lines: Sequence[str]) -> str:
+    """``text`` with the results table put between the markers (or in place of the ``RESULTS_TABLE`` line)."""
+    block = "\n".join([START_MARK, *table_lines, END_MARK])
+    start, end = text.find(START_MARK), text.find(END_MARK)
+    if start != -1 and end != -1:
+        if end < start:
+            raise ValueError(f"{END_MARK!r} comes before {START_MARK!r}: fix the README by hand")
+        return text[:start] + block + text[end + len(END_MARK) :]
+    if start != -1 or end != -1:
+        raise ValueError(f"the README has only one of {START_MARK!r} and {END_MARK!r}: add the other one")
+    lines = text.split("\n")
+    hits = [i for i, line in enumerate(lines) if line == PLACEHOLDER]
+    if not hits:
+        raise ValueError(f"the README has neither {START_MARK!r} ... {END_MARK!r} nor a line {PLACEHOLDER!r}")
+    i = hits[0]
+    return "\n".join(lines[:i] + [block] + lines[i + 1 :])
+
+
+# ------------------------------------------------------------------------------------------------ command line
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="folder of <gpu>/*.json result files")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the markdown page to write")
+    p.add_argument("--img-dir", type=Path, default=None, help="where PNG plots go (default: img/ beside --out)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--readme", type=Path, default=None, help="also rewrite the results table of this README")
+    p.add_argument("--summary", action="store_true", help="print the short table only; write nothing")
+    p.add_argument(
+        "--compare",
+        type=Path,
+        default=None,
+        metavar="NEW.json",
+        help="regression check of NEW.json against the stored result (bench/regress.py)",
+    )
+    p.add_argument("--noise", type=float, default=0.05, help="noise band of --compare (fraction, default 0.05)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.compare is not None:
+        sys.path.insert(0, str(REPO))
+        from bench import regress
+
+        return regress.main([str(args.compare), "--results", str(args.results), "--noise", str(args.noise)])
+    results = load_results(args.results)
+    if args.summary:
+        print("\n".join(summary_table(results)))
+        return 0
+    img_dir = args.img_dir if args.img_dir is not None else args.out.parent / "img"
+    plots = Plotter(img_dir, enabled=not args.no_plots)
+    text = render(results, args.out, plots)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text if text.endswith("\n") else text + "\n")
+    n_files = sum(len(v) for v in results.values())
+    print(f"wrote {args.out} ({n_files} result files, {len(results)} GPUs, {len(plots.written)} plots)")
+    if not plots.available and results:
+        print(f"plots skipped: {plots.reason}")
+    readme_link = _rel(args.out, args.readme.parent) if args.readme is not None else "docs/benchmarks.md"
+    table_lines = summary_table(results, readme_link)
+    if args.readme is not None:
+        args.readme.write_text(update_readme(args.readme.read_text(), table_lines))
+        print(f"updated the results table of {args.readme}")
+    else:
+        print("\n".join(table_lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
