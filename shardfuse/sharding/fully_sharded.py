@@ -583,7 +583,7 @@ class FullyShardedDataParallel(nn.Module):
                         nxt._unshard()
                 self._wait_and_set_views()
                 outputs = self.module(*args, **kwargs)
-                if self._reshard_after_forward_effective:
+                if self._reshard_after_forward_effective and not self._keep_full_for_backward():
                     self._reshard()
                 if torch.is_grad_enabled():
                     self._register_pre_backward_hooks(outputs)
@@ -594,6 +594,12 @@ class FullyShardedDataParallel(nn.Module):
             if self.clear_autocast_cache:
                 torch.clear_autocast_cache()
             return outputs
+
+    def _keep_full_for_backward(self) -> bool:
+        """The last unit of the recorded forward order is the first whose backward needs full parameters:
+        freeing them now would only gather them again, with nothing to overlap, when backward starts."""
+        rs = self._root_state
+        return torch.is_grad_enabled() and rs.prefetch_ok and bool(rs.fwd_order) and rs.fwd_order[-1] is self
 
     def _forward_prefetch_target(self) -> FullyShardedDataParallel | None:
         """The unit that ran after this one in the recorded forward order (None while recording/mismatched)."""

@@ -206,3 +206,28 @@ def check_apply_initialises_full_params() -> bool:
 
 def test_apply_runs_on_full_params(pool):
     assert pool.run(check_apply_initialises_full_params) == [True] * WORLD
+
+
+def check_last_unit_stays_full() -> list[bool]:
+    cfg: dict[str, Any] = {"nested": True, "optim": "sgd"}
+    model = wrap_model(build(cfg), cfg)
+    opt = make_optim(model.parameters(), cfg)
+    _step(model, opt, 0, cfg)  # records the forward order
+    units = [u for u in model._units() if u is not model and u._handles]
+    ids, target = batch(1, dist.get_rank(), dist.get_world_size())
+    with torch.no_grad():
+        model(ids)
+    after_eval = [h.is_full for u in units for h in u._handles]
+    loss = loss_fn(model, ids, target, 1, cfg)
+    after_train = [h.is_full for u in units for h in u._handles]
+    loss.backward()
+    after_backward = [h.is_full for u in units for h in u._handles]
+    assert not any(after_eval), f"a forward without grad must reshard every unit: {after_eval}"
+    assert not any(after_backward), f"backward must reshard every unit: {after_backward}"
+    return after_train
+
+
+def test_last_unit_of_the_forward_keeps_full_params_for_backward(pool):
+    # Backward needs the last unit first: resharding it after forward would only re-gather it, exposed.
+    for full in pool.run(check_last_unit_stays_full):
+        assert full[-1] and not any(full[:-1]), full

@@ -1,0 +1,108 @@
+"""Where communication overlaps compute: a kernel timeline of one training step, from torch.profiler.
+
+    PYTHONPATH=$PWD torchrun --standalone --nproc_per_node 2 bench/e2e/overlap.py [--units 6] [--dim 4096]
+
+A stack of ``units`` residual MLP blocks (two dim x dim GEMMs each), every block one shardfuse unit plus the
+root, bf16 compute and fp32 reduce-scatter. After warm-up steps (the first records the forward order), one
+step is profiled. Rank 0 prints every kernel in start order (stream, start and duration in us, name) and
+the share of all-gather / reduce-scatter time during which any kernel on another stream (compute) ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from shardfuse import FullyShardedDataParallel as FSDP  # noqa: E402
+
+
+class WideBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.a = nn.Linear(dim, dim, bias=False)
+        self.b = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.relu(self.a(x)))
+
+
+def merged_overlap(comm: list[tuple[float, float]], busy: list[tuple[float, float]]) -> float:
+    """Time of ``comm`` intervals covered by the union of ``busy`` intervals."""
+    merged: list[list[float]] = []
+    for s, e in sorted(busy):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return sum(max(0.0, min(e0, e1) - max(s0, s1)) for s0, e0 in comm for s1, e1 in merged)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--units", type=int, default=6)
+    ap.add_argument("--dim", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, default=8192)
+    args = ap.parse_args()
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    torch.manual_seed(0)
+    kw = dict(mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True)
+    layers = nn.Sequential(*[WideBlock(args.dim) for _ in range(args.units)]).cuda()
+    for i in range(args.units):
+        layers[i] = FSDP(layers[i], **kw)
+    model = FSDP(layers, **kw)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(args.tokens, args.dim, device="cuda")
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0]
+    kernels.sort(key=lambda e: e.time_range.start)
+    t0 = kernels[0].time_range.start if kernels else 0
+    comm = {"allgather": [], "reducescatter": []}
+    busy = []
+    for e in kernels:
+        name = e.name.lower()
+        span = (e.time_range.start, e.time_range.end)
+        kind = next((k for k in comm if k in name), None)
+        if kind:
+            comm[kind].append(span)
+        elif "nccl" not in name and "memcpy" not in name and "memset" not in name:
+            busy.append(span)
+    if rank == 0:
+        for e in kernels:
+            print(f"{getattr(e, 'device_resource_id', '?'):>4} {e.time_range.start - t0:10.1f} "
+                  f"{e.time_range.elapsed_us():9.1f}  {e.name[:90]}")
+        total = kernels[-1].time_range.end - t0 if kernels else 0
+        print(f"\nstep kernels span {total / 1e3:.2f} ms; compute busy {sum(b - a for a, b in busy) / 1e3:.2f} ms")
+        for kind, spans in comm.items():
+            tot = sum(b - a for a, b in spans)
+            ov = merged_overlap(spans, busy)
+            print(f"{kind:14s} {len(spans):3d} kernels {tot / 1e3:7.2f} ms, overlapped with compute {ov / 1e3:7.2f} ms "
+                  f"({100 * ov / max(tot, 1e-9):.0f}%)")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
