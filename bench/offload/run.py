@@ -7,7 +7,8 @@ side in one process:
 
 * ``plain``: everything resident on the GPU;
 * ``shardfuse``: ``OffloadModel`` (4 slices, 4 microbatches, checkpoint_activation=True), plus the variants
-  ``compute_dtype=bf16``, ``optimizer_in_backward`` and both together;
+  ``compute_dtype=bf16``, ``optimizer_in_backward`` and both together, and fp32 with
+  ``checkpoint_activation=False`` and ``optimizer_in_backward`` (activations stay on the GPU, no recompute);
 * ``fairscale``: FairScale's ``OffloadModel`` with the same settings, when importable;
 * ``fsdp2_cpu_offload``: FSDP2 ``fully_shard`` per Linear with ``CPUOffloadPolicy`` in a world-size-1 group.
 
@@ -104,8 +105,9 @@ def run_shardfuse(base: nn.Sequential, x: torch.Tensor, cfg: dict[str, Any], **k
     lr = cfg["lr"]
     if kw.pop("opt_in_backward", False):
         kw["optimizer_in_backward"] = lambda ps: torch.optim.SGD(ps, lr=lr)
+    checkpoint = kw.pop("checkpoint", True)
     model = OffloadModel(copy.deepcopy(base), torch.device("cuda"), num_slices=cfg["slices"],
-                         checkpoint_activation=True, num_microbatches=cfg["microbatches"], **kw)  # fmt: skip
+                         checkpoint_activation=checkpoint, num_microbatches=cfg["microbatches"], **kw)  # fmt: skip
     opt = None if "optimizer_in_backward" in kw else torch.optim.SGD(model.parameters(), lr=lr)
     step = sgd_step(model, opt, x)
     for _ in range(cfg["warmup"]):
@@ -245,6 +247,8 @@ def main() -> None:
         ("shardfuse_bf16", run_shardfuse, {"compute_dtype": torch.bfloat16}),
         ("shardfuse_opt_in_bwd", run_shardfuse, {"opt_in_backward": True}),
         ("shardfuse_bf16_opt_in_bwd", run_shardfuse, {"compute_dtype": torch.bfloat16, "opt_in_backward": True}),
+        # activations stay on the GPU: no recompute, so the step can approach the plain one
+        ("shardfuse_keep_acts_opt_in_bwd", run_shardfuse, {"checkpoint": False, "opt_in_backward": True}),
         ("fairscale", run_fairscale, {}),
         ("fsdp2_cpu_offload", run_fsdp2, {}),
     ]
