@@ -6,10 +6,17 @@ they name the offending value and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import torch
+from torch.autograd import _profiler_enabled
+from torch.profiler import record_function
 
 # Dtypes the kernels read and write. Integer and complex tensors are rejected with a clear error.
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
@@ -69,9 +76,125 @@ def pointer_table(tensors: Sequence[torch.Tensor], device: torch.device) -> torc
 
 def int64_table(values: Sequence[int], device: torch.device) -> torch.Tensor:
     """A small int64 metadata table on ``device``, copied from pinned memory without a host sync."""
-    host = torch.tensor(list(values), dtype=torch.int64)
+    return to_device(_host_int64(values), device)
+
+
+def _host_int64(values: Sequence[int]) -> torch.Tensor:
+    # array() converts a list of ints about ten times faster than torch.tensor(list).
+    if not values:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(array("q", values), dtype=torch.int64)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host
     # Pinned memory lets the copy run asynchronously; the caching host allocator keeps the pinned block
     # alive until the copy on the current stream has finished.
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def block_table(columns: Sequence[Sequence[int]], block_counts: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The metadata table of a multi-tensor launch: T-long int64 columns one after the other, then the
+    owning tensor's index for every program (``sum(block_counts)`` entries).
+
+    The owner column lets each program find its tensor with one load, where a binary search over block
+    starts would make log2(T) dependent loads before the first byte of data moves.
+    """
+    flat: list[int] = []
+    for col in columns:
+        flat.extend(col)
+    counts = _host_int64(block_counts)
+    owners = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int64), counts)
+    return to_device(torch.cat([_host_int64(flat), owners]), device)
+
+
+def block_starts(block_counts: Sequence[int]) -> list[int]:
+    """Exclusive prefix sums: the first program of each tensor."""
+    starts, pos = [], 0
+    for c in block_counts:
+        starts.append(pos)
+        pos += c
+    return starts
+
+
+_NULL_CONTEXT = contextlib.nullcontext()
+
+
+def profiled(name: str):
+    """``record_function(name)`` while a profiler runs; a no-op context (no dispatcher call) otherwise."""
+    return record_function(name) if _profiler_enabled() else _NULL_CONTEXT
+
+
+def device_guard(device: torch.device):
+    """Make ``device`` current for a Triton launch (Triton launches on the current CUDA device)."""
+    if device.type != "cuda" or device.index == torch.cuda.current_device():
+        return _NULL_CONTEXT
+    return torch.cuda.device(device)
+
+
+def stream_key(device: torch.device) -> int | None:
+    """What a cached device table is tied to: the current CUDA stream (0 on CPU); None while a CUDA graph
+    is being captured, when nothing may be cached (a captured table copy has not run yet, and a cached
+    table could be freed while the graph still reads it)."""
+    if device.type != "cuda":
+        return 0
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+class PlanCache:
+    """A small LRU cache of launch plans (device metadata tables plus launch arguments).
+
+    The FSDP data path calls every launcher with the same tensors each iteration, so a plan keyed by the
+    tensors' (address, size, dtype, layout, device) and the current stream lets a repeat call skip the
+    validation that depends only on those, the table building and the host->device copy. Plans are never
+    mutated once stored: a kernel still in flight may be reading a plan's table. Keys hold only ints,
+    dtypes and devices, never tensors, so the cache keeps no user memory alive. A table is used only on
+    the stream it was copied on, so when an evicted table is freed, the caching allocator hands its block
+    out only to later work on that stream.
+    """
+
+    def __init__(self, maxsize: int = 64) -> None:
+        self.maxsize = maxsize
+        # hash(key) -> (key, plan): a key is a tuple of thousands of values whose hash Python does not
+        # cache, so hash it once per call (an int key makes the LRU bookkeeping cheap); a colliding key
+        # only costs a rebuild.
+        self._plans: OrderedDict[int, tuple[Hashable, Any]] = OrderedDict()
+        self._lock = threading.Lock()
+        _CACHES.append(self)
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def get(self, key: Hashable) -> Any:
+        h = hash(key)
+        with self._lock:
+            entry = self._plans.get(h)
+            if entry is None or entry[0] != key:
+                return None
+            self._plans.move_to_end(h)
+            return entry[1]
+
+    def put(self, key: Hashable, plan: Any) -> None:
+        h = hash(key)
+        with self._lock:
+            self._plans[h] = (key, plan)
+            self._plans.move_to_end(h)
+            while len(self._plans) > self.maxsize:
+                self._plans.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+
+_CACHES: list[PlanCache] = []
+
+
+def clear_plan_caches() -> None:
+    """Drop every cached launch plan (and its device tables)."""
+    for cache in _CACHES:
+        cache.clear()

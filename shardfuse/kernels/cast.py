@@ -3,30 +3,37 @@
 Before every all-gather the local fp32 shard is cast to bf16/fp16 directly into the all-gather input
 buffer (FSDP2 makes two passes here: a per-parameter ``.to()`` and a ``_foreach_copy_`` into the buffer).
 The multi-tensor form does all flat shards of a group, or thousands of small tensors, in one launch per
-(source dtype, destination dtype) pair: a per-tensor block-start prefix table maps each program to its
-(tensor, block) by binary search, so the launch count does not grow with the tensor count and nothing
-waits on the host.
+(source dtype, destination dtype) pair: a host-built owner column maps each program to its tensor in one
+load, so the launch count does not grow with the tensor count and nothing waits on the host. The launch
+plans (device tables included) are cached per set of tensors, so a repeat call costs little more than
+the launch itself.
 
 Layout: ``@triton.jit`` kernels, launchers (``cast_shard``, ``cast_shards``), references (``*_ref``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import operator
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
-from torch.profiler import record_function
 
 from shardfuse.kernels._common import (
     BLOCK_SIZE,
+    PlanCache,
+    block_starts,
+    block_table,
     check_float,
     check_out,
     check_same_device,
-    int64_table,
+    device_guard,
+    interpreting,
+    profiled,
+    stream_key,
     use_triton,
 )
 
@@ -69,25 +76,17 @@ def _cast_shard_kernel(src_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _cast_shards_kernel(table, num_tensors, search_steps, src_like, dst_like, ALIGNED: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    """Multi-tensor cast. ``table`` (int64) holds, for T tensors, one after the other:
-    block starts [T + 1] (prefix sums of per-tensor block counts), numels [T], source addresses [T],
-    destination addresses [T]. ``src_like``/``dst_like`` are only there for their element types.
+def _cast_shards_kernel(table, num_tensors, src_like, dst_like, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """Multi-tensor cast. ``table`` (int64) holds, for T tensors, one after the other: block starts [T],
+    numels [T], source addresses [T], destination addresses [T], then the owning tensor of every program.
+    ``src_like``/``dst_like`` are only there for their element types.
     """
     pid = tl.program_id(0).to(tl.int64)
-    # Binary search for the last tensor t with starts[t] <= pid (invariant starts[lo] <= pid < starts[hi]).
-    lo = pid * 0
-    hi = lo + num_tensors
-    for _ in range(search_steps):
-        mid = (lo + hi) // 2
-        right = tl.load(table + mid) <= pid
-        lo = tl.where(right, mid, lo)
-        hi = tl.where(right, hi, mid)
-    block = pid - tl.load(table + lo)
-    n = tl.load(table + num_tensors + 1 + lo)
-    src = tl.load(table + 2 * num_tensors + 1 + lo).to(src_like.dtype)
-    dst = tl.load(table + 3 * num_tensors + 1 + lo).to(dst_like.dtype)
+    t = tl.load(table + 4 * num_tensors + pid)  # one load, not a search: the host built the owner column
+    block = pid - tl.load(table + t)
+    n = tl.load(table + num_tensors + t)
+    src = tl.load(table + 2 * num_tensors + t).to(src_like.dtype)
+    dst = tl.load(table + 3 * num_tensors + t).to(dst_like.dtype)
     if ALIGNED:
         # The host checked every address is 16-byte aligned: let the compiler emit vector accesses.
         src = tl.multiple_of(src, 16)
@@ -103,10 +102,26 @@ def _cast_shards_kernel(table, num_tensors, search_steps, src_like, dst_like, AL
 # Launchers
 # --------------------------------------------------------------------------------------------------
 
+_PLANS = PlanCache()
+_DTYPE = operator.attrgetter("dtype")
 
-def _device_guard(device: torch.device):
-    # Triton launches on the current CUDA device; make it the tensors' device.
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+class _Launch(NamedTuple):
+    """One ``_cast_shards_kernel`` launch: tensors sharing (source dtype, destination dtype)."""
+
+    grid: int
+    table: torch.Tensor
+    num_tensors: int
+    src_like: int  # index of a source of this group (types the source addresses)
+    dst_like: int  # index of a destination of this group; -1: the flat ``out``
+    aligned: bool
+    block: int
+    num_warps: int
+
+
+class _Plan(NamedTuple):
+    device: torch.device
+    launches: tuple[_Launch, ...]
 
 
 def _check_src(src: torch.Tensor, name: str) -> None:
@@ -148,33 +163,29 @@ def cast_shard(src: torch.Tensor, out: torch.Tensor | None = None, *, dtype: tor
     Returns:
         ``out``. Works fp32 -> bf16/fp16 (before all-gather), bf16/fp16 -> fp32 (loading) and same dtype (copy).
     """
-    with record_function("shardfuse.kernels:cast_shard"):
+    with profiled("shardfuse.kernels:cast_shard"):
         out = _check_cast_shard(src, out, dtype)
         if not use_triton(src, out):
             return cast_shard_ref(src, out)
         n = src.numel()
         if n == 0:
             return out
-        with _device_guard(src.device):
-            _cast_shard_kernel[(triton.cdiv(n, BLOCK_SIZE),)](src, out, n, BLOCK=BLOCK_SIZE, num_warps=_NUM_WARPS)
+        with device_guard(src.device):
+            _cast_shard_kernel[(-(-n // BLOCK_SIZE),)](src, out, n, BLOCK=BLOCK_SIZE, num_warps=_NUM_WARPS)
         return out
 
 
-def _check_cast_shards(
-    srcs: Sequence[torch.Tensor], out: torch.Tensor | Sequence[torch.Tensor], offsets: Sequence[int] | None
-) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
-    """Validate; return (srcs, destination views, flat_mode). Destinations are views of ``out`` in flat mode."""
-    srcs = list(srcs)
+def _validate_cast_shards(
+    srcs: list[torch.Tensor], out: torch.Tensor | Sequence[torch.Tensor], offsets: Sequence[int] | None
+) -> tuple[list[torch.Tensor] | None, list[int] | None]:
+    """Validate; return (destinations, None) for a list ``out``, (None, offsets) for a flat one."""
     for i, s in enumerate(srcs):
         _check_src(s, f"srcs[{i}]")
     if isinstance(out, torch.Tensor):
         check_same_device([*srcs, out], [*(f"srcs[{i}]" for i in range(len(srcs))), "out"])
         numels = [s.numel() for s in srcs]
         if offsets is None:
-            offsets, pos = [], 0
-            for k in numels:
-                offsets.append(pos)
-                pos += k
+            offsets = block_starts(numels)  # back to back
         else:
             offsets = [int(o) for o in offsets]
             if len(offsets) != len(srcs):
@@ -191,9 +202,7 @@ def _check_cast_shards(
                     f"destination ranges overlap: srcs[{i0}] ends at {e0} but srcs[{i1}] starts at {b1}; "
                     f"fix offsets so that each range [offset, offset + numel) is disjoint"
                 )
-        flat = out.view(-1)
-        outs = [flat[o : o + k] for o, k in zip(offsets, numels)]
-        return srcs, outs, True
+        return None, offsets
     if offsets is not None:
         raise ValueError("offsets only apply when out is one flat tensor; drop offsets or pass a flat out")
     outs = list(out)
@@ -208,28 +217,107 @@ def _check_cast_shards(
             raise ValueError(
                 f"out[{i}].numel()={o.numel()} != srcs[{i}].numel()={s.numel()}: destinations must match their sources"
             )
-    return srcs, outs, False
+    return outs, None
 
 
-def _launch_cast_group(srcs: list[torch.Tensor], dsts: list[torch.Tensor]) -> None:
+def _check_cast_shards(
+    srcs: Sequence[torch.Tensor], out: torch.Tensor | Sequence[torch.Tensor], offsets: Sequence[int] | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
+    """Validate; return (srcs, destination views, flat_mode). Destinations are views of ``out`` in flat mode."""
+    srcs = list(srcs)
+    outs, offsets = _validate_cast_shards(srcs, out, offsets)
+    if outs is not None:
+        return srcs, outs, False
+    flat = out.view(-1)
+    return srcs, [flat[o : o + s.numel()] for o, s in zip(offsets, srcs)], True
+
+
+def _meta(tensors: list[torch.Tensor]) -> tuple:
+    """Everything validation and the table read from ``tensors``: addresses, sizes, dtypes, layout, devices.
+    ``map`` over the unbound methods is several times cheaper than a loop building one tuple per tensor."""
+    T = torch.Tensor
+    return (
+        tuple(map(T.data_ptr, tensors)),
+        tuple(map(T.numel, tensors)),
+        tuple(map(_DTYPE, tensors)),
+        tuple(map(T.is_contiguous, tensors)),
+        tuple(map(T.get_device, tensors)),  # ints: cheaper to build and compare than devices
+    )
+
+
+def _cast_key(
+    srcs: list[torch.Tensor], out: torch.Tensor | list[torch.Tensor], offsets: Sequence[int] | None
+) -> tuple | None:
+    """The plan-cache key, or None when nothing may be cached (CUDA graph capture, malformed arguments:
+    the validating slow path then says what is wrong)."""
+    try:
+        if isinstance(out, torch.Tensor):
+            dst = (out.data_ptr(), out.numel(), out.dtype, out.is_contiguous(), out.device,
+                   None if offsets is None else tuple(map(int, offsets)))
+            device = out.device
+        else:
+            if offsets is not None or not out:
+                return None
+            dst = _meta(out)
+            device = out[0].device
+        stream = stream_key(device)
+        return None if stream is None else (stream, _meta(srcs), dst)
+    except (TypeError, AttributeError, ValueError, RuntimeError):
+        return None
+
+
+def _build_plan(
+    srcs: list[torch.Tensor], out: torch.Tensor | list[torch.Tensor], offsets: Sequence[int] | None
+) -> _Plan | None:
+    """Validate and build the launches; None when the reference path should run (CPU tensors)."""
+    dsts, offsets = _validate_cast_shards(srcs, out, offsets)
+    if dsts is None:
+        if not use_triton(out, *srcs):
+            return None
+        device, base, esize = out.device, out.data_ptr(), out.element_size()
+        dst_addrs = [base + o * esize for o in offsets]
+        dst_dtypes = [out.dtype] * len(srcs)
+    else:
+        if not use_triton(*srcs, *dsts):
+            return None
+        device = srcs[0].device if srcs else torch.device("cpu")
+        dst_addrs = [d.data_ptr() for d in dsts]
+        dst_dtypes = [d.dtype for d in dsts]
+    groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
+    for i, (s, ddt) in enumerate(zip(srcs, dst_dtypes)):
+        if s.numel():
+            groups.setdefault((s.dtype, ddt), []).append(i)
+    launches = tuple(
+        _plan_group(srcs, idx, dst_addrs, device, flat=dsts is None) for idx in groups.values()
+    )
+    return _Plan(device, launches)
+
+
+def _plan_group(
+    srcs: list[torch.Tensor], idx: list[int], dst_addrs: list[int], device: torch.device, flat: bool
+) -> _Launch:
     """One launch for tensors sharing (source dtype, destination dtype); all have numel > 0."""
-    numels = [s.numel() for s in srcs]
-    block = min(BLOCK_SIZE, max(_MIN_MULTI_BLOCK, triton.next_power_of_2(max(numels))))
-    starts = [0]
-    for k in numels:
-        starts.append(starts[-1] + triton.cdiv(k, block))
-    src_addrs = [s.data_ptr() for s in srcs]
-    dst_addrs = [d.data_ptr() for d in dsts]
-    aligned = all(a % 16 == 0 for a in src_addrs) and all(a % 16 == 0 for a in dst_addrs)
-    device = srcs[0].device
-    # One table, one host->device copy: starts, numels, source and destination addresses.
-    table = int64_table(starts + numels + src_addrs + dst_addrs, device)
-    steps = max(1, (len(srcs) - 1).bit_length())  # ceil(log2(T)) halvings of [0, T)
-    with _device_guard(device):
-        _cast_shards_kernel[(starts[-1],)](
-            table, len(srcs), steps, srcs[0], dsts[0], ALIGNED=aligned, BLOCK=block,
-            num_warps=_NUM_WARPS if block >= 2048 else 4,
-        )
+    numels = [srcs[i].numel() for i in idx]
+    # Many tiny tensors: a smaller block wastes fewer masked lanes (one compile per power of two).
+    block = min(BLOCK_SIZE, max(_MIN_MULTI_BLOCK, 1 << (max(numels) - 1).bit_length()))
+    counts = [-(-k // block) for k in numels]
+    src_addrs = [srcs[i].data_ptr() for i in idx]
+    dst = [dst_addrs[i] for i in idx]
+    aligned = all(a % 16 == 0 for a in src_addrs) and all(a % 16 == 0 for a in dst)
+    # One table, one host->device copy: starts, numels, source and destination addresses, owners.
+    table = block_table([block_starts(counts), numels, src_addrs, dst], counts, device)
+    return _Launch(sum(counts), table, len(idx), idx[0], -1 if flat else idx[0], aligned, block,
+                   _NUM_WARPS if block >= 2048 else 4)
+
+
+def _run_plan(plan: _Plan, srcs: list[torch.Tensor], out: torch.Tensor | list[torch.Tensor]) -> None:
+    with device_guard(plan.device):
+        for la in plan.launches:
+            dst_like = out if la.dst_like < 0 else out[la.dst_like]
+            _cast_shards_kernel[(la.grid,)](
+                la.table, la.num_tensors, srcs[la.src_like], dst_like, ALIGNED=la.aligned, BLOCK=la.block,
+                num_warps=la.num_warps,
+            )
 
 
 def cast_shards(
@@ -249,22 +337,27 @@ def cast_shards(
 
     Returns:
         ``out`` as given (the tensor, or the list of tensors).
+
+    A repeat call with the same tensors (same addresses, sizes, dtypes, layouts and device, on the same
+    stream) reuses the cached launch plan: no validation, no table building, no host->device copy.
     """
-    with record_function("shardfuse.kernels:cast_shards"):
-        srcs, dsts, flat_mode = _check_cast_shards(srcs, out, offsets)
-        result = out if flat_mode else list(out)
-        if not use_triton(*srcs, *dsts) or (flat_mode and not use_triton(out)):
-            _copy_all(srcs, dsts)  # the reference's copies, without validating twice
-            return result
-        groups: dict[tuple[torch.dtype, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        for s, d in zip(srcs, dsts):
-            if s.numel():
-                g = groups.setdefault((s.dtype, d.dtype), ([], []))
-                g[0].append(s)
-                g[1].append(d)
-        for gsrcs, gdsts in groups.values():
-            _launch_cast_group(gsrcs, gdsts)
-        return result
+    with profiled("shardfuse.kernels:cast_shards"):
+        srcs = list(srcs)
+        dests = out if isinstance(out, torch.Tensor) else list(out)
+        key = _cast_key(srcs, dests, offsets)
+        plan = None if key is None else _PLANS.get(key)
+        if plan is None:
+            plan = _build_plan(srcs, dests, offsets)
+            if plan is not None and key is not None:
+                _PLANS.put(key, plan)
+        elif plan.device.type == "cpu" and not interpreting():
+            plan = None  # the interpreter was switched off since the plan was built
+        if plan is None:
+            _, views, _ = _check_cast_shards(srcs, dests, offsets)
+            _copy_all(srcs, views)  # the reference's copies
+        else:
+            _run_plan(plan, srcs, dests)
+        return dests
 
 
 # --------------------------------------------------------------------------------------------------

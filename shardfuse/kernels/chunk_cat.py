@@ -18,18 +18,25 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
-from torch.profiler import record_function
 
 from shardfuse.kernels._common import (
     BLOCK_SIZE,
+    PlanCache,
+    block_starts,
+    block_table,
     check_float,
     check_same_device,
-    int64_table,
+    device_guard,
+    interpreting,
+    profiled,
+    stream_key,
     use_triton,
 )
 
@@ -39,6 +46,10 @@ logger = logging.getLogger(__name__)
 _NUM_WARPS = 8
 
 __all__ = ["chunk_cat", "chunk_cat_ref"]
+
+_PLANS = PlanCache()
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -52,7 +63,6 @@ def _chunk_cat_kernel(
     like_ptr,
     out_ptr,
     num_tensors,
-    search_steps,
     row_numel,
     factor,
     DIVIDE: tl.constexpr,
@@ -61,7 +71,8 @@ def _chunk_cat_kernel(
     OUT_VEC: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """meta (int64) = [src pointers | numels | chunk numels | column offsets | block starts (T+1)].
+    """meta (int64) = [src pointers | numels | chunk numels | column offsets | block starts | owner of
+    every program].
 
     Tensor i owns world_size * cdiv(chunk_numel_i, BLOCK) programs: (row r, block b) copies elements
     [b*BLOCK, (b+1)*BLOCK) of chunk r, i.e. source elements r*chunk_numel_i + [b*BLOCK, ...), into
@@ -72,14 +83,8 @@ def _chunk_cat_kernel(
     chunk_tab = meta_ptr + 2 * num_tensors
     col_tab = meta_ptr + 3 * num_tensors
     start_tab = meta_ptr + 4 * num_tensors
-    # Binary search for the tensor i with start[i] <= pid < start[i + 1]; empty tensors own no program.
-    lo = pid * 0
-    hi = lo + num_tensors
-    for _ in range(search_steps):
-        mid = (lo + hi) // 2
-        go_right = tl.load(start_tab + mid) <= pid
-        lo = tl.where(go_right, mid, lo)
-        hi = tl.where(go_right, hi, mid)
+    # One load finds the tensor (the host built the owner column); empty tensors own no program.
+    lo = tl.load(meta_ptr + 5 * num_tensors + pid)
     n = tl.load(numel_tab + lo)
     m = tl.load(chunk_tab + lo)
     col = tl.load(col_tab + lo)
@@ -125,6 +130,13 @@ def _layout(t: torch.Tensor, world_size: int) -> tuple[int, int]:
     return t.numel(), -(-dim0 // world_size) * rest
 
 
+def _check_factor(factor: float) -> float:
+    factor = float(factor)
+    if not math.isfinite(factor) or factor <= 0.0:
+        raise ValueError(f"the divide factor must be a finite number > 0, got {factor=}: use 1.0 for no division")
+    return factor
+
+
 def _validate(
     tensors: Sequence[torch.Tensor],
     world_size: int,
@@ -139,9 +151,7 @@ def _validate(
         raise ValueError("chunk_cat got an empty list of tensors: pass at least one tensor")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"chunk_cat needs an integer world_size >= 1, got {world_size=!r}")
-    factor = float(factor)
-    if not math.isfinite(factor) or factor <= 0.0:
-        raise ValueError(f"the divide factor must be a finite number > 0, got {factor=}: use 1.0 for no division")
+    factor = _check_factor(factor)
     names = [f"tensors[{i}]" for i in range(len(tensors))]
     for t, name in zip(tensors, names):
         if not isinstance(t, torch.Tensor):
@@ -172,6 +182,92 @@ def _validate(
     return tensors, factor, out_dtype, list(numels), list(chunks), row_numel
 
 
+class _Plan(NamedTuple):
+    device: torch.device
+    shape: tuple[int, int]  # of the output
+    dtype: torch.dtype  # of the output
+    grid: int
+    table: torch.Tensor
+    num_tensors: int
+    row_numel: int
+    like: int  # index of a non-empty input (types the source addresses)
+    aligned: bool  # given a 16-byte aligned out
+    in_vec: int
+    out_vec: int
+
+
+def _key(tensors: Sequence[torch.Tensor], world_size: int, dtype: torch.dtype | None,
+         out: torch.Tensor | None) -> tuple | None:
+    """The plan-cache key: everything validation and the table read from the inputs (and out's layout:
+    out is a kernel argument, its address is not in the table); None when nothing may be cached (CUDA
+    graph capture, malformed arguments: the validating path then says what is wrong)."""
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        return None
+    T = torch.Tensor
+    try:
+        stream = stream_key(tensors[0].device)
+        if stream is None:
+            return None
+        layout = None if out is None else (tuple(out.shape), out.dtype, out.is_contiguous(), out.device)
+        return (
+            stream,
+            world_size,
+            type(world_size),  # True == 1, but only an int passes validation
+            dtype,
+            layout,
+            tuple(map(T.data_ptr, tensors)),
+            tuple(map(_DTYPE, tensors)),
+            tuple(map(T.get_device, tensors)),  # ints: cheaper to build and compare than devices
+            tuple(map(_SHAPE, tensors)),
+            tuple(map(T.is_contiguous, tensors)),
+        )
+    except (TypeError, AttributeError, ValueError, RuntimeError):
+        return None
+
+
+def _build_plan(tensors: list[torch.Tensor], world_size: int, out: torch.Tensor, numels: list[int],
+                chunks: list[int], row_numel: int) -> _Plan:
+    """The launch for validated, contiguous inputs with a non-empty output."""
+    cols, counts, running = [], [], 0
+    for m in chunks:
+        cols.append(running)
+        running += m
+        counts.append(world_size * -(-m // BLOCK_SIZE))
+    ptrs = [t.data_ptr() for t in tensors]
+    in_vec = 16 // tensors[0].element_size()
+    out_vec = 16 // out.element_size()
+    aligned = (
+        row_numel % out_vec == 0
+        and all(p % 16 == 0 for p in ptrs)
+        and all(m % in_vec == 0 for m in chunks)
+        and all(c % out_vec == 0 for c in cols)
+    )
+    device = tensors[0].device
+    table = block_table([ptrs, numels, chunks, cols, block_starts(counts)], counts, device)
+    # `like` only types the source pointers: a non-empty tensor (empty CUDA tensors have null pointers).
+    like = next(i for i, t in enumerate(tensors) if t.numel())
+    return _Plan(device, (world_size, row_numel), out.dtype, sum(counts), table, len(tensors), row_numel, like,
+                 aligned, in_vec, out_vec)
+
+
+def _run(plan: _Plan, tensors: Sequence[torch.Tensor], out: torch.Tensor, factor: float) -> None:
+    with device_guard(plan.device):
+        _chunk_cat_kernel[(plan.grid,)](
+            plan.table,
+            tensors[plan.like],
+            out,
+            plan.num_tensors,
+            plan.row_numel,
+            factor,
+            DIVIDE=factor != 1.0,
+            ALIGNED=plan.aligned and out.data_ptr() % 16 == 0,
+            IN_VEC=plan.in_vec,
+            OUT_VEC=plan.out_vec,
+            BLOCK=BLOCK_SIZE,
+            num_warps=_NUM_WARPS,
+        )
+
+
 def chunk_cat(
     tensors: Sequence[torch.Tensor],
     world_size: int,
@@ -189,7 +285,15 @@ def chunk_cat(
     a non-contiguous input is first copied with ``.contiguous()`` (one extra copy kernel and a temporary).
     One Triton launch for any number of tensors.
     """
-    with record_function("shardfuse.kernels:chunk_cat"):
+    with profiled("shardfuse.kernels:chunk_cat"):
+        key = _key(tensors, world_size, dtype, out)
+        plan = None if key is None else _PLANS.get(key)
+        if plan is not None and (plan.device.type == "cuda" or interpreting()):
+            factor = _check_factor(factor)
+            if out is None:
+                out = torch.empty(plan.shape, dtype=plan.dtype, device=plan.device)
+            _run(plan, tensors, out, factor)
+            return out
         tensors, factor, out_dtype, numels, chunks, row_numel = _validate(tensors, world_size, factor, dtype, out)
         if out is None:
             out = torch.empty((world_size, row_numel), dtype=out_dtype, device=tensors[0].device)
@@ -201,40 +305,10 @@ def chunk_cat(
         if strided:
             logger.debug("chunk_cat: copying non-contiguous tensors %s to contiguous first", strided)
             tensors = [t.contiguous() for t in tensors]
-        cols, block_starts, running = [], [0], 0
-        for m in chunks:
-            cols.append(running)
-            running += m
-            block_starts.append(block_starts[-1] + world_size * triton.cdiv(m, BLOCK_SIZE))
-        ptrs = [t.data_ptr() for t in tensors]
-        in_vec = 16 // tensors[0].element_size()
-        out_vec = 16 // out.element_size()
-        aligned = (
-            out.data_ptr() % 16 == 0
-            and row_numel % out_vec == 0
-            and all(p % 16 == 0 for p in ptrs)
-            and all(m % in_vec == 0 for m in chunks)
-            and all(c % out_vec == 0 for c in cols)
-        )
-        num_tensors = len(tensors)
-        meta = int64_table(ptrs + numels + chunks + cols + block_starts, out.device)
-        # `like` only types the source pointers: a non-empty tensor (empty CUDA tensors have null pointers).
-        like = next(t for t in tensors if t.numel())
-        _chunk_cat_kernel[(block_starts[-1],)](
-            meta,
-            like,
-            out,
-            num_tensors,
-            math.ceil(math.log2(num_tensors)) if num_tensors > 1 else 0,
-            row_numel,
-            factor,
-            DIVIDE=factor != 1.0,
-            ALIGNED=aligned,
-            IN_VEC=in_vec,
-            OUT_VEC=out_vec,
-            BLOCK=BLOCK_SIZE,
-            num_warps=_NUM_WARPS,
-        )
+        plan = _build_plan(tensors, world_size, out, numels, chunks, row_numel)
+        if key is not None and not strided:  # a table of temporaries' addresses must not outlive them
+            _PLANS.put(key, plan)
+        _run(plan, tensors, out, factor)
         return out
 
 

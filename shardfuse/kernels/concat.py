@@ -2,9 +2,10 @@
 launch, replacing ``torch.cat(list)`` for the outputs (and input gradients) of an offloaded model slice.
 
 Each contiguous input is a contiguous segment of the output, so the kernel is a multi-tensor copy: a pointer
-table, a per-tensor block-start prefix table and an in-kernel binary search map every program to
-(tensor, block). The copy moves raw bits (the tensors are addressed as integers of the same width), so it
-is exact for every dtype of 1, 2, 4 or 8 bytes, NaN payloads included.
+table, a per-tensor block-start prefix table and a per-program owner column map every program to
+(tensor, block) with one dependent load. The launch plan (table included) is cached per set of inputs. The
+copy moves raw bits (the tensors are addressed as integers of the same width), so it is exact for every
+dtype of 1, 2, 4 or 8 bytes, NaN payloads included.
 
 Non-contiguous inputs are copied straight into their slot of the output with ``Tensor.copy_`` (one extra
 copy kernel per such input, but no temporary); the contiguous ones still share the single launch.
@@ -13,15 +14,26 @@ copy kernel per such input, but no temporary); the contiguous ones still share t
 from __future__ import annotations
 
 import logging
-import math
+import operator
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
-from torch.profiler import record_function
 
-from shardfuse.kernels._common import BLOCK_SIZE, check_same_device, int64_table, use_triton
+from shardfuse.kernels._common import (
+    BLOCK_SIZE,
+    PlanCache,
+    block_starts,
+    block_table,
+    check_same_device,
+    device_guard,
+    interpreting,
+    profiled,
+    stream_key,
+    use_triton,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +44,10 @@ __all__ = ["concat_microbatches", "split_microbatches", "concat_microbatches_ref
 
 # Same-width integer dtypes the kernel copies through: a copy of raw bits is exact for any dtype.
 _BITS_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+_PLANS = PlanCache()
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -44,35 +60,25 @@ def _concat_kernel(
     meta_ptr,
     out_ptr,
     num_tensors,
-    search_steps,
     ALIGNED: tl.constexpr,
     VEC: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """meta (int64) = [src pointers | numels | out offsets | block starts (T+1)]; out_ptr is typed as an
-    integer of the element width, and so are the sources."""
+    """meta (int64) = [src pointers | numels | out offsets | block starts | owner of every program]; out_ptr
+    is typed as an integer of the element width, and so are the sources."""
     pid = tl.program_id(0).to(tl.int64)
-    numel_tab = meta_ptr + num_tensors
-    offset_tab = meta_ptr + 2 * num_tensors
-    start_tab = meta_ptr + 3 * num_tensors
-    # Binary search for the tensor i with start[i] <= pid < start[i + 1]; empty tensors own no program.
-    lo = pid * 0
-    hi = lo + num_tensors
-    for _ in range(search_steps):
-        mid = (lo + hi) // 2
-        go_right = tl.load(start_tab + mid) <= pid
-        lo = tl.where(go_right, mid, lo)
-        hi = tl.where(go_right, hi, mid)
-    n = tl.load(numel_tab + lo)
-    src_addr = tl.load(meta_ptr + lo)
-    dst_off = tl.load(offset_tab + lo)
+    # One load finds the tensor (the host built the owner column); empty tensors own no program.
+    i = tl.load(meta_ptr + 4 * num_tensors + pid)
+    n = tl.load(meta_ptr + num_tensors + i)
+    src_addr = tl.load(meta_ptr + i)
+    dst_off = tl.load(meta_ptr + 2 * num_tensors + i)
     if ALIGNED:
         # Host-checked: sources 16-byte aligned, destination offsets whole 16-byte vectors.
         src_addr = tl.multiple_of(src_addr, 16)
         dst_off = tl.multiple_of(dst_off, VEC)
     src = src_addr.to(tl.pointer_type(out_ptr.dtype.element_ty))
     dst = out_ptr + dst_off
-    start = (pid - tl.load(start_tab + lo)) * BLOCK
+    start = (pid - tl.load(meta_ptr + 3 * num_tensors + i)) * BLOCK
     offs = start + tl.arange(0, BLOCK)
     if start + BLOCK <= n:
         tl.store(dst + offs, tl.load(src + offs))
@@ -133,51 +139,110 @@ def _validate(tensors: Sequence[torch.Tensor], out: torch.Tensor | None) -> tupl
     return tensors, shape
 
 
+class _Plan(NamedTuple):
+    device: torch.device
+    shape: tuple  # of the output
+    dtype: torch.dtype
+    bits: torch.dtype  # integer dtype of the element width: the kernel copies raw bits
+    grid: int  # 0: no contiguous input, nothing to launch
+    table: torch.Tensor | None
+    num_tensors: int
+    aligned: bool  # sources and offsets 16-byte aligned, given a 16-byte aligned out
+    vec: int
+    strided: tuple[tuple[int, int], ...]  # (input index, element offset) of each non-contiguous input
+
+
+def _key(tensors: Sequence[torch.Tensor], out: torch.Tensor | None) -> tuple | None:
+    """The plan-cache key: everything validation and the table read from the inputs (and out's layout:
+    out is a kernel argument, its address is not in the table); None when nothing may be cached (CUDA
+    graph capture, malformed arguments: the validating path then says what is wrong)."""
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        return None
+    T = torch.Tensor
+    try:
+        stream = stream_key(tensors[0].device)
+        if stream is None:
+            return None
+        layout = None if out is None else (tuple(out.shape), out.dtype, out.is_contiguous(), out.device)
+        return (
+            stream,
+            layout,
+            tuple(map(T.data_ptr, tensors)),
+            tuple(map(_DTYPE, tensors)),
+            tuple(map(T.get_device, tensors)),  # ints: cheaper to build and compare than devices
+            tuple(map(_SHAPE, tensors)),
+            tuple(map(T.is_contiguous, tensors)),
+        )
+    except (TypeError, AttributeError, ValueError, RuntimeError):
+        return None
+
+
+def _build_plan(tensors: list[torch.Tensor], shape: tuple, device: torch.device) -> _Plan:
+    """The launch for validated inputs (whose element width the kernel can copy)."""
+    t0 = tensors[0]
+    vec = 16 // t0.element_size()
+    ptrs, numels, offsets, counts, strided = [], [], [], [], []
+    offset = 0
+    for i, t in enumerate(tensors):
+        n = t.numel()
+        if n and t.is_contiguous():
+            ptrs.append(t.data_ptr())
+            numels.append(n)
+            offsets.append(offset)
+            counts.append(-(-n // BLOCK_SIZE))
+        elif n:
+            strided.append((i, offset))
+        offset += n
+    table = block_table([ptrs, numels, offsets, block_starts(counts)], counts, device) if ptrs else None
+    aligned = all(p % 16 == 0 for p in ptrs) and all(o % vec == 0 for o in offsets)
+    return _Plan(device, shape, t0.dtype, _BITS_DTYPE[t0.element_size()], sum(counts), table, len(ptrs), aligned,
+                 vec, tuple(strided))
+
+
+def _run(plan: _Plan, tensors: list[torch.Tensor], out: torch.Tensor) -> None:
+    flat = out.view(-1)
+    for i, offset in plan.strided:
+        # No strided path in the kernel: copy_ writes the slot directly, with no temporary.
+        t = tensors[i]
+        flat[offset : offset + t.numel()].view(t.shape).copy_(t)
+    if not plan.grid:
+        return
+    with device_guard(plan.device):
+        _concat_kernel[(plan.grid,)](
+            plan.table,
+            flat.view(plan.bits),
+            plan.num_tensors,
+            ALIGNED=plan.aligned and out.data_ptr() % 16 == 0,
+            VEC=plan.vec,
+            BLOCK=BLOCK_SIZE,
+            num_warps=_NUM_WARPS,
+        )
+
+
 def concat_microbatches(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.cat(tensors, dim=0, out=out)`` in one launch for any number of tensors.
 
     All tensors share the trailing shape (``shape[1:]``), dtype and device; ``out`` (allocated when not
     given) must be contiguous with shape ``(sum of dim 0, *trailing)`` and the same dtype. Contiguous inputs
     are copied by one Triton kernel; each non-contiguous input is copied into its slot with ``copy_``.
-    Returns ``out``.
+    A repeat call with the same inputs (addresses, shapes, dtype, device, stream) reuses the cached launch
+    plan. Returns ``out``.
     """
-    with record_function("shardfuse.kernels:concat_microbatches"):
-        tensors, shape = _validate(tensors, out)
-        if out is None:
-            out = torch.empty(shape, dtype=tensors[0].dtype, device=tensors[0].device)
-        bits = _BITS_DTYPE.get(out.element_size())
-        if bits is None or not use_triton(*tensors, out):
-            return concat_microbatches_ref(tensors, out=out)
-        out_bits = out.view(-1).view(bits)
-        vec = 16 // out.element_size()
-        ptrs, numels, offsets, block_starts = [], [], [], [0]
-        offset = 0
-        for t in tensors:
-            n = t.numel()
-            if n and t.is_contiguous():
-                ptrs.append(t.data_ptr())
-                numels.append(n)
-                offsets.append(offset)
-                block_starts.append(block_starts[-1] + triton.cdiv(n, BLOCK_SIZE))
-            elif n:
-                # No strided path in the kernel: copy_ writes the slot directly, with no temporary.
-                out.view(-1)[offset : offset + n].view(t.shape).copy_(t)
-            offset += n
-        if not ptrs:
-            return out
-        aligned = out.data_ptr() % 16 == 0 and all(p % 16 == 0 for p in ptrs) and all(o % vec == 0 for o in offsets)
-        num_tensors = len(ptrs)
-        meta = int64_table(ptrs + numels + offsets + block_starts, out.device)
-        _concat_kernel[(block_starts[-1],)](
-            meta,
-            out_bits,
-            num_tensors,
-            math.ceil(math.log2(num_tensors)) if num_tensors > 1 else 0,
-            ALIGNED=aligned,
-            VEC=vec,
-            BLOCK=BLOCK_SIZE,
-            num_warps=_NUM_WARPS,
-        )
+    with profiled("shardfuse.kernels:concat_microbatches"):
+        key = _key(tensors, out)
+        plan = None if key is None else _PLANS.get(key)
+        if plan is None or not (plan.device.type == "cuda" or interpreting()):
+            tensors, shape = _validate(tensors, out)
+            if out is None:
+                out = torch.empty(shape, dtype=tensors[0].dtype, device=tensors[0].device)
+            if out.element_size() not in _BITS_DTYPE or not use_triton(*tensors, out):
+                return concat_microbatches_ref(tensors, out=out)
+            plan = _build_plan(tensors, shape, out.device)
+            if key is not None:
+                _PLANS.put(key, plan)
+        elif out is None:
+            out = torch.empty(plan.shape, dtype=plan.dtype, device=plan.device)
+        _run(plan, list(tensors), out)
         return out
 
 
@@ -186,7 +251,7 @@ def split_microbatches(buffer: torch.Tensor, sizes: Sequence[int]) -> list[torch
 
     ``sizes`` must be non-negative integers summing to ``buffer.shape[0]``. No copy is made.
     """
-    with record_function("shardfuse.kernels:split_microbatches"):
+    with profiled("shardfuse.kernels:split_microbatches"):
         if buffer.dim() == 0:
             raise ValueError("split_microbatches needs a buffer with at least one dimension, got a 0-dim tensor")
         sizes = list(sizes)

@@ -8,7 +8,8 @@ separate tensors of any strides (full state dicts, loading), one launch per dest
 
 Each launch covers a list of *segments* (one per tensor, plus the padding). A per-segment table holds the
 block-start prefix sums, numels, the strided tensor's address, the offset into the flat buffer and up to
-four coalesced sizes/strides; every program finds its segment by binary search over the block starts.
+four coalesced sizes/strides, then the owning segment of every program (one load, no search). Launch plans
+(tables included) are cached per set of tensors: the FSDP data path repeats the same call every step.
 
 Layout: ``@triton.jit`` kernels, launchers (``padded_numel``, ``flatten_pad``, ``unflatten_into``),
 references (``*_ref``).
@@ -16,22 +17,28 @@ references (``*_ref``).
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import operator
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
-from torch.profiler import record_function
 
 from shardfuse.kernels._common import (
     BLOCK_SIZE,
     FLOAT_DTYPES,
+    PlanCache,
+    block_starts,
+    block_table,
     check_float,
     check_out,
     check_same_device,
-    int64_table,
+    device_guard,
+    interpreting,
+    profiled,
+    stream_key,
     use_triton,
 )
 
@@ -43,10 +50,14 @@ _NUM_WARPS = 8  # BLOCK_SIZE=4096 over 256 threads: 16 elements each, several 16
 _MIN_BLOCK = 512  # smallest block, for launches of tiny tensors
 _MAX_DIMS = 4  # strided tensors with more dims after coalescing are made contiguous first
 
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
+
 # Segment kinds in the table.
 _CONTIGUOUS, _STRIDED, _ZERO = 0, 1, 2
 # Table columns after the T + 1 block starts, each T long.
 _COLUMNS = ("numel", "kind", "addr", "flat_off", "size1", "size2", "size3", "stride0", "stride1", "stride2", "stride3")
+assert len(_COLUMNS) == 11, "_flat_segments_kernel finds the owner column at 12 * num_segs"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -74,24 +85,18 @@ def _move_block(other, other_offs, flat, offs, n, FLAT_IS_DST: tl.constexpr, MAS
 
 
 @triton.jit
-def _flat_segments_kernel(table, num_segs, search_steps, flat_ptr, other_like, FLAT_IS_DST: tl.constexpr,
-                          STRIDED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+def _flat_segments_kernel(table, num_segs, flat_ptr, other_like, FLAT_IS_DST: tl.constexpr, STRIDED: tl.constexpr,
+                          ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """Copy/cast between one flat buffer and T segments (tensors, or the zero padding).
 
-    ``table`` (int64): block starts [T + 1], then T-long columns numel, kind, addr, flat_off, size1..3,
-    stride0..3 (see ``_COLUMNS``). ``other_like`` is only there for the strided side's element type.
+    ``table`` (int64): block starts [T], then T-long columns numel, kind, addr, flat_off, size1..3,
+    stride0..3 (see ``_COLUMNS``), then the owning segment of every program. ``other_like`` is only there
+    for the strided side's element type.
     """
     pid = tl.program_id(0).to(tl.int64)  # int64 before any multiply: flat buffers can pass 2^31 elements
-    # Binary search for the last segment s with starts[s] <= pid (invariant starts[lo] <= pid < starts[hi]).
-    lo = pid * 0
-    hi = lo + num_segs
-    for _ in range(search_steps):
-        mid = (lo + hi) // 2
-        right = tl.load(table + mid) <= pid
-        lo = tl.where(right, mid, lo)
-        hi = tl.where(right, hi, mid)
-    col = table + num_segs + 1 + lo  # column c of segment lo lives at col + c * num_segs
-    block = pid - tl.load(table + lo)
+    seg = tl.load(table + 12 * num_segs + pid)  # owners follow starts + 11 columns; one load, no search
+    col = table + num_segs + seg  # column c of segment seg lives at col + c * num_segs
+    block = pid - tl.load(table + seg)
     n = tl.load(col)
     kind = tl.load(col + num_segs)
     other = tl.load(col + 2 * num_segs).to(other_like.dtype)
@@ -131,11 +136,6 @@ def _flat_segments_kernel(table, num_segs, search_steps, flat_ptr, other_like, F
 # --------------------------------------------------------------------------------------------------
 
 
-def _device_guard(device: torch.device):
-    # Triton launches on the current CUDA device; make it the tensors' device.
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
 def padded_numel(numel: int, world_size: int) -> int:
     """Smallest multiple of ``world_size`` that is >= ``numel`` (0 for 0)."""
     if world_size < 1:
@@ -169,55 +169,141 @@ def _check_no_overlap(t: torch.Tensor, name: str) -> None:
         )
 
 
+_PLANS = PlanCache()
+
+
+class _Launch(NamedTuple):
+    """One ``_flat_segments_kernel`` launch (one dtype on the strided side)."""
+
+    grid: int
+    table: torch.Tensor
+    num_segs: int
+    like: int  # index of a tensor of this launch's dtype in the launcher's list (types its addresses)
+    strided: bool
+    aligned: bool  # every contiguous segment 16-byte aligned, given a 16-byte aligned flat buffer
+    block: int
+    num_warps: int
+
+
+class _Plan(NamedTuple):
+    device: torch.device
+    dtype: torch.dtype  # of the flat buffer
+    numel: int  # of the flat buffer flatten_pad writes
+    launches: tuple[_Launch, ...]
+
+
 class _Segments:
     """Host-side table builder for one launch (one strided-side dtype)."""
 
-    def __init__(self) -> None:
-        self.cols: dict[str, list[int]] = {c: [] for c in _COLUMNS}
+    def __init__(self, like: int) -> None:
+        self.cols: list[list[int]] = [[] for _ in _COLUMNS]
+        self.like = like
         self.strided = False
 
     def __len__(self) -> int:
-        return len(self.cols["numel"])
+        return len(self.cols[0])
 
     def add(self, kind: int, addr: int, flat_off: int, numel: int, sizes: list[int], strides: list[int]) -> None:
         pad = _MAX_DIMS - len(sizes)
         sizes = [1] * pad + sizes
         strides = [0] * pad + strides
-        row = dict(numel=numel, kind=kind, addr=addr, flat_off=flat_off, size1=sizes[1], size2=sizes[2],
-                   size3=sizes[3], stride0=strides[0], stride1=strides[1], stride2=strides[2], stride3=strides[3])
-        for c in _COLUMNS:
-            self.cols[c].append(row[c])
+        row = (numel, kind, addr, flat_off, sizes[1], sizes[2], sizes[3], *strides)
+        for col, value in zip(self.cols, row):
+            col.append(value)
         self.strided |= kind == _STRIDED
 
-    def add_tensor(self, t: torch.Tensor, flat_off: int) -> None:
-        sizes, strides = _coalesce(t)
+    def add_tensor(self, t: torch.Tensor, flat_off: int, sizes: list[int], strides: list[int]) -> None:
         if not sizes or (len(sizes) == 1 and strides[0] == 1):
             self.add(_CONTIGUOUS, t.data_ptr(), flat_off, t.numel(), [t.numel()], [1])
         else:
             self.add(_STRIDED, t.data_ptr(), flat_off, t.numel(), sizes, strides)
 
-    def launch(self, flat: torch.Tensor, other_like: torch.Tensor, flat_is_dst: bool) -> None:
-        numels = self.cols["numel"]
+    def plan(self, flat_element_size: int, device: torch.device) -> _Launch:
+        numels, kinds, addrs, flat_offs = self.cols[:4]
         # Many tiny tensors: a smaller block wastes fewer masked lanes (one compile per power of two).
-        block = min(BLOCK_SIZE, max(_MIN_BLOCK, triton.next_power_of_2(max(numels))))
-        starts = [0]
-        for k in numels:
-            starts.append(starts[-1] + triton.cdiv(k, block))
+        block = min(BLOCK_SIZE, max(_MIN_BLOCK, 1 << (max(numels) - 1).bit_length()))
+        counts = [-(-k // block) for k in numels]
         # Vector hints only when every contiguous segment starts 16-byte aligned on both sides.
-        fsize = flat.element_size()
-        aligned = flat.data_ptr() % 16 == 0 and all(
-            a % 16 == 0 and (o * fsize) % 16 == 0
-            for kind, a, o in zip(self.cols["kind"], self.cols["addr"], self.cols["flat_off"])
+        aligned = all(
+            a % 16 == 0 and (o * flat_element_size) % 16 == 0
+            for kind, a, o in zip(kinds, addrs, flat_offs)
             if kind == _CONTIGUOUS
         )
-        values = starts + [v for c in _COLUMNS for v in self.cols[c]]
-        table = int64_table(values, flat.device)  # one small host->device copy, no sync
-        steps = max(1, (len(self) - 1).bit_length())  # ceil(log2(T)) halvings of [0, T)
-        with _device_guard(flat.device):
-            _flat_segments_kernel[(starts[-1],)](
-                table, len(self), steps, flat, other_like, FLAT_IS_DST=flat_is_dst, STRIDED=self.strided,
-                ALIGNED=aligned, BLOCK=block, num_warps=_NUM_WARPS if block >= 2048 else 4,
+        table = block_table([block_starts(counts), *self.cols], counts, device)  # one copy, no sync
+        return _Launch(sum(counts), table, len(self), self.like, self.strided, aligned, block,
+                       _NUM_WARPS if block >= 2048 else 4)
+
+
+def _run(plan: _Plan, flat: torch.Tensor, others: list[torch.Tensor], flat_is_dst: bool) -> None:
+    flat_aligned = flat.data_ptr() % 16 == 0
+    with device_guard(plan.device):
+        for la in plan.launches:
+            _flat_segments_kernel[(la.grid,)](
+                la.table, la.num_segs, flat, others[la.like], FLAT_IS_DST=flat_is_dst, STRIDED=la.strided,
+                ALIGNED=la.aligned and flat_aligned, BLOCK=la.block, num_warps=la.num_warps,
             )
+
+
+def _layout_key(tensors: list[torch.Tensor]) -> tuple:
+    """Everything validation and the table read from ``tensors``: addresses, dtypes, devices, shapes,
+    strides. ``map`` over the unbound methods is several times cheaper than a loop building one tuple per
+    tensor."""
+    T = torch.Tensor
+    return (
+        tuple(map(T.data_ptr, tensors)),
+        tuple(map(_DTYPE, tensors)),
+        tuple(map(T.get_device, tensors)),  # ints: cheaper to build and compare than devices
+        tuple(map(_SHAPE, tensors)),
+        tuple(map(T.stride, tensors)),
+    )
+
+
+def _buffer_key(t: torch.Tensor | None) -> tuple | None:
+    # The flat buffer is a kernel argument, not in the table: its address is not part of the key.
+    return None if t is None else (t.numel(), t.dtype, t.is_contiguous(), t.device)
+
+
+def _plan_key(device: torch.device, *parts) -> tuple | None:
+    stream = stream_key(device)
+    return None if stream is None else (stream, *parts)
+
+
+def _flatten_key(tensors: list[torch.Tensor], world_size: int, dtype: torch.dtype | None,
+                 out: torch.Tensor | None) -> tuple | None:
+    """The plan-cache key, or None when nothing may be cached (CUDA graph capture, malformed arguments:
+    the validating slow path then says what is wrong)."""
+    try:
+        if not tensors:
+            return None
+        return _plan_key(tensors[0].device, world_size, dtype, _buffer_key(out), _layout_key(tensors))
+    except (TypeError, AttributeError, ValueError, RuntimeError):
+        return None
+
+
+def _plan_flatten(tensors: list[torch.Tensor], out: torch.Tensor, total: int) -> tuple[_Plan, list[torch.Tensor]]:
+    """Build the launches of a validated flatten; return the plan and the tensors its table addresses
+    (contiguous copies where a tensor has too many dims). The plan may be cached only if those are the
+    caller's own tensors."""
+    groups: dict[torch.dtype, _Segments] = {}
+    sources = list(tensors)
+    pos = 0
+    for i, t in enumerate(tensors):
+        if t.numel():
+            sizes, strides = _coalesce(t)
+            if len(sizes) > _MAX_DIMS:
+                # More than 4 dims after coalescing (rare: e.g. permuted 5-D conv weights): the kernel's
+                # table has 4 size/stride slots, so pay one extra copy for this tensor.
+                t = sources[i] = t.contiguous()
+                sizes, strides = [t.numel()], [1]
+            groups.setdefault(t.dtype, _Segments(i)).add_tensor(t, pos, sizes, strides)
+            pos += t.numel()
+    if out.numel() > total:
+        # The padding rides in the last launch as one more segment (no separate fill kernel);
+        # padding > 0 implies total > 0, so there is a launch to ride in.
+        pad = out.numel() - total
+        groups[next(reversed(groups))].add(_ZERO, 0, total, pad, [pad], [1])
+    launches = tuple(segs.plan(out.element_size(), out.device) for segs in groups.values())
+    return _Plan(out.device, out.dtype, out.numel(), launches), sources
 
 
 def _prepare_flatten(
@@ -277,31 +363,22 @@ def flatten_pad(
     Returns:
         The flat buffer; one launch per source dtype, the zero tail written by the last one.
     """
-    with record_function("shardfuse.kernels:flatten_pad"):
+    with profiled("shardfuse.kernels:flatten_pad"):
+        tensors = list(tensors)
+        key = _flatten_key(tensors, world_size, dtype, out)
+        plan = None if key is None else _PLANS.get(key)
+        if plan is not None and (plan.device.type == "cuda" or interpreting()):
+            if out is None:
+                out = torch.empty(plan.numel, dtype=plan.dtype, device=plan.device)
+            _run(plan, out, tensors, flat_is_dst=True)
+            return out
         tensors, out, total = _prepare_flatten(tensors, world_size, dtype, out)
         if not use_triton(out, *tensors):
             return flatten_pad_ref(tensors, world_size, out=out)
-        groups: dict[torch.dtype, _Segments] = {}
-        like: dict[torch.dtype, torch.Tensor] = {}
-        keep: list[torch.Tensor] = []  # temporaries must outlive the launch that reads them
-        pos = 0
-        for t in tensors:
-            if t.numel():
-                if len(_coalesce(t)[0]) > _MAX_DIMS:
-                    # More than 4 dims after coalescing (rare: e.g. permuted 5-D conv weights): the kernel's
-                    # table has 4 size/stride slots, so pay one extra copy for this tensor.
-                    t = t.contiguous()
-                    keep.append(t)
-                groups.setdefault(t.dtype, _Segments()).add_tensor(t, pos)
-                like.setdefault(t.dtype, t)
-                pos += t.numel()
-        if out.numel() > total:
-            # The padding rides in the last launch as one more segment (no separate fill kernel);
-            # padding > 0 implies total > 0, so there is a launch to ride in.
-            pad = out.numel() - total
-            groups[next(reversed(groups))].add(_ZERO, 0, total, pad, [pad], [1])
-        for dt, segs in groups.items():
-            segs.launch(out, like[dt], flat_is_dst=True)
+        plan, sources = _plan_flatten(tensors, out, total)
+        if key is not None and all(s is t for s, t in zip(sources, tensors)):
+            _PLANS.put(key, plan)
+        _run(plan, out, sources, flat_is_dst=True)
         return out
 
 
@@ -317,6 +394,27 @@ def _prepare_unflatten(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> tupl
     return outs, total
 
 
+def _plan_unflatten(outs: list[torch.Tensor], flat: torch.Tensor) -> tuple[_Plan, list[torch.Tensor], list]:
+    """Build the launches of a validated unflatten; return the plan, the tensors its table addresses and
+    the (output, temporary) pairs to copy over after the launch (outputs with too many dims)."""
+    groups: dict[torch.dtype, _Segments] = {}
+    targets = list(outs)
+    fixups: list[tuple[torch.Tensor, torch.Tensor]] = []
+    pos = 0
+    for i, o in enumerate(outs):
+        if o.numel():
+            sizes, strides = _coalesce(o)
+            if len(sizes) > _MAX_DIMS:
+                # More than 4 dims after coalescing: write a contiguous temporary, copy it over after.
+                targets[i] = torch.empty(o.shape, dtype=o.dtype, device=o.device)
+                fixups.append((o, targets[i]))
+                sizes, strides = [o.numel()], [1]
+            groups.setdefault(o.dtype, _Segments(i)).add_tensor(targets[i], pos, sizes, strides)
+            pos += o.numel()
+    launches = tuple(segs.plan(flat.element_size(), flat.device) for segs in groups.values())
+    return _Plan(flat.device, flat.dtype, flat.numel(), launches), targets, fixups
+
+
 def unflatten_into(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Copy consecutive slices of ``flat`` (from element 0; any padding after them is ignored) into ``outs``.
 
@@ -328,26 +426,23 @@ def unflatten_into(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> list[tor
     Returns:
         ``outs`` as a list; one launch per destination dtype.
     """
-    with record_function("shardfuse.kernels:unflatten_into"):
+    with profiled("shardfuse.kernels:unflatten_into"):
+        outs = list(outs)
+        try:
+            key = _plan_key(flat.device, _buffer_key(flat), _layout_key(outs)) if outs else None
+        except (TypeError, AttributeError, ValueError, RuntimeError):
+            key = None  # malformed arguments: the validating path below says what is wrong
+        plan = None if key is None else _PLANS.get(key)
+        if plan is not None and (plan.device.type == "cuda" or interpreting()):
+            _run(plan, flat, outs, flat_is_dst=False)
+            return outs
         outs, _ = _prepare_unflatten(flat, outs)
         if not use_triton(flat, *outs):
             return unflatten_into_ref(flat, outs)
-        groups: dict[torch.dtype, _Segments] = {}
-        like: dict[torch.dtype, torch.Tensor] = {}
-        fixups: list[tuple[torch.Tensor, torch.Tensor]] = []
-        pos = 0
-        for o in outs:
-            if o.numel():
-                target = o
-                if len(_coalesce(o)[0]) > _MAX_DIMS:
-                    # More than 4 dims after coalescing: write a contiguous temporary, copy it over after.
-                    target = torch.empty(o.shape, dtype=o.dtype, device=o.device)
-                    fixups.append((o, target))
-                groups.setdefault(o.dtype, _Segments()).add_tensor(target, pos)
-                like.setdefault(o.dtype, target)
-                pos += o.numel()
-        for dt, segs in groups.items():
-            segs.launch(flat, like[dt], flat_is_dst=False)
+        plan, targets, fixups = _plan_unflatten(outs, flat)
+        if key is not None and not fixups:
+            _PLANS.put(key, plan)
+        _run(plan, flat, targets, flat_is_dst=False)
         for o, target in fixups:
             o.copy_(target)
         return outs

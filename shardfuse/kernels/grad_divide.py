@@ -19,19 +19,26 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
-from torch.profiler import record_function
 
 from shardfuse.kernels._common import (
     BLOCK_SIZE,
+    PlanCache,
+    block_starts,
+    block_table,
     check_float,
     check_out,
     check_same_device,
-    int64_table,
+    device_guard,
+    interpreting,
+    profiled,
+    stream_key,
     use_triton,
 )
 
@@ -39,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 # BLOCK_SIZE=4096 over 256 threads: 16 elements each, several 16-byte vectors in flight per thread.
 _NUM_WARPS = 8
+
+_PLANS = PlanCache()
+_DTYPE = operator.attrgetter("dtype")
 
 __all__ = [
     "gradient_divide_factors",
@@ -80,7 +90,6 @@ def _pre_divide_pad_multi_kernel(
     like_ptr,
     out_ptr,
     num_tensors,
-    search_steps,
     n_total,
     total,
     factor,
@@ -89,7 +98,8 @@ def _pre_divide_pad_multi_kernel(
     OUT_VEC: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Many tensors in one launch. meta (int64) = [src pointers | numels | out offsets | block starts (T+1)].
+    """Many tensors in one launch. meta (int64) = [src pointers | numels | out offsets | block starts (T+1) |
+    owner of every tensor block].
 
     Program ids map to (tensor, block) through the per-tensor block-start prefix table; programs past the
     last tensor block zero the padding out[n_total:total].
@@ -104,15 +114,8 @@ def _pre_divide_pad_multi_kernel(
         zero = tl.zeros([BLOCK], dtype=tl.float32)
         tl.store(out_ptr + offs, zero.to(out_ptr.dtype.element_ty), mask=offs < total)
     else:
-        # Binary search for the tensor i with start[i] <= pid < start[i + 1] (tensors with no blocks
-        # have start[i] == start[i + 1] and are never picked).
-        lo = pid * 0
-        hi = lo + num_tensors
-        for _ in range(search_steps):
-            mid = (lo + hi) // 2
-            go_right = tl.load(start_tab + mid) <= pid
-            lo = tl.where(go_right, mid, lo)
-            hi = tl.where(go_right, hi, mid)
+        # One load finds the tensor (the host built the owner column); empty tensors own no program.
+        lo = tl.load(start_tab + num_tensors + 1 + pid)
         n = tl.load(numel_tab + lo)
         src_addr = tl.load(meta_ptr + lo)
         dst_off = tl.load(offset_tab + lo)
@@ -231,8 +234,13 @@ def pre_divide_pad(grads: torch.Tensor | Sequence[torch.Tensor], out: torch.Tens
     (one dtype, each contiguous) is handled in a single launch through a pointer table. ``factor == 1``
     skips the division but still casts and pads. Returns ``out``.
     """
-    with record_function("shardfuse.kernels:pre_divide_pad"):
+    with profiled("shardfuse.kernels:pre_divide_pad"):
         grads = _as_list(grads)
+        key = _multi_key(grads, out) if len(grads) > 1 else None
+        plan = None if key is None else _PLANS.get(key)
+        if plan is not None and (plan.device.type == "cuda" or interpreting()):
+            _run_multi(plan, grads, out.view(-1), _check_factor(factor))
+            return out
         n, factor = _validate_pre_divide(grads, out, factor)
         if not use_triton(*grads, out):
             return pre_divide_pad_ref(grads, out, factor)
@@ -240,56 +248,90 @@ def pre_divide_pad(grads: torch.Tensor | Sequence[torch.Tensor], out: torch.Tens
         if total == 0:
             return out
         out_flat = out.view(-1)
-        divide = factor != 1.0
         if len(grads) == 1:
             # An empty CUDA tensor has a null data pointer, which Triton may refuse; its loads are all
             # masked off anyway, so any valid pointer will do.
             src = grads[0] if n else out_flat
-            grid = (triton.cdiv(total, BLOCK_SIZE),)
-            _pre_divide_pad_kernel[grid](
-                src, out_flat, n, total, factor, DIVIDE=divide, BLOCK=BLOCK_SIZE, num_warps=_NUM_WARPS
-            )
+            with device_guard(out.device):
+                _pre_divide_pad_kernel[(-(-total // BLOCK_SIZE),)](
+                    src, out_flat, n, total, factor, DIVIDE=factor != 1.0, BLOCK=BLOCK_SIZE, num_warps=_NUM_WARPS
+                )
             return out
-        _launch_multi(grads, out_flat, n, total, factor, divide)
+        plan = _plan_multi(grads, out_flat, n)
+        if key is not None:
+            _PLANS.put(key, plan)
+        _run_multi(plan, grads, out_flat, factor)
         return out
 
 
-def _launch_multi(
-    grads: list[torch.Tensor], out_flat: torch.Tensor, n: int, total: int, factor: float, divide: bool
-) -> None:
+class _Plan(NamedTuple):
+    device: torch.device
+    grid: int
+    table: torch.Tensor
+    num_tensors: int
+    n: int  # gradient elements; out[n:] is padding
+    total: int  # out.numel()
+    like: int  # index of a non-empty gradient (types the source addresses); -1: none
+    aligned: bool  # given a 16-byte aligned out
+    out_vec: int
+
+
+def _multi_key(grads: list[torch.Tensor], out: torch.Tensor) -> tuple | None:
+    """The plan-cache key: everything validation and the table read from the gradients (and out's layout:
+    out is a kernel argument, its address is not in the table); None when nothing may be cached (CUDA
+    graph capture, malformed arguments: the validating path then says what is wrong)."""
+    T = torch.Tensor
+    try:
+        stream = stream_key(out.device)
+        if stream is None:
+            return None
+        return (
+            stream,
+            (out.numel(), out.dtype, out.is_contiguous(), out.device),
+            tuple(map(T.data_ptr, grads)),
+            tuple(map(T.numel, grads)),
+            tuple(map(_DTYPE, grads)),
+            tuple(map(T.is_contiguous, grads)),
+            tuple(map(T.get_device, grads)),  # ints: cheaper to build and compare than devices
+        )
+    except (TypeError, AttributeError, ValueError, RuntimeError):
+        return None
+
+
+def _plan_multi(grads: list[torch.Tensor], out_flat: torch.Tensor, n: int) -> _Plan:
     numels = [g.numel() for g in grads]
-    offsets, block_starts = [], [0]
-    running = 0
-    for k in numels:
-        offsets.append(running)
-        running += k
-        block_starts.append(block_starts[-1] + triton.cdiv(k, BLOCK_SIZE))
-    pad_blocks = triton.cdiv(total - n, BLOCK_SIZE)
+    offsets = block_starts(numels)
+    counts = [-(-k // BLOCK_SIZE) for k in numels]
+    total = out_flat.numel()
+    pad_blocks = -(-(total - n) // BLOCK_SIZE)
     ptrs = [g.data_ptr() for g in grads]
     out_vec = 16 // out_flat.element_size()
-    aligned = (
-        out_flat.data_ptr() % 16 == 0 and all(p % 16 == 0 for p in ptrs) and all(o % out_vec == 0 for o in offsets)
-    )
-    num_tensors = len(grads)
-    meta = int64_table(ptrs + numels + offsets + block_starts, out_flat.device)
-    grid = (block_starts[-1] + pad_blocks,)
+    aligned = all(p % 16 == 0 for p in ptrs) and all(o % out_vec == 0 for o in offsets)
+    starts = [*block_starts(counts), sum(counts)]  # T + 1: the last is the first padding program
+    meta = block_table([ptrs, numels, offsets, starts], counts, out_flat.device)
     # `like` only types the source pointers: a non-empty tensor (empty CUDA tensors have null pointers).
-    like = next((g for g in grads if g.numel()), out_flat)
-    _pre_divide_pad_multi_kernel[grid](
-        meta,
-        like,
-        out_flat,
-        num_tensors,
-        max(1, math.ceil(math.log2(num_tensors))),
-        n,
-        total,
-        factor,
-        DIVIDE=divide,
-        ALIGNED=aligned,
-        OUT_VEC=out_vec,
-        BLOCK=BLOCK_SIZE,
-        num_warps=_NUM_WARPS,
-    )
+    like = next((i for i, k in enumerate(numels) if k), -1)
+    return _Plan(out_flat.device, sum(counts) + pad_blocks, meta, len(grads), n, total, like, aligned, out_vec)
+
+
+def _run_multi(plan: _Plan, grads: list[torch.Tensor], out_flat: torch.Tensor, factor: float) -> None:
+    if not plan.total:
+        return
+    with device_guard(plan.device):
+        _pre_divide_pad_multi_kernel[(plan.grid,)](
+            plan.table,
+            out_flat if plan.like < 0 else grads[plan.like],
+            out_flat,
+            plan.num_tensors,
+            plan.n,
+            plan.total,
+            factor,
+            DIVIDE=factor != 1.0,
+            ALIGNED=plan.aligned and out_flat.data_ptr() % 16 == 0,
+            OUT_VEC=plan.out_vec,
+            BLOCK=BLOCK_SIZE,
+            num_warps=_NUM_WARPS,
+        )
 
 
 def _check_no_partial_overlap(src: torch.Tensor, out: torch.Tensor) -> None:
@@ -315,7 +357,7 @@ def post_divide(src: torch.Tensor, out: torch.Tensor, factor: float, *, accumula
     (``src`` may be a slice of a larger buffer); ``src is out`` (in place) is allowed, other overlaps are
     not. Returns ``out``.
     """
-    with record_function("shardfuse.kernels:post_divide"):
+    with profiled("shardfuse.kernels:post_divide"):
         check_float(src, "src")
         check_same_device([src, out], ["src", "out"])
         if not src.is_contiguous():
@@ -336,17 +378,11 @@ def post_divide(src: torch.Tensor, out: torch.Tensor, factor: float, *, accumula
         n = src.numel()
         if n == 0:
             return out
-        grid = (triton.cdiv(n, BLOCK_SIZE),)
-        _post_divide_kernel[grid](
-            src.view(-1),
-            out.view(-1),
-            n,
-            factor,
-            DIVIDE=factor != 1.0,
-            ACCUMULATE=bool(accumulate),
-            BLOCK=BLOCK_SIZE,
-            num_warps=_NUM_WARPS,
-        )
+        with device_guard(out.device):
+            _post_divide_kernel[(-(-n // BLOCK_SIZE),)](
+                src, out, n, factor, DIVIDE=factor != 1.0, ACCUMULATE=bool(accumulate), BLOCK=BLOCK_SIZE,
+                num_warps=_NUM_WARPS,
+            )
         return out
 
 

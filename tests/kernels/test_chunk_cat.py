@@ -86,8 +86,8 @@ def test_padding_exactly_zero_and_every_element_written():
     chunk_cat(tensors, 4, factor=3.0, out=out)
     assert not out.isnan().any(), "an output element was never written"
     # rows 2, 3 of tensor 0 and row 3 of tensor 1 are padding: +0 bit patterns
-    assert torch.equal(out[2:, :3].view(torch.int16), torch.zeros(2, 3, dtype=torch.int16))
-    assert torch.equal(out[3:, 3:].view(torch.int16), torch.zeros(1, 2, dtype=torch.int16))
+    assert torch.equal(out[2:, :3].view(torch.int16), torch.zeros(2, 3, dtype=torch.int16, device=DEVICE))
+    assert torch.equal(out[3:, 3:].view(torch.int16), torch.zeros(1, 2, dtype=torch.int16, device=DEVICE))
     assert_same(out, scaled_chunk_cat(tensors, 4, 3.0, torch.float16))
 
 

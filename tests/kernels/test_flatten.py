@@ -317,12 +317,15 @@ def test_gpu_flatten_pad_bit_exact_large(dst):
 
 @pytest.mark.gpu
 def test_gpu_flatten_pad_one_launch_with_padding():
-    tensors = big_params(1 << 20)
+    # big_params' total happens to be a multiple of 8: an odd-sized bias leaves a padding tail.
+    tensors = big_params(1 << 20) + [rand(5)]
     total = sum(t.numel() for t in tensors)
-    out = torch.empty(padded_numel(total, 8), dtype=torch.bfloat16, device="cuda")
+    out = poisoned((padded_numel(total, 8),), torch.bfloat16, "cuda")
     assert out.numel() > total, "the case must have a padding tail"
     names = cuda_kernels(lambda: flatten_pad(tensors, 8, out=out))
     assert len(names) == 1 and "_flat_segments_kernel" in names[0], names
+    assert_bits(out, cat_pad(tensors, 8, torch.bfloat16))  # the tail was zeroed by that one launch
+    assert_positive_zero(out[total:])
     # Two source dtypes: one launch each, the padding inside the last one.
     mixed = tensors[:8] + [t.half() for t in tensors[8:]]
     names = cuda_kernels(lambda: flatten_pad(mixed, 8, out=out))

@@ -1,0 +1,132 @@
+"""Host (Python) time per call of every public kernel launcher, at 16 and 1000 tensors.
+
+    PYTHONPATH=$PWD python bench/kernels/host_overhead.py [--calls 2000] [--real]
+
+On a machine without a GPU the launchers run on CPU tensors with Triton's interpreter switched on (so the
+Triton path is taken) and the kernel launches replaced by no-ops: what is left is validation, table
+building and dispatch, the part that does not depend on the GPU. On a GPU (``--real``, the default there)
+the kernels really launch on tiny tensors, so the time per call is the host's launch path end to end
+(the GPU finishes each tiny kernel long before the next is issued).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: take the Triton path on CPU
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import importlib  # noqa: E402
+
+# By module path: ``shardfuse.kernels.chunk_cat`` the attribute is the function, not the module.
+cast, chunk_cat, concat, flatten, grad_divide = (
+    importlib.import_module(f"shardfuse.kernels.{m}") for m in ("cast", "chunk_cat", "concat", "flatten", "grad_divide")
+)
+
+KERNELS = {
+    cast: ("_cast_shard_kernel", "_cast_shards_kernel"),
+    flatten: ("_flat_segments_kernel",),
+    chunk_cat: ("_chunk_cat_kernel",),
+    concat: ("_concat_kernel",),
+    grad_divide: ("_pre_divide_pad_kernel", "_pre_divide_pad_multi_kernel", "_post_divide_kernel"),
+}
+
+
+class _NoLaunch:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](...)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def stub_launches() -> None:
+    for module, names in KERNELS.items():
+        for name in names:
+            setattr(module, name, _NoLaunch())
+
+
+def sizes(num: int) -> list[int]:
+    # Small, uneven, some odd: the per-tensor host work is what is measured, not the copy.
+    return [64 + 37 * (i % 11) + (i % 3) for i in range(num)]
+
+
+def launchers(num: int, device: str) -> dict[str, Callable[[], object]]:
+    ks = sizes(num)
+    total = sum(ks)
+    srcs = [torch.randn(k, device=device) for k in ks]
+    flat_bf16 = torch.empty(total, dtype=torch.bfloat16, device=device)
+    outs_bf16 = [torch.empty(k, dtype=torch.bfloat16, device=device) for k in ks]
+    params = [torch.randn(k // 8 + 1, 8, device=device) for k in ks]
+    padded = flatten.padded_numel(sum(p.numel() for p in params), 8)
+    flat32 = torch.empty(padded, device=device)
+    p_outs = [torch.empty_like(p) for p in params]
+    rows = [torch.randn(k // 16 + 1, 16, device=device) for k in ks]
+    cat_out = torch.empty(sum(r.shape[0] for r in rows), 16, device=device)
+    cc_out = chunk_cat.chunk_cat(rows, 8, factor=4.0)
+    pre_out = torch.empty(flatten.padded_numel(total, 8), device=device)
+    return {
+        f"cast_shards flat ({num})": lambda: cast.cast_shards(srcs, flat_bf16),
+        f"cast_shards list ({num})": lambda: cast.cast_shards(srcs, outs_bf16),
+        f"flatten_pad ({num})": lambda: flatten.flatten_pad(params, 8, out=flat32),
+        f"unflatten_into ({num})": lambda: flatten.unflatten_into(flat32, p_outs),
+        f"chunk_cat ({num})": lambda: chunk_cat.chunk_cat(rows, 8, factor=4.0, out=cc_out),
+        f"concat_microbatches ({num})": lambda: concat.concat_microbatches(rows, out=cat_out),
+        f"pre_divide_pad ({num})": lambda: grad_divide.pre_divide_pad(srcs, pre_out, 4.0),
+    }
+
+
+def single_launchers(device: str) -> dict[str, Callable[[], object]]:
+    src = torch.randn(4099, device=device)
+    out16 = torch.empty(4099, dtype=torch.bfloat16, device=device)
+    pad_out = torch.empty(4104, device=device)
+    return {
+        "cast_shard (1)": lambda: cast.cast_shard(src, out16),
+        "pre_divide_pad (1)": lambda: grad_divide.pre_divide_pad(src, pad_out, 4.0),
+        "post_divide (1)": lambda: grad_divide.post_divide(src, pad_out[:4099], 2.0),
+    }
+
+
+def time_us(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> float:
+    for _ in range(5):
+        fn()
+    sync()
+    best = float("inf")
+    for _ in range(3):  # best of three: the host is noisy
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=300, help="calls per timing (1000-tensor cases: a tenth)")
+    args = parser.parse_args()
+    real = torch.cuda.is_available()
+    device = "cuda" if real else "cpu"
+    sync = torch.cuda.synchronize if real else (lambda: None)
+    if not real:
+        stub_launches()
+    where = f"real launches on {torch.cuda.get_device_name()}" if real else "CPU, no-op launches"
+    print(f"host time per call ({where})")
+    cases = dict(single_launchers(device))
+    for num in (16, 1000):
+        cases.update(launchers(num, device))
+    for name, fn in cases.items():
+        calls = args.calls // 10 if "(1000)" in name else args.calls
+        print(f"{name:32s} {time_us(fn, max(calls, 10), sync):9.1f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,319 @@
+"""The launch-plan caches of the multi-tensor launchers (``shardfuse.kernels._common.PlanCache``).
+
+A repeat call with the same tensors must reuse its plan (no new metadata table) and still compute from the
+tensors' current contents; a call whose tensors merely share addresses with a cached call's, but differ in
+size, dtype, shape or strides, must not get the stale plan; the caches stay bounded and keep no tensors
+alive. On CPU the kernels run under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import weakref
+
+import pytest
+import torch
+
+from shardfuse.kernels import _common
+from shardfuse.kernels._common import clear_plan_caches, interpreting
+from tests.conftest import kernel_device, poisoned
+
+DEVICE = kernel_device()
+# By module path: shardfuse.kernels.chunk_cat the attribute is the function, not the module.
+MODULES = {m: importlib.import_module(f"shardfuse.kernels.{m}") for m in ("cast", "chunk_cat", "concat", "flatten",
+                                                                          "grad_divide")}
+cast, chunk_cat, concat, flatten, grad_divide = MODULES.values()
+
+
+@pytest.fixture(autouse=True)
+def _empty_caches():
+    clear_plan_caches()
+    yield
+    clear_plan_caches()
+
+
+@pytest.fixture
+def builds(monkeypatch):
+    """Counts the metadata tables built (one per launch of a plan built from scratch)."""
+    count = [0]
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return _common.block_table(*args, **kwargs)
+
+    for module in MODULES.values():
+        monkeypatch.setattr(module, "block_table", counting)
+    return count
+
+
+def rand(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    # Values exact in fp16 and bf16 as well, so casts compare exactly even under the interpreter.
+    return torch.randint(-64, 64, shape, device=DEVICE).to(dtype) / 4
+
+
+def refill(*tensors: torch.Tensor) -> None:
+    """New contents, same storage: what the FSDP data path does between two steps."""
+    for t in tensors:
+        t.copy_(rand(*t.shape, dtype=t.dtype))
+
+
+def poison(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        t.fill_(float("nan"))
+
+
+def expect_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
+
+
+# ------------------------------------------------------------------ hits see new contents
+
+
+def test_cast_shards_flat_hit_reads_new_contents(builds):
+    srcs = [rand(k) for k in (7, 0, 4099, 131)]
+    out = poisoned((4237 + 5,), torch.bfloat16, DEVICE)
+    view = out[:4237]
+    cast.cast_shards(srcs, view)
+    assert builds[0] == 1
+    for _ in range(2):
+        refill(*srcs)
+        poison(out)
+        assert cast.cast_shards(srcs, view) is view
+        expect_equal(view, torch.cat(srcs).to(torch.bfloat16))
+        assert out[4237:].isnan().all(), "the tail past the sources was written"
+    assert builds[0] == 1, "a repeat call rebuilt its table"
+
+
+def test_cast_shards_list_hit_reads_new_contents(builds):
+    srcs = [rand(k, dtype=dt) for k, dt in ((5, torch.float32), (300, torch.float16), (9, torch.float32))]
+    outs = [poisoned((s.numel(),), dt, DEVICE) for s, dt in zip(srcs, (torch.bfloat16, torch.float32, torch.float16))]
+    cast.cast_shards(srcs, outs)
+    first = builds[0]
+    assert first == 3  # three (source, destination) dtype pairs
+    refill(*srcs)
+    poison(*outs)
+    cast.cast_shards(srcs, outs)
+    assert builds[0] == first
+    for s, o in zip(srcs, outs):
+        expect_equal(o, s.to(o.dtype))
+
+
+def test_flatten_unflatten_hit_reads_new_contents(builds):
+    tensors = [rand(5, 3).t(), rand(7), rand(2, 2, dtype=torch.float16)]
+    out = poisoned((flatten.padded_numel(26, 4),), torch.float32, DEVICE)
+    flatten.flatten_pad(tensors, 4, out=out)
+    refill(*tensors)
+    poison(out)
+    flatten.flatten_pad(tensors, 4, out=out)
+    expected = torch.cat([t.reshape(-1).float() for t in tensors])
+    expect_equal(out, torch.cat([expected, torch.zeros(2, device=DEVICE)]))
+    outs = [poisoned(t.shape, t.dtype, DEVICE) for t in tensors]
+    flatten.unflatten_into(out, outs)
+    refill(out)
+    poison(*outs)
+    flatten.unflatten_into(out, outs)
+    pos = 0
+    for o in outs:
+        expect_equal(o, out[pos : pos + o.numel()].view(o.shape).to(o.dtype))
+        pos += o.numel()
+    assert builds[0] == 4  # two launches (two dtypes) each way, each built once
+
+
+def test_flatten_pad_hit_allocates_a_fresh_buffer(builds):
+    tensors = [rand(3, 3), rand(4)]
+    first = flatten.flatten_pad(tensors, 8)
+    second = flatten.flatten_pad(tensors, 8)
+    assert builds[0] == 1
+    assert second.data_ptr() != first.data_ptr() and second.dtype == torch.float32 and second.numel() == 16
+    expect_equal(second, first)
+
+
+def test_concat_chunk_cat_pre_divide_hits_read_new_contents(builds):
+    parts = [rand(k, 6) for k in (3, 0, 5, 1)]
+    cat_out = poisoned((9, 6), torch.float32, DEVICE)
+    grads = [rand(k) for k in (5, 4099, 2)]
+    pad_out = poisoned((4112,), torch.bfloat16, DEVICE)
+    cc_out = poisoned((4, 4 * 6), torch.float16, DEVICE)
+    for _ in range(3):
+        refill(*parts, *grads)
+        poison(cat_out, pad_out, cc_out)
+        concat.concat_microbatches(parts, out=cat_out)
+        expect_equal(cat_out, torch.cat(parts))
+        grad_divide.pre_divide_pad(grads, pad_out, 2.0)
+        expected = torch.cat([torch.cat(grads) / 2, torch.zeros(6, device=DEVICE)]).to(torch.bfloat16)
+        expect_equal(pad_out, expected)
+        chunk_cat.chunk_cat(parts, 4, factor=4.0, out=cc_out)
+        expect_equal(cc_out, chunk_cat.chunk_cat_ref(parts, 4, factor=4.0, dtype=torch.float16))
+    assert builds[0] == 3, "each launcher should have built its table once"
+
+
+def test_factor_is_not_cached():
+    grads = [rand(6), rand(3)]
+    out = poisoned((9,), torch.float32, DEVICE)
+    for factor in (1.0, 2.0, 8.0):
+        grad_divide.pre_divide_pad(grads, out, factor)
+        expect_equal(out, torch.cat(grads) / factor)
+    for factor in (1.0, 4.0):
+        out = chunk_cat.chunk_cat(grads, 2, factor=factor)
+        expect_equal(out, chunk_cat.chunk_cat_ref(grads, 2, factor=factor))
+    with pytest.raises(ValueError, match="finite number > 0"):
+        grad_divide.pre_divide_pad(grads, out.view(-1)[:9], 0.0)
+    with pytest.raises(ValueError, match="finite number > 0"):
+        chunk_cat.chunk_cat(grads, 2, factor=-1.0)
+
+
+# ------------------------------------------------------------------ no stale plans
+
+
+def test_cast_shards_same_address_other_numel_or_dtype():
+    base = rand(64)
+    out = poisoned((64,), torch.float16, DEVICE)
+    cast.cast_shards([base[:40]], out[:40])
+    poison(out)
+    cast.cast_shards([base[:24]], out[:24])  # same addresses, fewer elements
+    expect_equal(out[:24], base[:24].half())
+    assert out[24:].isnan().all(), "a stale plan wrote the old, longer range"
+    halves = base.view(torch.float16)[:64]  # same address, same numel, another dtype
+    poison(out)
+    cast.cast_shards([halves], out)
+    expect_equal(out, halves)
+    poison(out)
+    cast.cast_shards([base[:24]], [out[:24]])  # list form: same addresses again
+    expect_equal(out[:24], base[:24].half())
+
+
+def test_cast_shards_offsets_are_in_the_key():
+    srcs = [rand(3), rand(2)]
+    out = poisoned((8,), torch.float32, DEVICE)
+    cast.cast_shards(srcs, out, offsets=[0, 3])
+    poison(out)
+    cast.cast_shards(srcs, out, offsets=[5, 0])
+    expect_equal(out[5:], srcs[0])
+    expect_equal(out[:2], srcs[1])
+    assert out[2:5].isnan().all()
+
+
+def test_flatten_same_address_other_strides():
+    w = rand(5, 5)  # square: the transpose has the same address, shape, numel and dtype
+    first = flatten.flatten_pad([w], 1)
+    expect_equal(first, w.reshape(-1))
+    second = flatten.flatten_pad([w.t()], 1)
+    expect_equal(second, w.t().reshape(-1))
+    out = poisoned((5, 5), torch.float32, DEVICE)
+    flatten.unflatten_into(first, [out])
+    poison(out)
+    flatten.unflatten_into(first, [out.t()])
+    expect_equal(out.t(), first.view(5, 5))
+
+
+def test_concat_and_chunk_cat_same_address_other_shape():
+    x = rand(12, 4)
+    expect_equal(concat.concat_microbatches([x[:5], x[5:]]), x)
+    flat = x.view(-1)
+    expect_equal(concat.concat_microbatches([flat[:20], flat[20:]]), flat)  # same addresses, 1-D
+    expect_equal(chunk_cat.chunk_cat([x], 4), chunk_cat.chunk_cat_ref([x], 4))
+    y = x.view(4, 12)  # same address and numel: other chunks
+    expect_equal(chunk_cat.chunk_cat([y], 4), chunk_cat.chunk_cat_ref([y], 4))
+    expect_equal(chunk_cat.chunk_cat([x.t()], 4), chunk_cat.chunk_cat_ref([x.t()], 4))  # strided: a copy
+
+
+def test_dtype_argument_is_in_the_key():
+    tensors = [rand(6, 2), rand(3)]
+    for dt in (None, torch.bfloat16, torch.float16, None):
+        out = chunk_cat.chunk_cat(tensors, 2, dtype=dt)
+        assert out.dtype == (dt or torch.float32)
+        expect_equal(out, chunk_cat.chunk_cat_ref(tensors, 2, dtype=dt))
+        flat = flatten.flatten_pad(tensors, 4, dtype=dt)
+        assert flat.dtype == (dt or torch.float32)
+        expect_equal(flat, flatten.flatten_pad_ref(tensors, 4, dtype=dt))
+
+
+def test_errors_still_raised_after_a_hit():
+    srcs = [rand(5), rand(3)]
+    out = torch.empty(8, dtype=torch.bfloat16, device=DEVICE)
+    cast.cast_shards(srcs, out)
+    with pytest.raises(ValueError, match=r"destination ranges overlap"):
+        cast.cast_shards(srcs, out, offsets=[0, 4])
+    with pytest.raises(ValueError, match=r"srcs\[1\] must be contiguous"):
+        cast.cast_shards([srcs[0], rand(6)[::2]], out)
+    with pytest.raises(TypeError, match=r"tensors\[1\] is a int"):
+        concat.concat_microbatches([srcs[0], 3])
+    with pytest.raises(TypeError, match=r"takes a sequence of tensors"):
+        concat.concat_microbatches(srcs[0])
+
+
+# ------------------------------------------------------------------ bounded, holds no tensors
+
+
+def test_cache_is_bounded_lru(builds):
+    sources = [rand(k + 1) for k in range(70)]
+    outs = [poisoned((k + 1,), torch.float32, DEVICE) for k in range(70)]
+    for s, o in zip(sources, outs):
+        cast.cast_shards([s], o)
+    assert len(cast._PLANS) == cast._PLANS.maxsize == 64
+    assert builds[0] == 70
+    cast.cast_shards([sources[-1]], outs[-1])  # recent: a hit
+    assert builds[0] == 70
+    cast.cast_shards([sources[0]], outs[0])  # evicted: rebuilt, and still right
+    assert builds[0] == 71
+    expect_equal(outs[0], sources[0])
+
+
+def test_cache_keeps_no_tensor_alive():
+    src, out = rand(100), poisoned((100,), torch.bfloat16, DEVICE)
+    cast.cast_shards([src], [out])
+    flatten.flatten_pad([src], 8)
+    concat.concat_microbatches([src, src])
+    refs = [weakref.ref(src), weakref.ref(out)]
+    del src, out
+    gc.collect()
+    assert all(r() is None for r in refs), "a cached plan holds a reference to a caller's tensor"
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the reference path is taken by CPU tensors only")
+def test_cached_cpu_plan_not_used_without_interpreter(monkeypatch, builds):
+    assert interpreting()
+    srcs = [rand(9), rand(4)]
+    out = poisoned((13,), torch.float16, DEVICE)
+    cast.cast_shards(srcs, out)
+    monkeypatch.setattr(cast, "_cast_shards_kernel", None)  # any launch now fails
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    poison(out)
+    cast.cast_shards(srcs, out)
+    expect_equal(out, torch.cat(srcs).half())
+
+
+# ------------------------------------------------------------------ GPU only
+
+
+@pytest.mark.gpu
+def test_gpu_plan_per_stream(builds):
+    srcs = [torch.randn(k, device="cuda") for k in (4099, 1, 777)]
+    out = poisoned((4877,), torch.bfloat16, "cuda")
+    cast.cast_shards(srcs, out)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        poison(out)
+        cast.cast_shards(srcs, out)  # a plan of its own: its table is copied on this stream
+        cast.cast_shards(srcs, out)
+    torch.cuda.current_stream().wait_stream(side)
+    assert builds[0] == 2
+    expect_equal(out, torch.cat(srcs).to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_gpu_nothing_cached_during_graph_capture():
+    srcs = [torch.randn(k, device="cuda") for k in (300, 5)]
+    out = torch.empty(305, device="cuda", dtype=torch.float16)
+    cast.cast_shards(srcs, out)  # compile outside the capture
+    clear_plan_caches()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cast.cast_shards(srcs, out)
+    assert len(cast._PLANS) == 0
+    refill(*srcs)
+    graph.replay()
+    torch.cuda.synchronize()
+    expect_equal(out, torch.cat(srcs).half())
