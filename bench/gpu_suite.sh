@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: the GPU tests and the benchmarks, logs and JSON under $OUT, a short table last.
 #
-#   bash bench/gpu_suite.sh [stage ...]     stages: env tests kernels offload e2e (default: all that fit the GPUs)
+#   bash bench/gpu_suite.sh [stage ...]     stages: env tests kernels offload e2e overlap (default: all that fit)
 #
 # Every step runs under `timeout` so a hang cannot eat the lease; a failed step is reported and the
 # suite goes on. Multi-GPU steps issue the same collectives on every rank (fixed step counts).
@@ -21,7 +21,7 @@ NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null |
 STAGES=("$@")
 if [ ${#STAGES[@]} -eq 0 ]; then
   STAGES=(env tests kernels offload)
-  [ "$NGPU" -ge 2 ] && STAGES+=(e2e)
+  [ "$NGPU" -ge 2 ] && STAGES+=(e2e overlap)
 fi
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
@@ -56,6 +56,8 @@ for stage in "${STAGES[@]}"; do
     e2e)
       step e2e 540 torchrun --standalone --nproc_per_node "$NGPU" bench/e2e/run.py --regime both \
         --impls "${E2E_IMPLS:-shardfuse,fsdp2,fsdp1}" --steps "${E2E_STEPS:-15}" --warmup 3 ${E2E_ARGS:-} ;;
+    overlap)
+      step overlap 120 torchrun --standalone --nproc_per_node 2 bench/e2e/overlap.py ;;
     *)
       echo "unknown stage: $stage" >&2 ;;
   esac

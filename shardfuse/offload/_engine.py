@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardfuse.kernels._common import profiled
 from shardfuse.offload._slices import Slice
 
 logger = logging.getLogger(__name__)
@@ -309,7 +310,7 @@ class Engine:
 
     def acquire(self, s: Slice, phase: str, stash: Sequence[Any] | None = None) -> Loaded:
         """Make ``s`` resident for ``phase`` ('forward' or 'backward'); the compute stream may use it now."""
-        with torch.profiler.record_function(f"shardfuse.offload:{phase}_load"):
+        with profiled(f"shardfuse.offload:{phase}_load"):
             ld = self._prefetched.pop(s.index, None)
             if ld is not None and not self._compatible(ld, phase):
                 self._drop(ld)
@@ -326,7 +327,7 @@ class Engine:
 
     def prefetch(self, s: Slice, phase: str, stash: Sequence[Any] | None = None) -> None:
         """Start loading ``s`` on the side stream, if a slot is free; :meth:`acquire` picks it up."""
-        with torch.profiler.record_function(f"shardfuse.offload:{phase}_load"):
+        with profiled(f"shardfuse.offload:{phase}_load"):
             if s.index in self._prefetched:
                 return
             if not self.param_pool.has_free():
@@ -384,7 +385,7 @@ class Engine:
     def finish_slice(self, ld: Loaded, gb: GradBuffers | None, step: Step) -> None:
         """After a slice's backward: step its optimizer or send its gradient home; release its buffers."""
         s = ld.slice
-        with torch.profiler.record_function("shardfuse.offload:backward_drop"):
+        with profiled("shardfuse.offload:backward_drop"):
             if gb is not None:
                 if self.optimizers is not None:
                     self._optimizer_step(ld, gb)
@@ -406,7 +407,7 @@ class Engine:
         assert ld.master is not None
         n = s.numel
         master = ld.master.buf[:n]
-        with torch.profiler.record_function("shardfuse.offload:optimizer_step"), torch.no_grad():
+        with profiled("shardfuse.offload:optimizer_step"), torch.no_grad():
             self._state_to(opt, s, device=True)
             host_data = [p.data for p in s.params]
             for p, mv, gv in zip(s.params, s.views(master), s.views(gb.flat)):

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from shardfuse.kernels._common import profiled
 from shardfuse.kernels.concat import concat_microbatches, split_microbatches
 
 logger = logging.getLogger(__name__)
@@ -275,10 +276,10 @@ class BlockCall:
         self.forward_enter()
         if self.recompute:
             # stash before computing, so that a device->host copy overlaps the compute
-            with torch.profiler.record_function(f"{self.profile_prefix}:forward_drop"):
+            with profiled(f"{self.profile_prefix}:forward_drop"):
                 self._saved = [self.stash(t) for t in tensors]
         outs: list[list[torch.Tensor]] = []
-        with torch.profiler.record_function(f"{self.profile_prefix}:forward_compute"):
+        with profiled(f"{self.profile_prefix}:forward_compute"):
             if self.recompute:
                 self._autocast = capture_autocast()
                 rng_devs = cuda_devices_of(tensors, self.rng_device)
@@ -293,7 +294,7 @@ class BlockCall:
                         flat = self._flatten_out(self.run(*self.args.rebuild(detached)))
                         self._inner.append((detached, flat))
                         outs.append([o.detach() for o in flat])
-        with torch.profiler.record_function(f"{self.profile_prefix}:forward_drop"):
+        with profiled(f"{self.profile_prefix}:forward_drop"):
             self.forward_exit()
         with torch.no_grad():
             joined = [join_batch([o[k] for o in outs]) for k in range(len(outs[0]))]
@@ -325,20 +326,20 @@ class BlockCall:
             for j in range(n_mb):
                 detached = [_detach_for_grad(chunks[j], g) for chunks, g in zip(per_mb, self.grad_in)]
                 with (
-                    torch.profiler.record_function(f"{self.profile_prefix}:backward_recompute"),
+                    profiled(f"{self.profile_prefix}:backward_recompute"),
                     rng_replay(self._rng[j]),
                     autocast_replay(self._autocast),
                     torch.enable_grad(),
                 ):
                     outs = Packed(self.run(*self.args.rebuild(detached))).tensors
-                with torch.profiler.record_function(f"{self.profile_prefix}:backward_pass"):
+                with profiled(f"{self.profile_prefix}:backward_pass"):
                     _run_backward(outs, [g[j] for g in grad_mbs])
                 in_grads.append([d.grad if d.requires_grad else None for d in detached])
                 del outs, detached
                 self.microbatch_backward_exit(j)
         else:
             for j, (detached, outs) in enumerate(self._inner):
-                with torch.profiler.record_function(f"{self.profile_prefix}:backward_pass"):
+                with profiled(f"{self.profile_prefix}:backward_pass"):
                     _run_backward(outs, [g[j] for g in grad_mbs])
                 in_grads.append([d.grad if d.requires_grad else None for d in detached])
                 self.microbatch_backward_exit(j)

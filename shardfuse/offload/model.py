@@ -17,6 +17,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_map
 
+from shardfuse.kernels._common import profiled
 from shardfuse.offload._engine import Engine, GradBuffers, Loaded, Step, make_optimizers
 from shardfuse.offload._function import BlockCall, Packed, apply_block
 from shardfuse.offload._slices import Slice, partition
@@ -324,9 +325,9 @@ class OffloadModel(nn.Module):
         ld = self._engine.acquire(s, "forward")
         if s.index + 1 < len(self._slices):
             self._engine.prefetch(self._slices[s.index + 1], "forward")
-        with torch.profiler.record_function("shardfuse.offload:forward_compute"):
+        with profiled("shardfuse.offload:forward_compute"):
             out = functional_call(s.chain, dict(zip(s.names, ld.leaves(False))), tuple(args))
-        with torch.profiler.record_function("shardfuse.offload:forward_drop"):
+        with profiled("shardfuse.offload:forward_drop"):
             self._engine.release(ld)
         return out
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
+
+from shardfuse.kernels._common import profiled
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ def all_reduce_(t: torch.Tensor, group: ProcessGroup, world: int, op: str = "sum
     """In-place all-reduce of ``t`` with ``op`` in {"sum", "max"}; returns ``t``."""
     if world == 1:
         return t
-    with record_function("shardfuse.sharding:all_reduce"):
+    with profiled("shardfuse.sharding:all_reduce"):
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
     return t
 

@@ -14,8 +14,8 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
-from torch.profiler import record_function
 
+from shardfuse.kernels._common import profiled
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding import _data_path as dp
 from shardfuse.sharding._streams import Streams, record_event, use_stream, wait_event, wait_stream
@@ -91,7 +91,7 @@ def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pe
         accumulate = True
     post_backward = streams.post_backward
     wait_stream(post_backward, current)
-    with record_function("shardfuse.sharding:reduce_scatter"), use_stream(post_backward):
+    with profiled("shardfuse.sharding:reduce_scatter"), use_stream(post_backward):
         g = grad.view(-1)
         if cfg.predivide == 1.0 and cfg.reduce_dtype == g.dtype:
             rs_in = g  # padding of the full gradient is already zero (SplitBackward fills it)

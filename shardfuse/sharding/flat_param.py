@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
+from shardfuse.kernels._common import profiled
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding import _data_path as dp
 from shardfuse.sharding._streams import Streams, record_event, use_stream, wait_event, wait_stream
@@ -147,7 +147,7 @@ class FlatParamHandle:
         if self.is_full and self.gathered_version == self.flat._version:
             return
         ag = streams.all_gather
-        with record_function("shardfuse.sharding:all_gather"):
+        with profiled("shardfuse.sharding:all_gather"):
             # The all-gather stream waits for all compute queued so far: the optimizer's last writes to the
             # shard, and the last reads of any buffer freed to this stream's pool, which it may now reuse.
             wait_stream(ag, streams.current())

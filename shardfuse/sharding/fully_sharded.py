@@ -24,8 +24,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 from torch.autograd import Variable
-from torch.profiler import record_function
 
+from shardfuse.kernels._common import profiled
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding import _data_path as dp
 from shardfuse.sharding._grad_reduce import PendingFrees, ReduceConfig, finish_host_grads, reduce_grad
@@ -171,7 +171,7 @@ class FullyShardedDataParallel(nn.Module):
         gradient_predivide_factor: float | None = None,
         allow_reset_parameters: bool = False,
     ) -> None:
-        with record_function("shardfuse.sharding:wrap"):
+        with profiled("shardfuse.sharding:wrap"):
             super().__init__()
             if not isinstance(module, nn.Module):
                 raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
@@ -558,7 +558,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Gather the full parameters, run the wrapped module, reshard, and hook the outputs for backward."""
-        with record_function("shardfuse.sharding:forward"):
+        with profiled("shardfuse.sharding:forward"):
             self._lazy_init()
             rs = self._root_state
             if rs.in_backward:
@@ -579,7 +579,7 @@ class FullyShardedDataParallel(nn.Module):
                 nxt = self._forward_prefetch_target()
                 self._unshard()
                 if nxt is not None:
-                    with record_function("shardfuse.sharding:prefetch"):
+                    with profiled("shardfuse.sharding:prefetch"):
                         nxt._unshard()
                 self._wait_and_set_views()
                 outputs = self.module(*args, **kwargs)
@@ -619,7 +619,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def _recompute_forward(self, args: tuple, kwargs: dict) -> Any:
         """Forward during backward (activation checkpointing recompute): gather, run, keep params for backward."""
-        with record_function("shardfuse.sharding:recompute_forward"):
+        with profiled("shardfuse.sharding:recompute_forward"):
             if self.training_state == TrainingState.IDLE:
                 # Reentrant checkpointing runs the unit's backward without its pre-backward hook.
                 self.training_state = TrainingState.BACKWARD_PRE
@@ -649,7 +649,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
         rs = self._root_state
-        with record_function("shardfuse.sharding:pre_backward"):
+        with profiled("shardfuse.sharding:pre_backward"):
             if not rs.callback_queued:
                 rs.callback_queued = True
                 rs.in_backward = True
@@ -664,7 +664,7 @@ class FullyShardedDataParallel(nn.Module):
             if rs.order_recorded:
                 nxt = rs.bwd_next.get(id(self))
                 if nxt is not None and nxt.training_state == TrainingState.IDLE:
-                    with record_function("shardfuse.sharding:prefetch"):
+                    with profiled("shardfuse.sharding:prefetch"):
                         nxt._unshard()
             # The views autograd saved in forward share the full buffer's storage, restored in place. The
             # module attributes get fresh autograd-connected views too (grad mode is off inside backward):
@@ -673,7 +673,7 @@ class FullyShardedDataParallel(nn.Module):
                 self._wait_and_set_views()
 
     def _post_backward_hook(self, handle: FlatParamHandle, full_param: torch.Tensor) -> None:
-        with record_function("shardfuse.sharding:post_backward"):
+        with profiled("shardfuse.sharding:post_backward"):
             if self.training_state not in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
                 raise RuntimeError(
                     f"the post-backward hook of {self._unit_name()} ran in state={self.training_state.name} "
@@ -692,7 +692,7 @@ class FullyShardedDataParallel(nn.Module):
     def _wait_for_post_backward(self) -> None:
         """Root's final backward callback: flush reductions, reshard everything, return to IDLE."""
         rs = self._root_state
-        with record_function("shardfuse.sharding:wait_for_post_backward"):
+        with profiled("shardfuse.sharding:wait_for_post_backward"):
             streams = rs.streams
             for u in rs.units:
                 for h in u._handles:
@@ -754,7 +754,7 @@ class FullyShardedDataParallel(nn.Module):
 
         Only the root may call it (the norm spans the whole model).
         """
-        with record_function("shardfuse.sharding:clip_grad_norm"):
+        with profiled("shardfuse.sharding:clip_grad_norm"):
             self._lazy_init()
             if not self._is_root:
                 raise RuntimeError(
@@ -807,7 +807,7 @@ class FullyShardedDataParallel(nn.Module):
 
     @contextlib.contextmanager
     def _summon_own(self, volatile: bool) -> Iterator[None]:
-        with record_function("shardfuse.sharding:summon_full_params"):
+        with profiled("shardfuse.sharding:summon_full_params"):
             streams = self._root_state.streams
             wait_stream(streams.current(), streams.post_backward)
             self.training_state = TrainingState.SUMMON_FULL_PARAMS
@@ -875,7 +875,7 @@ class FullyShardedDataParallel(nn.Module):
         if self.training_state == TrainingState.SUMMON_FULL_PARAMS:  # nested unit, reached by the outer apply
             super().apply(fn)
             return self
-        with record_function("shardfuse.sharding:apply"), self.summon_full_params(recurse=True):
+        with profiled("shardfuse.sharding:apply"), self.summon_full_params(recurse=True):
             super().apply(fn)
         return self
 
@@ -894,7 +894,7 @@ class FullyShardedDataParallel(nn.Module):
         if args:  # legacy positional form state_dict(destination, prefix, keep_vars)
             destination = args[0]
             prefix = args[1] if len(args) > 1 else prefix
-        with record_function("shardfuse.sharding:state_dict"):
+        with profiled("shardfuse.sharding:state_dict"):
             sd = full_state_dict(self)
             if destination is None:
                 destination = type(sd)()
@@ -908,7 +908,7 @@ class FullyShardedDataParallel(nn.Module):
 
         if assign:
             raise NotImplementedError("load_state_dict(assign=True) is not supported: parameters are flat shards")
-        with record_function("shardfuse.sharding:load_state_dict"):
+        with profiled("shardfuse.sharding:load_state_dict"):
             missing, unexpected = load_full_state_dict(self, state_dict, strict)
             return _IncompatibleKeys(missing, unexpected)
 
@@ -916,14 +916,14 @@ class FullyShardedDataParallel(nn.Module):
         """This rank's shards and the buffers, under the wrapper's own parameter names (flat_param_i)."""
         from shardfuse.sharding.state_dict import local_state_dict
 
-        with record_function("shardfuse.sharding:local_state_dict"):
+        with profiled("shardfuse.sharding:local_state_dict"):
             return local_state_dict(self)
 
     def load_local_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> NamedTuple:
         """Load a dict from :meth:`local_state_dict` saved with the same world size and wrapping."""
         from shardfuse.sharding.state_dict import load_local_state_dict
 
-        with record_function("shardfuse.sharding:load_local_state_dict"):
+        with profiled("shardfuse.sharding:load_local_state_dict"):
             missing, unexpected = load_local_state_dict(self, state_dict, strict)
             return _IncompatibleKeys(missing, unexpected)
 
@@ -940,14 +940,14 @@ class FullyShardedDataParallel(nn.Module):
 
         if ignored:
             raise TypeError(f"gather_full_optim_state_dict got unsupported arguments {sorted(ignored)}")
-        with record_function("shardfuse.sharding:gather_full_optim_state_dict"):
+        with profiled("shardfuse.sharding:gather_full_optim_state_dict"):
             return gather_full_optim_state_dict(self, optim, recipient_rank)
 
     def get_shard_from_optim_state_dict(self, full_optim_state_dict: dict[str, Any]) -> dict[str, Any]:
         """This rank's optimizer state dict (for ``optim.load_state_dict``) from a consolidated one."""
         from shardfuse.sharding.optim_state import get_shard_from_optim_state_dict
 
-        with record_function("shardfuse.sharding:get_shard_from_optim_state_dict"):
+        with profiled("shardfuse.sharding:get_shard_from_optim_state_dict"):
             return get_shard_from_optim_state_dict(self, full_optim_state_dict)
 
 

@@ -27,8 +27,9 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
+
+from shardfuse.kernels._common import profiled
 
 logger = logging.getLogger(__name__)
 
@@ -260,7 +261,7 @@ def wrap(module: nn.Module, **wrap_overrides: Any) -> nn.Module:
         )
     module_config = getattr(module, "wrapper_config", None)
     kwargs = {**cfg.kwargs, **(module_config if isinstance(module_config, dict) else {}), **wrap_overrides}
-    with torch.profiler.record_function("shardfuse.wrap:wrap"):
+    with profiled("shardfuse.wrap:wrap"):
         logger.debug("wrapping %s with %s(%s)", type(module).__name__, cfg.wrapper_cls.__name__, sorted(kwargs))
         return cfg.wrapper_cls(module, **kwargs)
 
@@ -339,6 +340,6 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: WrapPolicy | None = None, **k
             return wrap(mod, **kwargs), num_params
         return mod, wrapped_below
 
-    with torch.profiler.record_function("shardfuse.wrap:auto_wrap"):
+    with profiled("shardfuse.wrap:auto_wrap"):
         wrapped, _ = recurse_wrap(module, "", True)
     return wrapped
