@@ -45,3 +45,19 @@ def poisoned(shape, dtype, device="cpu"):
 
 def kernel_device() -> str:
     return "cuda" if HAS_CUDA else "cpu"
+
+
+def cuda_kernels(fn) -> list[str]:
+    """Names of the CUDA kernels one call of ``fn`` runs (after a warm-up call that compiles)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [
+        e.name for e in prof.events()
+        if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
+    ]

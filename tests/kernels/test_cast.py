@@ -11,7 +11,7 @@ import torch
 
 from shardfuse.kernels._common import interpreting
 from shardfuse.kernels.cast import cast_shard, cast_shard_ref, cast_shards, cast_shards_ref
-from tests.conftest import kernel_device, poisoned
+from tests.conftest import cuda_kernels, kernel_device, poisoned
 
 DEVICE = kernel_device()
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -231,22 +231,6 @@ def test_cast_shards_errors():
 
 
 # ------------------------------------------------------------------ GPU only
-
-
-def cuda_kernels(fn) -> list[str]:
-    """Names of the CUDA kernels one call of ``fn`` runs (after a warm-up call that compiles)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [
-        e.name for e in prof.events()
-        if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
-    ]
 
 
 @pytest.mark.gpu

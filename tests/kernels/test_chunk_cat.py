@@ -10,7 +10,7 @@ import torch
 
 from shardfuse.kernels._common import interpreting
 from shardfuse.kernels.chunk_cat import chunk_cat, chunk_cat_ref
-from tests.conftest import kernel_device, poisoned
+from tests.conftest import cuda_kernels, kernel_device, poisoned
 
 DEVICE = kernel_device()
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -163,21 +163,6 @@ def test_errors():
 # ------------------------------------------------------------------ GPU: large, exact, one launch
 
 
-def _cuda_kernel_count(fn) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()  # compile and warm up outside the profiled region
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(
-        1
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
-    )
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("ws", [2, 3, 8], ids=lambda w: f"ws{w}")
 @pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=lambda p: f"{p[0]}->{p[1]}")
@@ -189,7 +174,7 @@ def test_gpu_exact_one_launch(pair, ws):
     torch.testing.assert_close(out, chunk_cat_ref(tensors, ws, factor=3.0, dtype=dst), rtol=0, atol=0)
     if src == dst:
         assert torch.equal(chunk_cat(tensors, ws), torch._chunk_cat(tensors, 0, ws))
-    assert _cuda_kernel_count(lambda: chunk_cat(tensors, ws, factor=3.0, out=out)) == 1
+    assert len(cuda_kernels(lambda: chunk_cat(tensors, ws, factor=3.0, out=out))) == 1
 
 
 @pytest.mark.gpu
@@ -199,4 +184,4 @@ def test_gpu_thousands_of_tensors_one_launch():
     tensors = [torch.randn(d, device="cuda") for d in dims] + [torch.randn(1 << 20, device="cuda")]
     out = chunk_cat(tensors, 8, factor=2.0, dtype=torch.bfloat16)
     torch.testing.assert_close(out, chunk_cat_ref(tensors, 8, factor=2.0, dtype=torch.bfloat16), rtol=0, atol=0)
-    assert _cuda_kernel_count(lambda: chunk_cat(tensors, 8, factor=2.0, out=out)) == 1
+    assert len(cuda_kernels(lambda: chunk_cat(tensors, 8, factor=2.0, out=out))) == 1

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardfuse.kernels.concat import concat_microbatches, concat_microbatches_ref, split_microbatches
-from tests.conftest import kernel_device, poisoned
+from tests.conftest import cuda_kernels, kernel_device, poisoned
 
 DEVICE = kernel_device()
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -133,21 +133,6 @@ def test_split_errors():
 # ------------------------------------------------------------------ GPU: large, exact, one launch
 
 
-def _cuda_kernel_count(fn) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()  # compile and warm up outside the profiled region
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(
-        1
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
-    )
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [8192, 8191], ids=lambda r: f"rows{r}")
@@ -157,7 +142,7 @@ def test_gpu_exact_one_launch(rows, dtype):
     out = poisoned(x.shape, x.dtype, "cuda")
     concat_microbatches(parts, out=out)
     assert torch.equal(bits(out), bits(x))
-    assert _cuda_kernel_count(lambda: concat_microbatches(parts, out=out)) == 1
+    assert len(cuda_kernels(lambda: concat_microbatches(parts, out=out))) == 1
 
 
 @pytest.mark.gpu
@@ -168,4 +153,4 @@ def test_gpu_thousands_of_tensors_one_launch():
     out = torch.empty(sum(sizes), 129, device="cuda")
     concat_microbatches(parts, out=out)
     assert torch.equal(out, torch.cat(parts))
-    assert _cuda_kernel_count(lambda: concat_microbatches(parts, out=out)) == 1
+    assert len(cuda_kernels(lambda: concat_microbatches(parts, out=out))) == 1

@@ -19,7 +19,7 @@ from shardfuse.kernels.flatten import (
     unflatten_into,
     unflatten_into_ref,
 )
-from tests.conftest import kernel_device, poisoned
+from tests.conftest import cuda_kernels, kernel_device, poisoned
 
 DEVICE = kernel_device()
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -268,22 +268,6 @@ def test_unflatten_into_errors():
 
 
 # ------------------------------------------------------------------ GPU only
-
-
-def cuda_kernels(fn) -> list[str]:
-    """Names of the CUDA kernels one call of ``fn`` runs (after a warm-up call that compiles)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [
-        e.name for e in prof.events()
-        if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
-    ]
 
 
 def big_params(total: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:

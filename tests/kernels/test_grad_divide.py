@@ -17,7 +17,7 @@ from shardfuse.kernels.grad_divide import (
     pre_divide_pad,
     pre_divide_pad_ref,
 )
-from tests.conftest import kernel_device, poisoned
+from tests.conftest import cuda_kernels, kernel_device, poisoned
 
 DEVICE = kernel_device()
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -273,21 +273,6 @@ def test_post_divide_errors():
 # ------------------------------------------------------------------ GPU: large, exact, one launch
 
 
-def _cuda_kernel_count(fn) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()  # compile and warm up outside the profiled region
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(
-        1
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
-    )
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=lambda p: f"{p[0]}->{p[1]}")
 def test_gpu_pre_divide_pad_exact_one_launch(pair):
@@ -297,7 +282,7 @@ def test_gpu_pre_divide_pad_exact_one_launch(pair):
     out = poisoned((n + 5,), od, "cuda")
     pre_divide_pad(g, out, 3.0)
     torch.testing.assert_close(out, pre_divide_pad_ref(g, torch.empty_like(out), 3.0), rtol=0, atol=0)
-    assert _cuda_kernel_count(lambda: pre_divide_pad(g, out, 3.0)) == 1
+    assert len(cuda_kernels(lambda: pre_divide_pad(g, out, 3.0))) == 1
 
 
 @pytest.mark.gpu
@@ -309,7 +294,7 @@ def test_gpu_pre_divide_pad_thousands_of_tensors_one_launch():
     out = poisoned((n + 8191,), torch.float32, "cuda")
     pre_divide_pad(grads, out, 3.0)
     torch.testing.assert_close(out, pre_divide_pad_ref(grads, torch.empty_like(out), 3.0), rtol=0, atol=0)
-    assert _cuda_kernel_count(lambda: pre_divide_pad(grads, out, 3.0)) == 1
+    assert len(cuda_kernels(lambda: pre_divide_pad(grads, out, 3.0))) == 1
 
 
 @pytest.mark.gpu
@@ -324,4 +309,4 @@ def test_gpu_post_divide_exact_one_launch(pair, accumulate):
     post_divide(src, out, 3.0, accumulate=accumulate)
     post_divide_ref(src, ref, 3.0, accumulate=accumulate)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
-    assert _cuda_kernel_count(lambda: post_divide(src, out, 3.0, accumulate=accumulate)) == 1
+    assert len(cuda_kernels(lambda: post_divide(src, out, 3.0, accumulate=accumulate))) == 1
