@@ -5,6 +5,8 @@ Written for the GPU machine (H100/H200); each test runs in a 2-rank NCCL worker 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,31 +28,52 @@ def pool():
         yield p
 
 
-def check_nccl_parity(cfg: dict[str, Any], tol: tuple[float, float] | None) -> bool:
-    # Same check as the CPU suite, on CUDA: move the models to this rank's GPU before wrapping.
+@contextlib.contextmanager
+def _models_on_gpu() -> Iterator[None]:
+    """Run the CPU suite's checks on CUDA: models and batches of tests/sharding/_models.py go to this rank's GPU."""
     import tests.sharding._models as m
-    from tests.sharding.test_fsdp_parity import check_parity
+    import tests.sharding.test_fsdp_parity as tp
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    orig_build = m.build
+    orig_build, orig_batch = m.build, m.batch
 
     def build_on_gpu(c: dict[str, Any]) -> nn.Module:
         return orig_build(c).to(dev)
-
-    orig_batch = m.batch
 
     def batch_on_gpu(*a: Any, **k: Any) -> tuple[torch.Tensor, ...]:
         return tuple(t.to(dev) for t in orig_batch(*a, **k))
 
     m.build, m.batch = build_on_gpu, batch_on_gpu
-    import tests.sharding.test_fsdp_parity as tp
-
     tp.build, tp.batch = build_on_gpu, batch_on_gpu
     try:
-        return check_parity(cfg, tol)
+        yield
     finally:
         m.build, m.batch = orig_build, orig_batch
         tp.build, tp.batch = orig_build, orig_batch
+
+
+def check_nccl_parity(cfg: dict[str, Any], tol: tuple[float, float] | None) -> bool:
+    from tests.sharding.test_fsdp_parity import check_parity
+
+    with _models_on_gpu():
+        return check_parity(cfg, tol)
+
+
+def check_nccl_checkpoint_wrapper(offload_to_cpu: bool, fsdp_outside: bool) -> int:
+    from tests.offload.test_checkpoint_fsdp import check_checkpointed_fsdp
+
+    with _models_on_gpu():
+        return check_checkpointed_fsdp({"optim": "sgd"}, offload_to_cpu, fsdp_outside)
+
+
+@pytest.mark.parametrize("fsdp_outside", [True, False], ids=["fsdp-of-ckpt", "ckpt-of-fsdp"])
+@pytest.mark.parametrize("offload_to_cpu", [False, True], ids=["on-device", "offload-to-cpu"])
+def test_nccl_checkpoint_wrapper_parity(pool, offload_to_cpu, fsdp_outside):
+    # checkpoint_wrapper composed with FSDP (reshard after forward): the recompute in backward must find
+    # gathered parameters and the result must equal unsharded training, as in the gloo suite.
+    from tests.offload.test_checkpoint_fsdp import STEPS
+
+    assert pool.run(check_nccl_checkpoint_wrapper, offload_to_cpu, fsdp_outside) == [2 * STEPS * 2] * WORLD
 
 
 @pytest.mark.parametrize(
