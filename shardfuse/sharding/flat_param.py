@@ -184,7 +184,7 @@ class FlatParamHandle:
 
     def views(self) -> list[torch.Tensor]:
         """Views of the gathered full buffer shaped like the original parameters (autograd-connected)."""
-        chunks = self.full_param.split(self.split_sizes)
+        chunks = torch.split_with_sizes(self.full_param, self.split_sizes)  # skips Tensor.split's Python layer
         return [c.view(s) for c, s in zip(chunks, self.shapes)]
 
     def set_views(self) -> None:
@@ -219,4 +219,4 @@ class FlatParamHandle:
 
     def split_full(self, full: torch.Tensor) -> list[torch.Tensor]:
         """Views of an unpadded-or-padded full buffer shaped like the original parameters."""
-        return [c.view(s) for c, s in zip(full.split(self.split_sizes), self.shapes)]
+        return [c.view(s) for c, s in zip(torch.split_with_sizes(full, self.split_sizes), self.shapes)]

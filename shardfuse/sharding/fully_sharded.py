@@ -532,6 +532,14 @@ class FullyShardedDataParallel(nn.Module):
                 if b.dtype != dtype or b.device != self._compute_device:
                     m._buffers[name] = b.to(device=self._compute_device, dtype=dtype)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # training_state changes several times per unit and step; nn.Module.__setattr__'s checks for
+        # parameters, buffers and submodules cost more than the state machine itself.
+        if name == "training_state":
+            self.__dict__[name] = value
+        else:
+            super().__setattr__(name, value)
+
     # ----------------------------------------------------------------------------------------------
     # gather / free helpers
     # ----------------------------------------------------------------------------------------------
