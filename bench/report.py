@@ -57,6 +57,7 @@ REGIME_LABEL = {"8k": "8K tokens per GPU (compute-bound)", "1k": "1K tokens per 
 # Offload variants of bench/offload/run.py.
 OFFLOAD_ORDER = (
     "plain",
+    "plain_bf16_autocast",
     "shardfuse",
     "shardfuse_bf16",
     "shardfuse_opt_in_bwd",
@@ -67,6 +68,7 @@ OFFLOAD_ORDER = (
 )
 OFFLOAD_LABEL = {
     "plain": "plain GPU, everything resident",
+    "plain_bf16_autocast": "plain GPU, bf16 autocast",
     "shardfuse": "shardfuse `OffloadModel`",
     "shardfuse_bf16": "shardfuse `OffloadModel`, `compute_dtype=bf16`",
     "shardfuse_opt_in_bwd": "shardfuse `OffloadModel`, `optimizer_in_backward`",

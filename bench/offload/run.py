@@ -5,7 +5,8 @@
 Model ``nn.Sequential(*[Linear(8192, 8192), ReLU()] x 16)`` (1074M fp32 parameters), batch 4096, SGD, side by
 side in one process:
 
-* ``plain``: everything resident on the GPU;
+* ``plain``: everything resident on the GPU; ``plain_bf16_autocast`` the same under bf16 autocast (the
+  baseline to hold the ``compute_dtype=bf16`` variants against);
 * ``shardfuse``: ``OffloadModel`` (4 slices, 4 microbatches, checkpoint_activation=True), plus the variants
   ``compute_dtype=bf16``, ``optimizer_in_backward`` and both together, and fp32 with
   ``checkpoint_activation=False`` and ``optimizer_in_backward`` (activations stay on the GPU, no recompute);
@@ -93,10 +94,18 @@ def sgd_step(model: nn.Module, opt: torch.optim.Optimizer | None, x: torch.Tenso
     return step
 
 
-def run_plain(base: nn.Sequential, x: torch.Tensor, cfg: dict[str, Any]) -> dict[str, Any]:
+def run_plain(base: nn.Sequential, x: torch.Tensor, cfg: dict[str, Any], autocast: bool = False) -> dict[str, Any]:
     model = copy.deepcopy(base).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
-    ms, losses, peak = time_steps(sgd_step(model, opt, x), cfg["warmup"], cfg["steps"])
+    step = sgd_step(model, opt, x)
+    if autocast:  # fp32 weights, bf16 matrix products: the fair baseline of the bf16 offload variants
+        fp32_step = step
+
+        def step() -> float:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return fp32_step()
+
+    ms, losses, peak = time_steps(step, cfg["warmup"], cfg["steps"])
     del model, opt
     return {"step_ms": ms, "peak_gib": peak, "losses": [float(v) for v in losses], "h2d_gbps": 0.0, "d2h_gbps": 0.0}
 
@@ -243,6 +252,7 @@ def main() -> None:
 
     variants: list[tuple[str, Callable[..., dict[str, Any]], dict[str, Any]]] = [
         ("plain", run_plain, {}),
+        ("plain_bf16_autocast", run_plain, {"autocast": True}),
         ("shardfuse", run_shardfuse, {}),
         ("shardfuse_bf16", run_shardfuse, {"compute_dtype": torch.bfloat16}),
         ("shardfuse_opt_in_bwd", run_shardfuse, {"opt_in_backward": True}),
