@@ -106,6 +106,8 @@ class FlatParamHandle:
         self.compute_dtype = self.dtype
         self.is_full = False
         self.gathered_version = -1
+        # The shard's version when forward last used it: backward must see the same parameters.
+        self.forward_version: int | None = None
         self.ag_event: torch.cuda.Event | None = None
         self.fired = False  # post-backward hook ran in this backward pass
         # While sharded, the original attributes are meta tensors: shape/dtype/`is None` checks (e.g. in

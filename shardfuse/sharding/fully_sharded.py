@@ -590,6 +590,8 @@ class FullyShardedDataParallel(nn.Module):
                     with profiled("shardfuse.sharding:prefetch"):
                         nxt._unshard()
                 self._wait_and_set_views()
+                for h in self._handles:
+                    h.forward_version = h.flat._version
                 outputs = self.module(*args, **kwargs)
                 if self._reshard_after_forward_effective and not self._keep_full_for_backward():
                     self._reshard()
@@ -658,6 +660,7 @@ class FullyShardedDataParallel(nn.Module):
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
         rs = self._root_state
         with profiled("shardfuse.sharding:pre_backward"):
+            self._check_unchanged_since_forward()  # before any state changes: the error leaves the tree usable
             if not rs.callback_queued:
                 rs.callback_queued = True
                 rs.in_backward = True
@@ -679,6 +682,16 @@ class FullyShardedDataParallel(nn.Module):
             # an activation-checkpoint recompute inside the wrapped module reads them.
             with torch.enable_grad():
                 self._wait_and_set_views()
+
+    def _check_unchanged_since_forward(self) -> None:
+        for h in self._handles:
+            if h.forward_version is not None and h.flat._version != h.forward_version:
+                raise RuntimeError(
+                    f"the sharded parameters of {self._unit_name()} changed between its forward and its backward "
+                    f"(version {h.forward_version} -> {h.flat._version}), e.g. optimizer.step() before "
+                    f"loss.backward(): the gradients would not belong to the parameters the forward used; "
+                    f"step the optimizer after backward"
+                )
 
     def _post_backward_hook(self, handle: FlatParamHandle, full_param: torch.Tensor) -> None:
         with profiled("shardfuse.sharding:post_backward"):
@@ -718,6 +731,7 @@ class FullyShardedDataParallel(nn.Module):
                 for h in u._handles:
                     h.reshard()
                     h.fired = False
+                    h.forward_version = None
                 if u.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
                     u.training_state = TrainingState.IDLE
             rs.in_backward = False
@@ -838,15 +852,27 @@ class FullyShardedDataParallel(nn.Module):
                 self._summon_restore(saved_params)
                 self.training_state = TrainingState.IDLE
                 raise
+            versions = [h.flat._version for h in self._handles]
             try:
                 yield
             finally:
                 try:
                     if not volatile:
+                        self._check_shards_untouched(versions)
                         self._summon_write_back(fulls, inserted)
                 finally:
                     self._summon_restore(saved_params)
                     self.training_state = TrainingState.IDLE
+
+    def _check_shards_untouched(self, versions: list[int]) -> None:
+        for h, v in zip(self._handles, versions):
+            if h.flat._version != v:
+                raise RuntimeError(
+                    f"the sharded parameters of {self._unit_name()} changed inside summon_full_params() (e.g. an "
+                    f"optimizer step): writing the full parameters back would overwrite that change; step the "
+                    f"optimizer outside summon_full_params(), or pass volatile=True if the full parameters are "
+                    f"only read"
+                )
 
     @torch.no_grad()
     def _summon_write_back(self, fulls: list[torch.Tensor], inserted: list[list[nn.Parameter]]) -> None:

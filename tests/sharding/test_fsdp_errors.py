@@ -207,3 +207,40 @@ def check_move_params_to_cpu_eval() -> bool:
 def test_move_params_to_cpu_forward(pool):
     assert pool.run(check_move_params_to_cpu_eval) == [True]
 
+
+
+def check_optimizer_step_misuse() -> bool:
+    cfg: dict[str, Any] = dict(nested=True, optim="sgd")
+    model = wrap_model(build(cfg), cfg)
+    opt = make_optim(model.parameters(), cfg)
+    ids, target = batch(0, 0, 1)
+    loss_fn(model, ids, target, 0, cfg).backward()  # gradients, so that a step changes the shards
+    # A step between forward and backward: backward would compute gradients of other parameters.
+    loss = loss_fn(model, ids, target, 1, cfg)
+    opt.step()
+    _raises(RuntimeError, r"changed between its forward and its backward .* step the optimizer after backward",
+            loss.backward)
+    assert all(u.training_state == TrainingState.IDLE for u in model._units())
+    # The tree stays usable: a correct step afterwards trains as usual.
+    opt.zero_grad(set_to_none=True)
+    loss_fn(model, ids, target, 2, cfg).backward()
+    opt.step()
+    # A step inside summon_full_params(): the write-back on exit would overwrite it.
+    loss_fn(model, ids, target, 3, cfg).backward()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def step_inside_summon(volatile: bool) -> None:
+        with model.summon_full_params(volatile=volatile):
+            opt.step()
+
+    _raises(RuntimeError, r"changed inside summon_full_params\(\) .* step the optimizer outside", step_inside_summon,
+            False)
+    after = model.state_dict()
+    assert any(not torch.equal(after[k], before[k]) for k in before), "the step inside the block was lost"
+    step_inside_summon(True)  # volatile: nothing is written back, so nothing is lost
+    assert all(u.training_state == TrainingState.IDLE for u in model._units())
+    return True
+
+
+def test_optimizer_step_misuse(pool):
+    assert pool.run(check_optimizer_step_misuse) == [True]
