@@ -99,6 +99,11 @@ def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
     return obj
 
 
+def _inside_backward() -> bool:
+    """True while the autograd engine runs a backward (a checkpoint recompute calls forward from there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _forbidden_reset(module: nn.Module, *args: Any, **kwargs: Any) -> None:
     raise RuntimeError(
         f"reset_parameters() of {type(module).__name__} was called after FullyShardedDataParallel flattened its "
@@ -570,7 +575,11 @@ class FullyShardedDataParallel(nn.Module):
             self._lazy_init()
             rs = self._root_state
             if rs.in_backward:
-                return self._recompute_forward(args, kwargs)
+                if _inside_backward():
+                    return self._recompute_forward(args, kwargs)
+                # The last backward raised (e.g. out of memory) before its final callback could run.
+                logger.warning("the previous backward did not finish (it raised); resetting the sharding state")
+                rs.root._return_to_idle()
             check_state(
                 self.training_state, (TrainingState.IDLE,), "forward()", self._unit_name(),
                 "do not call a unit's forward from inside its own forward, summon_full_params() or backward",
@@ -724,18 +733,24 @@ class FullyShardedDataParallel(nn.Module):
                         and h.full_param is not None and h.full_param.grad is not None
                     ):
                         reduce_grad(h, u._reduce_cfg, streams, rs.pending)
-            wait_stream(streams.current(), streams.post_backward)
-            rs.pending.release_all()
-            finish_host_grads(rs.pending, streams)
-            for u in rs.units:
-                for h in u._handles:
-                    h.reshard()
-                    h.fired = False
-                    h.forward_version = None
-                if u.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
-                    u.training_state = TrainingState.IDLE
-            rs.in_backward = False
-            rs.callback_queued = False
+            self._return_to_idle()
+
+    def _return_to_idle(self) -> None:
+        """Root only: wait for issued reductions, reshard every unit and leave the backward bookkeeping."""
+        rs = self._root_state
+        streams = rs.streams
+        wait_stream(streams.current(), streams.post_backward)
+        rs.pending.release_all()
+        finish_host_grads(rs.pending, streams)
+        for u in rs.units:
+            for h in u._handles:
+                h.reshard()
+                h.fired = False
+                h.forward_version = None
+            if u.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
+                u.training_state = TrainingState.IDLE
+        rs.in_backward = False
+        rs.callback_queued = False
 
     # ----------------------------------------------------------------------------------------------
     # public API: sync control, divide factors, norms

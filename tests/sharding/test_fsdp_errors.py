@@ -244,3 +244,61 @@ def check_optimizer_step_misuse() -> bool:
 
 def test_optimizer_step_misuse(pool):
     assert pool.run(check_optimizer_step_misuse) == [True]
+
+
+class _FailingBackward(torch.autograd.Function):
+    """Identity whose backward raises while ``armed`` (stands in for an out-of-memory error mid-backward)."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if _FailingBackward.armed:
+            raise RuntimeError("simulated failure in backward")
+        return grad
+
+
+class _Tripwire(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FailingBackward.apply(x)
+
+
+def check_recovers_after_failed_backward() -> bool:
+    def make() -> FSDP:
+        torch.manual_seed(0)
+        seq = nn.Sequential(FSDP(nn.Linear(4, 4)), _Tripwire(), FSDP(nn.Linear(4, 4)), nn.Linear(4, 2))
+        return FSDP(seq)
+
+    failed, clean = make(), make()
+    opt_f = torch.optim.SGD(failed.parameters(), lr=0.1)
+    opt_c = torch.optim.SGD(clean.parameters(), lr=0.1)
+    x = torch.randn(3, 4)
+    for model, opt in ((failed, opt_f), (clean, opt_c)):  # the first step records the order
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    _FailingBackward.armed = True
+    try:
+        _raises(RuntimeError, "simulated failure in backward", lambda: failed(x).sum().backward())
+    finally:
+        _FailingBackward.armed = False
+    assert failed._root_state.in_backward, "the failure must interrupt the backward (else this tests nothing)"
+    for model, opt in ((failed, opt_f), (clean, opt_c)):
+        opt.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        opt.step()
+        assert all(u.training_state == TrainingState.IDLE for u in model._units())
+        assert not model._root_state.in_backward
+    for (k, a), b in zip(failed.state_dict().items(), clean.state_dict().values()):
+        assert torch.equal(a, b), k
+    return True
+
+
+def test_training_recovers_after_a_failed_backward(pool):
+    # A backward that raises (out of memory, say) never reaches the root's final callback; the next forward
+    # must reset the sharding state instead of treating itself as a checkpoint recompute.
+    assert pool.run(check_recovers_after_failed_backward) == [True]
