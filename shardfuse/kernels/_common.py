@@ -65,20 +65,6 @@ def check_out(out: torch.Tensor, numel: int, name: str = "out") -> None:
         raise ValueError(f"{name} is too small: {name}.numel()={out.numel()} < required {numel}")
 
 
-def pointer_table(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """An int64 tensor of data pointers on ``device``, for multi-tensor kernels.
-
-    Built in pinned memory and copied without a host sync on CUDA, so one launch can address any number
-    of tensors.
-    """
-    return int64_table([t.data_ptr() for t in tensors], device)
-
-
-def int64_table(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    """A small int64 metadata table on ``device``, copied from pinned memory without a host sync."""
-    return to_device(_host_int64(values), device)
-
-
 def _host_int64(values: Sequence[int]) -> torch.Tensor:
     # array() converts a list of ints about ten times faster than torch.tensor(list).
     if not values:
