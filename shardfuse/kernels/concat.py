@@ -44,6 +44,7 @@ __all__ = ["concat_microbatches", "split_microbatches", "concat_microbatches_ref
 
 # Same-width integer dtypes the kernel copies through: a copy of raw bits is exact for any dtype.
 _BITS_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_WIDE_BYTES = 4  # narrower dtypes are copied as 4-byte words where sizes and addresses allow
 
 _PLANS = PlanCache()
 _DTYPE = operator.attrgetter("dtype")
@@ -177,26 +178,43 @@ def _key(tensors: Sequence[torch.Tensor], out: torch.Tensor | None) -> tuple | N
         return None
 
 
-def _build_plan(tensors: list[torch.Tensor], shape: tuple, device: torch.device) -> _Plan:
+def _copy_width(tensors: list[torch.Tensor]) -> int:
+    """Bytes per copied element: 1- and 2-byte dtypes go as 4-byte words when every size and address allows.
+
+    With BLOCK_SIZE elements per program a 2-byte copy moves half the bytes per program of a 4-byte one and
+    falls short of the copy bandwidth (bf16 concat ran at 70-87% where fp32 ran at 90-100%, H100/H200).
+    """
+    size = tensors[0].element_size()
+    if size >= _WIDE_BYTES:
+        return size
+    k = _WIDE_BYTES // size
+    if all(t.numel() % k == 0 and (not t.is_contiguous() or t.data_ptr() % _WIDE_BYTES == 0) for t in tensors):
+        return _WIDE_BYTES
+    return size
+
+
+def _build_plan(tensors: list[torch.Tensor], shape: tuple, device: torch.device, widen: bool = True) -> _Plan:
     """The launch for validated inputs (whose element width the kernel can copy)."""
     t0 = tensors[0]
-    vec = 16 // t0.element_size()
+    width = _copy_width(tensors) if widen else t0.element_size()
+    k = width // t0.element_size()  # original elements per copied element
+    vec = 16 // width
     ptrs, numels, offsets, counts, strided = [], [], [], [], []
     offset = 0
     for i, t in enumerate(tensors):
         n = t.numel()
         if n and t.is_contiguous():
             ptrs.append(t.data_ptr())
-            numels.append(n)
-            offsets.append(offset)
-            counts.append(-(-n // BLOCK_SIZE))
+            numels.append(n // k)
+            offsets.append(offset // k)
+            counts.append(-(-(n // k) // BLOCK_SIZE))
         elif n:
-            strided.append((i, offset))
+            strided.append((i, offset))  # in elements of the output's dtype
         offset += n
     table = block_table([ptrs, numels, offsets, block_starts(counts)], counts, device) if ptrs else None
     aligned = all(p % 16 == 0 for p in ptrs) and all(o % vec == 0 for o in offsets)
-    return _Plan(device, shape, t0.dtype, _BITS_DTYPE[t0.element_size()], sum(counts), table, len(ptrs), aligned,
-                 vec, tuple(strided))
+    return _Plan(device, shape, t0.dtype, _BITS_DTYPE[width], sum(counts), table, len(ptrs), aligned, vec,
+                 tuple(strided))
 
 
 def _run(plan: _Plan, tensors: list[torch.Tensor], out: torch.Tensor) -> None:
@@ -207,6 +225,10 @@ def _run(plan: _Plan, tensors: list[torch.Tensor], out: torch.Tensor) -> None:
         flat[offset : offset + t.numel()].view(t.shape).copy_(t)
     if not plan.grid:
         return
+    width = plan.bits.itemsize
+    if out.data_ptr() % width:
+        # out itself sits off the word boundary (a view into a larger buffer): copy element by element
+        plan = _build_plan(tensors, plan.shape, plan.device, widen=False)
     with device_guard(plan.device):
         _concat_kernel[(plan.grid,)](
             plan.table,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardfuse.kernels import concat as concat_module
 from shardfuse.kernels.concat import concat_microbatches, concat_microbatches_ref, split_microbatches
 from tests.conftest import cuda_kernels, kernel_device, poisoned
 
@@ -81,6 +82,30 @@ def test_out_slice_view_guards_untouched():
     concat_microbatches(parts, out=out)
     assert torch.equal(out, torch.cat(parts))
     assert (buf[:3] == -77.0).all() and (buf[27:] == -77.0).all(), "guard elements were overwritten"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.uint8], ids=str)
+@pytest.mark.parametrize("case", ["word", "odd-size", "odd-out"])
+def test_narrow_dtypes_copied_as_words_where_possible(dtype, case):
+    # 1- and 2-byte tensors go through the kernel as 4-byte words when every size and address allows; an odd
+    # size, or an out that starts off a word boundary, falls back to element copies. All must be exact.
+    k = 4 // torch.empty(0, dtype=dtype).element_size()
+    sizes = [3 * k, 5 * k, 1 * k, 7 * k] if case != "odd-size" else [3 * k, 5 * k + 1, k, 7 * k]
+    make = (lambda n: torch.randint(0, 256, (n,), dtype=dtype, device=DEVICE)) if dtype == torch.uint8 else (
+        lambda n: randn((n,), dtype))
+    parts = [make(n) for n in sizes]
+    total = sum(sizes)
+    if case == "odd-out":
+        backing = poisoned((total + 1,), dtype, DEVICE) if dtype != torch.uint8 else torch.full(
+            (total + 1,), 255, dtype=dtype, device=DEVICE)
+        out = backing[1:]  # one element in: off the 4-byte boundary
+    else:
+        out = poisoned((total,), dtype, DEVICE) if dtype != torch.uint8 else torch.full(
+            (total,), 255, dtype=dtype, device=DEVICE)
+    concat_microbatches(parts, out=out)
+    assert torch.equal(bits(out), bits(torch.cat(parts)))
+    plan = concat_module._build_plan(parts, tuple(out.shape), out.device)
+    assert plan.bits == (torch.int32 if case != "odd-size" else concat_module._BITS_DTYPE[out.element_size()])
 
 
 @pytest.mark.parametrize("num", range(1, 9), ids=lambda k: f"mb{k}")
