@@ -8,32 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardfuse.kernels._common import interpreting
 from shardfuse.kernels.chunk_cat import chunk_cat, chunk_cat_ref
-from tests.conftest import cuda_kernels, kernel_device, poisoned
+from tests.conftest import assert_same, cuda_kernels, kernel_device, poisoned
 
 DEVICE = kernel_device()
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_PAIRS = [(a, b) for a in DTYPES for b in DTYPES]
 # 3-D, 1-D, dim0 not divisible by most world sizes, dim0 < world size, a prime length past one block.
 MIXED_SHAPES = [(5, 3, 2), (7,), (2, 3), (131,), (1, 4), (4099,)]
-
-
-def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """Exact equality (NaN where NaN), except bf16 under the interpreter: 1 ulp.
-
-    Triton's CPU interpreter truncates fp32 -> bf16 instead of rounding to nearest-even, so a bf16 output
-    can sit one step of the bit pattern away from PyTorch's there; on the GPU the cast is exact.
-    """
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    if actual.dtype == torch.bfloat16 and interpreting():
-        assert torch.equal(actual.isnan(), expected.isnan()), "NaN positions differ"
-        a = actual.view(torch.int16).int()
-        e = expected.view(torch.int16).int()
-        close = ((a - e).abs() <= 1) | (actual == expected) | actual.isnan()
-        assert close.all(), f"{(~close).sum()} bf16 elements more than 1 ulp off, e.g. {actual[~close][:4]}"
-    else:
-        torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
 
 
 def randn(shape, dtype):

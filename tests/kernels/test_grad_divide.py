@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardfuse.kernels._common import interpreting
 from shardfuse.kernels.grad_divide import (
     gradient_divide_factors,
     post_divide,
@@ -17,30 +16,13 @@ from shardfuse.kernels.grad_divide import (
     pre_divide_pad,
     pre_divide_pad_ref,
 )
-from tests.conftest import cuda_kernels, kernel_device, poisoned
+from tests.conftest import assert_same, cuda_kernels, kernel_device, poisoned
 
 DEVICE = kernel_device()
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_PAIRS = [(a, b) for a in DTYPES for b in DTYPES]
 FACTORS = [1.0, 2.0, 3.0, 0.5]
 SIZES = [0, 1, 7, 131, 4099]
-
-
-def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """Exact equality (NaN where NaN), except bf16 under the interpreter: 1 ulp.
-
-    Triton's CPU interpreter truncates fp32 -> bf16 instead of rounding to nearest-even, so a bf16 output
-    can sit one step of the bit pattern away from PyTorch's there; on the GPU the cast is exact.
-    """
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    if actual.dtype == torch.bfloat16 and interpreting():
-        assert torch.equal(actual.isnan(), expected.isnan()), "NaN positions differ"
-        a = actual.view(torch.int16).int()
-        e = expected.view(torch.int16).int()
-        close = ((a - e).abs() <= 1) | (actual == expected) | actual.isnan()
-        assert close.all(), f"{(~close).sum()} bf16 elements more than 1 ulp off, e.g. {actual[~close][:4]}"
-    else:
-        torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
 
 
 def assert_positive_zero(t: torch.Tensor) -> None:
