@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: the GPU tests and the benchmarks, logs and JSON under $OUT, a short table last.
 #
-#   bash bench/gpu_suite.sh [stage ...]     stages: env tests kernels offload e2e overlap (default: all that fit)
+#   bash bench/gpu_suite.sh [stage ...]     stages: env tests kernels kernels-pb offload e2e overlap train (default: all that fit)
 #
 # Every step runs under `timeout` so a hang cannot eat the lease; a failed step is reported and the
 # suite goes on. Multi-GPU steps issue the same collectives on every rank (fixed step counts).
@@ -56,6 +56,9 @@ for stage in "${STAGES[@]}"; do
     e2e)
       step e2e 540 torchrun --standalone --nproc_per_node "$NGPU" bench/e2e/run.py --regime both \
         --impls "${E2E_IMPLS:-shardfuse,fsdp2,fsdp1}" --steps "${E2E_STEPS:-15}" --warmup 3 ${E2E_ARGS:-} ;;
+    train)
+      # the README's main job on every local GPU (NCCL), with its parity check against unsharded training
+      step train 300 torchrun --standalone --nproc_per_node "$NGPU" examples/train.py ;;
     overlap)
       step overlap 120 torchrun --standalone --nproc_per_node 2 bench/e2e/overlap.py ;;
     *)
