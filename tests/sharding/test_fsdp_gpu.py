@@ -144,7 +144,9 @@ def check_overlap() -> dict[str, float]:
         model(x).float().pow(2).mean().backward()
         torch.cuda.synchronize()
     gemm = _intervals(prof, "gemm") + _intervals(prof, "cutlass") + _intervals(prof, "nvjet")
-    ag = _intervals(prof, "allgather")
+    # The step's first all-gather has no compute to hide behind, and its kernel also spans the wait for the
+    # slower rank to arrive: it measures the ranks' skew, not prefetching. Judge the prefetched ones.
+    ag = sorted(_intervals(prof, "allgather"))[1:]
     rs = _intervals(prof, "reducescatter")
     assert gemm and ag and rs, (len(gemm), len(ag), len(rs))
     return {
@@ -157,8 +159,8 @@ def check_overlap() -> dict[str, float]:
 
 def test_communication_overlaps_compute(pool):
     # Kernel intervals from torch.profiler: the all-gathers (forward prefetch of unit i+1 during unit i,
-    # backward prefetch) and the reduce-scatters (post-backward stream) must run concurrently with GEMMs on
-    # the compute stream for at least half of their time.
+    # backward prefetch; the step's first gather aside) and the reduce-scatters (post-backward stream) must run
+    # concurrently with GEMMs on the compute stream for at least half of their time.
     for r in pool.run(check_overlap):
         assert r["ag_overlap"] >= 0.5 * r["ag_total"], r
         assert r["rs_overlap"] >= 0.5 * r["rs_total"], r
