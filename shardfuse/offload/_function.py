@@ -210,7 +210,7 @@ class BlockCall:
         self._rng: list[RngState] = []
         self._autocast: list[tuple[str, bool, torch.dtype]] = []
         self._saved: list[Any] = []
-        self._inner: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        self._inner: list[tuple[_GradSink, list[Any]]] = []
 
     # ---- hooks for subclasses
     def run(self, *args: Any) -> Any:
@@ -290,10 +290,13 @@ class BlockCall:
             else:
                 with torch.enable_grad(), self.saved_tensors_hooks():
                     for mb in mbs:
-                        detached = [_detach_for_grad(t, g) for t, g in zip(mb, self.grad_in)]
-                        flat = self._flatten_out(self.run(*self.args.rebuild(detached)))
-                        self._inner.append((detached, flat))
+                        sink = _GradSink(mb, self.grad_in)
+                        flat = self._flatten_out(self.run(*self.args.rebuild(sink.inputs)))
                         outs.append([o.detach() for o in flat])
+                        # neither the microbatch inputs nor the outputs are kept: only the graph, its roots
+                        # as gradient edges where torch can start backward from them
+                        self._inner.append((sink.detach_inputs(), _graph_roots(flat)))
+                        del flat
         with profiled(f"{self.profile_prefix}:forward_drop"):
             self.forward_exit()
         with torch.no_grad():
@@ -338,12 +341,13 @@ class BlockCall:
                 del outs, detached
                 self.microbatch_backward_exit(j)
         else:
-            for j, (detached, outs) in enumerate(self._inner):
+            inner, self._inner = self._inner, []
+            for j, (sink, roots) in enumerate(inner):
                 with profiled(f"{self.profile_prefix}:backward_pass"):
-                    _run_backward(outs, [g[j] for g in grad_mbs])
-                in_grads.append([d.grad if d.requires_grad else None for d in detached])
+                    _run_backward(roots, [g[j] for g in grad_mbs])
+                in_grads.append(sink.grads)
                 self.microbatch_backward_exit(j)
-            self._inner = []
+            del inner
         self.backward_exit()
         with torch.no_grad():
             return [self._join_grad([g[k] for g in in_grads], self.split_in[k]) for k in range(len(self.split_in))]
@@ -387,10 +391,58 @@ def _detach_for_grad(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     return t.detach().requires_grad_(requires_grad)
 
 
-def _run_backward(outs: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
-    pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
+def _run_backward(outs: Sequence[Any], grads: list[torch.Tensor | None]) -> None:
+    """Backpropagate ``grads`` from ``outs``: tensors, gradient edges, or None for outputs without a graph."""
+    pairs = [(o, g) for o, g in zip(outs, grads) if _has_graph(o) and g is not None]
     if pairs:
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+
+def _has_graph(o: Any) -> bool:
+    return o is not None and (not isinstance(o, torch.Tensor) or o.requires_grad)
+
+
+# torch >= 2.7 starts backward from gradient edges, so a kept graph need not pin its output tensors
+_EDGE_ROOTS = torch.torch_version.TorchVersion(torch.__version__) >= (2, 7)
+
+
+def _graph_roots(outs: list[torch.Tensor]) -> list[Any]:
+    """What backward later starts from: gradient edges (or the tensors themselves on older torch)."""
+    if not _EDGE_ROOTS:
+        return [o if o.requires_grad else None for o in outs]
+    return [torch.autograd.graph.get_gradient_edge(o) if o.requires_grad else None for o in outs]
+
+
+class _GradSink:
+    """Microbatch inputs entering a kept graph through :class:`_SinkFn`, which catches their gradients.
+
+    A leaf that requires grad would do the same, but autograd's accumulator node keeps the leaf (and so the
+    whole input activation) alive until backward; the sink keeps nothing but the gradients it receives.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], wants_grad: Sequence[bool]) -> None:
+        self.grads: list[torch.Tensor | None] = [None] * len(tensors)
+        self.inputs: list[torch.Tensor] = []
+        dummy = torch.empty(0, requires_grad=True)
+        for k, (t, g) in enumerate(zip(tensors, wants_grad)):
+            self.inputs.append(_SinkFn.apply(self, k, dummy, t.detach()) if g else t.detach())
+
+    def detach_inputs(self) -> _GradSink:
+        """Drop the references to the inputs (called once the forward has used them)."""
+        self.inputs = []
+        return self
+
+
+class _SinkFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, sink: _GradSink, k: int, dummy: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        ctx.sink, ctx.k = sink, k
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[None, None, None, None]:
+        ctx.sink.grads[ctx.k] = g
+        return None, None, None, None
 
 
 class OffloadCheckpointFunction(torch.autograd.Function):
