@@ -18,7 +18,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_map
 
 from shardfuse.kernels._common import profiled
-from shardfuse.offload._engine import Engine, GradBuffers, Loaded, Step, make_optimizers
+from shardfuse.offload._engine import Engine, GradBuffers, Loaded, Stashed, Step, make_optimizers
 from shardfuse.offload._function import BlockCall, Packed, apply_block
 from shardfuse.offload._slices import Slice, partition
 
@@ -35,6 +35,19 @@ class _ParamRef:
 
     def __init__(self, t: torch.Tensor) -> None:
         self.size, self.stride, self.offset = t.shape, t.stride(), t.storage_offset()
+
+
+class _ActRef:
+    """Stands in for a saved activation parked in host memory (``offload_activations``): its index."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+# Saved activations smaller than this stay on the device: moving them costs more host time than it frees.
+MIN_OFFLOAD_BYTES = 1 << 20
 
 
 class _SliceCall(BlockCall):
@@ -63,6 +76,10 @@ class _SliceCall(BlockCall):
         self.step = step
         self.prev = prev
         self.keep = keep_after_forward
+        # the last slice's backward follows its forward at once: its activations stay on the device
+        self.offload_acts = model.offload_activations and not keep_after_forward
+        self._acts: list[Any] = []  # activations parked on the host, by _ActRef index
+        self._act_index: dict[tuple[Any, ...], int] = {}
         self.current: Loaded | None = None
         self.leaves: list[torch.Tensor] | None = None
         self.grads: GradBuffers | None = None
@@ -73,6 +90,10 @@ class _SliceCall(BlockCall):
         return functional_call(self.slice.chain, dict(zip(self.slice.names, self.leaves)), args)
 
     def forward_enter(self) -> None:
+        if self.offload_acts and self.prev is not None and self.prev.prev is not None:
+            # Bound the activations on the device to about three slices' worth: the device copies are
+            # freed only once their device->host copy is done, and the host would run ahead of the bus.
+            self.prev.prev.wait_parked()
         self.current = self.engine.acquire(self.slice, "forward")
         if self.slice.index + 1 < len(self.slices):
             self.engine.prefetch(self.slices[self.slice.index + 1], "forward")
@@ -84,6 +105,7 @@ class _SliceCall(BlockCall):
         assert self.current is not None
         self.engine.release(self.current, keep=self.keep)
         self.current = None
+        self._act_index = {}
         if self.recompute:
             self.leaves = None
 
@@ -96,31 +118,66 @@ class _SliceCall(BlockCall):
 
     def saved_tensors_hooks(self) -> contextlib.AbstractContextManager:
         # The graph kept by recompute=False must not pin the parameter slot: saved views of it become
-        # references that are resolved against whatever slot holds the slice again in backward.
+        # references that are resolved against whatever slot holds the slice again in backward. With
+        # offload_activations, saved activations are parked in host memory and come back with the slice.
         def pack(t: torch.Tensor) -> Any:
             try:
-                same = t.device.type != "meta" and t.untyped_storage().data_ptr() == self._fwd_storage
+                storage = t.untyped_storage().data_ptr() if t.device.type != "meta" else None
             except (RuntimeError, NotImplementedError):
-                same = False
-            return _ParamRef(t) if same else t
+                storage = None
+            if storage is not None and storage == self._fwd_storage:
+                return _ParamRef(t)
+            if self.offload_acts and storage is not None and self._offloadable(t):
+                return self._park(t)
+            return t
 
         def unpack(x: Any) -> torch.Tensor:
             if isinstance(x, _ParamRef):
                 assert self.current is not None, "parameter needed outside the slice's backward"
                 return self.current.slot.buf.as_strided(x.size, x.stride, x.offset)
+            if isinstance(x, _ActRef):
+                assert self.current is not None and self.current.inputs is not None, (
+                    "activation needed outside the slice's backward"
+                )
+                return self.current.inputs[x.index]
             return x
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def _offloadable(self, t: torch.Tensor) -> bool:
+        return t.device == self.engine.device and t.numel() * t.element_size() >= MIN_OFFLOAD_BYTES
+
+    def _park(self, t: torch.Tensor) -> _ActRef:
+        # One tensor is often saved twice (an activation's output and the next layer's input): copy it once.
+        key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t._version)
+        idx = self._act_index.get(key)
+        if idx is None:
+            idx = self._act_index[key] = len(self._acts)
+            self._acts.append(self.engine.stash(t))
+        return _ActRef(idx)
+
+    def wait_parked(self) -> None:
+        """Block the host until this call's parked activations have reached host memory."""
+        for x in reversed(self._acts):  # one d2h stream: the last copy ends after the others
+            if isinstance(x, Stashed) and x.event is not None:
+                x.event.synchronize()
+                break
+
+    def backward_stash(self) -> list[Any] | None:
+        """What to bring back to the device with the slice for its backward (None: nothing)."""
+        if self.recompute:
+            return self._saved
+        return self._acts or None
 
     def backward_enter(self) -> None:
         if not self.step.finish_queued:
             self.step.finish_queued = True
             step, engine = self.step, self.engine
             torch.autograd.Variable._execution_engine.queue_callback(lambda: engine.finish(step))
-        self.current = self.engine.acquire(self.slice, "backward", self._saved if self.recompute else None)
+        self.current = self.engine.acquire(self.slice, "backward", self.backward_stash())
         prev = self.prev
         if prev is not None:
-            self.engine.prefetch(prev.slice, "backward", prev._saved if prev.recompute else None)
+            self.engine.prefetch(prev.slice, "backward", prev.backward_stash())
         if self.recompute:
             self.leaves = self.current.leaves(requires_grad=True)
         assert self.leaves is not None
@@ -143,6 +200,7 @@ class _SliceCall(BlockCall):
                 leaf.grad = None
         self.engine.finish_slice(self.current, self.grads, self.step)
         self.current, self.leaves, self.grads = None, None, None
+        self._acts = []
 
 
 class OffloadModel(nn.Module):
@@ -164,6 +222,11 @@ class OffloadModel(nn.Module):
             stepped and zero_grad'ed on the device while the slice is resident in backward (optimizer state
             is kept on the host between steps). The master parameters then get no ``.grad``, and **the user
             must not step an optimizer of their own** (it would see no gradients).
+        offload_activations: with ``checkpoint_activation=False``, park every activation autograd saves
+            (of at least ``MIN_OFFLOAD_BYTES``) in pinned host memory as soon as it is made, and bring a
+            slice's activations back with its parameters for its backward: no recompute and little device
+            memory, for twice the activation bytes on the bus (copies overlap compute on side streams). The
+            last slice keeps its activations (its backward comes next). Not with ``checkpoint_activation``.
 
     Parameters keep their names and identity (``"0.weight"``, ...): ``parameters()``, ``state_dict()`` and
     ``load_state_dict()`` work as on the original model, and any torch optimizer can step them on the host
@@ -183,6 +246,7 @@ class OffloadModel(nn.Module):
         *,
         compute_dtype: torch.dtype | None = None,
         optimizer_in_backward: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
+        offload_activations: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Sequential):
@@ -205,6 +269,13 @@ class OffloadModel(nn.Module):
             raise TypeError(f"num_slices={num_slices!r} must be an int")
         if compute_dtype is not None and compute_dtype not in _COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype={compute_dtype} is not supported: use one of {list(_COMPUTE_DTYPES)}")
+        if not isinstance(offload_activations, bool):
+            raise TypeError(f"offload_activations={offload_activations!r} must be a bool")
+        if offload_activations and checkpoint_activation:
+            raise ValueError(
+                "offload_activations=True needs checkpoint_activation=False: checkpointing already keeps only "
+                "the slice-boundary activations (in host memory) and recomputes the rest; pick one of the two"
+            )
         if optimizer_in_backward is not None and not callable(optimizer_in_backward):
             raise TypeError(
                 f"optimizer_in_backward must be a callable params -> Optimizer, got "
@@ -237,6 +308,7 @@ class OffloadModel(nn.Module):
         self.checkpoint_activation = checkpoint_activation
         self.num_microbatches = num_microbatches
         self.compute_dtype = compute_dtype
+        self.offload_activations = offload_activations
         for name, layer in layers:
             self.add_module(name, layer)
         with torch.no_grad():
@@ -343,7 +415,7 @@ class OffloadModel(nn.Module):
         return (
             f"device={self.device}, num_slices={self.num_slices}, slices={self.slice_ranges}, "
             f"checkpoint_activation={self.checkpoint_activation}, num_microbatches={self.num_microbatches}, "
-            f"compute_dtype={self.compute_dtype}"
+            f"compute_dtype={self.compute_dtype}, offload_activations={self.offload_activations}"
         )
 
     def named_slices(self) -> Iterator[tuple[int, list[str]]]:

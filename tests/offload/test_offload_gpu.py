@@ -37,12 +37,27 @@ def wide(seed=0, width=96, depth=6, p=0.1):
     return nn.Sequential(*layers)
 
 
-@pytest.mark.parametrize("checkpoint", [False, True], ids=["keep-acts", "checkpoint"])
+MODES = {
+    "keep-acts": {"checkpoint_activation": False},
+    "checkpoint": {"checkpoint_activation": True},
+    "offload-acts": {"checkpoint_activation": False, "offload_activations": True},
+}
+
+
+@pytest.fixture
+def park_small(monkeypatch):
+    # the parity tests' activations are small: park them all, as the benchmark's large ones are
+    from shardfuse.offload import model as offload_model
+
+    monkeypatch.setattr(offload_model, "MIN_OFFLOAD_BYTES", 0)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("mb", [1, 3], ids=lambda m: f"mb{m}")
 @pytest.mark.parametrize("num_slices", [1, 4, 6], ids=lambda n: f"slices{n}")
-def test_cuda_training_parity(num_slices, mb, checkpoint):
+def test_cuda_training_parity(park_small, num_slices, mb, mode):
     ref = wide().to(CUDA)
-    off = OffloadModel(wide(), CUDA, num_slices=num_slices, checkpoint_activation=checkpoint, num_microbatches=mb)
+    off = OffloadModel(wide(), CUDA, num_slices=num_slices, num_microbatches=mb, **MODES[mode])
     assert all(s.flat.is_pinned() for s in off._slices)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     opt_off = torch.optim.SGD(off.parameters(), lr=0.05, momentum=0.9)
@@ -136,6 +151,32 @@ def test_peak_memory_bounded_by_slices():
     assert peak <= 4 * slice_bytes + acts, f"peak {peak / 2**20:.1f} MiB, slice {slice_bytes / 2**20:.1f} MiB"
     assert peak < 2 * model_bytes  # the resident model (weights + grads) would need this much
     assert torch.cuda.memory_allocated() - base == 0  # nothing left on the device between steps
+
+
+def test_offloaded_activations_leave_the_device():
+    # Same model as above without recompute: keeping activations costs two batch x width tensors per layer;
+    # offloading them leaves about three slices' worth (forward: one being made, one or two on the bus;
+    # backward: the last slice's own, the current one and the next one being restored).
+    width, depth, batch, slices = 1024, 16, 1024, 8
+    x = torch.randn(batch, width, device=CUDA)
+    peaks = {}
+    for offload in (False, True):
+        off = OffloadModel(wide(width=width, depth=depth, p=0.0), CUDA, num_slices=slices,
+                           checkpoint_activation=False, offload_activations=offload)  # fmt: skip
+        loss_of(off(x), [x]).backward()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss_of(off(x), [x]).backward()
+        torch.cuda.synchronize()
+        peaks[offload] = torch.cuda.max_memory_allocated() - base
+        assert torch.cuda.memory_allocated() - base == 0
+        del off
+    act = batch * width * 4  # one saved activation per Linear and one per GELU
+    layers_per_slice = depth // slices
+    assert peaks[False] - peaks[True] >= (depth - 4 * layers_per_slice) * 2 * act, {
+        k: v / 2**20 for k, v in peaks.items()
+    }
 
 
 def test_prefetch_overlaps_compute():

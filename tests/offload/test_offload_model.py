@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from shardfuse.offload import OffloadModel, _engine
+from shardfuse.offload import model as offload_model
 from shardfuse.offload._function import microbatch_sizes
 
 
@@ -138,6 +139,67 @@ def mlp_inputs(batch=7):
 @pytest.mark.parametrize("num_slices", [1, 2, 3, 4, 9], ids=lambda n: f"slices{n}")
 def test_training_parity(num_slices, mb, checkpoint):
     train_both(mlp, num_slices, mb, checkpoint, mlp_inputs(7))
+
+
+@pytest.fixture
+def park_everything(monkeypatch):
+    """Run ``offload_activations`` on the CPU as on CUDA: every saved activation parked, as a copy.
+
+    Returns the list of weak references to the originals handed to the stash.
+    """
+    import weakref
+
+    parked: list[weakref.ref] = []
+
+    def stash(self, t):
+        parked.append(weakref.ref(t))
+        return t.detach().clone()
+
+    monkeypatch.setattr(offload_model, "MIN_OFFLOAD_BYTES", 0)
+    monkeypatch.setattr(_engine.Engine, "stash", stash)
+    return parked
+
+
+@pytest.mark.parametrize("mb", [1, 3], ids=lambda m: f"mb{m}")
+@pytest.mark.parametrize("num_slices", [1, 2, 4, 9], ids=lambda n: f"slices{n}")
+def test_offload_activations_parity(park_everything, num_slices, mb):
+    _, off = train_both(mlp, num_slices, mb, False, mlp_inputs(7), offload_activations=True)
+    # every slice but the last parks what it saves (one slice: nothing to park)
+    assert (len(park_everything) > 0) == (num_slices > 1)
+
+
+def test_offload_activations_leave_nothing_on_the_device(park_everything):
+    # After the forward, only the last slice may hold activations: everything the earlier slices saved is
+    # parked, and neither their inputs nor their outputs are pinned by the graph kept for backward.
+    import gc
+
+    off = OffloadModel(mlp(), "cpu", num_slices=4, num_microbatches=2, offload_activations=True)
+    x = torch.randn(6, 5)
+    out = off(x)
+    gc.collect()
+    alive = [r() for r in park_everything if r() is not None and r() is not x]
+    assert park_everything and alive == [], f"{len(alive)} parked activations are still alive after the forward"
+    out.sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in off.parameters())
+
+
+def test_offload_activations_with_optimizer_in_backward(park_everything):
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    normal = OffloadModel(mlp(), "cpu", num_slices=3, num_microbatches=2)
+    parked = OffloadModel(mlp(), "cpu", num_slices=3, num_microbatches=2, offload_activations=True,
+                          optimizer_in_backward=sgd)  # fmt: skip
+    opt = sgd(normal.parameters())
+    for step in range(3):
+        x, w = torch.randn(6, 5), torch.randn(6, 4)
+        torch.manual_seed(step)
+        loss_of(normal(x), [w]).backward()
+        opt.step()
+        opt.zero_grad()
+        torch.manual_seed(step)
+        loss_of(parked(x), [w]).backward()
+        assert_params_equal(parked, normal, grads=False)
 
 
 def test_slices_balanced_by_param_count():
@@ -398,6 +460,13 @@ def test_autograd_grad_is_rejected():
     x = torch.randn(3, 5, requires_grad=True)
     with pytest.raises(RuntimeError, match="not compatible with .grad"):
         torch.autograd.grad(off(x).sum(), x)
+
+
+def test_offload_activations_with_checkpoint_is_rejected():
+    with pytest.raises(ValueError, match="needs checkpoint_activation=False"):
+        OffloadModel(mlp(), "cpu", checkpoint_activation=True, offload_activations=True)
+    with pytest.raises(TypeError, match="must be a bool"):
+        OffloadModel(mlp(), "cpu", offload_activations="yes")
 
 
 def test_not_sequential():
