@@ -9,7 +9,9 @@ side in one process:
   baseline to hold the ``compute_dtype=bf16`` variants against);
 * ``shardfuse``: ``OffloadModel`` (4 slices, 4 microbatches, checkpoint_activation=True), plus the variants
   ``compute_dtype=bf16``, ``optimizer_in_backward`` and both together, and fp32 with
-  ``checkpoint_activation=False`` and ``optimizer_in_backward`` (activations stay on the GPU, no recompute);
+  ``checkpoint_activation=False`` and ``optimizer_in_backward`` (activations stay on the GPU, no recompute),
+  and with ``offload_activations=True`` (activations parked in host memory, no recompute; 8 slices, one
+  microbatch, with and without ``optimizer_in_backward``);
 * ``fairscale``: FairScale's ``OffloadModel`` with the same settings, when importable;
 * ``fsdp2_cpu_offload``: FSDP2 ``fully_shard`` per Linear with ``CPUOffloadPolicy`` in a world-size-1 group.
 
@@ -115,8 +117,9 @@ def run_shardfuse(base: nn.Sequential, x: torch.Tensor, cfg: dict[str, Any], **k
     if kw.pop("opt_in_backward", False):
         kw["optimizer_in_backward"] = lambda ps: torch.optim.SGD(ps, lr=lr)
     checkpoint = kw.pop("checkpoint", True)
-    model = OffloadModel(copy.deepcopy(base), torch.device("cuda"), num_slices=cfg["slices"],
-                         checkpoint_activation=checkpoint, num_microbatches=cfg["microbatches"], **kw)  # fmt: skip
+    slices, microbatches = kw.pop("slices", cfg["slices"]), kw.pop("microbatches", cfg["microbatches"])
+    model = OffloadModel(copy.deepcopy(base), torch.device("cuda"), num_slices=slices,
+                         checkpoint_activation=checkpoint, num_microbatches=microbatches, **kw)  # fmt: skip
     opt = None if "optimizer_in_backward" in kw else torch.optim.SGD(model.parameters(), lr=lr)
     step = sgd_step(model, opt, x)
     for _ in range(cfg["warmup"]):
@@ -130,6 +133,8 @@ def run_shardfuse(base: nn.Sequential, x: torch.Tensor, cfg: dict[str, Any], **k
         "step_ms": ms,
         "peak_gib": peak,
         "losses": [float(v) for v in losses],
+        "num_slices": slices,
+        "num_microbatches": microbatches,
         "h2d_gb_per_step": per_step["h2d"] / 1e9,
         "d2h_gb_per_step": per_step["d2h"] / 1e9,
         "h2d_gbps": per_step["h2d"] / 1e9 / (ms / 1e3),
@@ -259,6 +264,15 @@ def main() -> None:
         ("shardfuse_bf16_opt_in_bwd", run_shardfuse, {"compute_dtype": torch.bfloat16, "opt_in_backward": True}),
         # activations stay on the GPU: no recompute, so the step can approach the plain one
         ("shardfuse_keep_acts_opt_in_bwd", run_shardfuse, {"checkpoint": False, "opt_in_backward": True}),
+        # no recompute and activations parked in host memory: both bus directions carry them, overlapped;
+        # microbatches only add copies without recompute, and smaller slices keep less on the device
+        ("shardfuse_offload_acts", run_shardfuse, {"checkpoint": False, "offload_activations": True,
+                                                   "slices": 8, "microbatches": 1}),
+        ("shardfuse_offload_acts_opt_in_bwd", run_shardfuse, {"checkpoint": False, "offload_activations": True,
+                                                              "opt_in_backward": True, "slices": 8,
+                                                              "microbatches": 1}),
+        ("shardfuse_offload_acts_opt_in_bwd_4sl", run_shardfuse, {"checkpoint": False, "offload_activations": True,
+                                                                  "opt_in_backward": True, "microbatches": 1}),
         ("fairscale", run_fairscale, {}),
         ("fsdp2_cpu_offload", run_fsdp2, {}),
     ]
@@ -302,13 +316,13 @@ def main() -> None:
 
     print(f"\nOffload benchmark ({cfg['layers']} x Linear({cfg['width']}) + ReLU, {cfg['params_m']:.0f}M params, "
           f"batch {cfg['batch']}, {cfg['slices']} slices, {cfg['microbatches']} microbatches) -> {path}")  # fmt: skip
-    print(f"{'variant':<28}{'step ms':>10}{'vs plain':>10}{'H2D GB/s':>10}{'D2H GB/s':>10}{'peak GiB':>10}")
+    print(f"{'variant':<38}{'step ms':>10}{'vs plain':>10}{'H2D GB/s':>10}{'D2H GB/s':>10}{'peak GiB':>10}")
     for name, r in rows.items():
         if "step_ms" not in r:
-            print(f"{name:<28}  {r.get('skipped') or r.get('error')}")
+            print(f"{name:<38}  {r.get('skipped') or r.get('error')}")
             continue
         est = "*" if r.get("traffic") == "estimated" else " "
-        print(f"{name:<28}{r['step_ms']:>10.1f}{r.get('vs_plain', float('nan')):>9.2f}x"
+        print(f"{name:<38}{r['step_ms']:>10.1f}{r.get('vs_plain', float('nan')):>9.2f}x"
               f"{r['h2d_gbps']:>9.1f}{est}{r['d2h_gbps']:>9.1f}{est}{r['peak_gib']:>10.2f}")  # fmt: skip
     print("(* estimated from parameter traffic)")
     if "step_ms" in capped:
