@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -79,7 +80,7 @@ class _SliceCall(BlockCall):
         # the last slice's backward follows its forward at once: its activations stay on the device
         self.offload_acts = model.offload_activations and not keep_after_forward
         self._acts: list[Any] = []  # activations parked on the host, by _ActRef index
-        self._act_index: dict[tuple[Any, ...], int] = {}
+        self._act_index: dict[tuple[Any, ...], tuple[int, weakref.ref]] = {}
         self.current: Loaded | None = None
         self.leaves: list[torch.Tensor] | None = None
         self.grads: GradBuffers | None = None
@@ -149,11 +150,15 @@ class _SliceCall(BlockCall):
 
     def _park(self, t: torch.Tensor) -> _ActRef:
         # One tensor is often saved twice (an activation's output and the next layer's input): copy it once.
+        # The address alone does not identify it: a parked tensor's memory is freed and soon holds the next
+        # activation of the same shape, so the entry remembers the tensor itself (weakly).
         key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t._version)
-        idx = self._act_index.get(key)
-        if idx is None:
-            idx = self._act_index[key] = len(self._acts)
-            self._acts.append(self.engine.stash(t))
+        hit = self._act_index.get(key)
+        if hit is not None and hit[1]() is t:
+            return _ActRef(hit[0])
+        idx = len(self._acts)
+        self._act_index[key] = (idx, weakref.ref(t))
+        self._acts.append(self.engine.stash(t))
         return _ActRef(idx)
 
     def wait_parked(self) -> None:

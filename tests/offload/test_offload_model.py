@@ -168,6 +168,24 @@ def test_offload_activations_parity(park_everything, num_slices, mb):
     assert (len(park_everything) > 0) == (num_slices > 1)
 
 
+def test_offload_activations_same_shaped_layers(park_everything):
+    # Same-shaped layers: a parked activation's memory is freed and handed to the next one of its shape at
+    # the same address (the allocator's reuse), so the parking must not mistake one for the other.
+    # (64 KiB activations: the CPU allocator reuses blocks of that size at once; seen failing without the fix)
+    def same_width(seed=0):
+        torch.manual_seed(seed)
+        layers = []
+        for _ in range(6):
+            layers += [nn.Linear(256, 256), nn.Tanh(), nn.Dropout(0.2)]
+        return nn.Sequential(*layers)
+
+    def inputs():
+        return (torch.randn(64, 256),), [torch.randn(64, 256)]
+
+    for num_slices, mb in [(2, 1), (3, 2), (6, 1)]:
+        train_both(same_width, num_slices, mb, False, inputs, steps=2, offload_activations=True)
+
+
 def test_offload_activations_leave_nothing_on_the_device(park_everything):
     # After the forward, only the last slice may hold activations: everything the earlier slices saved is
     # parked, and neither their inputs nor their outputs are pinned by the graph kept for backward.
