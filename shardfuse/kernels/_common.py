@@ -7,6 +7,7 @@ they name the offending value and the fix.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 from array import array
@@ -15,6 +16,8 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 from torch.autograd import _profiler_enabled
 from torch.profiler import record_function
 
@@ -23,6 +26,33 @@ FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.fl
 
 # Elements per program for the streaming kernels: 16-byte vectors for every dtype, several in flight.
 BLOCK_SIZE = 4096
+
+
+def scale_args(factor: float) -> tuple[float, bool, bool]:
+    """(kernel factor, DIVIDE, MULTIPLY) for the kernels' :func:`apply_scale` of ``x / factor``.
+
+    Dividing by a power of two is multiplying by its reciprocal, exactly: both round the same real value
+    ``x * 2**-k`` once. A multiply is one instruction where IEEE division (``div_rn``) is a dozen, which is
+    what bounds the 2-byte kernels. Only where the reciprocal is a normal fp32 number; else true division.
+    """
+    if factor == 1.0:
+        return factor, False, False
+    mantissa, _ = math.frexp(factor)
+    inv = 1.0 / factor
+    if mantissa == 0.5 and 2.0**-126 <= inv <= 2.0**127:
+        return inv, True, True
+    return factor, True, False
+
+
+@triton.jit
+def apply_scale(x, factor, DIVIDE: tl.constexpr, MULTIPLY: tl.constexpr):
+    """``x / factor`` in fp32 as :func:`scale_args` set it up (``factor`` is the reciprocal if MULTIPLY)."""
+    if DIVIDE:
+        if MULTIPLY:
+            x = x * factor
+        else:
+            x = tl.math.div_rn(x, factor)
+    return x
 
 
 def interpreting() -> bool:

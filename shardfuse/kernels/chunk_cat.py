@@ -29,6 +29,7 @@ import triton.language as tl
 from shardfuse.kernels._common import (
     BLOCK_SIZE,
     PlanCache,
+    apply_scale,
     block_starts,
     block_table,
     check_float,
@@ -36,6 +37,7 @@ from shardfuse.kernels._common import (
     device_guard,
     interpreting,
     profiled,
+    scale_args,
     stream_key,
     use_triton,
 )
@@ -66,6 +68,7 @@ def _chunk_cat_kernel(
     row_numel,
     factor,
     DIVIDE: tl.constexpr,
+    MULTIPLY: tl.constexpr,
     ALIGNED: tl.constexpr,
     IN_VEC: tl.constexpr,
     OUT_VEC: tl.constexpr,
@@ -106,15 +109,13 @@ def _chunk_cat_kernel(
     offs = tl.arange(0, BLOCK)
     if (j0 + BLOCK <= m) & (src_start + BLOCK <= n):
         x = tl.load(src + offs).to(tl.float32)
-        if DIVIDE:
-            x = tl.math.div_rn(x, factor)
+        x = apply_scale(x, factor, DIVIDE, MULTIPLY)
         tl.store(dst + offs, x.to(out_ptr.dtype.element_ty))
     else:
         in_chunk = j0 + offs < m
         # Masked-off loads read 0 and 0 / factor == +0: the padding rows come out exactly zero.
         x = tl.load(src + offs, mask=in_chunk & (src_start + offs < n), other=0.0).to(tl.float32)
-        if DIVIDE:
-            x = tl.math.div_rn(x, factor)
+        x = apply_scale(x, factor, DIVIDE, MULTIPLY)
         tl.store(dst + offs, x.to(out_ptr.dtype.element_ty), mask=in_chunk)
 
 
@@ -251,6 +252,7 @@ def _build_plan(tensors: list[torch.Tensor], world_size: int, out: torch.Tensor,
 
 
 def _run(plan: _Plan, tensors: Sequence[torch.Tensor], out: torch.Tensor, factor: float) -> None:
+    kernel_factor, divide, multiply = scale_args(factor)
     with device_guard(plan.device):
         _chunk_cat_kernel[(plan.grid,)](
             plan.table,
@@ -258,8 +260,9 @@ def _run(plan: _Plan, tensors: Sequence[torch.Tensor], out: torch.Tensor, factor
             out,
             plan.num_tensors,
             plan.row_numel,
-            factor,
-            DIVIDE=factor != 1.0,
+            kernel_factor,
+            DIVIDE=divide,
+            MULTIPLY=multiply,
             ALIGNED=plan.aligned and out.data_ptr() % 16 == 0,
             IN_VEC=plan.in_vec,
             OUT_VEC=plan.out_vec,

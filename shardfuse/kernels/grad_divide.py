@@ -10,7 +10,8 @@ pass over memory:
 - :func:`post_divide` — ``out = (src.float() / factor).to(out.dtype)``, or with ``accumulate=True``
   ``out = (out.float() + src.float() / factor).to(out.dtype)`` (gradient accumulation into the shard).
 
-Division is IEEE round-to-nearest in fp32 (``div_rn``). Note that PyTorch on CUDA computes
+Division is IEEE round-to-nearest in fp32 (``div_rn``), or a multiply by the reciprocal where that is the
+same (power-of-two factors, the usual ones: see ``scale_args``). Note that PyTorch on CUDA computes
 ``tensor / python_scalar`` as ``tensor * (1 / scalar)``, which can differ from true division by one ulp for
 factors that are not powers of two; the references here divide by a device tensor, which is true division.
 """
@@ -30,6 +31,7 @@ import triton.language as tl
 from shardfuse.kernels._common import (
     BLOCK_SIZE,
     PlanCache,
+    apply_scale,
     block_starts,
     block_table,
     check_float,
@@ -38,6 +40,7 @@ from shardfuse.kernels._common import (
     device_guard,
     interpreting,
     profiled,
+    scale_args,
     stream_key,
     use_triton,
 )
@@ -65,7 +68,9 @@ __all__ = [
 
 
 @triton.jit
-def _pre_divide_pad_kernel(src_ptr, out_ptr, n, total, factor, DIVIDE: tl.constexpr, BLOCK: tl.constexpr):
+def _pre_divide_pad_kernel(
+    src_ptr, out_ptr, n, total, factor, DIVIDE: tl.constexpr, MULTIPLY: tl.constexpr, BLOCK: tl.constexpr
+):
     """One tensor: out[:n] = cast(src / factor), out[n:total] = 0."""
     # int64 before multiplying: a flat gradient can pass 2^31 elements.
     start = tl.program_id(0).to(tl.int64) * BLOCK
@@ -73,14 +78,12 @@ def _pre_divide_pad_kernel(src_ptr, out_ptr, n, total, factor, DIVIDE: tl.conste
     if start + BLOCK <= n:
         # Full block: no mask, so the accesses vectorise whatever n is.
         x = tl.load(src_ptr + offs).to(tl.float32)
-        if DIVIDE:
-            x = tl.math.div_rn(x, factor)
+        x = apply_scale(x, factor, DIVIDE, MULTIPLY)
         tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty))
     else:
         # Tail and padding: masked-off loads read 0, and 0 / factor == +0, so the padding comes out zero.
         x = tl.load(src_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-        if DIVIDE:
-            x = tl.math.div_rn(x, factor)
+        x = apply_scale(x, factor, DIVIDE, MULTIPLY)
         tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=offs < total)
 
 
@@ -94,6 +97,7 @@ def _pre_divide_pad_multi_kernel(
     total,
     factor,
     DIVIDE: tl.constexpr,
+    MULTIPLY: tl.constexpr,
     ALIGNED: tl.constexpr,
     OUT_VEC: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -130,36 +134,33 @@ def _pre_divide_pad_multi_kernel(
         offs = start + tl.arange(0, BLOCK)
         if start + BLOCK <= n:
             x = tl.load(src + offs).to(tl.float32)
-            if DIVIDE:
-                x = tl.math.div_rn(x, factor)
+            x = apply_scale(x, factor, DIVIDE, MULTIPLY)
             tl.store(dst + offs, x.to(out_ptr.dtype.element_ty))
         else:
             mask = offs < n
             x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-            if DIVIDE:
-                x = tl.math.div_rn(x, factor)
+            x = apply_scale(x, factor, DIVIDE, MULTIPLY)
             tl.store(dst + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _post_divide_kernel(
-    src_ptr, out_ptr, n, factor, DIVIDE: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr
+    src_ptr, out_ptr, n, factor, DIVIDE: tl.constexpr,
+    MULTIPLY: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr
 ):
     """out = cast(src / factor), or out = cast(out + src / factor); all arithmetic in fp32."""
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offs = start + tl.arange(0, BLOCK)
     if start + BLOCK <= n:
         x = tl.load(src_ptr + offs).to(tl.float32)
-        if DIVIDE:
-            x = tl.math.div_rn(x, factor)
+        x = apply_scale(x, factor, DIVIDE, MULTIPLY)
         if ACCUMULATE:
             x = tl.load(out_ptr + offs).to(tl.float32) + x
         tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty))
     else:
         mask = offs < n
         x = tl.load(src_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if DIVIDE:
-            x = tl.math.div_rn(x, factor)
+        x = apply_scale(x, factor, DIVIDE, MULTIPLY)
         if ACCUMULATE:
             x = tl.load(out_ptr + offs, mask=mask, other=0.0).to(tl.float32) + x
         tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
@@ -252,9 +253,11 @@ def pre_divide_pad(grads: torch.Tensor | Sequence[torch.Tensor], out: torch.Tens
             # An empty CUDA tensor has a null data pointer, which Triton may refuse; its loads are all
             # masked off anyway, so any valid pointer will do.
             src = grads[0] if n else out_flat
+            kernel_factor, divide, multiply = scale_args(factor)
             with device_guard(out.device):
                 _pre_divide_pad_kernel[(-(-total // BLOCK_SIZE),)](
-                    src, out_flat, n, total, factor, DIVIDE=factor != 1.0, BLOCK=BLOCK_SIZE, num_warps=_NUM_WARPS
+                    src, out_flat, n, total, kernel_factor, DIVIDE=divide, MULTIPLY=multiply, BLOCK=BLOCK_SIZE,
+                    num_warps=_NUM_WARPS,
                 )
             return out
         plan = _plan_multi(grads, out_flat, n)
@@ -317,6 +320,7 @@ def _plan_multi(grads: list[torch.Tensor], out_flat: torch.Tensor, n: int) -> _P
 def _run_multi(plan: _Plan, grads: list[torch.Tensor], out_flat: torch.Tensor, factor: float) -> None:
     if not plan.total:
         return
+    kernel_factor, divide, multiply = scale_args(factor)
     with device_guard(plan.device):
         _pre_divide_pad_multi_kernel[(plan.grid,)](
             plan.table,
@@ -325,8 +329,9 @@ def _run_multi(plan: _Plan, grads: list[torch.Tensor], out_flat: torch.Tensor, f
             plan.num_tensors,
             plan.n,
             plan.total,
-            factor,
-            DIVIDE=factor != 1.0,
+            kernel_factor,
+            DIVIDE=divide,
+            MULTIPLY=multiply,
             ALIGNED=plan.aligned and out_flat.data_ptr() % 16 == 0,
             OUT_VEC=plan.out_vec,
             BLOCK=BLOCK_SIZE,
@@ -378,10 +383,11 @@ def post_divide(src: torch.Tensor, out: torch.Tensor, factor: float, *, accumula
         n = src.numel()
         if n == 0:
             return out
+        kernel_factor, divide, multiply = scale_args(factor)
         with device_guard(out.device):
             _post_divide_kernel[(-(-n // BLOCK_SIZE),)](
-                src, out, n, factor, DIVIDE=factor != 1.0, ACCUMULATE=bool(accumulate), BLOCK=BLOCK_SIZE,
-                num_warps=_NUM_WARPS,
+                src, out, n, kernel_factor, DIVIDE=divide, MULTIPLY=multiply, ACCUMULATE=bool(accumulate),
+                BLOCK=BLOCK_SIZE, num_warps=_NUM_WARPS,
             )
         return out
 

@@ -292,3 +292,63 @@ def test_gpu_post_divide_exact_one_launch(pair, accumulate):
     post_divide_ref(src, ref, 3.0, accumulate=accumulate)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     assert len(cuda_kernels(lambda: post_divide(src, out, 3.0, accumulate=accumulate))) == 1
+
+
+# ------------------------------------------------------------------ power-of-two factors: multiply, still exact
+
+# 2**126: the reciprocal 2**-126 is the smallest normal fp32 (multiply); 2**127: subnormal reciprocal (divide)
+EDGE_FACTORS = [2.0, 0.125, 2.0**20, 2.0**126, 2.0**127, 2.0**-126, 3.0]
+
+
+def test_scale_args_picks_multiply_only_where_exact():
+    from shardfuse.kernels._common import scale_args
+
+    assert scale_args(1.0) == (1.0, False, False)
+    assert scale_args(8.0) == (0.125, True, True)
+    assert scale_args(0.5) == (2.0, True, True)
+    assert scale_args(2.0**126) == (2.0**-126, True, True)
+    assert scale_args(3.0) == (3.0, True, False)
+    assert scale_args(2.0**127) == (2.0**127, True, False)
+    assert scale_args(0.1) == (0.1, True, False)
+
+
+def edge_values(device: str, n: int) -> torch.Tensor:
+    """Zeros of both signs, subnormals, the normal boundary, the largest values, Inf, NaN, then random data
+    spread over many exponents (so results land in the subnormal range and overflow too)."""
+    specials = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-40, -3e-39, 1.1754944e-38, -1.1754944e-38, 3.4e38,
+                             -3.4e38, float("inf"), float("-inf"), float("nan"), 1.0, -1.5, 3.0], device=device)
+    exps = torch.randint(-140, 128, (n,), device=device).float()
+    rand = torch.randn(n, device=device) * torch.exp2(exps)
+    return torch.cat([specials, rand])
+
+
+def _check_divide_edges_exact(device: str, n: int, factor: float) -> None:
+    from shardfuse.kernels.chunk_cat import chunk_cat, chunk_cat_ref
+
+    x = edge_values(device, n)
+    out = poisoned((x.numel() + 5,), torch.float32, device)
+    pre_divide_pad(x, out, factor)
+    assert_same(out[: x.numel()], true_div(x, factor))
+    parts = [x[:7], x[7:]]
+    out2 = poisoned((x.numel() + 5,), torch.float32, device)
+    pre_divide_pad(parts, out2, factor)
+    assert_same(out2, out)
+    for accumulate in (False, True):
+        base = edge_values(device, n)[: x.numel()]
+        got, ref = base.clone(), base.clone()
+        post_divide(x, got, factor, accumulate=accumulate)
+        post_divide_ref(x, ref, factor, accumulate=accumulate)
+        assert_same(got, ref)
+    rows = [x[: 6 * 5].view(6, 5), x[30:]]
+    assert_same(chunk_cat(rows, 2, factor=factor), chunk_cat_ref(rows, 2, factor=factor))
+
+
+@pytest.mark.parametrize("factor", EDGE_FACTORS, ids=lambda f: f"f{f:g}")
+def test_divide_edge_values_exact(factor):
+    _check_divide_edges_exact(DEVICE, 301, factor)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("factor", EDGE_FACTORS, ids=lambda f: f"f{f:g}")
+def test_gpu_divide_edge_values_exact(factor):
+    _check_divide_edges_exact("cuda", (1 << 20) + 3, factor)
