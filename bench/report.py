@@ -63,6 +63,9 @@ OFFLOAD_ORDER = (
     "shardfuse_opt_in_bwd",
     "shardfuse_bf16_opt_in_bwd",
     "shardfuse_keep_acts_opt_in_bwd",
+    "shardfuse_offload_acts",
+    "shardfuse_offload_acts_opt_in_bwd",
+    "shardfuse_offload_acts_opt_in_bwd_4sl",
     "fairscale",
     "fsdp2_cpu_offload",
 )
@@ -74,6 +77,11 @@ OFFLOAD_LABEL = {
     "shardfuse_opt_in_bwd": "shardfuse `OffloadModel`, `optimizer_in_backward`",
     "shardfuse_bf16_opt_in_bwd": "shardfuse `OffloadModel`, bf16 + `optimizer_in_backward`",
     "shardfuse_keep_acts_opt_in_bwd": "shardfuse `OffloadModel`, no checkpointing + `optimizer_in_backward`",
+    "shardfuse_offload_acts": "shardfuse `OffloadModel`, `offload_activations` (8 slices)",
+    "shardfuse_offload_acts_opt_in_bwd": "shardfuse `OffloadModel`, `offload_activations` + `optimizer_in_backward` "
+    "(8 slices)",
+    "shardfuse_offload_acts_opt_in_bwd_4sl": "shardfuse `OffloadModel`, `offload_activations` + "
+    "`optimizer_in_backward` (4 slices)",
     "fairscale": "FairScale `OffloadModel`",
     "fsdp2_cpu_offload": "FSDP2 `fully_shard` + `CPUOffloadPolicy`",
 }
