@@ -11,6 +11,11 @@ block-start prefix sums, numels, the strided tensor's address, the offset into t
 four coalesced sizes/strides, then the owning segment of every program (one load, no search). Launch plans
 (tables included) are cached per set of tensors: the FSDP data path repeats the same call every step.
 
+Transposed matrices (``w.t()``, or a batch of them: the unit-stride dim is the next-to-last one) move in
+TILE x TILE tiles rather than in flat order, which would touch one element per memory line on the strided
+side: a tile is read down its unit-stride rows and written along its flat rows (or the reverse, in
+``unflatten_into``), and Triton transposes it in shared memory between the two.
+
 Layout: ``@triton.jit`` kernels, launchers (``padded_numel``, ``flatten_pad``, ``unflatten_into``),
 references (``*_ref``).
 """
@@ -49,12 +54,14 @@ __all__ = ["padded_numel", "flatten_pad", "unflatten_into", "flatten_pad_ref", "
 _NUM_WARPS = 8  # BLOCK_SIZE=4096 over 256 threads: 16 elements each, several 16-byte vectors in flight
 _MIN_BLOCK = 512  # smallest block, for launches of tiny tensors
 _MAX_DIMS = 4  # strided tensors with more dims after coalescing are made contiguous first
+_TILE = 64  # tiles of 64 x 64: 16 KiB of fp32 through shared memory, 16 elements per thread at 8 warps
+_MIN_TILE_SIDE = 16  # thinner transposed matrices keep the flat-order path: a tile would be mostly masked
 
 _DTYPE = operator.attrgetter("dtype")
 _SHAPE = operator.attrgetter("shape")
 
 # Segment kinds in the table.
-_CONTIGUOUS, _STRIDED, _ZERO = 0, 1, 2
+_CONTIGUOUS, _STRIDED, _ZERO, _TILED = 0, 1, 2, 3
 # Table columns after the T + 1 block starts, each T long.
 _COLUMNS = ("numel", "kind", "addr", "flat_off", "size1", "size2", "size3", "stride0", "stride1", "stride2", "stride3")
 assert len(_COLUMNS) == 11, "_flat_segments_kernel finds the owner column at 12 * num_segs"
@@ -85,13 +92,36 @@ def _move_block(other, other_offs, flat, offs, n, FLAT_IS_DST: tl.constexpr, MAS
 
 
 @triton.jit
+def _move_tile(other, flat, tile, rows, cols, stride_b, stride_c, FLAT_IS_DST: tl.constexpr, TILE: tl.constexpr):
+    # Tile ``tile`` of a batch of rows x cols matrices whose rows are the unit-stride dim (row r, column c
+    # of matrix b at other[b * stride_b + r + c * stride_c], flat[(b * rows + r) * cols + c]). The strided
+    # side is addressed with r along the tile's first axis and the flat side with c along its second, so
+    # both are accessed in full lines; Triton converts between the two layouts through shared memory.
+    tiles_c = tl.cdiv(cols, TILE)
+    per_matrix = tl.cdiv(rows, TILE) * tiles_c
+    b = tile // per_matrix
+    t = tile - b * per_matrix
+    r = (t // tiles_c) * TILE + tl.arange(0, TILE)
+    c = (t % tiles_c) * TILE + tl.arange(0, TILE)
+    mask = (r < rows)[:, None] & (c < cols)[None, :]
+    strided = other + b * stride_b + r[:, None] + c[None, :] * stride_c
+    row_major = flat + b * rows * cols + r[:, None] * cols + c[None, :]
+    if FLAT_IS_DST:
+        x = tl.load(strided, mask=mask)
+        tl.store(row_major, x.to(flat.dtype.element_ty), mask=mask)
+    else:
+        x = tl.load(row_major, mask=mask)
+        tl.store(strided, x.to(other.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _flat_segments_kernel(table, num_segs, flat_ptr, other_like, FLAT_IS_DST: tl.constexpr, STRIDED: tl.constexpr,
-                          ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+                          TILED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
     """Copy/cast between one flat buffer and T segments (tensors, or the zero padding).
 
     ``table`` (int64): block starts [T], then T-long columns numel, kind, addr, flat_off, size1..3,
     stride0..3 (see ``_COLUMNS``), then the owning segment of every program. ``other_like`` is only there
-    for the strided side's element type.
+    for the strided side's element type. A tiled segment's programs are its TILE x TILE tiles, not blocks.
     """
     pid = tl.program_id(0).to(tl.int64)  # int64 before any multiply: flat buffers can pass 2^31 elements
     seg = tl.load(table + 12 * num_segs + pid)  # owners follow starts + 11 columns; one load, no search
@@ -126,6 +156,11 @@ def _flat_segments_kernel(table, num_segs, flat_ptr, other_like, FLAT_IS_DST: tl
             other_offs = (i0 * tl.load(col + 7 * num_segs) + i1 * tl.load(col + 8 * num_segs)
                           + i2 * tl.load(col + 9 * num_segs) + i3 * tl.load(col + 10 * num_segs))
             _move_block(other, other_offs, flat, offs, n, FLAT_IS_DST, True)
+    elif kind == 3:
+        if TILED:
+            # Sizes [1, batch, rows, cols], strides [0, stride_b, 1, stride_c].
+            _move_tile(other, flat, block, tl.load(col + 5 * num_segs), tl.load(col + 6 * num_segs),
+                       tl.load(col + 8 * num_segs), tl.load(col + 10 * num_segs), FLAT_IS_DST, TILE)
     else:  # the zero padding tail (only in flatten launches)
         if FLAT_IS_DST:
             tl.store(flat + offs, tl.zeros([BLOCK], dtype=flat_ptr.dtype.element_ty), mask=offs < n)
@@ -180,6 +215,7 @@ class _Launch(NamedTuple):
     num_segs: int
     like: int  # index of a tensor of this launch's dtype in the launcher's list (types its addresses)
     strided: bool
+    tiled: bool  # compiles the tile branch, which takes up to 16 KiB of shared memory per program
     aligned: bool  # every contiguous segment 16-byte aligned, given a 16-byte aligned flat buffer
     block: int
     num_warps: int
@@ -199,6 +235,7 @@ class _Segments:
         self.cols: list[list[int]] = [[] for _ in _COLUMNS]
         self.like = like
         self.strided = False
+        self.tiled = False
 
     def __len__(self) -> int:
         return len(self.cols[0])
@@ -211,10 +248,14 @@ class _Segments:
         for col, value in zip(self.cols, row):
             col.append(value)
         self.strided |= kind == _STRIDED
+        self.tiled |= kind == _TILED
 
     def add_tensor(self, t: torch.Tensor, flat_off: int, sizes: list[int], strides: list[int]) -> None:
         if not sizes or (len(sizes) == 1 and strides[0] == 1):
             self.add(_CONTIGUOUS, t.data_ptr(), flat_off, t.numel(), [t.numel()], [1])
+        elif _is_transposed(sizes, strides):
+            pad = 3 - len(sizes)  # always [batch, rows, cols]: the kernel reads one set of slots
+            self.add(_TILED, t.data_ptr(), flat_off, t.numel(), [1] * pad + sizes, [0] * pad + strides)
         else:
             self.add(_STRIDED, t.data_ptr(), flat_off, t.numel(), sizes, strides)
 
@@ -222,7 +263,10 @@ class _Segments:
         numels, kinds, addrs, flat_offs = self.cols[:4]
         # Many tiny tensors: a smaller block wastes fewer masked lanes (one compile per power of two).
         block = min(BLOCK_SIZE, max(_MIN_BLOCK, 1 << (max(numels) - 1).bit_length()))
-        counts = [-(-k // block) for k in numels]
+        counts = [
+            _tile_count(*sizes) if kind == _TILED else -(-k // block)
+            for k, kind, *sizes in zip(numels, kinds, *self.cols[4:7])
+        ]
         # Vector hints only when every contiguous segment starts 16-byte aligned on both sides.
         aligned = all(
             a % 16 == 0 and (o * flat_element_size) % 16 == 0
@@ -230,8 +274,18 @@ class _Segments:
             if kind == _CONTIGUOUS
         )
         table = block_table([block_starts(counts), *self.cols], counts, device)  # one copy, no sync
-        return _Launch(sum(counts), table, len(self), self.like, self.strided, aligned, block,
+        return _Launch(sum(counts), table, len(self), self.like, self.strided, self.tiled, aligned, block,
                        _NUM_WARPS if block >= 2048 else 4)
+
+
+def _is_transposed(sizes: list[int], strides: list[int]) -> bool:
+    """A (batch of) matrices whose rows, not columns, are unit-stride after coalescing, and wide enough on
+    both sides to fill tiles: flat order would read (or write) it one element per memory line."""
+    return 2 <= len(sizes) <= 3 and strides[-2] == 1 and min(sizes[-2:]) >= _MIN_TILE_SIDE
+
+
+def _tile_count(batch: int, rows: int, cols: int) -> int:
+    return batch * -(-rows // _TILE) * -(-cols // _TILE)
 
 
 def _run(plan: _Plan, flat: torch.Tensor, others: list[torch.Tensor], flat_is_dst: bool) -> None:
@@ -240,7 +294,8 @@ def _run(plan: _Plan, flat: torch.Tensor, others: list[torch.Tensor], flat_is_ds
         for la in plan.launches:
             _flat_segments_kernel[(la.grid,)](
                 la.table, la.num_segs, flat, others[la.like], FLAT_IS_DST=flat_is_dst, STRIDED=la.strided,
-                ALIGNED=la.aligned and flat_aligned, BLOCK=la.block, num_warps=la.num_warps,
+                TILED=la.tiled, ALIGNED=la.aligned and flat_aligned, BLOCK=la.block, TILE=_TILE,
+                num_warps=la.num_warps,
             )
 
 

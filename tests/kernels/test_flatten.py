@@ -13,13 +13,15 @@ import torch.nn.functional as F
 
 from shardfuse.kernels._common import interpreting
 from shardfuse.kernels.flatten import (
+    _coalesce,
+    _is_transposed,
     flatten_pad,
     flatten_pad_ref,
     padded_numel,
     unflatten_into,
     unflatten_into_ref,
 )
-from tests.conftest import cuda_kernels, kernel_device, poisoned
+from tests.conftest import assert_same, cuda_kernels, kernel_device, poisoned
 
 DEVICE = kernel_device()
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -267,6 +269,99 @@ def test_unflatten_into_errors():
         unflatten_into(flat, [torch.empty(3, device="meta")])
 
 
+# ------------------------------------------------------------------ transposed matrices (tiled path)
+
+# Views whose unit-stride dim is not the last one, around the 64 x 64 tile's edges and the size below which
+# a matrix keeps the flat-order path. Each maker takes (empty-or-rand, dtype) so the same layouts serve as
+# sources and as destinations.
+TRANSPOSED = {
+    "7x13": lambda make, dt: make((7, 13), dt).t(),  # thinner than 16: the flat-order path
+    "1x5": lambda make, dt: make((1, 5), dt).t(),  # coalesces to contiguous
+    "16x16": lambda make, dt: make((16, 16), dt).t(),  # the smallest tiled matrix
+    "33x65": lambda make, dt: make((33, 65), dt).t(),  # 65 x 33: two tiles down, one across
+    "64x64": lambda make, dt: make((64, 64), dt).t(),  # exactly one tile
+    "67x131": lambda make, dt: make((67, 131), dt).t(),  # primes: ragged tiles on both edges
+    "sliced": lambda make, dt: make((70, 50), dt)[5:60, 3:40].t(),  # column stride 50 != 55 rows
+    "batched": lambda make, dt: make((3, 40, 17), dt).transpose(1, 2),  # 3 matrices of 17 x 40
+    "thin": lambda make, dt: make((130, 9), dt).t(),  # 9 rows: the flat-order path
+}
+
+
+def rand_shape(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return rand(*shape, dtype=dtype)
+
+
+def poisoned_shape(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return poisoned(shape, dtype, DEVICE)
+
+
+@pytest.mark.parametrize("name", list(TRANSPOSED), ids=str)
+def test_transposed_layouts_take_the_tiled_path(name):
+    # Guards the tests below: they must exercise the tile kernel, not only the flat-order path.
+    t = TRANSPOSED[name](rand_shape, torch.float32)
+    assert _is_transposed(*_coalesce(t)) == (name not in {"7x13", "1x5", "thin"})
+
+
+@pytest.mark.parametrize("cast", ["fp32->fp32", "fp32->bf16", "bf16->fp32", "fp16->bf16"], ids=str)
+@pytest.mark.parametrize("name", list(TRANSPOSED), ids=str)
+def test_flatten_pad_transposed_matches_ref(name, cast):
+    src, dst = cast.split("->")
+    # After an odd-sized tensor, so that the tiles land at an odd flat offset.
+    tensors = [rand(5, dtype=DTYPES[src]), TRANSPOSED[name](rand_shape, DTYPES[src])]
+    total = sum(t.numel() for t in tensors)
+    out = poisoned((padded_numel(total, 8),), DTYPES[dst], DEVICE)
+    flatten_pad(tensors, 8, out=out)
+    assert_same(out, flatten_pad_ref(tensors, 8, dtype=DTYPES[dst]))
+    assert_positive_zero(out[total:])
+
+
+@pytest.mark.parametrize("dst", list(DTYPES), ids=str)
+def test_flatten_pad_mixed_transposed_keeps_neighbours(dst):
+    tensors = [
+        rand(5, dtype=torch.float16),
+        TRANSPOSED["33x65"](rand_shape, torch.float32),
+        rand(6, 9)[::2, 1::2],  # strided, not transposed
+        TRANSPOSED["7x13"](rand_shape, torch.bfloat16),
+        TRANSPOSED["batched"](rand_shape, torch.float32),
+        rand(2, 3, 4, 5).permute(3, 1, 0, 2),
+        rand(131),
+        TRANSPOSED["67x131"](rand_shape, torch.float16),
+        TRANSPOSED["sliced"](rand_shape, torch.float32),  # last: a stray tile lane would hit the guard
+    ]
+    total = sum(t.numel() for t in tensors)
+    padded = padded_numel(total, 8)
+    buf = poisoned((padded + 4100,), DTYPES[dst], DEVICE)
+    out = buf[3 : 3 + padded]
+    flatten_pad(tensors, 8, out=out)
+    assert_same(out, flatten_pad_ref(tensors, 8, dtype=DTYPES[dst]))
+    assert_positive_zero(out[total:])
+    assert buf[:3].isnan().all() and buf[3 + padded :].isnan().all(), "guard elements were overwritten"
+
+
+def transposed_destinations(dtypes: list[torch.dtype]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Poisoned transposed outputs, and the bigger buffers the first and last are windows of (a tile lane
+    past an edge would write outside the window)."""
+    bases = [poisoned((70, 50), dtypes[0], DEVICE), poisoned((70, 50), dtypes[-1], DEVICE)]
+    names = ["batched", "64x64", "7x13", "67x131", "33x65"]
+    middle = [TRANSPOSED[n](poisoned_shape, dtypes[i % len(dtypes)]) for i, n in enumerate(names)]
+    return [bases[0][5:60, 3:40].t(), *middle, bases[1][:, 1:46].t()], bases
+
+
+@pytest.mark.parametrize("out_dtypes", [["fp32"], ["bf16", "fp16", "fp32"]], ids="+".join)
+@pytest.mark.parametrize("src", ["fp32", "bf16"], ids=str)
+def test_unflatten_into_transposed_keeps_neighbours(src, out_dtypes):
+    dtypes = [DTYPES[d] for d in out_dtypes]
+    outs, bases = transposed_destinations(dtypes)
+    flat = rand(sum(o.numel() for o in outs) + 7, dtype=DTYPES[src])  # + padding that must be ignored
+    unflatten_into(flat, outs)
+    for o, r in zip(outs, unflatten_into_ref(flat, transposed_destinations(dtypes)[0])):
+        assert_same(o, r)
+    for base, window in zip(bases, [(slice(5, 60), slice(3, 40)), (slice(None), slice(1, 46))]):
+        outside = torch.ones(base.shape, dtype=torch.bool, device=DEVICE)
+        outside[window] = False
+        assert base[outside].isnan().all(), "elements outside the transposed window were written"
+
+
 # ------------------------------------------------------------------ GPU only
 
 
@@ -328,6 +423,23 @@ def test_gpu_flatten_pad_5000_tensors_one_launch():
     names = cuda_kernels(lambda: flatten_pad(tensors, 8, out=out))
     assert len(names) == 1 and "_flat_segments_kernel" in names[0], names
     assert_bits(out, cat_pad(tensors, 8, torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_gpu_flatten_pad_transposed_past_2_pow_31():
+    # One transposed fp16 matrix of more than 2^31 elements: every tile offset must be int64.
+    rows, cols = (1 << 16) + 1, (1 << 15) + 3
+    need = 4 * rows * cols * 2 + (1 << 30)  # input, flat buffer, a contiguous copy, an unflatten target
+    if torch.cuda.mem_get_info()[0] < need:
+        pytest.skip(f"needs {need / 2**30:.1f} GiB of free GPU memory")
+    w = torch.randn(rows, cols, dtype=torch.float16, device="cuda")
+    flat = flatten_pad([w.t()], 8)
+    assert flat.numel() == padded_numel(rows * cols, 8) > 1 << 31
+    assert torch.equal(flat[: rows * cols], w.t().contiguous().view(-1)), "the flat buffer differs"
+    assert_positive_zero(flat[rows * cols :])
+    back = torch.empty(rows, cols, dtype=torch.float16, device="cuda")
+    unflatten_into(flat, [back.t()])  # the same transposed layout as the source
+    assert torch.equal(back, w)
 
 
 @pytest.mark.gpu
