@@ -385,9 +385,11 @@ def post_divide(src: torch.Tensor, out: torch.Tensor, factor: float, *, accumula
             return out
         kernel_factor, divide, multiply = scale_args(factor)
         with device_guard(out.device):
+            # No FMA contraction: out + x * (1 / factor) must round twice, as out + x / factor does (an FMA
+            # rounds once: seen differing on H200 in the subnormal range and where x * (1 / factor) overflows).
             _post_divide_kernel[(-(-n // BLOCK_SIZE),)](
                 src, out, n, kernel_factor, DIVIDE=divide, MULTIPLY=multiply, ACCUMULATE=bool(accumulate),
-                BLOCK=BLOCK_SIZE, num_warps=_NUM_WARPS,
+                BLOCK=BLOCK_SIZE, num_warps=_NUM_WARPS, enable_fp_fusion=False,
             )
         return out
 
