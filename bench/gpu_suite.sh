@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: the GPU tests and the benchmarks, logs and JSON under $OUT, a short table last.
 #
-#   bash bench/gpu_suite.sh [stage ...]     stages: env tests kernels kernels-pb offload e2e overlap train (default: all that fit)
+#   bash bench/gpu_suite.sh [stage ...]     stages: env tests kernels kernels-pb tile-sweep offload e2e overlap train (default: all that fit)
 #
 # Every step runs under `timeout` so a hang cannot eat the lease; a failed step is reported and the
 # suite goes on. Multi-GPU steps issue the same collectives on every rank (fixed step counts).
@@ -51,6 +51,8 @@ for stage in "${STAGES[@]}"; do
     kernels-pb)
       step kernels-pb 240 python3 -m pytest -q -p no:cacheprovider bench/kernels/test_bench_kernels.py \
         --benchmark-enable --benchmark-json="$OUT/kernels-pytest-benchmark.json" ;;
+    tile-sweep)
+      step tile-sweep 120 python3 bench/kernels/sweep_flatten_tile.py ;;
     offload)
       step offload 300 python3 bench/offload/run.py ${OFFLOAD_ARGS:-} ;;
     e2e)
