@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python examples/train.py` from anywhere
 
 from examples.llama import DecoderLayer, Llama, LlamaConfig, count_params, next_token_loss  # noqa: E402
-from shardfuse.sharding.wrap import ModuleClassWrapPolicy, auto_wrap, enable_wrap, wrap  # noqa: E402
+from shardfuse.sharding._wrap import ModuleClassWrapPolicy, auto_wrap, enable_wrap, wrap  # noqa: E402
 
 # (loss, parameter) tolerances of the parity check; see the module docstring for why they differ.
 TOL_FP32 = (1e-5, 1e-5)
@@ -48,7 +48,7 @@ def fsdp_class() -> type[torch.nn.Module]:
     try:
         from shardfuse import FullyShardedDataParallel
     except ImportError:
-        from shardfuse.sharding.fully_sharded import FullyShardedDataParallel
+        from shardfuse.sharding._fully_sharded import FullyShardedDataParallel
     return FullyShardedDataParallel
 
 

@@ -108,7 +108,7 @@ def shardfuse_fsdp() -> type[nn.Module]:
     try:
         from shardfuse import FullyShardedDataParallel
     except ImportError:
-        from shardfuse.sharding.fully_sharded import FullyShardedDataParallel
+        from shardfuse.sharding._fully_sharded import FullyShardedDataParallel
     return FullyShardedDataParallel
 
 
@@ -128,7 +128,7 @@ def unavailable_reason(impl: str) -> str | None:
 
 def wrap_shardfuse(model: Llama, device: torch.device) -> nn.Module:
     """Each decoder layer, then the root, in shardfuse's FSDP (bf16 compute, fp32 reduce-scatter)."""
-    from shardfuse.sharding.wrap import ModuleClassWrapPolicy, auto_wrap, enable_wrap, wrap
+    from shardfuse.sharding._wrap import ModuleClassWrapPolicy, auto_wrap, enable_wrap, wrap
 
     kwargs = dict(mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True)
     with enable_wrap(wrapper_cls=shardfuse_fsdp(), **kwargs):

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from bench.kernels.cases import KernelCase
-from shardfuse.kernels.cast import cast_shard, cast_shards
+from shardfuse.kernels._cast import cast_shard, cast_shards
 
 FAMILY = "shard_cast"
 NUM_PARAMS = 16  # per-parameter shards in one FSDP unit's flat shard

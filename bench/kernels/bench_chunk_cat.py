@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import torch
 
 from bench.kernels.cases import KernelCase
-from shardfuse.kernels.chunk_cat import chunk_cat
-from shardfuse.kernels.grad_divide import gradient_divide_factors
+from shardfuse.kernels._chunk_cat import chunk_cat
+from shardfuse.kernels._grad_divide import gradient_divide_factors
 
 WORLD_SIZE = 8
 PRE, _ = gradient_divide_factors(WORLD_SIZE)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from bench.kernels.cases import KernelCase
-from shardfuse.kernels.concat import concat_microbatches
+from shardfuse.kernels._concat import concat_microbatches
 
 NUM_MICROBATCHES = 4
 HIDDEN = 2048

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.kernels.cases import KernelCase
-from shardfuse.kernels.flatten import flatten_pad, padded_numel, unflatten_into
+from shardfuse.kernels._flatten import flatten_pad, padded_numel, unflatten_into
 
 FAMILY = "flatten_pad"
 NUM_PARAMS = 16

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.kernels.cases import KernelCase
-from shardfuse.kernels.grad_divide import gradient_divide_factors, post_divide, pre_divide_pad
+from shardfuse.kernels._grad_divide import gradient_divide_factors, post_divide, pre_divide_pad
 
 WORLD_SIZE = 8
 PRE, POST = gradient_divide_factors(WORLD_SIZE)

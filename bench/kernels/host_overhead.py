@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import importlib  # noqa: E402
 
-# By module path: ``shardfuse.kernels.chunk_cat`` the attribute is the function, not the module.
+# By module path: ``shardfuse.kernels._chunk_cat`` the attribute is the function, not the module.
 cast, chunk_cat, concat, flatten, grad_divide = (
-    importlib.import_module(f"shardfuse.kernels.{m}") for m in ("cast", "chunk_cat", "concat", "flatten", "grad_divide")
+    importlib.import_module(f"shardfuse.kernels._{m}") for m in ("cast", "chunk_cat", "concat", "flatten", "grad_divide")
 )
 
 KERNELS = {

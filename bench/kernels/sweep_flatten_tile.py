@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD python bench/kernels/sweep_flatten_tile.py [--size 64M]
 
 Prints GB/s and % of the device copy bandwidth for each (tile, warps) pair; the library's setting is
-``shardfuse.kernels.flatten._TILE`` with ``_NUM_WARPS`` warps.
+``shardfuse.kernels._flatten._TILE`` with ``_NUM_WARPS`` warps.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.kernels.bench_flatten import WORLD_SIZE, param_shapes  # noqa: E402
 from bench.kernels.run import parse_size, time_ms  # noqa: E402
-from shardfuse.kernels import flatten  # noqa: E402
+from shardfuse.kernels import _flatten as flatten  # noqa: E402
 from shardfuse.kernels._common import clear_plan_caches  # noqa: E402
 
 

@@ -4,11 +4,11 @@ Importable on their own: nothing here knows about process groups. CUDA tensors t
 tensors take the reference unless Triton's interpreter is on (``TRITON_INTERPRET=1``).
 """
 
-from shardfuse.kernels.cast import cast_shard, cast_shard_ref, cast_shards, cast_shards_ref
-from shardfuse.kernels.chunk_cat import chunk_cat, chunk_cat_ref
-from shardfuse.kernels.concat import concat_microbatches, concat_microbatches_ref, split_microbatches
-from shardfuse.kernels.flatten import flatten_pad, flatten_pad_ref, padded_numel, unflatten_into, unflatten_into_ref
-from shardfuse.kernels.grad_divide import (
+from shardfuse.kernels._cast import cast_shard, cast_shard_ref, cast_shards, cast_shards_ref
+from shardfuse.kernels._chunk_cat import chunk_cat, chunk_cat_ref
+from shardfuse.kernels._concat import concat_microbatches, concat_microbatches_ref, split_microbatches
+from shardfuse.kernels._flatten import flatten_pad, flatten_pad_ref, padded_numel, unflatten_into, unflatten_into_ref
+from shardfuse.kernels._grad_divide import (
     gradient_divide_factors,
     post_divide,
     post_divide_ref,

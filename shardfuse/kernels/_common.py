@@ -18,8 +18,6 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-from torch.autograd import _profiler_enabled
-from torch.profiler import record_function
 
 # Dtypes the kernels read and write. Integer and complex tensors are rejected with a clear error.
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
@@ -135,11 +133,6 @@ def block_starts(block_counts: Sequence[int]) -> list[int]:
 
 
 _NULL_CONTEXT = contextlib.nullcontext()
-
-
-def profiled(name: str):
-    """``record_function(name)`` while a profiler runs; a no-op context (no dispatcher call) otherwise."""
-    return record_function(name) if _profiler_enabled() else _NULL_CONTEXT
 
 
 def device_guard(device: torch.device):

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardfuse.kernels._common import profiled
+from shardfuse._profiling import profiled
 from shardfuse.offload._slices import Slice
 
 logger = logging.getLogger(__name__)

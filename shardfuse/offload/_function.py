@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from shardfuse.kernels._common import profiled
-from shardfuse.kernels.concat import concat_microbatches, split_microbatches
+from shardfuse._profiling import profiled
+from shardfuse.kernels._concat import concat_microbatches, split_microbatches
 
 logger = logging.getLogger(__name__)
 

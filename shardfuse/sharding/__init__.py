@@ -1,8 +1,8 @@
 """The sharding layer: ``FullyShardedDataParallel`` on flat shards, side streams and shardfuse kernels."""
 
+from shardfuse.sharding._fully_sharded import FullyShardedDataParallel
 from shardfuse.sharding._state import TrainingState
-from shardfuse.sharding.fully_sharded import FullyShardedDataParallel
-from shardfuse.sharding.wrap import (
+from shardfuse.sharding._wrap import (
     ModuleClassWrapPolicy,
     auto_wrap,
     config_auto_wrap_policy,

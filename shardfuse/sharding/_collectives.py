@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardfuse.kernels._common import profiled
+from shardfuse._profiling import profiled
 
 logger = logging.getLogger(__name__)
 

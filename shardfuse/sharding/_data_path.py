@@ -10,24 +10,23 @@ from collections.abc import Sequence
 
 import torch
 
-from shardfuse.kernels.cast import cast_shard
-from shardfuse.kernels.flatten import flatten_pad, padded_numel, unflatten_into
-from shardfuse.kernels.grad_divide import gradient_divide_factors, post_divide, pre_divide_pad
+from shardfuse.kernels import (
+    cast_shard,
+    flatten_pad,
+    gradient_divide_factors,
+    post_divide,
+    pre_divide_pad,
+    unflatten_into,
+)
 
 __all__ = [
     "cast_into",
     "default_divide_factors",
     "flatten_padded",
-    "padded_size",
     "reduce_input",
     "reduce_output",
     "unflatten",
 ]
-
-
-def padded_size(numel: int, world_size: int) -> int:
-    """Length of a flat buffer of ``numel`` elements padded to a multiple of ``world_size``."""
-    return padded_numel(numel, world_size)
 
 
 def flatten_padded(tensors: Sequence[torch.Tensor], world_size: int, dtype: torch.dtype) -> torch.Tensor:

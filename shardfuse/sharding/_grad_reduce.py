@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardfuse.kernels._common import profiled
+from shardfuse._profiling import profiled
+from shardfuse._streams import Streams, record_event, use_stream, wait_event, wait_stream
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding import _data_path as dp
-from shardfuse.sharding._streams import Streams, record_event, use_stream, wait_event, wait_stream
-from shardfuse.sharding.flat_param import FlatParamHandle
+from shardfuse.sharding._flat_param import FlatParamHandle
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardfuse.kernels._cast import cast_shard, cast_shard_ref, cast_shards, cast_shards_ref
 from shardfuse.kernels._common import interpreting
-from shardfuse.kernels.cast import cast_shard, cast_shard_ref, cast_shards, cast_shards_ref
 from tests.conftest import cuda_kernels, kernel_device, poisoned
 
 DEVICE = kernel_device()

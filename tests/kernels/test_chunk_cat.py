@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardfuse.kernels.chunk_cat import chunk_cat, chunk_cat_ref
+from shardfuse.kernels._chunk_cat import chunk_cat, chunk_cat_ref
 from tests.conftest import assert_same, cuda_kernels, kernel_device, poisoned
 
 DEVICE = kernel_device()

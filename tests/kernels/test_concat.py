@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardfuse.kernels import concat as concat_module
-from shardfuse.kernels.concat import concat_microbatches, concat_microbatches_ref, split_microbatches
+from shardfuse.kernels import _concat as concat_module
+from shardfuse.kernels._concat import concat_microbatches, concat_microbatches_ref, split_microbatches
 from tests.conftest import cuda_kernels, kernel_device, poisoned
 
 DEVICE = kernel_device()

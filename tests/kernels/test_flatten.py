@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from shardfuse.kernels._common import interpreting
-from shardfuse.kernels.flatten import (
+from shardfuse.kernels._flatten import (
     _coalesce,
     _is_transposed,
     flatten_pad,

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardfuse.kernels.grad_divide import (
+from shardfuse.kernels._grad_divide import (
     gradient_divide_factors,
     post_divide,
     post_divide_ref,
@@ -323,7 +323,7 @@ def edge_values(device: str, n: int) -> torch.Tensor:
 
 
 def _check_divide_edges_exact(device: str, n: int, factor: float) -> None:
-    from shardfuse.kernels.chunk_cat import chunk_cat, chunk_cat_ref
+    from shardfuse.kernels._chunk_cat import chunk_cat, chunk_cat_ref
 
     x = edge_values(device, n)
     out = poisoned((x.numel() + 5,), torch.float32, device)

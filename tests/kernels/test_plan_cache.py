@@ -20,8 +20,8 @@ from shardfuse.kernels._common import clear_plan_caches, interpreting
 from tests.conftest import kernel_device, poisoned
 
 DEVICE = kernel_device()
-# By module path: shardfuse.kernels.chunk_cat the attribute is the function, not the module.
-MODULES = {m: importlib.import_module(f"shardfuse.kernels.{m}") for m in ("cast", "chunk_cat", "concat", "flatten",
+# By module path: shardfuse.kernels._chunk_cat the attribute is the function, not the module.
+MODULES = {m: importlib.import_module(f"shardfuse.kernels._{m}") for m in ("cast", "chunk_cat", "concat", "flatten",
                                                                           "grad_divide")}
 cast, chunk_cat, concat, flatten, grad_divide = MODULES.values()
 

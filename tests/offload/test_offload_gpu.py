@@ -47,7 +47,7 @@ MODES = {
 @pytest.fixture
 def park_small(monkeypatch):
     # the parity tests' activations are small: park them all, as the benchmark's large ones are
-    from shardfuse.offload import model as offload_model
+    from shardfuse.offload import _model as offload_model
 
     monkeypatch.setattr(offload_model, "MIN_OFFLOAD_BYTES", 0)
 

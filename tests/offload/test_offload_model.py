@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from shardfuse.offload import OffloadModel, _engine
-from shardfuse.offload import model as offload_model
+from shardfuse.offload import _model as offload_model
 from shardfuse.offload._function import microbatch_sizes
 
 
@@ -624,7 +624,7 @@ def test_checkpoint_forward_keeps_no_boundary_activation(monkeypatch):
     import gc
     import weakref
 
-    from shardfuse.offload import model as offload_model
+    from shardfuse.offload import _model as offload_model
 
     monkeypatch.setattr(_engine.Engine, "stash", lambda self, t: t.detach().clone())
     seen: list[weakref.ref] = []

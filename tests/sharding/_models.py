@@ -109,7 +109,7 @@ def loss_fn(model: nn.Module, ids: torch.Tensor, target: torch.Tensor, step: int
 
 
 def divide_factors(world_size: int, cfg: dict[str, Any]) -> tuple[float, float]:
-    from shardfuse.kernels.grad_divide import gradient_divide_factors
+    from shardfuse.kernels._grad_divide import gradient_divide_factors
 
     if cfg.get("gradient_predivide_factor"):
         pre = float(cfg["gradient_predivide_factor"])

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardfuse.sharding.wrap import (
+from shardfuse.sharding._wrap import (
     ModuleClassWrapPolicy,
     auto_wrap,
     config_auto_wrap_policy,
@@ -317,7 +317,7 @@ def test_bad_arguments_raise():
 
 
 def test_default_wrapper_is_shardfuse_fsdp():
-    fsdp = pytest.importorskip("shardfuse.sharding.fully_sharded")
-    wrap_mod = importlib.import_module("shardfuse.sharding.wrap")  # the package may re-export wrap() by name
+    fsdp = pytest.importorskip("shardfuse.sharding._fully_sharded")
+    wrap_mod = importlib.import_module("shardfuse.sharding._wrap")  # the package may re-export wrap() by name
     with enable_wrap():
         assert wrap_mod._CONFIG.get().wrapper_cls is fsdp.FullyShardedDataParallel

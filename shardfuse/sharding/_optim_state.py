@@ -17,11 +17,11 @@ import torch
 
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding import _data_path as dp
-from shardfuse.sharding.state_dict import _check_idle
+from shardfuse.sharding._state_dict import _check_idle
 
 if TYPE_CHECKING:
-    from shardfuse.sharding.flat_param import FlatParamHandle
-    from shardfuse.sharding.fully_sharded import FullyShardedDataParallel
+    from shardfuse.sharding._flat_param import FlatParamHandle
+    from shardfuse.sharding._fully_sharded import FullyShardedDataParallel
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ _META_KEY = "shardfuse"
 
 def _flat_layout(root: FullyShardedDataParallel) -> list[tuple[Any, FlatParamHandle, list[int], list[str]]]:
     """(unit, handle, original indices, original names) for every flat parameter of the tree, in order."""
-    from shardfuse.sharding.state_dict import _walk
+    from shardfuse.sharding._state_dict import _walk
 
     names: dict[tuple[int, int, int], str] = {}
     for kind, key, _, info in _walk(root, "", None):

@@ -25,13 +25,13 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from shardfuse.kernels._common import profiled
+from shardfuse._profiling import profiled
+from shardfuse._streams import Streams, wait_stream
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding import _data_path as dp
+from shardfuse.sharding._flat_param import FLATTENED_MARK, FlatParamHandle, ParamSlot, iter_own_modules
 from shardfuse.sharding._grad_reduce import PendingFrees, ReduceConfig, finish_host_grads, reduce_grad
 from shardfuse.sharding._state import TrainingState, check_state
-from shardfuse.sharding._streams import Streams, wait_stream
-from shardfuse.sharding.flat_param import FLATTENED_MARK, FlatParamHandle, ParamSlot, iter_own_modules
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class FullyShardedDataParallel(nn.Module):
     """Shard a module's parameters, gradients and optimizer state across data-parallel ranks (ZeRO-3).
 
     Drop-in for ``fairscale.nn.FullyShardedDataParallel`` 0.4.13. Wrap inner blocks first (or use
-    ``shardfuse.sharding.wrap``), then the whole model; build the optimizer on ``model.parameters()``,
+    ``shardfuse.sharding._wrap``), then the whole model; build the optimizer on ``model.parameters()``,
     which are the sharded flat parameters. Parameters must be initialised identically on every rank.
 
     Args:
@@ -938,7 +938,7 @@ class FullyShardedDataParallel(nn.Module):
 
         With ``state_dict_on_rank_0_only`` only rank 0 gets the tensors (others ``{}``); every rank must call.
         """
-        from shardfuse.sharding.state_dict import full_state_dict
+        from shardfuse.sharding._state_dict import full_state_dict
 
         if args:  # legacy positional form state_dict(destination, prefix, keep_vars)
             destination = args[0]
@@ -953,7 +953,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> NamedTuple:
         """Load a full state dict (original names, e.g. from an unwrapped model); every rank must call."""
-        from shardfuse.sharding.state_dict import load_full_state_dict
+        from shardfuse.sharding._state_dict import load_full_state_dict
 
         if assign:
             raise NotImplementedError("load_state_dict(assign=True) is not supported: parameters are flat shards")
@@ -963,14 +963,14 @@ class FullyShardedDataParallel(nn.Module):
 
     def local_state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """This rank's shards and the buffers, under the wrapper's own parameter names (flat_param_i)."""
-        from shardfuse.sharding.state_dict import local_state_dict
+        from shardfuse.sharding._state_dict import local_state_dict
 
         with profiled("shardfuse.sharding:local_state_dict"):
             return local_state_dict(self)
 
     def load_local_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> NamedTuple:
         """Load a dict from :meth:`local_state_dict` saved with the same world size and wrapping."""
-        from shardfuse.sharding.state_dict import load_local_state_dict
+        from shardfuse.sharding._state_dict import load_local_state_dict
 
         with profiled("shardfuse.sharding:load_local_state_dict"):
             missing, unexpected = load_local_state_dict(self, state_dict, strict)
@@ -985,7 +985,7 @@ class FullyShardedDataParallel(nn.Module):
         get ``None``. Per-element state (``exp_avg``, ``momentum_buffer``...) is gathered and unflattened;
         scalars (``step``) are copied per parameter.
         """
-        from shardfuse.sharding.optim_state import gather_full_optim_state_dict
+        from shardfuse.sharding._optim_state import gather_full_optim_state_dict
 
         if ignored:
             raise TypeError(f"gather_full_optim_state_dict got unsupported arguments {sorted(ignored)}")
@@ -994,7 +994,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def get_shard_from_optim_state_dict(self, full_optim_state_dict: dict[str, Any]) -> dict[str, Any]:
         """This rank's optimizer state dict (for ``optim.load_state_dict``) from a consolidated one."""
-        from shardfuse.sharding.optim_state import get_shard_from_optim_state_dict
+        from shardfuse.sharding._optim_state import get_shard_from_optim_state_dict
 
         with profiled("shardfuse.sharding:get_shard_from_optim_state_dict"):
             return get_shard_from_optim_state_dict(self, full_optim_state_dict)

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from shardfuse._streams import wait_stream
 from shardfuse.sharding import _data_path as dp
 from shardfuse.sharding._state import TrainingState, check_state
-from shardfuse.sharding._streams import wait_stream
 
 if TYPE_CHECKING:
-    from shardfuse.sharding.fully_sharded import FullyShardedDataParallel
+    from shardfuse.sharding._fully_sharded import FullyShardedDataParallel
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def _walk(module: nn.Module, prefix: str, owner: Any) -> Iterator[tuple[str, str
     kind "param": info = (owner unit, handle index, unique index); "buffer": info = (owner, buffer name);
     "extra": the module's extra state.
     """
-    from shardfuse.sharding.fully_sharded import FullyShardedDataParallel
+    from shardfuse.sharding._fully_sharded import FullyShardedDataParallel
 
     if isinstance(module, FullyShardedDataParallel):
         owner = module

@@ -29,7 +29,7 @@ from typing import Any
 
 from torch import nn
 
-from shardfuse.kernels._common import profiled
+from shardfuse._profiling import profiled
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ EXCLUDE_WRAP_MODULES: frozenset[type[nn.Module]] = frozenset({nn.ModuleList, nn.
 # not descend into them nor wrap them alone: their parameters stay in the enclosing unit.
 FORCE_LEAF_MODULES: frozenset[type[nn.Module]] = frozenset({nn.MultiheadAttention})
 
-_FSDP_MODULE = "shardfuse.sharding.fully_sharded"
+_FSDP_MODULE = "shardfuse.sharding._fully_sharded"
 
 
 def size_based_auto_wrap_policy(
@@ -184,7 +184,7 @@ _CONFIG: ContextVar[_WrapConfig | None] = ContextVar("shardfuse_wrap_config", de
 
 def _default_wrapper_cls() -> type[nn.Module]:
     # Imported here, not at module import, so fully_sharded.py can import this module without a cycle.
-    from shardfuse.sharding.fully_sharded import FullyShardedDataParallel
+    from shardfuse.sharding._fully_sharded import FullyShardedDataParallel
 
     return FullyShardedDataParallel
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardfuse.kernels._common import profiled
+from shardfuse._profiling import profiled
+from shardfuse._streams import Streams, record_event, use_stream, wait_event, wait_stream
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding import _data_path as dp
-from shardfuse.sharding._streams import Streams, record_event, use_stream, wait_event, wait_stream
 
 logger = logging.getLogger(__name__)
 

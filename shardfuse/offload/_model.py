@@ -18,7 +18,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_map
 
-from shardfuse.kernels._common import profiled
+from shardfuse._profiling import profiled
 from shardfuse.offload._engine import Engine, GradBuffers, Loaded, Stashed, Step, make_optimizers
 from shardfuse.offload._function import BlockCall, Packed, apply_block
 from shardfuse.offload._slices import Slice, partition

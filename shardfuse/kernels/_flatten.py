@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from shardfuse._profiling import profiled
 from shardfuse.kernels._common import (
     BLOCK_SIZE,
     FLOAT_DTYPES,
@@ -42,7 +43,6 @@ from shardfuse.kernels._common import (
     check_same_device,
     device_guard,
     interpreting,
-    profiled,
     stream_key,
     use_triton,
 )

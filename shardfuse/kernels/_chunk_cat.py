@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from shardfuse._profiling import profiled
 from shardfuse.kernels._common import (
     BLOCK_SIZE,
     PlanCache,
@@ -36,7 +37,6 @@ from shardfuse.kernels._common import (
     check_same_device,
     device_guard,
     interpreting,
-    profiled,
     scale_args,
     stream_key,
     use_triton,
