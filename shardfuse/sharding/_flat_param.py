@@ -13,7 +13,6 @@ accumulator for ``full_param`` across several forward passes, and ``flat.grad`` 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -25,10 +24,11 @@ from shardfuse._streams import Streams, record_event, use_stream, wait_event, wa
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding import _data_path as dp
 
-logger = logging.getLogger(__name__)
-
 # Marks original parameters once they were flattened, to catch a Parameter shared across two units.
 FLATTENED_MARK = "_shardfuse_flattened_into"
+# The instance attribute that makes a module (the public wrapper) a unit: it holds the unit's runtime state.
+# Flattening stops at such modules; their own parameters belong to their unit.
+UNIT_ATTR = "_shardfuse_unit"
 
 
 @dataclass(frozen=True)
@@ -41,13 +41,13 @@ class ParamSlot:
     index: int
 
 
-def iter_own_modules(module: nn.Module, is_unit: type, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
-    """``(prefix, submodule)`` pairs of ``module``'s tree, not descending into nested ``is_unit`` instances."""
+def iter_own_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """``(prefix, submodule)`` pairs of ``module``'s tree, not descending into nested units (wrappers)."""
     yield prefix, module
     for name, child in module._modules.items():
-        if child is None or isinstance(child, is_unit):
+        if child is None or UNIT_ATTR in child.__dict__:
             continue
-        yield from iter_own_modules(child, is_unit, f"{prefix}{name}.")
+        yield from iter_own_modules(child, f"{prefix}{name}.")
 
 
 class FlatParamHandle:
@@ -222,3 +222,83 @@ class FlatParamHandle:
     def split_full(self, full: torch.Tensor) -> list[torch.Tensor]:
         """Views of an unpadded-or-padded full buffer shaped like the original parameters."""
         return [c.view(s) for c, s in zip(torch.split_with_sizes(full, self.split_sizes), self.shapes)]
+
+
+ParamTable = dict[int, list[tuple[str, int, int]]]
+"""id(module) -> ``(attr, handle index, unique index)`` of each parameter the module registered, in its order."""
+
+
+def flatten_own_params(
+    module: nn.Module,
+    *,
+    group: coll.ProcessGroup,
+    rank: int,
+    world_size: int,
+    move_params_to_cpu: bool,
+    compute_device: torch.device | None,
+) -> tuple[list[FlatParamHandle], ParamTable]:
+    """Flatten ``module``'s own parameters (not those of nested units) per (dtype, requires_grad) group.
+
+    The original ``nn.Parameter`` objects leave their modules' ``_parameters`` (marked with ``FLATTENED_MARK``);
+    the returned handles own the shards. Groups come in order of first appearance.
+    """
+    unique: dict[int, nn.Parameter] = {}
+    regs: list[tuple[str, nn.Module, str, nn.Parameter]] = []
+    order: dict[int, list[str]] = {}
+    for prefix, m in iter_own_modules(module):
+        for name, p in m._parameters.items():
+            if p is None:
+                continue
+            if getattr(p, FLATTENED_MARK, None) is not None:
+                raise ValueError(
+                    f"parameter {prefix}{name} is shared with a module already wrapped by another "
+                    f"FullyShardedDataParallel unit: parameters shared across units are not supported; wrap "
+                    f"the modules that share it in the same unit"
+                )
+            if not p.is_floating_point():
+                raise TypeError(
+                    f"parameter {prefix}{name} has dtype {p.dtype}; only floating-point parameters can be "
+                    f"sharded: register it as a buffer instead"
+                )
+            unique.setdefault(id(p), p)
+            regs.append((prefix, m, name, p))
+            order.setdefault(id(m), []).append(name)
+    devices = {p.device for p in unique.values()}
+    if len(devices) > 1:
+        where = sorted({f"{pre}{n}: {p.device}" for pre, _, n, p in regs})[:8]
+        raise ValueError(
+            f"parameters of {type(module).__name__} are on several devices ({sorted(map(str, devices))}, e.g. "
+            f"{where}): move the module to one device before wrapping"
+        )
+    param_device = next(iter(devices)) if devices else None
+    if (
+        compute_device is not None and not move_params_to_cpu
+        and param_device is not None and compute_device.type != param_device.type
+    ):
+        raise ValueError(
+            f"compute_device={compute_device} differs from the parameters' device {param_device}: move "
+            f"the module to {compute_device} before wrapping, or pass move_params_to_cpu=True"
+        )
+    groups: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
+    for p in unique.values():
+        groups.setdefault((p.dtype, p.requires_grad), []).append(p)
+    shard_device = torch.device("cpu") if move_params_to_cpu else param_device
+    handles: list[FlatParamHandle] = []
+    table: ParamTable = {}
+    for hi, params in enumerate(groups.values()):
+        index = {id(p): i for i, p in enumerate(params)}
+        slots = [ParamSlot(m, name, f"{prefix}{name}", index[id(p)]) for prefix, m, name, p in regs if id(p) in index]
+        handles.append(FlatParamHandle(
+            params, slots, group=group, rank=rank, world_size=world_size, shard_device=shard_device,
+            pin=move_params_to_cpu,
+        ))
+        for s in slots:
+            table.setdefault(id(s.module), []).append((s.attr, hi, s.index))
+    # Keep each module's original parameter order for state dicts.
+    for mid, names in order.items():
+        rank_of = {n: i for i, n in enumerate(names)}
+        table[mid].sort(key=lambda e: rank_of[e[0]])
+    for _, m, name, p in regs:
+        m._parameters.pop(name, None)
+        setattr(p, FLATTENED_MARK, True)
+    return handles, table

@@ -10,37 +10,27 @@ scalars) is copied to each parameter of the flat group.
 from __future__ import annotations
 
 import copy
-import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch import nn
 
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding import _data_path as dp
-from shardfuse.sharding._state_dict import _check_idle
-
-if TYPE_CHECKING:
-    from shardfuse.sharding._flat_param import FlatParamHandle
-    from shardfuse.sharding._fully_sharded import FullyShardedDataParallel
-
-logger = logging.getLogger(__name__)
+from shardfuse.sharding._flat_param import FlatParamHandle
+from shardfuse.sharding._runtime import Unit
+from shardfuse.sharding._tree import check_idle, param_names, unit_of, units_below
 
 _META_KEY = "shardfuse"
 
 
-def _flat_layout(root: FullyShardedDataParallel) -> list[tuple[Any, FlatParamHandle, list[int], list[str]]]:
+def _flat_layout(root: nn.Module) -> list[tuple[Unit, FlatParamHandle, list[int], list[str]]]:
     """(unit, handle, original indices, original names) for every flat parameter of the tree, in order."""
-    from shardfuse.sharding._state_dict import _walk
-
-    names: dict[tuple[int, int, int], str] = {}
-    for kind, key, _, info in _walk(root, "", None):
-        if kind == "param":
-            owner, hi, idx = info
-            names.setdefault((id(owner), hi, idx), key)
+    names = param_names(root)
     layout = []
     k = 0
-    for u in root._units():
-        for hi, h in enumerate(u._handles):
+    for u in units_below(unit_of(root)):
+        for hi, h in enumerate(u.handles):
             n = len(h.shapes)
             layout.append((u, h, list(range(k, k + n)), [names[(id(u), hi, i)] for i in range(n)]))
             k += n
@@ -62,11 +52,12 @@ def _is_sharded_state(v: Any, h: FlatParamHandle) -> bool:
 
 @torch.no_grad()
 def gather_full_optim_state_dict(
-    root: FullyShardedDataParallel, optim: torch.optim.Optimizer, recipient_rank: int | None
+    root: nn.Module, optim: torch.optim.Optimizer, recipient_rank: int | None
 ) -> dict[str, Any] | None:
     """See ``FullyShardedDataParallel.gather_full_optim_state_dict``."""
-    _check_idle(root, "gather_full_optim_state_dict()")
-    if not root._is_root:
+    unit = unit_of(root)
+    check_idle(units_below(unit), "gather_full_optim_state_dict()")
+    if not unit.is_root:
         raise RuntimeError("gather_full_optim_state_dict() must be called on the root FullyShardedDataParallel")
     layout = _flat_layout(root)
     index = _optim_index(optim)
@@ -78,7 +69,7 @@ def gather_full_optim_state_dict(
             f"FullyShardedDataParallel tree (indices {foreign[:8]}): build the optimizer on the root's parameters()"
         )
     osd = optim.state_dict()
-    me = root.rank
+    me = unit.rank
     receive = recipient_rank is None or me == recipient_rank
     state: dict[int, dict[str, Any]] = {}
     flat_to_orig: dict[int, list[int]] = {}
@@ -91,8 +82,8 @@ def gather_full_optim_state_dict(
         per_param: list[dict[str, Any]] = [{} for _ in orig]
         for key in sorted(st):
             v = st[key]
-            if _is_sharded_state(v, h) and not u.no_broadcast_optim_state:
-                full = h.gather_full_precision(u._compute_device, source=v.detach())
+            if _is_sharded_state(v, h) and not u.config.no_broadcast_optim_state:
+                full = h.gather_full_precision(u.compute_device, source=v.detach())
                 if receive:
                     outs = [torch.empty(s, dtype=v.dtype, device=full.device) for s in h.shapes]
                     dp.unflatten(full, outs)
@@ -111,7 +102,7 @@ def gather_full_optim_state_dict(
             for k, d in zip(orig, per_param):
                 if d:
                     state[k] = d
-    coll.barrier(root.process_group, root.world_size)
+    coll.barrier(unit.groups.process_group, unit.world_size)
     if not receive:
         return None
     groups = []
@@ -123,14 +114,12 @@ def gather_full_optim_state_dict(
         "state": state,
         "param_groups": groups,
         "param_names": [n for _, _, _, names in layout for n in names],
-        _META_KEY: {"flat_to_orig": flat_to_orig, "world_size": root.world_size},
+        _META_KEY: {"flat_to_orig": flat_to_orig, "world_size": unit.world_size},
     }
 
 
 @torch.no_grad()
-def get_shard_from_optim_state_dict(
-    root: FullyShardedDataParallel, full_osd: dict[str, Any]
-) -> dict[str, Any]:
+def get_shard_from_optim_state_dict(root: nn.Module, full_osd: dict[str, Any]) -> dict[str, Any]:
     """See ``FullyShardedDataParallel.get_shard_from_optim_state_dict``."""
     if not isinstance(full_osd, dict) or _META_KEY not in full_osd:
         raise ValueError(

@@ -1,4 +1,4 @@
-"""Full and local state dicts of a ``FullyShardedDataParallel`` tree.
+"""Full and local state dicts of a tree of units.
 
 Full state dicts use the original parameter names, with no wrapper prefixes, so they load into the
 unwrapped model and back; parameters are gathered in their shard dtype (fp32) one unit at a time; floating
@@ -7,105 +7,60 @@ buffers are returned in their original dtype.
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from shardfuse._streams import wait_stream
 from shardfuse.sharding import _data_path as dp
-from shardfuse.sharding._state import TrainingState, check_state
-
-if TYPE_CHECKING:
-    from shardfuse.sharding._fully_sharded import FullyShardedDataParallel
-
-logger = logging.getLogger(__name__)
+from shardfuse.sharding._runtime import Unit
+from shardfuse.sharding._tree import buffer_value, check_idle, unit_of, units_below, walk_entries
 
 
-def _check_idle(root: FullyShardedDataParallel, action: str) -> list[FullyShardedDataParallel]:
-    root._lazy_init()
-    units = root._units()
-    for u in units:
-        check_state(u.training_state, (TrainingState.IDLE,), action, u._unit_name(),
-                    "call it outside forward, backward and summon_full_params()")
-    streams = root._root_state.streams
-    wait_stream(streams.current(), streams.post_backward)
+def _idle_units(root: nn.Module, action: str) -> list[Unit]:
+    units = units_below(unit_of(root))
+    check_idle(units, action)
     return units
 
 
-def _walk(module: nn.Module, prefix: str, owner: Any) -> Iterator[tuple[str, str, nn.Module, Any]]:
-    """Entries ``(kind, key, module, info)`` in ``nn.Module.state_dict`` order, wrapper segments removed.
-
-    kind "param": info = (owner unit, handle index, unique index); "buffer": info = (owner, buffer name);
-    "extra": the module's extra state.
-    """
-    from shardfuse.sharding._fully_sharded import FullyShardedDataParallel
-
-    if isinstance(module, FullyShardedDataParallel):
-        owner = module
-        module = module.module
-    if owner is not None:
-        for attr, hi, idx in owner._param_table.get(id(module), ()):
-            yield "param", prefix + attr, module, (owner, hi, idx)
-    for name, b in module._buffers.items():
-        if b is not None and name not in module._non_persistent_buffers_set:
-            yield "buffer", prefix + name, module, (owner, name)
-    if type(module).get_extra_state is not nn.Module.get_extra_state:
-        yield "extra", prefix + "_extra_state", module, None
-    for name, child in module._modules.items():
-        if child is not None:
-            yield from _walk(child, f"{prefix}{name}.", owner)
-
-
-def _buffer_out(owner: Any, module: nn.Module, name: str) -> torch.Tensor:
-    b = module._buffers[name]
-    dtype = owner._buffer_dtypes.get((id(module), name), b.dtype) if owner is not None else b.dtype
-    return b.detach().to(dtype) if b.dtype != dtype else b.detach()
-
-
 @torch.no_grad()
-def full_state_dict(root: FullyShardedDataParallel) -> OrderedDict[str, Any]:
+def full_state_dict(root: nn.Module) -> OrderedDict[str, Any]:
     """The full state dict of ``root``'s tree (see module docstring); collective: every rank must call."""
-    units = _check_idle(root, "state_dict()")
-    materialize = not root.state_dict_on_rank_0_only or root.rank == 0
+    units = _idle_units(root, "state_dict()")
+    cfg = units[0].config
+    materialize = not cfg.state_dict_on_rank_0_only or units[0].rank == 0
     values: dict[tuple[int, int], list[torch.Tensor]] = {}
     for u in units:
-        for hi, h in enumerate(u._handles):
-            full = h.gather_full_precision(u._compute_device)
+        for hi, h in enumerate(u.handles):
+            full = h.gather_full_precision(u.compute_device)
             if materialize:
                 outs = [torch.empty(s, dtype=h.dtype, device=full.device) for s in h.shapes]
                 dp.unflatten(full, outs)
-                device = root._state_dict_device or h.flat.device
+                device = cfg.state_dict_device or h.flat.device
                 values[(id(u), hi)] = [o.to(device) for o in outs]
             del full
     sd: OrderedDict[str, Any] = OrderedDict()
     if not materialize:
         return sd
-    for kind, key, module, info in _walk(root, "", None):
-        if kind == "param":
-            owner, hi, idx = info
-            sd[key] = values[(id(owner), hi)][idx]
-        elif kind == "buffer":
-            owner, name = info
-            t = _buffer_out(owner, module, name)
-            sd[key] = t.to(root._state_dict_device) if root._state_dict_device is not None else t
+    for e in walk_entries(root):
+        if e.kind == "param":
+            sd[e.key] = values[(id(e.unit), e.handle)][e.index]
+        elif e.kind == "buffer":
+            t = buffer_value(e)
+            sd[e.key] = t.to(cfg.state_dict_device) if cfg.state_dict_device is not None else t
         else:
-            sd[key] = module.get_extra_state()
+            sd[e.key] = e.module.get_extra_state()
     return sd
 
 
 @torch.no_grad()
-def load_full_state_dict(
-    root: FullyShardedDataParallel, state_dict: dict[str, Any], strict: bool
-) -> tuple[list[str], list[str]]:
+def load_full_state_dict(root: nn.Module, state_dict: dict[str, Any], strict: bool) -> tuple[list[str], list[str]]:
     """Load a full state dict into the shards and buffers of ``root``'s tree; returns (missing, unexpected)."""
-    units = _check_idle(root, "load_state_dict()")
-    entries = list(_walk(root, "", None))
-    expected = {key for _, key, _, _ in entries}
-    missing = [key for _, key, _, _ in entries if key not in state_dict]
+    units = _idle_units(root, "load_state_dict()")
+    entries = list(walk_entries(root))
+    expected = {e.key for e in entries}
+    missing = [e.key for e in entries if e.key not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
     if strict and (missing or unexpected):
         raise RuntimeError(
@@ -115,34 +70,32 @@ def load_full_state_dict(
         )
     # Provided tensor per (unit, handle, unique index): the first key naming it.
     provided: dict[tuple[int, int, int], tuple[str, torch.Tensor]] = {}
-    for kind, key, module, info in entries:
-        if key not in state_dict:
+    for e in entries:
+        if e.key not in state_dict:
             continue
-        value = state_dict[key]
-        if kind == "param":
-            owner, hi, idx = info
-            shape = owner._handles[hi].shapes[idx]
+        value = state_dict[e.key]
+        if e.kind == "param":
+            shape = e.unit.handles[e.handle].shapes[e.index]
             if tuple(value.shape) != tuple(shape):
                 raise RuntimeError(
-                    f"size mismatch for {key}: the state dict has shape {tuple(value.shape)}, the model "
+                    f"size mismatch for {e.key}: the state dict has shape {tuple(value.shape)}, the model "
                     f"{tuple(shape)}"
                 )
-            provided.setdefault((id(owner), hi, idx), (key, value))
-        elif kind == "buffer":
-            owner, name = info
-            buf = module._buffers[name]
+            provided.setdefault((id(e.unit), e.handle, e.index), (e.key, value))
+        elif e.kind == "buffer":
+            buf = e.module._buffers[e.attr]
             if tuple(value.shape) != tuple(buf.shape):
                 raise RuntimeError(
-                    f"size mismatch for {key}: the state dict has shape {tuple(value.shape)}, the model "
+                    f"size mismatch for {e.key}: the state dict has shape {tuple(value.shape)}, the model "
                     f"{tuple(buf.shape)}"
                 )
             buf.copy_(value)
         else:
-            module.set_extra_state(value)
+            e.module.set_extra_state(value)
     for u in units:
-        for hi, h in enumerate(u._handles):
+        for hi, h in enumerate(u.handles):
             have = [provided.get((id(u), hi, i)) for i in range(len(h.shapes))]
-            device = u._compute_device
+            device = u.compute_device
             if all(x is not None for x in have):
                 full = dp.flatten_padded([x[1].to(device) for x in have], h.world_size, h.dtype)
             else:
@@ -159,9 +112,9 @@ def load_full_state_dict(
 
 
 @torch.no_grad()
-def local_state_dict(root: FullyShardedDataParallel) -> OrderedDict[str, Any]:
+def local_state_dict(root: nn.Module) -> OrderedDict[str, Any]:
     """This rank's flat shards and the buffers, under the wrapper-inclusive names of ``named_parameters()``."""
-    _check_idle(root, "local_state_dict()")
+    _idle_units(root, "local_state_dict()")
     sd: OrderedDict[str, Any] = OrderedDict()
     for name, p in root.named_parameters():
         sd[name] = p.detach().clone()
@@ -172,10 +125,10 @@ def local_state_dict(root: FullyShardedDataParallel) -> OrderedDict[str, Any]:
 
 @torch.no_grad()
 def load_local_state_dict(
-    root: FullyShardedDataParallel, state_dict: dict[str, Any], strict: bool
+    root: nn.Module, state_dict: dict[str, Any], strict: bool
 ) -> tuple[list[str], list[str]]:
     """Load a :func:`local_state_dict`; shapes must match (same world size and wrapping)."""
-    _check_idle(root, "load_local_state_dict()")
+    units = _idle_units(root, "load_local_state_dict()")
     params = dict(root.named_parameters())
     buffers = dict(root.named_buffers())
     missing = [k for k in (*params, *buffers) if k not in state_dict]
@@ -195,6 +148,6 @@ def load_local_state_dict(
                 f"{tuple(target.shape)}: local state dicts only load with the same world size and wrapping"
             )
         target.detach().copy_(v)
-    for u in root._units():
-        u._reshard()
+    for u in units:
+        u.reshard()
     return missing, unexpected

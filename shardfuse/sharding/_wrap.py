@@ -11,8 +11,7 @@ take ``module_is_root``). ``auto_wrap`` calls it twice per module, as FairScale 
 whether to descend into the children, then, after the children were wrapped, with ``recurse=False`` and the
 number of parameters still unwrapped below the module to ask whether to wrap the module itself.
 
-This module imports no wrapper at import time: the default wrapper class (shardfuse's
-``FullyShardedDataParallel``) is imported lazily, so ``fully_sharded.py`` may import from here freely.
+The default wrapper class is shardfuse's ``FullyShardedDataParallel``; the wrapper imports nothing from here.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ import contextlib
 import functools
 import inspect
 import logging
-import sys
 from collections.abc import Callable, Generator, Iterable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -30,6 +28,7 @@ from typing import Any
 from torch import nn
 
 from shardfuse._profiling import profiled
+from shardfuse.sharding._fully_sharded import FullyShardedDataParallel
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +57,6 @@ EXCLUDE_WRAP_MODULES: frozenset[type[nn.Module]] = frozenset({nn.ModuleList, nn.
 # not descend into them nor wrap them alone: their parameters stay in the enclosing unit.
 FORCE_LEAF_MODULES: frozenset[type[nn.Module]] = frozenset({nn.MultiheadAttention})
 
-_FSDP_MODULE = "shardfuse.sharding._fully_sharded"
-
 
 def size_based_auto_wrap_policy(
     module: nn.Module,
@@ -83,12 +80,15 @@ def size_based_auto_wrap_policy(
         unwrapped_params: parameters under ``module`` (itself included) not inside an already-wrapped child.
         module_is_root: True for the module ``auto_wrap`` was called on.
         min_num_params: the size threshold.
-        force_leaf_modules: classes whose children are never visited (default :data:`FORCE_LEAF_MODULES`).
-        exclude_wrap_modules: classes never wrapped themselves (default :data:`EXCLUDE_WRAP_MODULES`).
+        force_leaf_modules: classes whose children are never visited (default: the policy's attribute
+            ``FORCE_LEAF_MODULES``, a set initialised from :data:`FORCE_LEAF_MODULES`, as in FairScale).
+        exclude_wrap_modules: classes never wrapped themselves (default: the policy's attribute
+            ``EXCLUDE_WRAP_MODULES``, initialised from :data:`EXCLUDE_WRAP_MODULES`).
         skip_params_check_for_root: wrap the root whatever its size.
     """
-    leaf = tuple(FORCE_LEAF_MODULES if force_leaf_modules is None else force_leaf_modules)
-    excluded = tuple(EXCLUDE_WRAP_MODULES if exclude_wrap_modules is None else exclude_wrap_modules)
+    defaults = size_based_auto_wrap_policy
+    leaf = tuple(defaults.FORCE_LEAF_MODULES if force_leaf_modules is None else force_leaf_modules)
+    excluded = tuple(defaults.EXCLUDE_WRAP_MODULES if exclude_wrap_modules is None else exclude_wrap_modules)
     is_large = unwrapped_params >= min_num_params
     if recurse:
         # A module below the threshold cannot contain a child above it: no need to look further down.
@@ -98,6 +98,9 @@ def size_based_auto_wrap_policy(
 
 default_auto_wrap_policy = size_based_auto_wrap_policy
 """FairScale's name for :func:`size_based_auto_wrap_policy`."""
+# FairScale publishes the defaults as attributes of the policy, as sets a user extends with ``.union()``.
+default_auto_wrap_policy.FORCE_LEAF_MODULES = set(FORCE_LEAF_MODULES)  # type: ignore[attr-defined]
+default_auto_wrap_policy.EXCLUDE_WRAP_MODULES = set(EXCLUDE_WRAP_MODULES)  # type: ignore[attr-defined]
 
 
 def _class_tuple(classes: Iterable[type[nn.Module]], what: str) -> tuple[type[nn.Module], ...]:
@@ -182,13 +185,6 @@ class _WrapConfig:
 _CONFIG: ContextVar[_WrapConfig | None] = ContextVar("shardfuse_wrap_config", default=None)
 
 
-def _default_wrapper_cls() -> type[nn.Module]:
-    # Imported here, not at module import, so fully_sharded.py can import this module without a cycle.
-    from shardfuse.sharding._fully_sharded import FullyShardedDataParallel
-
-    return FullyShardedDataParallel
-
-
 @contextlib.contextmanager
 def enable_wrap(
     *, wrapper_cls: type[nn.Module] | None = None, auto_wrap_policy: WrapPolicy | None = None, **wrapper_kwargs: Any
@@ -206,7 +202,7 @@ def enable_wrap(
     outer configuration is restored on exit, also when an exception leaves the context.
     """
     if wrapper_cls is None:
-        wrapper_cls = _default_wrapper_cls()
+        wrapper_cls = FullyShardedDataParallel
     if not isinstance(wrapper_cls, type):
         raise TypeError(
             f"enable_wrap(wrapper_cls=...) must be a class (an nn.Module subclass such as FullyShardedDataParallel), "
@@ -229,14 +225,8 @@ def enable_wrap(
 
 
 def _wrapper_types(cfg: _WrapConfig) -> tuple[type, ...]:
-    types: list[type] = [cfg.wrapper_cls]
-    # shardfuse's own wrapper counts as "wrapped" whatever class the context names, but only if it was already
-    # imported: looking it up in sys.modules never triggers an import (no cycle).
-    fsdp_mod = sys.modules.get(_FSDP_MODULE)
-    fsdp_cls = getattr(fsdp_mod, "FullyShardedDataParallel", None)
-    if isinstance(fsdp_cls, type) and fsdp_cls is not cfg.wrapper_cls:
-        types.append(fsdp_cls)
-    return tuple(types)
+    # shardfuse's own wrapper counts as "wrapped" whatever class the context names.
+    return (cfg.wrapper_cls, FullyShardedDataParallel)
 
 
 def wrap(module: nn.Module, **wrap_overrides: Any) -> nn.Module:

@@ -168,7 +168,7 @@ def test_misuse_errors(pool):
 
 
 def _root_flat_grad_vs_ref(model: FSDP, ref: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    h = model._handles[0]
+    h = model._unit.handles[0]
     ref_params = dict(ref.named_parameters())
     want = torch.cat([ref_params[n].grad.reshape(-1) for n in h.names])
     return model.flat_param_0.grad[: h.numel], want
@@ -286,13 +286,13 @@ def check_recovers_after_failed_backward() -> bool:
         _raises(RuntimeError, "simulated failure in backward", lambda: failed(x).sum().backward())
     finally:
         _FailingBackward.armed = False
-    assert failed._root_state.in_backward, "the failure must interrupt the backward (else this tests nothing)"
+    assert failed._unit.root_state.in_backward, "the failure must interrupt the backward (else this tests nothing)"
     for model, opt in ((failed, opt_f), (clean, opt_c)):
         opt.zero_grad(set_to_none=True)
         model(x).sum().backward()
         opt.step()
         assert all(u.training_state == TrainingState.IDLE for u in model._units())
-        assert not model._root_state.in_backward
+        assert not model._unit.root_state.in_backward
     for (k, a), b in zip(failed.state_dict().items(), clean.state_dict().values()):
         assert torch.equal(a, b), k
     return True

@@ -1,0 +1,103 @@
+"""Lazy initialisation on first use: the outermost unit becomes the root of its tree.
+
+The root makes the side streams and the :class:`RootState` its units share; each unit settles its compute
+device, creates its (unallocated) full buffers with their post-backward hooks, its reduction settings, and
+casts its buffers to ``buffer_dtype`` on the compute device.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from shardfuse._streams import Streams
+from shardfuse.sharding._flat_param import iter_own_modules
+from shardfuse.sharding._grad_reduce import ReduceConfig
+from shardfuse.sharding._runtime import RootState, Unit
+from shardfuse.sharding._state import TrainingState, check_state
+from shardfuse.sharding._tree import units_below
+
+
+def lazy_init(unit: Unit) -> None:
+    """Make the outermost unit above ``unit`` the root of its tree, once (until the tree is moved or cast)."""
+    if unit.root_state is not None:
+        return
+    top = unit
+    while top.parent is not None:
+        top = top.parent
+    if top is not unit:
+        lazy_init(top)
+        if unit.root_state is not None:
+            return
+    units = units_below(unit)
+    for u in units[1:]:
+        check_state(u.training_state, (TrainingState.IDLE,), "initialising the root", u.name)
+    for u in units:
+        _init_unit(u)
+    rs = RootState(unit, units, Streams(unit.compute_device))
+    for u in units:
+        u.root_state = rs
+        u.is_root = u is unit
+        u.reshard_after_forward = u.config.reshard_after_forward
+    if unit.config.disable_reshard_on_root:
+        unit.reshard_after_forward = False
+
+
+def reset_root(unit: Unit) -> None:
+    """Forget the runtime after ``.to()``/``.cuda()``/``.half()``: full buffers and streams are rebuilt lazily."""
+    for h in unit.handles:
+        if h.full_param is not None:
+            h.reshard()
+        h.full_param = None
+    unit.root_state = None
+    unit.is_root = None
+
+
+def _init_unit(unit: Unit) -> None:
+    """Compute device and dtypes, full buffers with their post-backward hooks, reduction settings, buffers."""
+    cfg = unit.config
+    if cfg.move_params_to_cpu:
+        dev = cfg.compute_device
+        if dev is None:
+            dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        unit.compute_device = dev if dev is not None else torch.device("cpu")
+    elif unit.handles:
+        unit.compute_device = unit.handles[0].flat.device
+    else:
+        dev = cfg.compute_device
+        if dev is None:
+            some = next(iter(unit.module.buffers()), None)
+            dev = some.device if some is not None else next(
+                (p.device for p in unit.module.parameters()), torch.device("cpu")
+            )
+        unit.compute_device = torch.device(dev)
+    for h in unit.handles:
+        if h.full_param is None:
+            h.init_full_buffer(cfg.compute_dtype if cfg.mixed_precision else h.dtype, unit.compute_device)
+            if h.requires_grad:
+                h.full_param.register_post_accumulate_grad_hook(functools.partial(unit.post_backward, h))
+    dtypes = {h.compute_dtype for h in unit.handles}
+    reduce_dtype = torch.float32 if (cfg.fp32_reduce_scatter or not cfg.mixed_precision) else cfg.compute_dtype
+    if not cfg.mixed_precision and dtypes:
+        reduce_dtype = next(iter(dtypes))
+    unit.reduce_cfg = ReduceConfig(
+        reduce_dtype=reduce_dtype,
+        predivide=unit.gradient_predivide_factor,
+        postdivide=unit.gradient_postdivide_factor,
+        group=unit.groups.reduce_scatter_group,
+    )
+    _cast_buffers(unit)
+
+
+def _cast_buffers(unit: Unit) -> None:
+    """Floating buffers of owned modules to ``buffer_dtype`` on the compute device (originals remembered)."""
+    buffer_dtype = unit.config.buffer_dtype
+    for _, m in iter_own_modules(unit.module):
+        for name, b in m._buffers.items():
+            if b is None:
+                continue
+            unit.buffer_dtypes.setdefault((id(m), name), b.dtype)
+            dtype = buffer_dtype if (buffer_dtype is not None and b.is_floating_point()) else b.dtype
+            if b.dtype != dtype or b.device != unit.compute_device:
+                m._buffers[name] = b.to(device=unit.compute_device, dtype=dtype)

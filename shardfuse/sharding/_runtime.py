@@ -1,0 +1,324 @@
+"""The life of one sharded unit in a training step, in execution order.
+
+1. forward: gather the full parameters on the all-gather stream (and prefetch the next unit's), point the
+   module's parameters at views of the full buffer, run the module, reshard (``reshard_after_forward``), hook
+   the outputs for backward;
+2. pre-backward (a hook on the outputs): gather again, prefetch the unit whose backward runs next;
+3. post-backward (a hook on the full buffer's gradient accumulation): pre-divide/cast/pad, reduce-scatter and
+   post-divide into ``flat.grad`` on the post-backward stream, reshard;
+4. the root's final callback: reduce what no hook reduced, wait for the stream, return every unit to ``IDLE``.
+
+A :class:`Unit` is the plain state object behind one ``FullyShardedDataParallel`` module; the units of one tree
+share a :class:`RootState` (streams, the recorded forward order, backward bookkeeping) made at lazy init.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.utils import _pytree as pytree
+
+from shardfuse._profiling import profiled
+from shardfuse._streams import Streams, wait_stream
+from shardfuse.sharding._config import Groups, ShardingConfig
+from shardfuse.sharding._flat_param import FlatParamHandle, ParamTable
+from shardfuse.sharding._grad_reduce import PendingFrees, ReduceConfig, finish_host_grads, reduce_grad
+from shardfuse.sharding._state import TrainingState, check_state
+
+logger = logging.getLogger(__name__)
+
+# Tensor attribute: the units that already hooked this output for backward (once per tensor and unit).
+_HOOKED_ATTR = "_shardfuse_pre_backward_units"
+
+
+def inside_backward() -> bool:
+    """True while the autograd engine runs a backward (a checkpoint recompute calls forward from there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    """``tree`` with every floating tensor in it cast to ``dtype`` (autograd-aware)."""
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, tree
+    )
+
+
+class RootState:
+    """What the root shares with every unit of its tree: streams, the recorded order, backward bookkeeping."""
+
+    def __init__(self, root: Unit, units: list[Unit], streams: Streams) -> None:
+        self.root = root
+        self.units = units
+        self.streams = streams
+        self.fwd_order: list[Unit] = []
+        self.order_recorded = False
+        self.fwd_pos = 0
+        self.prefetch_ok = False
+        self.bwd_next: dict[int, Unit] = {}
+        self.in_backward = False
+        self.callback_queued = False
+        self.pending = PendingFrees()
+
+    def finish_recording(self) -> None:
+        """Freeze the forward order and derive the backward prefetch order from it."""
+        self.order_recorded = True
+        seen: set[int] = set()
+        seq: list[Unit] = []
+        # Backward runs the root's hook first, then the other units in reverse forward order.
+        for u in [self.root, *reversed(self.fwd_order)]:
+            if id(u) not in seen:
+                seen.add(id(u))
+                seq.append(u)
+        self.bwd_next = {id(a): b for a, b in zip(seq, seq[1:])}
+
+    def forward_prefetch_target(self, unit: Unit) -> Unit | None:
+        """The unit that ran after ``unit`` in the recorded forward order (None while recording/mismatched)."""
+        pos = self.fwd_pos
+        self.fwd_pos += 1
+        if not self.order_recorded:
+            self.fwd_order.append(unit)
+            return None
+        if not self.prefetch_ok:
+            return None
+        order = self.fwd_order
+        if pos >= len(order) or order[pos] is not unit:
+            self.prefetch_ok = False  # the order changed: stop prefetching for this pass
+            return None
+        return order[pos + 1] if pos + 1 < len(order) else None
+
+
+class Unit:
+    """The runtime state of one wrapped module: its flat parameter handles, phase and tree context."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: ShardingConfig,
+        groups: Groups,
+        handles: list[FlatParamHandle],
+        param_table: ParamTable,
+    ) -> None:
+        self.module = module
+        self.config = config
+        self.groups = groups
+        self.rank = groups.rank
+        self.world_size = groups.world_size
+        self.handles = handles
+        self.param_table = param_table
+        self.name = f"FullyShardedDataParallel({type(module).__name__})"
+        self.training_state = TrainingState.IDLE
+        self.is_root: bool | None = None
+        self.parent: Unit | None = None  # the outermost unit that wraps this one (None for the top)
+        self.root_state: RootState | None = None
+        self.require_backward_grad_sync = True
+        self.reshard_after_forward = config.reshard_after_forward  # effective value, set at lazy init
+        self.gradient_predivide_factor = config.gradient_predivide_factor
+        self.gradient_postdivide_factor = config.gradient_postdivide_factor
+        self.buffer_dtypes: dict[tuple[int, str], torch.dtype] = {}  # originals of cast buffers
+        # Set at lazy init (_root.py), when the compute device is final.
+        self.compute_device = torch.device("cpu")
+        self.reduce_cfg: ReduceConfig | None = None
+        self._pre_backward_hook_fn = self.pre_backward  # one bound method: hooks compare equal, cheap to add
+
+    # ----------------------------------------------------------------------------------------------
+    # gather / free
+    # ----------------------------------------------------------------------------------------------
+
+    def unshard(self) -> None:
+        streams = self.root_state.streams
+        for h in self.handles:
+            h.unshard(streams)
+
+    def wait_and_set_views(self, set_views: bool = True) -> None:
+        streams = self.root_state.streams
+        for h in self.handles:
+            h.wait_full(streams)
+            if set_views:
+                h.set_views()
+
+    def reshard(self) -> None:
+        for h in self.handles:
+            h.reshard()
+
+    # ----------------------------------------------------------------------------------------------
+    # 1. forward
+    # ----------------------------------------------------------------------------------------------
+
+    def forward(self, args: tuple, kwargs: dict) -> Any:
+        """Gather the full parameters, run the wrapped module, reshard, and hook the outputs for backward."""
+        rs = self.root_state
+        if rs.in_backward:
+            if inside_backward():
+                return self.recompute_forward(args, kwargs)
+            # The last backward raised (e.g. out of memory) before its final callback could run.
+            logger.warning("the previous backward did not finish (it raised); resetting the sharding state")
+            rs.root.return_to_idle()
+        check_state(
+            self.training_state, (TrainingState.IDLE,), "forward()", self.name,
+            "do not call a unit's forward from inside its own forward, summon_full_params() or backward",
+        )
+        cfg = self.config
+        self.training_state = TrainingState.FORWARD
+        try:
+            if self.is_root:
+                rs.fwd_pos = 0
+                rs.prefetch_ok = rs.order_recorded
+                if cfg.mixed_precision:
+                    args, kwargs = cast_floats((args, kwargs), cfg.compute_dtype)
+            if cfg.force_input_to_fp32 and not cfg.mixed_precision:
+                args, kwargs = cast_floats((args, kwargs), torch.float32)
+            nxt = rs.forward_prefetch_target(self)
+            self.unshard()
+            if nxt is not None:
+                with profiled("shardfuse.sharding:prefetch"):
+                    nxt.unshard()
+            self.wait_and_set_views()
+            for h in self.handles:
+                h.forward_version = h.flat._version
+            outputs = self.module(*args, **kwargs)
+            if self.reshard_after_forward and not self._keep_full_for_backward():
+                self.reshard()
+            if torch.is_grad_enabled():
+                self._register_pre_backward_hooks(outputs)
+        finally:
+            self.training_state = TrainingState.IDLE
+        if self.is_root and not rs.order_recorded:
+            rs.finish_recording()
+        if cfg.clear_autocast_cache:
+            torch.clear_autocast_cache()
+        return outputs
+
+    def _keep_full_for_backward(self) -> bool:
+        """The last unit of the recorded forward order is the first whose backward needs full parameters:
+        freeing them now would only gather them again, with nothing to overlap, when backward starts."""
+        rs = self.root_state
+        return torch.is_grad_enabled() and rs.prefetch_ok and bool(rs.fwd_order) and rs.fwd_order[-1] is self
+
+    def recompute_forward(self, args: tuple, kwargs: dict) -> Any:
+        """Forward during backward (activation checkpointing recompute): gather, run, keep params for backward."""
+        with profiled("shardfuse.sharding:recompute_forward"):
+            if self.training_state == TrainingState.IDLE:
+                # Reentrant checkpointing runs the unit's backward without its pre-backward hook.
+                self.training_state = TrainingState.BACKWARD_PRE
+            if self.is_root and self.config.mixed_precision:
+                args, kwargs = cast_floats((args, kwargs), self.config.compute_dtype)
+            self.unshard()
+            self.wait_and_set_views()
+            return self.module(*args, **kwargs)
+
+    def _register_pre_backward_hooks(self, outputs: Any) -> None:
+        key = id(self)
+        for t in pytree.tree_leaves(outputs):
+            if not isinstance(t, torch.Tensor) or not t.requires_grad:
+                continue
+            units = t.__dict__.get(_HOOKED_ATTR)
+            if units is None:
+                units = set()
+                t.__dict__[_HOOKED_ATTR] = units
+            if key in units:  # once per tensor and unit, however often it is returned
+                continue
+            units.add(key)
+            t.register_hook(self._pre_backward_hook_fn)
+
+    # ----------------------------------------------------------------------------------------------
+    # 2. pre-backward
+    # ----------------------------------------------------------------------------------------------
+
+    def pre_backward(self, grad: torch.Tensor) -> None:
+        """Hook on the unit's outputs: gather the full parameters for backward, prefetch the next unit's."""
+        rs = self.root_state
+        with profiled("shardfuse.sharding:pre_backward"):
+            self._check_unchanged_since_forward()  # before any state changes: the error leaves the tree usable
+            if not rs.callback_queued:
+                rs.callback_queued = True
+                rs.in_backward = True
+                Variable._execution_engine.queue_callback(rs.root.finish_backward)
+            state = self.training_state
+            if state == TrainingState.IDLE:
+                self.training_state = TrainingState.BACKWARD_PRE
+            elif state not in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
+                check_state(state, (TrainingState.IDLE, TrainingState.BACKWARD_PRE), "backward", self.name)
+            # Idempotent: several outputs, several forwards and checkpoint recomputes all land here.
+            self.unshard()
+            if rs.order_recorded:
+                nxt = rs.bwd_next.get(id(self))
+                if nxt is not None and nxt.training_state == TrainingState.IDLE:
+                    with profiled("shardfuse.sharding:prefetch"):
+                        nxt.unshard()
+            # The views autograd saved in forward share the full buffer's storage, restored in place. The
+            # module attributes get fresh autograd-connected views too (grad mode is off inside backward):
+            # an activation-checkpoint recompute inside the wrapped module reads them.
+            with torch.enable_grad():
+                self.wait_and_set_views()
+
+    def _check_unchanged_since_forward(self) -> None:
+        for h in self.handles:
+            if h.forward_version is not None and h.flat._version != h.forward_version:
+                raise RuntimeError(
+                    f"the sharded parameters of {self.name} changed between its forward and its backward "
+                    f"(version {h.forward_version} -> {h.flat._version}), e.g. optimizer.step() before "
+                    f"loss.backward(): the gradients would not belong to the parameters the forward used; "
+                    f"step the optimizer after backward"
+                )
+
+    # ----------------------------------------------------------------------------------------------
+    # 3. post-backward
+    # ----------------------------------------------------------------------------------------------
+
+    def post_backward(self, handle: FlatParamHandle, full_param: torch.Tensor) -> None:
+        """Hook on the full buffer's gradient: reduce-scatter it into the shard's gradient, reshard."""
+        with profiled("shardfuse.sharding:post_backward"):
+            if self.training_state not in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
+                raise RuntimeError(
+                    f"the post-backward hook of {self.name} ran in state={self.training_state.name} "
+                    f"without its pre-backward hook: backward reached the unit's parameters without going "
+                    f"through its outputs (e.g. a tensor derived from a parameter view outside forward); "
+                    f"compute the loss from the model's outputs"
+                )
+            self.training_state = TrainingState.BACKWARD_POST
+            handle.fired = True
+            rs = self.root_state
+            if self.require_backward_grad_sync:
+                reduce_grad(handle, self.reduce_cfg, rs.streams, rs.pending)
+            # Under no_sync the full gradient stays in full_param.grad and keeps accumulating.
+            handle.reshard()
+
+    # ----------------------------------------------------------------------------------------------
+    # 4. end of backward (root only)
+    # ----------------------------------------------------------------------------------------------
+
+    def finish_backward(self) -> None:
+        """Root's final backward callback: flush reductions, reshard everything, return to IDLE."""
+        rs = self.root_state
+        with profiled("shardfuse.sharding:wait_for_post_backward"):
+            for u in rs.units:
+                for h in u.handles:
+                    # A group unused in this synced backward but holding no_sync gradients: reduce them now.
+                    # (Usage must be the same on every rank, as in FairScale/FSDP2, or collectives mismatch.)
+                    if (
+                        h.requires_grad and not h.fired and u.require_backward_grad_sync
+                        and h.full_param is not None and h.full_param.grad is not None
+                    ):
+                        reduce_grad(h, u.reduce_cfg, rs.streams, rs.pending)
+            self.return_to_idle()
+
+    def return_to_idle(self) -> None:
+        """Root only: wait for issued reductions, reshard every unit and leave the backward bookkeeping."""
+        rs = self.root_state
+        streams = rs.streams
+        wait_stream(streams.current(), streams.post_backward)
+        rs.pending.release_all()
+        finish_host_grads(rs.pending, streams)
+        for u in rs.units:
+            for h in u.handles:
+                h.reshard()
+                h.fired = False
+                h.forward_version = None
+            if u.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
+                u.training_state = TrainingState.IDLE
+        rs.in_backward = False
+        rs.callback_queued = False

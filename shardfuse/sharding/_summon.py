@@ -1,0 +1,114 @@
+"""``summon_full_params``: the full fp32 parameters as the modules' original ``nn.Parameter`` attributes.
+
+Inside the block each unit's original parameters are real ``nn.Parameter`` objects holding the gathered full
+values, and the wrapper's flat parameters are hidden, so ``named_parameters()`` reads like the unwrapped
+model. On exit in-place changes (or, with ``allow_reset_parameters``, replacements) are written back to the
+shards, each rank keeping its own slice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from shardfuse._profiling import profiled
+from shardfuse._streams import wait_stream
+from shardfuse.sharding._runtime import Unit
+from shardfuse.sharding._state import TrainingState, check_state
+from shardfuse.sharding._tree import unit_of
+
+
+@contextlib.contextmanager
+def summon_full_params(wrappers: list[nn.Module], volatile: bool) -> Iterator[None]:
+    """Summon the full parameters of every unit in ``wrappers`` (public wrapper modules) for the block."""
+    units = [unit_of(w) for w in wrappers]
+    for u in units:
+        check_state(u.training_state, (TrainingState.IDLE,), "summon_full_params()", u.name,
+                    "call it outside forward and backward")
+    with contextlib.ExitStack() as stack:
+        for w, u in zip(wrappers, units):
+            stack.enter_context(_summon_unit(w, u, volatile))
+        yield
+
+
+@contextlib.contextmanager
+def _summon_unit(wrapper: nn.Module, unit: Unit, volatile: bool) -> Iterator[None]:
+    with profiled("shardfuse.sharding:summon_full_params"):
+        streams = unit.root_state.streams
+        wait_stream(streams.current(), streams.post_backward)
+        unit.training_state = TrainingState.SUMMON_FULL_PARAMS
+        saved_params = dict(wrapper._parameters)
+        fulls: list[torch.Tensor] = []
+        inserted: list[list[nn.Parameter]] = []
+        try:
+            for h in unit.handles:
+                h.reshard()  # the compute buffer may go stale; it is gathered again after the block
+                full = h.gather_full_precision(unit.compute_device)
+                fulls.append(full)
+                params = [nn.Parameter(v, requires_grad=h.requires_grad) for v in h.split_full(full)]
+                inserted.append(params)
+                for s in h.slots:
+                    s.module.__dict__.pop(s.attr, None)
+                    s.module._parameters[s.attr] = params[s.index]
+            for name in saved_params:
+                wrapper._parameters.pop(name)
+        except BaseException:
+            _restore(wrapper, unit, saved_params)
+            unit.training_state = TrainingState.IDLE
+            raise
+        versions = [h.flat._version for h in unit.handles]
+        try:
+            yield
+        finally:
+            try:
+                if not volatile:
+                    _check_shards_untouched(unit, versions)
+                    _write_back(unit, fulls, inserted)
+            finally:
+                _restore(wrapper, unit, saved_params)
+                unit.training_state = TrainingState.IDLE
+
+
+def _check_shards_untouched(unit: Unit, versions: list[int]) -> None:
+    for h, v in zip(unit.handles, versions):
+        if h.flat._version != v:
+            raise RuntimeError(
+                f"the sharded parameters of {unit.name} changed inside summon_full_params() (e.g. an "
+                f"optimizer step): writing the full parameters back would overwrite that change; step the "
+                f"optimizer outside summon_full_params(), or pass volatile=True if the full parameters are "
+                f"only read"
+            )
+
+
+@torch.no_grad()
+def _write_back(unit: Unit, fulls: list[torch.Tensor], inserted: list[list[nn.Parameter]]) -> None:
+    for h, full, params in zip(unit.handles, fulls, inserted):
+        views = h.split_full(full)
+        for s in h.slots:
+            cur = s.module._parameters.get(s.attr)
+            if cur is params[s.index]:
+                continue
+            if not unit.config.allow_reset_parameters:
+                raise RuntimeError(
+                    f"{s.fqn} was replaced by a new tensor inside summon_full_params() on {unit.name}: "
+                    f"modify parameters in place, or pass allow_reset_parameters=True to copy replacements back"
+                )
+            if cur is None or cur.shape != views[s.index].shape:
+                raise RuntimeError(
+                    f"{s.fqn} was replaced inside summon_full_params() by "
+                    f"{None if cur is None else tuple(cur.shape)}, expected shape {tuple(views[s.index].shape)}"
+                )
+            views[s.index].copy_(cur)
+        h.flat.detach().copy_(h.shard_of(full))  # bumps the shard's version: gathered copies are refreshed
+
+
+def _restore(wrapper: nn.Module, unit: Unit, saved_params: dict[str, nn.Parameter]) -> None:
+    for h in unit.handles:
+        for s in h.slots:
+            s.module._parameters.pop(s.attr, None)
+        h.clear_views()
+    wrapper._parameters.clear()
+    wrapper._parameters.update(saved_params)
