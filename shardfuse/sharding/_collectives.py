@@ -53,14 +53,22 @@ def default_group() -> ProcessGroup:
     return dist.group.WORLD
 
 
+def is_cuda_group(group: ProcessGroup) -> bool:
+    """True when ``group`` communicates CUDA tensors (NCCL): its shards must live on a GPU."""
+    try:
+        return "nccl" in _backend(group).lower()
+    except (RuntimeError, ValueError, TypeError, AttributeError):  # duck-typed or uninitialised groups
+        return False
+
+
 def rank(group: ProcessGroup) -> int:
-    """This process's rank inside ``group``."""
-    return dist.get_rank(group)
+    """This process's rank inside ``group`` (any object with ``rank()``/``size()`` works, as in FairScale)."""
+    return group.rank() if callable(getattr(group, "rank", None)) else dist.get_rank(group)
 
 
 def world_size(group: ProcessGroup) -> int:
     """Number of ranks in ``group``."""
-    return dist.get_world_size(group)
+    return group.size() if callable(getattr(group, "size", None)) else dist.get_world_size(group)
 
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, world: int) -> None:

@@ -30,7 +30,7 @@ class ShardingConfig:
     fp32_reduce_scatter: bool
     move_params_to_cpu: bool
     move_grads_to_cpu: bool
-    compute_dtype: torch.dtype | None  # None without mixed_precision: each group computes in its own dtype
+    compute_dtype: torch.dtype | None  # without mixed_precision: None, or the parameters' own dtype
     buffer_dtype: torch.dtype | None
     bucket_cap_mb: int
     compute_device: torch.device | None  # as given; the runtime resolves the default at lazy init
@@ -126,17 +126,15 @@ def make_config(
         if compute_dtype not in _COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype={compute_dtype} is not supported: use torch.float16 or torch.bfloat16")
     else:
-        if compute_dtype not in (None, torch.float32):
-            raise ValueError(
-                f"compute_dtype={compute_dtype} needs mixed_precision=True: pass mixed_precision=True "
-                f"or drop compute_dtype"
-            )
+        # Without mixed_precision every group computes in its own dtype; a compute_dtype must name that dtype
+        # (pure fp16: model.half(), compute_dtype=torch.float16), which the wrapper checks once it sees them.
+        if compute_dtype is not None and compute_dtype not in _COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype={compute_dtype} is not supported: use torch.float16, bfloat16 or float32")
         if fp32_reduce_scatter:
             raise ValueError(
                 "fp32_reduce_scatter=True only applies with mixed_precision=True (full precision already "
                 "reduces in fp32): pass mixed_precision=True or drop fp32_reduce_scatter"
             )
-        compute_dtype = None
     if gradient_predivide_factor is None:
         predivide, postdivide = dp.default_divide_factors(world_size)
     else:

@@ -13,7 +13,7 @@ accumulator for ``full_param`` across several forward passes, and ``flat.grad`` 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +29,8 @@ FLATTENED_MARK = "_shardfuse_flattened_into"
 # The instance attribute that makes a module (the public wrapper) a unit: it holds the unit's runtime state.
 # Flattening stops at such modules; their own parameters belong to their unit.
 UNIT_ATTR = "_shardfuse_unit"
+# What a pickled unit holds instead of its process groups until the user sets them again.
+MISSING_GROUP = "MISSING"
 
 
 @dataclass(frozen=True)
@@ -119,8 +121,11 @@ class FlatParamHandle:
     # set-up
     # ----------------------------------------------------------------------------------------------
 
-    def init_full_buffer(self, compute_dtype: torch.dtype, device: torch.device) -> None:
-        """Create the (unallocated) full buffer in ``compute_dtype`` on ``device``."""
+    def init_full_buffer(
+        self, compute_dtype: torch.dtype, device: torch.device, on_grad: Callable[[torch.Tensor], None]
+    ) -> None:
+        """Create the (unallocated) full buffer in ``compute_dtype`` on ``device``; ``on_grad(full_param)``
+        runs once autograd has accumulated its gradient (the post-backward hook)."""
         self.compute_dtype = compute_dtype
         full = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
         full.untyped_storage().resize_(0)
@@ -130,6 +135,31 @@ class FlatParamHandle:
         # not invalidate the views autograd saved for backward.
         self.full_data = full.data
         self.is_full = False
+        self._on_grad = on_grad
+        self._hooked = False
+        self._hook_if_trained()
+
+    def _hook_if_trained(self) -> None:
+        # A hook can only go on a tensor that requires grad; a frozen group gets it once it is unfrozen.
+        if self.requires_grad and not self._hooked:
+            self.full_param.register_post_accumulate_grad_hook(self._on_grad)
+            self._hooked = True
+
+    def sync_requires_grad(self) -> None:
+        """Follow ``flat.requires_grad`` (a user may freeze the shard after wrapping): the full buffer, hence
+        the module's parameter views, require a gradient exactly when the shard does."""
+        wanted = self.flat.requires_grad
+        if wanted != self.requires_grad:
+            self.requires_grad = wanted
+            if self.full_param is not None:
+                self.full_param.requires_grad_(wanted)
+                self._hook_if_trained()
+
+    def __getstate__(self) -> dict:
+        # Process groups do not pickle; the owner sets them again (FairScale's "MISSING" convention).
+        state = dict(self.__dict__)
+        state["group"] = MISSING_GROUP
+        return state
 
     @property
     def nbytes(self) -> int:
@@ -236,11 +266,14 @@ def flatten_own_params(
     world_size: int,
     move_params_to_cpu: bool,
     compute_device: torch.device | None,
+    cuda_group: bool = False,
 ) -> tuple[list[FlatParamHandle], ParamTable]:
     """Flatten ``module``'s own parameters (not those of nested units) per (dtype, requires_grad) group.
 
-    The original ``nn.Parameter`` objects leave their modules' ``_parameters`` (marked with ``FLATTENED_MARK``);
-    the returned handles own the shards. Groups come in order of first appearance.
+    Under an NCCL group (``cuda_group``) parameters left on the CPU are sharded onto the compute device (the
+    current CUDA device by default), as FairScale moves such modules. The original ``nn.Parameter`` objects
+    leave their modules' ``_parameters`` (marked with ``FLATTENED_MARK``); the returned handles own the shards.
+    Groups come in order of first appearance.
     """
     unique: dict[int, nn.Parameter] = {}
     regs: list[tuple[str, nn.Module, str, nn.Parameter]] = []
@@ -272,7 +305,7 @@ def flatten_own_params(
         )
     param_device = next(iter(devices)) if devices else None
     if (
-        compute_device is not None and not move_params_to_cpu
+        compute_device is not None and not move_params_to_cpu and not cuda_group
         and param_device is not None and compute_device.type != param_device.type
     ):
         raise ValueError(
@@ -283,6 +316,8 @@ def flatten_own_params(
     for p in unique.values():
         groups.setdefault((p.dtype, p.requires_grad), []).append(p)
     shard_device = torch.device("cpu") if move_params_to_cpu else param_device
+    if cuda_group and shard_device is not None and shard_device.type == "cpu" and torch.cuda.is_available():
+        shard_device = compute_device or torch.device("cuda", torch.cuda.current_device())
     handles: list[FlatParamHandle] = []
     table: ParamTable = {}
     for hi, params in enumerate(groups.values()):

@@ -26,7 +26,7 @@ from shardfuse.sharding._root import lazy_init, reset_root
 from shardfuse.sharding._runtime import Unit
 from shardfuse.sharding._state import TrainingState, check_state
 from shardfuse.sharding._summon import summon_full_params
-from shardfuse.sharding._tree import unit_of, units_below
+from shardfuse.sharding._tree import clean_key, unit_of, units_below
 
 __all__ = ["FullyShardedDataParallel", "TrainingState"]
 
@@ -142,7 +142,16 @@ class FullyShardedDataParallel(nn.Module):
             handles, table = flatten_own_params(
                 module, group=groups.process_group, rank=groups.rank, world_size=groups.world_size,
                 move_params_to_cpu=config.move_params_to_cpu, compute_device=config.compute_device,
+                cuda_group=coll.is_cuda_group(groups.process_group),
             )
+            if not config.mixed_precision and config.compute_dtype is not None:
+                wrong = sorted({str(h.dtype) for h in handles if h.dtype != config.compute_dtype})
+                if wrong:
+                    raise ValueError(
+                        f"compute_dtype={config.compute_dtype} without mixed_precision computes in the parameters' "
+                        f"own dtype, but {type(module).__name__} has {wrong} parameters: cast the model first "
+                        f"(e.g. model.half() for pure fp16), or pass mixed_precision=True"
+                    )
             unit = Unit(module, config, groups, handles, table)
             for i, h in enumerate(handles):
                 self.register_parameter(f"flat_param_{i}", h.flat)
@@ -185,10 +194,19 @@ class FullyShardedDataParallel(nn.Module):
         """The data-parallel process group."""
         return self._unit.groups.process_group
 
+    @process_group.setter
+    def process_group(self, group: Any) -> None:
+        # FairScale's way to restore the group after unpickling; it must hold the same ranks.
+        self._unit.set_groups(process_group=group)
+
     @property
     def process_group_reduce_scatter(self) -> Any:
         """The process group of the gradient reduce-scatter (same ranks as ``process_group``)."""
         return self._unit.groups.reduce_scatter_group
+
+    @process_group_reduce_scatter.setter
+    def process_group_reduce_scatter(self, group: Any) -> None:
+        self._unit.set_groups(reduce_scatter_group=group)
 
     @property
     def rank(self) -> int:
@@ -211,9 +229,41 @@ class FullyShardedDataParallel(nn.Module):
         return self._unit.gradient_postdivide_factor
 
     @property
+    def no_broadcast_optim_state(self) -> bool:
+        """This unit's optimizer state stays local (a size-1 group, e.g. a mixture-of-experts expert)."""
+        return self._unit.no_broadcast_optim_state
+
+    @property
     def params_with_grad(self) -> list[nn.Parameter]:
         """The (sharded flat) parameters that have a gradient."""
         return [p for p in self.parameters() if p.grad is not None]
+
+    def assert_state(self, state: TrainingState | list[TrainingState]) -> None:
+        """Raise ``ValueError`` unless this unit is in ``state`` (or one of a list of states), as FairScale does."""
+        allowed = [state] if isinstance(state, TrainingState) else list(state)
+        if self.training_state not in allowed:
+            raise ValueError(
+                f"expected {self._unit.name} to be in states {[s.name for s in allowed]} but current state is "
+                f"{self.training_state.name}"
+            )
+
+    def _reset_lazy_init(self) -> None:
+        """Forget the runtime (streams, full buffers, root); it is rebuilt on the next use (FairScale's name)."""
+        for u in units_below(self._unit):
+            reset_root(u)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Like FairScale: pickling drops the runtime (and the units drop their process groups).
+        for u in units_below(self._unit):
+            check_state(u.training_state, (TrainingState.IDLE,), "pickling", u.name)
+        self._reset_lazy_init()
+        return dict(self.__dict__)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        """``nn.Module.named_parameters``; inside ``summon_full_params()`` the names carry no wrapper segment."""
+        summoned = self.training_state == TrainingState.SUMMON_FULL_PARAMS
+        for name, p in super().named_parameters(*args, **kwargs):
+            yield (clean_key(name) if summoned else name), p
 
     def __getattr__(self, name: str) -> Any:
         """Attributes not found on the wrapper come from the wrapped module (as in FairScale)."""
@@ -393,10 +443,29 @@ class FullyShardedDataParallel(nn.Module):
             return _IncompatibleKeys(missing, unexpected)
 
     def local_state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """This rank's shards and the buffers, under the wrapper's own parameter names (flat_param_i)."""
+        """This rank's flat shards and the buffers, as FairScale names them: ``<unit path>.flat_param_<i>``
+        and the buffers' own names, with no wrapper segment (see :meth:`local_metadata_dict`)."""
         with profiled("shardfuse.sharding:local_state_dict"):
             lazy_init(self._unit)
             return _state_dict.local_state_dict(self)
+
+    def local_metadata_dict(self) -> dict[str, Any]:
+        """What :meth:`consolidate_shard_weights` needs to rebuild full weights from every rank's
+        :meth:`local_state_dict` offline (FairScale's format: per unit, each flat parameter's original names,
+        shapes, numels and this rank's padding; the buffer names)."""
+        lazy_init(self._unit)
+        return _state_dict.local_metadata_dict(self)
+
+    @staticmethod
+    def consolidate_shard_weights(
+        shard_weights: list[dict[str, torch.Tensor]],
+        shard_metadata: list[dict[str, Any]],
+        with_module_buffers: bool = True,
+        strict: bool = True,
+    ) -> dict[str, torch.Tensor]:
+        """Full weights (original names) from every rank's :meth:`local_state_dict` and
+        :meth:`local_metadata_dict`, rank order, without any process group. Buffers come from rank 0."""
+        return _state_dict.consolidate_shard_weights(shard_weights, shard_metadata, with_module_buffers, strict)
 
     def load_local_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> NamedTuple:
         """Load a dict from :meth:`local_state_dict` saved with the same world size and wrapping."""

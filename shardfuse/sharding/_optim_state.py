@@ -82,7 +82,7 @@ def gather_full_optim_state_dict(
         per_param: list[dict[str, Any]] = [{} for _ in orig]
         for key in sorted(st):
             v = st[key]
-            if _is_sharded_state(v, h) and not u.config.no_broadcast_optim_state:
+            if _is_sharded_state(v, h) and not u.no_broadcast_optim_state:
                 full = h.gather_full_precision(u.compute_device, source=v.detach())
                 if receive:
                     outs = [torch.empty(s, dtype=v.dtype, device=full.device) for s in h.shapes]

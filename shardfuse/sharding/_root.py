@@ -12,7 +12,7 @@ import functools
 import torch
 
 from shardfuse._streams import Streams
-from shardfuse.sharding._flat_param import iter_own_modules
+from shardfuse.sharding._flat_param import MISSING_GROUP, iter_own_modules
 from shardfuse.sharding._grad_reduce import ReduceConfig
 from shardfuse.sharding._runtime import RootState, Unit
 from shardfuse.sharding._state import TrainingState, check_state
@@ -34,12 +34,20 @@ def lazy_init(unit: Unit) -> None:
     for u in units[1:]:
         check_state(u.training_state, (TrainingState.IDLE,), "initialising the root", u.name)
     for u in units:
+        if MISSING_GROUP in (u.groups.process_group, u.groups.reduce_scatter_group):
+            raise RuntimeError(
+                f"{u.name} was pickled, which drops its process groups: set model.process_group (and "
+                f"process_group_reduce_scatter) on every FullyShardedDataParallel instance after unpickling"
+            )
+    for u in units:
         _init_unit(u)
     rs = RootState(unit, units, Streams(unit.compute_device))
     for u in units:
         u.root_state = rs
         u.is_root = u is unit
         u.reshard_after_forward = u.config.reshard_after_forward
+        if u.world_size == 1 < unit.world_size and u.groups.process_group is not unit.groups.process_group:
+            u.no_broadcast_optim_state = True
     if unit.config.disable_reshard_on_root:
         unit.reshard_after_forward = False
 
@@ -74,9 +82,8 @@ def _init_unit(unit: Unit) -> None:
         unit.compute_device = torch.device(dev)
     for h in unit.handles:
         if h.full_param is None:
-            h.init_full_buffer(cfg.compute_dtype if cfg.mixed_precision else h.dtype, unit.compute_device)
-            if h.requires_grad:
-                h.full_param.register_post_accumulate_grad_hook(functools.partial(unit.post_backward, h))
+            h.init_full_buffer(cfg.compute_dtype if cfg.mixed_precision else h.dtype, unit.compute_device,
+                               functools.partial(unit.post_backward, h))
     dtypes = {h.compute_dtype for h in unit.handles}
     reduce_dtype = torch.float32 if (cfg.fp32_reduce_scatter or not cfg.mixed_precision) else cfg.compute_dtype
     if not cfg.mixed_precision and dtypes:

@@ -24,8 +24,9 @@ from torch.utils import _pytree as pytree
 
 from shardfuse._profiling import profiled
 from shardfuse._streams import Streams, wait_stream
+from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding._config import Groups, ShardingConfig
-from shardfuse.sharding._flat_param import FlatParamHandle, ParamTable
+from shardfuse.sharding._flat_param import MISSING_GROUP, FlatParamHandle, ParamTable
 from shardfuse.sharding._grad_reduce import PendingFrees, ReduceConfig, finish_host_grads, reduce_grad
 from shardfuse.sharding._state import TrainingState, check_state
 
@@ -119,14 +120,49 @@ class Unit:
         self.gradient_predivide_factor = config.gradient_predivide_factor
         self.gradient_postdivide_factor = config.gradient_postdivide_factor
         self.buffer_dtypes: dict[tuple[int, str], torch.dtype] = {}  # originals of cast buffers
+        # FairScale: a size-1 group inside a larger tree (an expert) keeps its optimizer state local; lazy init
+        # sets it for such units even when the flag was not passed.
+        self.no_broadcast_optim_state = config.no_broadcast_optim_state
         # Set at lazy init (_root.py), when the compute device is final.
         self.compute_device = torch.device("cpu")
         self.reduce_cfg: ReduceConfig | None = None
+        # Under mixed precision the root casts floating inputs to bf16 for bf16 compute, else to fp16 (FairScale
+        # casts to fp16 whatever the compute dtype, so fp32 compute under autocast sees fp16 inputs too).
+        self.input_dtype = torch.bfloat16 if config.compute_dtype == torch.bfloat16 else torch.float16
         self._pre_backward_hook_fn = self.pre_backward  # one bound method: hooks compare equal, cheap to add
 
     # ----------------------------------------------------------------------------------------------
     # gather / free
     # ----------------------------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict:
+        # Streams and process groups do not pickle: the tree is initialised again on first use after the user
+        # sets the groups (FairScale's convention), so pickling drops the runtime.
+        state = dict(self.__dict__)
+        state["root_state"] = None
+        state["is_root"] = None if self.parent is None else False
+        state["reduce_cfg"] = None
+        state["groups"] = Groups(MISSING_GROUP, MISSING_GROUP, self.rank, self.world_size)
+        return state
+
+    def set_groups(self, process_group: Any | None = None, reduce_scatter_group: Any | None = None) -> None:
+        """Replace the process groups (e.g. after unpickling); they must hold the same ranks as before."""
+        for name, g in (("process_group", process_group), ("process_group_reduce_scatter", reduce_scatter_group)):
+            if g is not None and (coll.rank(g), coll.world_size(g)) != (self.rank, self.world_size):
+                raise ValueError(
+                    f"{name} of {self.name} must keep rank={self.rank} of world_size={self.world_size}, got "
+                    f"rank={coll.rank(g)} of {coll.world_size(g)}: the shards were cut for the original group"
+                )
+        old = self.groups
+        self.groups = Groups(
+            process_group if process_group is not None else old.process_group,
+            reduce_scatter_group if reduce_scatter_group is not None else old.reduce_scatter_group,
+            self.rank, self.world_size,
+        )
+        for h in self.handles:
+            h.group = self.groups.process_group
+        if self.reduce_cfg is not None:
+            self.reduce_cfg.group = self.groups.reduce_scatter_group
 
     def unshard(self) -> None:
         streams = self.root_state.streams
@@ -168,7 +204,7 @@ class Unit:
                 rs.fwd_pos = 0
                 rs.prefetch_ok = rs.order_recorded
                 if cfg.mixed_precision:
-                    args, kwargs = cast_floats((args, kwargs), cfg.compute_dtype)
+                    args, kwargs = cast_floats((args, kwargs), self.input_dtype)
             if cfg.force_input_to_fp32 and not cfg.mixed_precision:
                 args, kwargs = cast_floats((args, kwargs), torch.float32)
             nxt = rs.forward_prefetch_target(self)
@@ -176,9 +212,10 @@ class Unit:
             if nxt is not None:
                 with profiled("shardfuse.sharding:prefetch"):
                     nxt.unshard()
-            self.wait_and_set_views()
             for h in self.handles:
+                h.sync_requires_grad()
                 h.forward_version = h.flat._version
+            self.wait_and_set_views()
             outputs = self.module(*args, **kwargs)
             if self.reshard_after_forward and not self._keep_full_for_backward():
                 self.reshard()
@@ -205,7 +242,7 @@ class Unit:
                 # Reentrant checkpointing runs the unit's backward without its pre-backward hook.
                 self.training_state = TrainingState.BACKWARD_PRE
             if self.is_root and self.config.mixed_precision:
-                args, kwargs = cast_floats((args, kwargs), self.config.compute_dtype)
+                args, kwargs = cast_floats((args, kwargs), self.input_dtype)
             self.unshard()
             self.wait_and_set_views()
             return self.module(*args, **kwargs)

@@ -15,7 +15,8 @@ from torch import nn
 
 from shardfuse.sharding import _data_path as dp
 from shardfuse.sharding._runtime import Unit
-from shardfuse.sharding._tree import buffer_value, check_idle, unit_of, units_below, walk_entries
+from shardfuse.sharding._state import TrainingState
+from shardfuse.sharding._tree import buffer_value, check_idle, clean_key, unit_of, units_below, walk_entries
 
 
 def _idle_units(root: nn.Module, action: str) -> list[Unit]:
@@ -24,20 +25,40 @@ def _idle_units(root: nn.Module, action: str) -> list[Unit]:
     return units
 
 
+def _state_dict_device(unit: Unit) -> torch.device:
+    """Where state-dict tensors go: the host with ``move_params_to_cpu`` (as in FairScale), else
+    ``state_dict_device`` if given, else the compute device."""
+    cfg = unit.config
+    if cfg.move_params_to_cpu:
+        return torch.device("cpu")
+    return cfg.state_dict_device if cfg.state_dict_device is not None else unit.compute_device
+
+
 @torch.no_grad()
 def full_state_dict(root: nn.Module) -> OrderedDict[str, Any]:
-    """The full state dict of ``root``'s tree (see module docstring); collective: every rank must call."""
-    units = _idle_units(root, "state_dict()")
+    """The full state dict of ``root``'s tree (see module docstring); collective: every rank must call.
+
+    Inside ``summon_full_params()`` the summoned units' values are read (and copied) from the module
+    attributes, so in-block changes show; the other units are gathered.
+    """
+    units = units_below(unit_of(root))
+    summoned = {id(u) for u in units if u.training_state == TrainingState.SUMMON_FULL_PARAMS}
+    check_idle([u for u in units if id(u) not in summoned], "state_dict()")
     cfg = units[0].config
+    device = _state_dict_device(units[0])
     materialize = not cfg.state_dict_on_rank_0_only or units[0].rank == 0
     values: dict[tuple[int, int], list[torch.Tensor]] = {}
     for u in units:
         for hi, h in enumerate(u.handles):
+            if id(u) in summoned:
+                if materialize:
+                    values[(id(u), hi)] = [s.module._parameters[s.attr].detach().to(device, copy=True)
+                                           for s in _first_slots(h)]
+                continue
             full = h.gather_full_precision(u.compute_device)
             if materialize:
                 outs = [torch.empty(s, dtype=h.dtype, device=full.device) for s in h.shapes]
                 dp.unflatten(full, outs)
-                device = cfg.state_dict_device or h.flat.device
                 values[(id(u), hi)] = [o.to(device) for o in outs]
             del full
     sd: OrderedDict[str, Any] = OrderedDict()
@@ -47,11 +68,18 @@ def full_state_dict(root: nn.Module) -> OrderedDict[str, Any]:
         if e.kind == "param":
             sd[e.key] = values[(id(e.unit), e.handle)][e.index]
         elif e.kind == "buffer":
-            t = buffer_value(e)
-            sd[e.key] = t.to(cfg.state_dict_device) if cfg.state_dict_device is not None else t
+            sd[e.key] = buffer_value(e).to(device, copy=True)
         else:
             sd[e.key] = e.module.get_extra_state()
     return sd
+
+
+def _first_slots(h: Any) -> list[Any]:
+    """The first registration of each unique parameter of a handle, in unique-index order."""
+    first: dict[int, Any] = {}
+    for s in h.slots:
+        first.setdefault(s.index, s)
+    return [first[i] for i in range(len(h.shapes))]
 
 
 @torch.no_grad()
@@ -113,13 +141,13 @@ def load_full_state_dict(root: nn.Module, state_dict: dict[str, Any], strict: bo
 
 @torch.no_grad()
 def local_state_dict(root: nn.Module) -> OrderedDict[str, Any]:
-    """This rank's flat shards and the buffers, under the wrapper-inclusive names of ``named_parameters()``."""
+    """This rank's flat shards and the buffers, keyed by their names without wrapper segments."""
     _idle_units(root, "local_state_dict()")
     sd: OrderedDict[str, Any] = OrderedDict()
     for name, p in root.named_parameters():
-        sd[name] = p.detach().clone()
+        sd[clean_key(name)] = p.detach().clone()
     for name, b in root.named_buffers():
-        sd[name] = b.detach().clone()
+        sd[clean_key(name)] = b.detach().clone()
     return sd
 
 
@@ -129,17 +157,16 @@ def load_local_state_dict(
 ) -> tuple[list[str], list[str]]:
     """Load a :func:`local_state_dict`; shapes must match (same world size and wrapping)."""
     units = _idle_units(root, "load_local_state_dict()")
-    params = dict(root.named_parameters())
-    buffers = dict(root.named_buffers())
-    missing = [k for k in (*params, *buffers) if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in params and k not in buffers]
+    targets = {clean_key(k): t for k, t in (*root.named_parameters(), *root.named_buffers())}
+    missing = [k for k in targets if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in targets]
     if strict and (missing or unexpected):
         raise RuntimeError(
             f"Error(s) in loading local_state_dict: missing keys {missing[:20]}, unexpected keys "
             f"{unexpected[:20]}: it must come from local_state_dict() of the same wrapping on the same rank"
         )
     for k, v in state_dict.items():
-        target = params.get(k, buffers.get(k))
+        target = targets.get(k)
         if target is None:
             continue
         if tuple(v.shape) != tuple(target.shape):
@@ -151,3 +178,80 @@ def load_local_state_dict(
     for u in units:
         u.reshard()
     return missing, unexpected
+
+
+def local_metadata_dict(root: nn.Module) -> dict[str, Any]:
+    """FairScale's metadata for offline consolidation of :func:`local_state_dict` shards (see the wrapper)."""
+    param_metadata = []
+    for path, m in root.named_modules():
+        u = unit_of(m)
+        if u is None:
+            continue
+        params = {}
+        for hi, h in enumerate(u.handles):
+            # This rank's shard covers [rank * shard, (rank + 1) * shard) of the padded flat buffer.
+            end = (u.rank + 1) * h.shard_numel
+            params[f"flat_param_{hi}"] = {
+                "names": list(h.names),
+                "shapes": [torch.Size(s) for s in h.shapes],
+                "numels": list(h.numels),
+                "padding": min(max(end - h.numel, 0), h.shard_numel),
+            }
+        shared = [(clean_key(f"{path}.{first}" if path else first), clean_key(f"{path}.{s.fqn}" if path else s.fqn))
+                  for h in u.handles for s, first in ((s, h.names[s.index]) for s in h.slots) if s.fqn != first]
+        param_metadata.append({
+            "fsdp_path": clean_key(path),
+            "params": params,
+            "no_broadcast_optim_state": u.no_broadcast_optim_state,
+            "shared_param_info": shared,
+        })
+    buffer_names = [clean_key(name) for name, _ in root.named_buffers()]
+    return {"param_metadata": param_metadata, "buffer_names": buffer_names}
+
+
+def consolidate_shard_weights(
+    shard_weights: list[dict[str, torch.Tensor]],
+    shard_metadata: list[dict[str, Any]],
+    with_module_buffers: bool = True,
+    strict: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Full weights from every rank's local state dict and metadata (rank order); no process group needed."""
+    if not shard_weights or len(shard_weights) != len(shard_metadata):
+        raise ValueError(
+            f"consolidate_shard_weights needs one metadata dict per shard and at least one shard, got "
+            f"{len(shard_weights)} weight dicts and {len(shard_metadata)} metadata dicts"
+        )
+    out: dict[str, torch.Tensor] = {}
+    shared: list[tuple[str, str]] = []
+    for ui, meta in enumerate(shard_metadata[0]["param_metadata"]):
+        path = meta["fsdp_path"]
+        shared.extend(meta.get("shared_param_info", ()))
+        for flat_name, info in meta["params"].items():
+            key = f"{path}.{flat_name}" if path else flat_name
+            if key not in shard_weights[0] and not strict:
+                continue
+            pieces = []
+            for rank, (weights, rank_meta) in enumerate(zip(shard_weights, shard_metadata)):
+                if key not in weights:
+                    raise KeyError(f"consolidate_shard_weights: rank {rank}'s weights lack {key!r} (pass strict=False "
+                                   f"to skip parameters missing from rank 0)")
+                pad = rank_meta["param_metadata"][ui]["params"][flat_name]["padding"]
+                shard = weights[key]
+                pieces.append(shard[: shard.numel() - pad] if pad else shard)
+                if meta["no_broadcast_optim_state"]:
+                    break  # an expert's parameters are whole on every rank
+            full = torch.cat(pieces)
+            if full.numel() != sum(info["numels"]):
+                raise ValueError(
+                    f"consolidate_shard_weights: {key} rebuilds {full.numel()} elements but the metadata names "
+                    f"{sum(info['numels'])}: pass every rank's shard, in rank order"
+                )
+            for name, piece, shape in zip(info["names"], full.split(info["numels"]), info["shapes"]):
+                out[f"{path}.{name}" if path else name] = piece.view(shape)
+    for src, dst in shared:
+        out[dst] = out[src]
+    if with_module_buffers:
+        for name in shard_metadata[0]["buffer_names"]:
+            if name in shard_weights[0] or strict:
+                out[name] = shard_weights[0][name]
+    return out

@@ -17,6 +17,14 @@ from shardfuse.sharding._flat_param import UNIT_ATTR
 from shardfuse.sharding._runtime import Unit
 from shardfuse.sharding._state import TrainingState, check_state
 
+# The name of the wrapped module inside each public wrapper: a path segment state dicts leave out.
+WRAPPED_SEGMENT = "_fsdp_wrapped_module"
+
+
+def clean_key(name: str) -> str:
+    """``name`` without the wrappers' own path segments (FairScale's clean path)."""
+    return ".".join(part for part in name.split(".") if part != WRAPPED_SEGMENT)
+
 
 def unit_of(module: nn.Module) -> Unit | None:
     """The unit ``module`` is the wrapper of, or None."""
@@ -38,7 +46,7 @@ def check_idle(units: list[Unit], action: str) -> None:
     for u in units:
         check_state(u.training_state, (TrainingState.IDLE,), action, u.name,
                     "call it outside forward, backward and summon_full_params()")
-    root = units[0].root_state
+    root = units[0].root_state if units else None
     if root is not None:
         wait_stream(root.streams.current(), root.streams.post_backward)
 

@@ -91,8 +91,8 @@ def check_errors() -> bool:
             flatten_parameters=False)
     _raises(ValueError, "fp32_reduce_scatter=True only applies with mixed_precision=True", FSDP, nn.Linear(3, 3),
             fp32_reduce_scatter=True)
-    _raises(ValueError, "compute_dtype=torch.bfloat16 needs mixed_precision=True", FSDP, nn.Linear(3, 3),
-            compute_dtype=torch.bfloat16)
+    _raises(ValueError, "compute_dtype=torch.bfloat16 without mixed_precision computes in the parameters. own",
+            FSDP, nn.Linear(3, 3), compute_dtype=torch.bfloat16)
     _raises(ValueError, "compute_dtype=torch.int8 is not supported", FSDP, nn.Linear(3, 3),
             mixed_precision=True, compute_dtype=torch.int8)
     _raises(ValueError, "move_grads_to_cpu=True needs move_params_to_cpu=True", FSDP, nn.Linear(3, 3),
