@@ -53,6 +53,11 @@ def default_group() -> ProcessGroup:
     return dist.group.WORLD
 
 
+def is_process_group(group: ProcessGroup) -> bool:
+    """True for a real ``torch.distributed`` group (not a duck-typed stand-in with only rank()/size())."""
+    return isinstance(group, dist.ProcessGroup)
+
+
 def is_cuda_group(group: ProcessGroup) -> bool:
     """True when ``group`` communicates CUDA tensors (NCCL): its shards must live on a GPU."""
     try:
@@ -120,6 +125,21 @@ def all_reduce_(t: torch.Tensor, group: ProcessGroup, world: int, op: str = "sum
     with profiled("shardfuse.sharding:all_reduce"):
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
     return t
+
+
+def all_gather_object(obj: Any, group: ProcessGroup, world: int) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order; ``[obj]`` for a world of one."""
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_(t: torch.Tensor, group: ProcessGroup, world: int) -> None:
+    """Overwrite ``t`` with its value on the group's first rank."""
+    if world > 1:
+        dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
 
 
 def barrier(group: ProcessGroup, world: int) -> None:

@@ -43,6 +43,7 @@ class ShardingConfig:
     gradient_predivide_factor: float
     gradient_postdivide_factor: float
     allow_reset_parameters: bool
+    sync_module_states: bool = False
     flatten_parameters: bool = True
 
 
@@ -99,6 +100,7 @@ def make_config(
     state_dict_on_rank_0_only: bool,
     gradient_predivide_factor: float | None,
     allow_reset_parameters: bool,
+    sync_module_states: bool = False,
 ) -> ShardingConfig:
     """Validate FairScale's keyword arguments for a unit of ``world_size`` ranks into a :class:`ShardingConfig`."""
     if not flatten_parameters:
@@ -138,6 +140,11 @@ def make_config(
     if gradient_predivide_factor is None:
         predivide, postdivide = dp.default_divide_factors(world_size)
     else:
+        if isinstance(gradient_predivide_factor, bool) or not isinstance(gradient_predivide_factor, (int, float)):
+            raise TypeError(
+                f"gradient_predivide_factor must be a number, got {gradient_predivide_factor!r} "
+                f"({type(gradient_predivide_factor).__name__}): pass e.g. 2.0, or None for FairScale's default"
+            )
         if not gradient_predivide_factor > 0:
             raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor=}")
         predivide = float(gradient_predivide_factor)
@@ -170,4 +177,5 @@ def make_config(
         gradient_predivide_factor=predivide,
         gradient_postdivide_factor=postdivide,
         allow_reset_parameters=allow_reset_parameters,
+        sync_module_states=bool(sync_module_states),
     )

@@ -29,6 +29,8 @@ FLATTENED_MARK = "_shardfuse_flattened_into"
 # The instance attribute that makes a module (the public wrapper) a unit: it holds the unit's runtime state.
 # Flattening stops at such modules; their own parameters belong to their unit.
 UNIT_ATTR = "_shardfuse_unit"
+# Set on every module whose parameters a unit flattened: wrapping it (or a part of it) again is an error.
+OWNED_MARK = "_shardfuse_owned_by"
 # What a pickled unit holds instead of its process groups until the user sets them again.
 MISSING_GROUP = "MISSING"
 
@@ -94,6 +96,13 @@ class FlatParamHandle:
         self.shard_numel = self.padded_numel // world_size
         # A fresh contiguous tensor: the full flattened buffer is released when this returns.
         shard = full.narrow(0, rank * self.shard_numel, self.shard_numel).clone()
+        # A cheap fingerprint of the initial values, compared across ranks once at lazy init: ranks that built
+        # the model differently would otherwise train a mix of both inits.
+        self.init_checksum: tuple[float, float] | None = None
+        if full.device.type != "meta":
+            with torch.no_grad():
+                wide = full.double()
+                self.init_checksum = (wide.sum().item(), wide.square().sum().item())
         del full
         if shard.device != shard_device:
             shard = shard.to(shard_device)
@@ -336,4 +345,6 @@ def flatten_own_params(
     for _, m, name, p in regs:
         m._parameters.pop(name, None)
         setattr(p, FLATTENED_MARK, True)
+    for _, m in iter_own_modules(module):
+        object.__setattr__(m, OWNED_MARK, True)
     return handles, table

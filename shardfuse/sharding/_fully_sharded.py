@@ -21,7 +21,7 @@ from shardfuse._profiling import profiled
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding import _optim_state, _state_dict
 from shardfuse.sharding._config import ShardingConfig, make_config, resolve_groups
-from shardfuse.sharding._flat_param import UNIT_ATTR, flatten_own_params, iter_own_modules
+from shardfuse.sharding._flat_param import OWNED_MARK, UNIT_ATTR, flatten_own_params, iter_own_modules
 from shardfuse.sharding._root import lazy_init, reset_root
 from shardfuse.sharding._runtime import Unit
 from shardfuse.sharding._state import TrainingState, check_state
@@ -83,6 +83,9 @@ class FullyShardedDataParallel(nn.Module):
             ``world_size / factor`` after it (default: FairScale's power of two near sqrt(world_size)).
         allow_reset_parameters: allow ``reset_parameters()`` (inside ``summon_full_params()``), including
             ones that replace the ``nn.Parameter`` objects.
+        sync_module_states: broadcast the first rank's parameters and buffers of this unit at wrap time (FSDP1's
+            name), so ranks need not build the model identically. Without it, the first use checks once that
+            every rank starts from the same values and raises if not.
     """
 
     def __init__(
@@ -110,6 +113,7 @@ class FullyShardedDataParallel(nn.Module):
         state_dict_on_rank_0_only: bool = False,
         gradient_predivide_factor: float | None = None,
         allow_reset_parameters: bool = False,
+        sync_module_states: bool = False,
     ) -> None:
         with profiled("shardfuse.sharding:wrap"):
             super().__init__()
@@ -125,6 +129,14 @@ class FullyShardedDataParallel(nn.Module):
                     f"{type(module).__name__} was already wrapped by FullyShardedDataParallel (its parameters are "
                     f"flattened): wrap each module once and keep using the first wrapper"
                 )
+            owned = next((p or "<the module itself>" for p, m in iter_own_modules(module) if OWNED_MARK in m.__dict__),
+                         None)
+            if owned is not None:
+                raise ValueError(
+                    f"the parameters of {type(module).__name__} (at {owned!r}) already belong to an outer "
+                    f"FullyShardedDataParallel unit, which flattened them: wrap inner modules first, then the outer "
+                    f"module (or use auto_wrap)"
+                )
             groups = resolve_groups(process_group, process_group_reduce_scatter)
             config = make_config(
                 groups.world_size,
@@ -137,8 +149,10 @@ class FullyShardedDataParallel(nn.Module):
                 clear_autocast_cache=clear_autocast_cache, force_input_to_fp32=force_input_to_fp32,
                 verbose=verbose, cpu_offload=cpu_offload, state_dict_on_rank_0_only=state_dict_on_rank_0_only,
                 gradient_predivide_factor=gradient_predivide_factor,
-                allow_reset_parameters=allow_reset_parameters,
+                allow_reset_parameters=allow_reset_parameters, sync_module_states=sync_module_states,
             )
+            if config.sync_module_states:
+                _broadcast_own_states(module, groups)
             handles, table = flatten_own_params(
                 module, group=groups.process_group, rank=groups.rank, world_size=groups.world_size,
                 move_params_to_cpu=config.move_params_to_cpu, compute_device=config.compute_device,
@@ -512,6 +526,31 @@ def _guard_reset_parameters(module: nn.Module) -> None:
     for _, m in iter_own_modules(module):
         if callable(getattr(type(m), "reset_parameters", None)):
             m.__dict__["reset_parameters"] = functools.partial(_forbidden_reset, m)
+
+
+@torch.no_grad()
+def _broadcast_own_states(module: nn.Module, groups: Any) -> None:
+    """Copy the first rank's values of the unit's own parameters and buffers to every rank (one broadcast per
+    dtype and device)."""
+    if not coll.is_process_group(groups.process_group):
+        raise ValueError(
+            "sync_module_states=True needs a torch.distributed process group to broadcast with, got "
+            f"{type(groups.process_group).__name__}: pass a real group, or drop sync_module_states"
+        )
+    tensors: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for _, m in iter_own_modules(module):
+        for t in (*m._parameters.values(), *m._buffers.values()):
+            if t is not None:
+                tensors.setdefault((t.dtype, t.device), []).append(t)
+    on_gpu = coll.is_cuda_group(groups.process_group) and torch.cuda.is_available()
+    for group in tensors.values():
+        unique = list({id(t): t for t in group}.values())
+        flat = torch.cat([t.detach().reshape(-1) for t in unique])
+        if on_gpu and flat.device.type == "cpu":  # NCCL moves CUDA tensors only
+            flat = flat.cuda()
+        coll.broadcast_(flat, groups.process_group, groups.world_size)
+        for t, v in zip(unique, flat.split([t.numel() for t in unique])):
+            t.detach().copy_(v.view_as(t))
 
 
 def _by_device(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:

@@ -12,6 +12,7 @@ import functools
 import torch
 
 from shardfuse._streams import Streams
+from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding._flat_param import MISSING_GROUP, iter_own_modules
 from shardfuse.sharding._grad_reduce import ReduceConfig
 from shardfuse.sharding._runtime import RootState, Unit
@@ -39,6 +40,7 @@ def lazy_init(unit: Unit) -> None:
                 f"{u.name} was pickled, which drops its process groups: set model.process_group (and "
                 f"process_group_reduce_scatter) on every FullyShardedDataParallel instance after unpickling"
             )
+    _check_ranks_agree(unit, units)
     for u in units:
         _init_unit(u)
     rs = RootState(unit, units, Streams(unit.compute_device))
@@ -108,3 +110,41 @@ def _cast_buffers(unit: Unit) -> None:
             dtype = buffer_dtype if (buffer_dtype is not None and b.is_floating_point()) else b.dtype
             if b.dtype != dtype or b.device != unit.compute_device:
                 m._buffers[name] = b.to(device=unit.compute_device, dtype=dtype)
+
+
+def _check_ranks_agree(root: Unit, units: list[Unit]) -> None:
+    """Once per tree: every rank must have wrapped the same units with the same initial values.
+
+    Ranks that wrap differently would issue mismatched collectives (a crash or hang deep in the backend), and
+    ranks built with different seeds would silently train a mix of both inits. One object all-gather here
+    turns both into an error that names the first difference.
+    """
+    world = root.world_size
+    if world == 1 or not coll.is_process_group(root.groups.process_group):
+        return
+    layout = [(u.name, [(h.numel, str(h.dtype), h.requires_grad) for h in u.handles]) for u in units]
+    values = [[h.init_checksum for h in u.handles] for u in units]
+    synced = all(u.config.sync_module_states for u in units)
+    everyone = coll.all_gather_object((layout, values), root.groups.process_group, world)
+    first_layout, first_values = everyone[0]
+    for rank, (other_layout, other_values) in enumerate(everyone[1:], start=1):
+        if other_layout != first_layout:
+            diff = next(
+                (i for i, (a, b) in enumerate(zip(first_layout, other_layout)) if a != b),
+                min(len(first_layout), len(other_layout)),
+            )
+            mine = first_layout[diff] if diff < len(first_layout) else "no unit"
+            theirs = other_layout[diff] if diff < len(other_layout) else "no unit"
+            raise RuntimeError(
+                f"ranks wrapped the model differently: {len(first_layout)} units on rank 0, {len(other_layout)} on "
+                f"rank {rank}; unit #{diff} is {mine} (name, [(numel, dtype, requires_grad) per flat group]) on rank "
+                f"0 but {theirs} on rank {rank}: build and wrap the same model on every rank"
+            )
+        if not synced and other_values != first_values:
+            diff = next(i for i, (a, b) in enumerate(zip(first_values, other_values)) if a != b)
+            raise RuntimeError(
+                f"ranks initialised the parameters of {units[diff].name} (unit #{diff}) differently: rank 0 and rank "
+                f"{rank} must start from the same values (each rank keeps only its shard): seed every rank "
+                f"identically (torch.manual_seed) before building the model, load the same checkpoint, or pass "
+                f"sync_module_states=True to broadcast rank 0's parameters and buffers at wrap time"
+            )

@@ -102,6 +102,11 @@ def load_full_state_dict(root: nn.Module, state_dict: dict[str, Any], strict: bo
         if e.key not in state_dict:
             continue
         value = state_dict[e.key]
+        if e.kind != "extra" and not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"state_dict[{e.key!r}] is a {type(value).__name__}, not a tensor: a full state dict maps each "
+                f"parameter and buffer name to a tensor (e.g. from model.state_dict() of the unwrapped model)"
+            )
         if e.kind == "param":
             shape = e.unit.handles[e.handle].shapes[e.index]
             if tuple(value.shape) != tuple(shape):
@@ -125,7 +130,8 @@ def load_full_state_dict(root: nn.Module, state_dict: dict[str, Any], strict: bo
             have = [provided.get((id(u), hi, i)) for i in range(len(h.shapes))]
             device = u.compute_device
             if all(x is not None for x in have):
-                full = dp.flatten_padded([x[1].to(device) for x in have], h.world_size, h.dtype)
+                # Cast like nn.Module.load_state_dict's copy_ does (an int64 tensor loads into a float parameter).
+                full = dp.flatten_padded([x[1].to(device, h.dtype) for x in have], h.world_size, h.dtype)
             else:
                 # Partial load (strict=False): start from the current values. Collective, like the full case
                 # is not: every rank must provide the same keys.
