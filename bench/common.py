@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmark suites: where results go and what every result records."""
+"""Helpers shared by the benchmark suites: where results go, what every result records, a free port."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import re
+import socket
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,13 @@ from typing import Any
 import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on localhost (for a process group's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def gpu_key() -> str:

@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: the GPU tests and the benchmarks, logs and JSON under $OUT, a short table last.
 #
-#   bash bench/gpu_suite.sh [stage ...]     stages: env tests kernels kernels-pb tile-sweep offload e2e overlap train (default: all that fit)
+#   bash bench/gpu_suite.sh [stage ...]     stages: env tests kernels kernels-pb tile-sweep offload e2e overlap
+#                                           train regress (default: all that fit)
 #
 # Every step runs under `timeout` so a hang cannot eat the lease; a failed step is reported and the
 # suite goes on. Multi-GPU steps issue the same collectives on every rank (fixed step counts).
+# The benchmarks run as modules from the repository root (`python -m bench.x.y`, `torchrun -m bench.x.y`).
+# Regressions: `kernels-pb` compares the kernels with pytest-benchmark against the newest run stored in
+# bench/results/<gpu>/pytest-benchmark/ (fails on a median more than KERNEL_NOISE, default 10%, slower);
+# `regress` compares this run's e2e and offload JSON with bench/results/<gpu>/ (python -m bench.regress).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# The device machine gets the working tree without installing it: the root on the path for examples/train.py
+# (run as a script, as the README does) and for the workers of any launcher.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # NVLink multicast stays off (the machine sets these too; never unset them).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -20,9 +27,11 @@ export BENCH_OUT="$OUT/results"
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 STAGES=("$@")
 if [ ${#STAGES[@]} -eq 0 ]; then
-  STAGES=(env tests kernels offload)
+  STAGES=(env tests kernels kernels-pb offload)
   [ "$NGPU" -ge 2 ] && STAGES+=(e2e overlap)
+  STAGES+=(regress)
 fi
+GPU_KEY=$(python3 -c 'from bench.common import gpu_key; print(gpu_key())' 2>/dev/null || echo unknown)
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 
@@ -47,22 +56,49 @@ for stage in "${STAGES[@]}"; do
       step tests 420 python3 -m pytest -q --timeout=300 -p no:cacheprovider tests -m "${TEST_MARK-gpu or multigpu}" \
         --junitxml="$OUT/tests-junit.xml" ;;
     kernels)
-      step kernels 360 python3 bench/kernels/run.py --sizes "${KERNEL_SIZES:-1M,16M,64M,256M,512M}" ;;
+      step kernels 360 python3 -m bench.kernels.run --sizes "${KERNEL_SIZES:-1M,16M,64M,256M,512M}" ;;
     kernels-pb)
+      # pytest-benchmark's own storage and compare. The runs stored for this GPU (a previous suite's
+      # $OUT/work/pytest-benchmark/, copied to bench/results/<gpu>/pytest-benchmark/) seed this run's storage;
+      # the run is saved there (--benchmark-autosave) and, when a stored run exists, compared with the newest.
+      PB_STORE="$OUT/pytest-benchmark"
+      mkdir -p "$PB_STORE"
+      # pytest-benchmark files stored runs per platform (e.g. Linux-CPython-3.12-64bit) and compares within one.
+      PB_MACHINE=$(python3 -c 'from pytest_benchmark.utils import get_machine_id; print(get_machine_id())')
+      PB_COMPARE=()
+      if compgen -G "bench/results/$GPU_KEY/pytest-benchmark/$PB_MACHINE/[0-9][0-9][0-9][0-9]_*.json" >/dev/null; then
+        cp -r "bench/results/$GPU_KEY/pytest-benchmark/." "$PB_STORE/"
+        PB_COMPARE=(--benchmark-compare --benchmark-compare-fail "median:${KERNEL_NOISE:-10}%")
+      else
+        echo "kernels-pb: no stored run in bench/results/$GPU_KEY/pytest-benchmark/$PB_MACHINE/: saving only"
+      fi
       step kernels-pb 240 python3 -m pytest -q -p no:cacheprovider bench/kernels/test_bench_kernels.py \
-        --benchmark-enable --benchmark-json="$OUT/kernels-pytest-benchmark.json" ;;
+        --benchmark-enable --benchmark-storage="file://$PB_STORE" --benchmark-autosave \
+        ${PB_COMPARE[@]+"${PB_COMPARE[@]}"} --benchmark-json="$OUT/kernels-pytest-benchmark.json" ;;
     tile-sweep)
-      step tile-sweep 120 python3 bench/kernels/sweep_flatten_tile.py ;;
+      step tile-sweep 120 python3 -m bench.kernels.sweep_flatten_tile ;;
     offload)
-      step offload 300 python3 bench/offload/run.py ${OFFLOAD_ARGS:-} ;;
+      step offload 300 python3 -m bench.offload.run ${OFFLOAD_ARGS:-} ;;
     e2e)
-      step e2e 540 torchrun --standalone --nproc_per_node "$NGPU" bench/e2e/run.py --regime both \
+      step e2e 540 torchrun --standalone --nproc_per_node "$NGPU" -m bench.e2e.run --regime both \
         --impls "${E2E_IMPLS:-shardfuse,fsdp2,fsdp1}" --steps "${E2E_STEPS:-15}" --warmup 3 ${E2E_ARGS:-} ;;
     train)
       # the README's main job on every local GPU (NCCL), with its parity check against unsharded training
       step train 300 torchrun --standalone --nproc_per_node "$NGPU" examples/train.py ;;
     overlap)
-      step overlap 120 torchrun --standalone --nproc_per_node 2 bench/e2e/overlap.py ;;
+      step overlap 120 torchrun --standalone --nproc_per_node 2 -m bench.e2e.overlap ;;
+    regress)
+      # this run's e2e and offload results against the stored ones of this GPU (kernels: see kernels-pb)
+      REGRESS_FILES=()
+      for f in "$BENCH_OUT/$GPU_KEY"/e2e_*gpu.json "$BENCH_OUT/$GPU_KEY"/offload.json; do
+        [ -f "$f" ] && REGRESS_FILES+=("$f")
+      done
+      if [ ${#REGRESS_FILES[@]} -eq 0 ]; then
+        echo "regress: no e2e or offload result under $BENCH_OUT/$GPU_KEY"
+      else
+        step regress 60 bash -c 'rc=0; for f in "$@"; do python3 -m bench.regress "$f" || rc=1; done; exit $rc' \
+          regress "${REGRESS_FILES[@]}"
+      fi ;;
     *)
       echo "unknown stage: $stage" >&2 ;;
   esac

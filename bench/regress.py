@@ -1,25 +1,28 @@
-"""Regression check: compare a new benchmark result with the stored one for the same GPU.
+"""Regression check: compare a new end-to-end or offload result with the stored one for the same GPU.
 
-    python bench/regress.py NEW.json                       # against bench/results/<gpu>/<NEW's name>.json
-    python bench/regress.py NEW.json --baseline OLD.json   # against a given file
-    python bench/regress.py NEW.json --noise 0.03 --min-ms 0.05
+    python -m bench.regress NEW.json                       # against bench/results/<gpu>/<NEW's name>.json
+    python -m bench.regress NEW.json --baseline OLD.json   # against a given file
+    python -m bench.regress NEW.json --noise 0.03
 
-``NEW.json`` is a file written by ``bench/kernels/run.py``, ``bench/e2e/run.py`` or ``bench/offload/run.py``
-(for example from ``$OUT/work/results/<gpu>/`` after ``bench/gpu_suite.sh``). The GPU comes from the file's
+Run from the repository root. ``NEW.json`` is a file written by ``bench.e2e.run`` or ``bench.offload.run`` (for
+example from ``$OUT/work/results/<gpu>/`` after ``bench/gpu_suite.sh``). The GPU comes from the file's
 ``env.gpu_key`` (else ``--gpu``, else the name of the folder it lies in); the stored result is the file of the
 same name under ``--results/<gpu>/``.
 
 Compared times (lower is better):
 
-- kernels: ``shardfuse_ms`` of every case, keyed by family and case name; each baseline's ``ms`` for context;
 - e2e: ``step_ms`` of every (implementation, regime) row;
 - offload: ``step_ms`` of every variant, and of the capped run.
 
 A shardfuse time that grew by more than the noise band (``new > old * (1 + noise)``) is a regression; so is a
 shardfuse row that was measured before and now failed or is missing. Times of the other implementations
-(FSDP2, FSDP1, FairScale, PyTorch kernel sequences) are shown for context only: if they slowed down by the same
-amount, the machine changed rather than shardfuse. Exit status: 0 no regression (or nothing stored to compare
-with), 1 regression, 2 bad input.
+(FSDP2, FSDP1, FairScale, the plain model) are shown for context only: if they slowed down by the same amount,
+the machine changed rather than shardfuse. Exit status: 0 no regression (or nothing stored to compare with),
+1 regression, 2 bad input.
+
+Kernel results (``kernels.json``) are not compared here: kernel regressions go through pytest-benchmark's own
+``--benchmark-autosave`` / ``--benchmark-compare`` on ``bench/kernels/test_bench_kernels.py`` (the ``kernels-pb``
+stage of ``bench/gpu_suite.sh``).
 """
 
 from __future__ import annotations
@@ -31,11 +34,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.report import DEFAULT_RESULTS, Result, load_file  # noqa: E402
+from bench.results_io import DEFAULT_RESULTS, Result, load_file
 
 DEFAULT_NOISE = 0.05
+KINDS = ("e2e", "offload")  # what this check compares; kernels go through pytest-benchmark
+KERNELS_HINT = (
+    "kernel results are compared by pytest-benchmark, not here: run bench/kernels/test_bench_kernels.py with "
+    "--benchmark-autosave / --benchmark-compare (bash bench/gpu_suite.sh kernels-pb)"
+)
 
 
 @dataclass(frozen=True)
@@ -56,16 +62,7 @@ def metrics(res: Result) -> dict[str, Metric]:
     """Every comparable time of one result file, keyed by a readable name."""
     out: dict[str, Metric] = {}
     data = res.data
-    if res.kind == "kernels":
-        for r in data.get("rows") or []:
-            if not isinstance(r, dict):
-                continue
-            key = f"{r.get('family')}: {r.get('name')}"
-            out[key] = Metric(_ms(r.get("shardfuse_ms")), True)
-            for label, b in (r.get("baselines") or {}).items():
-                if isinstance(b, dict):
-                    out[f"{key} [{label}]"] = Metric(_ms(b.get("ms")), False)
-    elif res.kind == "e2e":
+    if res.kind == "e2e":
         for r in data.get("results") or []:
             if not isinstance(r, dict) or "skipped" in r:
                 continue  # not runnable in that environment (e.g. FairScale not installed): nothing measured
@@ -192,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     new = load_file(args.new)
     if new.kind in ("unknown", "unreadable"):
         print(f"{args.new}: not a benchmark result ({new.problem or 'unknown format'})", file=sys.stderr)
+        return 2
+    if new.kind not in KINDS:
+        print(f"{args.new}: {KERNELS_HINT}", file=sys.stderr)
         return 2
     if args.baseline is not None:
         baseline_path = args.baseline

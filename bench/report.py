@@ -1,16 +1,19 @@
 """Render the stored benchmark results as ``docs/benchmarks.md`` (tables and PNG plots) and a README summary.
 
-    python bench/report.py                            # docs/benchmarks.md + docs/img/*.png from bench/results
-    python bench/report.py --results DIR --out FILE --img-dir DIR      # other places (e.g. a scratch copy)
-    python bench/report.py --summary                  # print only the short README table
-    python bench/report.py --readme README.md         # also rewrite the README's results table
-    python bench/report.py --compare NEW.json         # regression check, see bench/regress.py
+    python -m bench.report                            # docs/benchmarks.md + docs/img/*.png from bench/results
+    python -m bench.report --results DIR --out FILE --img-dir DIR      # other places (e.g. a scratch copy)
+    python -m bench.report --summary                  # print only the short README table
+    python -m bench.report --readme README.md         # also rewrite the README's results table
+    python -m bench.report --compare NEW.json         # regression check of an e2e/offload file, see bench.regress
+
+Run from the repository root (``python -m`` puts it on ``sys.path``).
 
 Inputs are the JSON files the benchmark runners write through ``bench.common.write_result``, one folder per
-GPU architecture: ``bench/results/<gpu>/kernels.json`` (``bench/kernels/run.py``),
-``bench/results/<gpu>/e2e_<N>gpu.json`` (``bench/e2e/run.py``) and ``bench/results/<gpu>/offload.json``
-(``bench/offload/run.py``). Every file carries an ``"env"`` entry (GPU, versions, date, commit) that is
-printed above each table. Missing files and keys are tolerated; with no results at all the page says so.
+GPU architecture: ``bench/results/<gpu>/kernels.json`` (``bench.kernels.run``),
+``bench/results/<gpu>/e2e_<N>gpu.json`` (``bench.e2e.run``) and ``bench/results/<gpu>/offload.json``
+(``bench.offload.run``), read through ``bench.results_io``. Every file carries an ``"env"`` entry (GPU,
+versions, date, commit) that is printed above each table. Missing files and keys are tolerated; with no
+results at all the page says so.
 
 The README table goes between the lines ``<!-- results:start -->`` and ``<!-- results:end -->``; a README
 that has neither marker but a line that is exactly ``RESULTS_TABLE`` gets that line replaced by the
@@ -23,18 +26,16 @@ so. Only the standard library is needed otherwise (no torch import), so the repo
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_RESULTS = REPO / "bench" / "results"
+from bench.results_io import DEFAULT_RESULTS, REPO, Result, load_results
+
 DEFAULT_OUT = REPO / "docs" / "benchmarks.md"
 DEFAULT_IMG = REPO / "docs" / "img"
 
@@ -87,76 +88,6 @@ OFFLOAD_LABEL = {
 }
 KERNEL_BIG_BYTES = 64e6  # the "large buffer" threshold of the kernel summaries (bench/kernels/run.py uses it)
 DASH = "-"
-
-
-# ------------------------------------------------------------------------------------------------ loading
-
-
-@dataclass
-class Result:
-    """One stored result file."""
-
-    gpu: str  # the folder name under results/, e.g. "h200"
-    name: str  # the file stem, e.g. "e2e_2gpu"
-    path: Path
-    kind: str  # "kernels", "e2e", "offload", "unknown" or "unreadable"
-    data: dict[str, Any] = field(default_factory=dict)
-    problem: str | None = None
-
-    @property
-    def env(self) -> dict[str, Any]:
-        env = self.data.get("env")
-        return env if isinstance(env, dict) else {}
-
-
-def detect_kind(name: str, data: Any) -> str:
-    """Which runner wrote ``data`` (by its keys, then by the file name)."""
-    if not isinstance(data, dict):
-        return "unknown"
-    rows = data.get("rows")
-    if isinstance(rows, list) and (not rows or any(isinstance(r, dict) and "family" in r for r in rows)):
-        return "kernels"
-    if isinstance(data.get("results"), list):
-        return "e2e"
-    if isinstance(data.get("variants"), dict):
-        return "offload"
-    if name == "kernels":
-        return "kernels"
-    if name.startswith("e2e"):
-        return "e2e"
-    if name.startswith("offload"):
-        return "offload"
-    return "unknown"
-
-
-def load_file(path: Path, gpu: str | None = None) -> Result:
-    """Read one result file; a file that cannot be parsed becomes a Result of kind ``unreadable``."""
-    gpu = gpu if gpu is not None else path.parent.name
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        return Result(gpu, path.stem, path, "unreadable", {}, f"{type(exc).__name__}: {exc}")
-    if not isinstance(data, dict):
-        return Result(gpu, path.stem, path, "unknown", {}, "top level is not a JSON object")
-    return Result(gpu, path.stem, path, detect_kind(path.stem, data), data)
-
-
-def _result_sort_key(r: Result) -> tuple[int, int, str]:
-    order = {"e2e": 0, "offload": 1, "kernels": 2, "unknown": 3, "unreadable": 4}
-    m = re.search(r"(\d+)gpu", r.name)
-    return order.get(r.kind, 5), int(m.group(1)) if m else 0, r.name
-
-
-def load_results(results_dir: Path) -> dict[str, list[Result]]:
-    """``{gpu: [results...]}`` for every ``<results_dir>/<gpu>/*.json``, GPUs and files in a stable order."""
-    out: dict[str, list[Result]] = {}
-    if not results_dir.is_dir():
-        return out
-    for gpu_dir in sorted(p for p in results_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        files = sorted(gpu_dir.glob("*.json"))
-        if files:
-            out[gpu_dir.name] = sorted((load_file(f, gpu_dir.name) for f in files), key=_result_sort_key)
-    return out
 
 
 # ------------------------------------------------------------------------------------------------ formatting
@@ -642,37 +573,43 @@ def other_section(res: Result) -> list[str]:
 HOW_MEASURED = """\
 ## How these numbers are made
 
-- `bench/kernels/run.py`: every kernel family against the PyTorch sequences it replaces, at several sizes,
+- `python -m bench.kernels.run`: every kernel family against the PyTorch sequences it replaces, at several sizes,
   with the GPU's own device-copy bandwidth measured in the same run (medians of CUDA-event timings).
-- `bench/e2e/run.py` under `torchrun`: a Llama-style decoder trained with shardfuse, FSDP2 `fully_shard`,
+- `torchrun ... -m bench.e2e.run`: a Llama-style decoder trained with shardfuse, FSDP2 `fully_shard`,
   FSDP1 (and FairScale when installed), one after another in the same job, every decoder layer one sharded
   unit plus the root; two regimes per GPU: 8K tokens (batch 4 x seq 2048) and 1K tokens (batch 1 x seq 1024).
   Step time is the max over ranks of the mean step time (forward, backward and optimizer step, synchronised
   before and after each step); tokens/s/GPU follows from it; MFU = (6 x matmul parameters x tokens + causal
   attention flops) / (step time x the dense bf16 peak named in the setup line); peak memory is
   `torch.cuda.max_memory_allocated` from after wrapping to the last step, max over ranks.
-- `bench/offload/run.py`: one GPU trains a model kept in host memory with shardfuse's `OffloadModel`,
+- `python -m bench.offload.run`: one GPU trains a model kept in host memory with shardfuse's `OffloadModel`,
   FairScale's `OffloadModel` (when installed) and FSDP2 with `CPUOffloadPolicy`, against the same model
   resident on the GPU. Host<->device GB/s is bytes copied per step divided by the step time: counted by
   `OffloadModel.transfer_stats()` for shardfuse, estimated from the parameter traffic for the others.
 - `bash bench/gpu_suite.sh` runs the GPU tests and all three on one machine (results under
   `$OUT/work/results/<gpu>/`, packed in `$OUT/suite.tgz`). Run alone, each runner writes
-  `bench/results/<gpu>/<name>.json`; this page is rendered from those files by `python bench/report.py`, and
-  `python bench/regress.py NEW.json` compares a new result with the stored one (see
+  `bench/results/<gpu>/<name>.json`; this page is rendered from those files by `python -m bench.report`, and
+  `python -m bench.regress NEW.json` compares a new training or offload result with the stored one (see
   [Regression check](#regression-check) below).
 """
 
 REGRESSION_NOTE = """\
 ## Regression check
 
-`python bench/regress.py NEW.json` compares a fresh result file with the stored file of the same name for
-the same GPU (`bench/results/<gpu>/<name>.json`, the GPU taken from the new file's `env.gpu_key`) and exits
-with status 1 when a shardfuse time (kernel time, training step time, offload step time) is slower by more
-than the noise band (`--noise`, default 5%), or when a shardfuse row measured before now failed. The other
-implementations are listed for context only: when FSDP2 slowed down by the same amount, the machine
-changed, not shardfuse (the check prints a note when their median changed beyond the band). `--min-ms`
-exempts times too short to measure reliably (launch-bound kernel cases); `--baseline OLD.json` compares
-with a given file. `python bench/report.py --compare NEW.json` runs the same check.
+`python -m bench.regress NEW.json` compares a fresh end-to-end or offload result file with the stored file
+of the same name for the same GPU (`bench/results/<gpu>/<name>.json`, the GPU taken from the new file's
+`env.gpu_key`) and exits with status 1 when a shardfuse time (training step time, offload step time) is
+slower by more than the noise band (`--noise`, default 5%), or when a shardfuse row measured before now
+failed. The other implementations are listed for context only: when FSDP2 slowed down by the same amount,
+the machine changed, not shardfuse (the check prints a note when their median changed beyond the band).
+`--baseline OLD.json` compares with a given file; `python -m bench.report --compare NEW.json` runs the same
+check; `bash bench/gpu_suite.sh` runs it on every e2e and offload file it writes (stage `regress`).
+
+Kernel regressions go through pytest-benchmark's own storage and compare: the suite's `kernels-pb` stage
+runs `bench/kernels/test_bench_kernels.py` with `--benchmark-autosave`, and with `--benchmark-compare
+--benchmark-compare-fail median:10%` against the newest run stored for that GPU in
+`bench/results/<gpu>/pytest-benchmark/` (copy the run it saved under `$OUT/work/pytest-benchmark/` there to
+make it the new reference).
 """
 
 
@@ -682,7 +619,7 @@ def render(results: dict[str, list[Result]], out_path: Path, plots: Plotter) -> 
     lines = [
         "# Benchmark results",
         "",
-        "<!-- Generated by `python bench/report.py` from bench/results/<gpu>/*.json: edit the script, not this "
+        "<!-- Generated by `python -m bench.report` from bench/results/<gpu>/*.json: edit the script, not this "
         "file. -->",
         "",
     ]
@@ -691,7 +628,7 @@ def render(results: dict[str, list[Result]], out_path: Path, plots: Plotter) -> 
             "No benchmark results are stored yet: `bench/results/` holds no `<gpu>/*.json` files.",
             "",
             "Run `bash bench/gpu_suite.sh` on a GPU machine (or the runners one by one, see below), copy the JSON "
-            "files it writes into `bench/results/<gpu>/`, and run `python bench/report.py` to render this page.",
+            "files it writes into `bench/results/<gpu>/`, and run `python -m bench.report` to render this page.",
             "",
             HOW_MEASURED,
             REGRESSION_NOTE,
@@ -893,7 +830,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         default=None,
         metavar="NEW.json",
-        help="regression check of NEW.json against the stored result (bench/regress.py)",
+        help="regression check of an e2e or offload NEW.json against the stored result (python -m bench.regress)",
     )
     p.add_argument("--noise", type=float, default=0.05, help="noise band of --compare (fraction, default 0.05)")
     return p.parse_args(argv)
@@ -902,8 +839,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.compare is not None:
-        sys.path.insert(0, str(REPO))
-        from bench import regress
+        from bench import regress  # only here: the report itself needs none of it
 
         return regress.main([str(args.compare), "--results", str(args.results), "--noise", str(args.noise)])
     results = load_results(args.results)

@@ -3,6 +3,10 @@
     python examples/train.py                          # spawns 2 processes itself
     torchrun --nproc_per_node 4 examples/train.py     # uses the world torchrun gives it
 
+Needs shardfuse importable (``pip install -e .``, as the README's quickstart does). When it spawns its own
+processes, each rank gets ``cores // world_size`` CPU threads (at least 1; ``OMP_NUM_THREADS`` wins when set),
+as torchrun's one thread per rank would: N ranks with every core each oversubscribe the CPU several times.
+
 With at least ``--world-size`` CUDA GPUs: NCCL, one GPU per rank, the ~220M-parameter ``small`` config, bf16
 mixed precision with fp32 reduce-scatter, 20 steps. Without GPUs: gloo on the CPU, the ``tiny`` config in full
 fp32, 8 steps (a few seconds). Each decoder layer is one sharded unit, plus the root (embeddings, final norm,
@@ -27,16 +31,17 @@ import resource
 import socket
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python examples/train.py` from anywhere
+from shardfuse.sharding._wrap import ModuleClassWrapPolicy, auto_wrap, enable_wrap, wrap
 
-from examples.llama import DecoderLayer, Llama, LlamaConfig, count_params, next_token_loss  # noqa: E402
-from shardfuse.sharding._wrap import ModuleClassWrapPolicy, auto_wrap, enable_wrap, wrap  # noqa: E402
+if __package__:  # imported as examples.train (the tests) or run as `python -m examples.train`
+    from .llama import DecoderLayer, Llama, LlamaConfig, count_params, next_token_loss
+else:  # `python examples/train.py`: Python put this file's folder first on sys.path
+    from llama import DecoderLayer, Llama, LlamaConfig, count_params, next_token_loss
 
 # (loss, parameter) tolerances of the parity check; see the module docstring for why they differ.
 TOL_FP32 = (1e-5, 1e-5)
@@ -211,7 +216,8 @@ def run(rank: int, world: int, local_rank: int, args: argparse.Namespace) -> boo
               f"{count_params(model):,} params on this rank, {cfg.num_params():,} in all, "
               f"{cfg.n_layers} decoder layers + root as units, "
               f"{'bf16 mixed precision, fp32 reduce-scatter' if args.mixed_precision else 'fp32'}, "
-              f"batch {args.batch_size} x {args.seq_len} per rank", flush=True)
+              f"batch {args.batch_size} x {args.seq_len} per rank, {torch.get_num_threads()} CPU thread(s) per rank",
+              flush=True)
 
     losses = []
     tokens_per_rank = args.batch_size * args.seq_len
@@ -250,8 +256,20 @@ def run(rank: int, world: int, local_rank: int, args: argparse.Namespace) -> boo
     return ok
 
 
+def threads_per_rank(world: int) -> int:
+    """CPU threads for each of ``world`` processes: ``OMP_NUM_THREADS`` if set, else cores // world, at least 1."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"])
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // world)
+
+
 def _spawned(local_rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(threads_per_rank(world))  # OMP_NUM_THREADS was set before the spawn
     use_cuda = torch.cuda.is_available() and not args.cpu
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=local_rank, world_size=world)
     try:
@@ -263,6 +281,7 @@ def _spawned(local_rank: int, world: int, port: int, args: argparse.Namespace) -
 
 
 def _free_port() -> int:
+    # Kept here rather than imported: the example stays one self-contained script beside its model.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -287,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {torch.cuda.device_count()} GPU(s) < --world-size {args.world_size}: using gloo on the CPU")
         args.cpu = True
     args = resolve_defaults(args, use_cuda)
+    # Threads per rank, as torchrun limits them: the children read OMP_NUM_THREADS when OpenMP starts.
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(args.world_size))
     try:
         mp.spawn(_spawned, args=(args.world_size, _free_port(), args), nprocs=args.world_size, join=True)
     except mp.ProcessExitedException as exc:

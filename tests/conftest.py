@@ -2,6 +2,11 @@
 
 Without a GPU the kernels are exercised through Triton's interpreter, which must be switched on before
 ``triton`` is first imported, so this happens here, at collection time.
+
+The worker-pool fixtures live here too: ``pool`` (the module's ``WORLD`` ranks, default 2) and ``pool4``
+(4 ranks), each started once per test module and reused by all its tests (see ``tests/dist_pool.py``).
+The repository root is on ``sys.path`` through ``pythonpath`` in pyproject.toml, so ``tests.*``,
+``bench.*`` and ``examples.*`` import the same way however pytest is started.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+
+from tests.dist_pool import DEFAULT_TIMEOUT_S, DistPool  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 NUM_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
@@ -36,6 +43,30 @@ def _fresh_seed(request):
     # crc32, not hash(): str hashes are salted per process, so a failure could not be replayed.
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
     yield
+
+
+@pytest.fixture(scope="module")
+def pool(request: pytest.FixtureRequest):
+    """One worker pool per test module, reused by all its tests.
+
+    ``WORLD`` ranks (a global of the test module, default 2) in one gloo group; a module marked ``multigpu``
+    gets an NCCL group instead, one GPU per rank (its tests are skipped without 2 GPUs, so the pool is never
+    started there). A module that needs another shape of pool defines its own ``pool`` fixture.
+    """
+    world = getattr(request.module, "WORLD", 2)
+    if request.node.get_closest_marker("multigpu") is not None:
+        with DistPool(world_size=world, backend="nccl", timeout_s=300) as p:
+            yield p
+    else:
+        with DistPool(world_size=world) as p:
+            yield p
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    """A 4-rank gloo pool per test module (for the checks worth a 4-process group)."""
+    with DistPool(world_size=4, timeout_s=DEFAULT_TIMEOUT_S) as p:
+        yield p
 
 
 def poisoned(shape, dtype, device="cpu"):

@@ -5,14 +5,13 @@ Spawning a process group costs seconds on a small machine, so a test module star
 (picklable by reference); every rank runs it with the same arguments and the results come back as a list
 indexed by rank. A worker exception is re-raised in the test process with the rank and the worker's
 traceback; every wait has a timeout, so a hang fails the test (and the pool is restarted) instead of
-blocking the suite.
+blocking the suite. Each worker uses ``cores // world_size`` CPU threads (at least 1; ``OMP_NUM_THREADS``
+wins when set): N ranks with all cores each would oversubscribe a small machine several times over.
 
-Usage::
+The fixtures ``pool`` (the test module's ``WORLD`` ranks, default 2) and ``pool4`` in ``tests/conftest.py``
+start one pool per test module::
 
-    @pytest.fixture(scope="module")
-    def pool():
-        with DistPool(world_size=2) as p:
-            yield p
+    WORLD = 2
 
     def test_something(pool):
         results = pool.run(check_something, 13)
@@ -48,6 +47,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def threads_per_rank(world_size: int) -> int:
+    """CPU threads for each of ``world_size`` processes on this machine: ``OMP_NUM_THREADS`` if set, else
+    the usable cores divided among the ranks, at least 1."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"])
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // world_size)
+
+
 def _dumps(obj: Any) -> bytes:
     # torch.save keeps tensors out of shared memory / file-descriptor passing between processes.
     buf = io.BytesIO()
@@ -64,6 +75,8 @@ def _worker(
 ) -> None:
     os.environ.update(env)  # TRITON_INTERPRET and friends, before anything imports triton
     import torch.distributed as dist
+
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
 
     try:
         if backend == "nccl":
@@ -118,6 +131,7 @@ class DistPool:
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         env = {k: v for k, v in os.environ.items() if k.startswith(("TRITON", "TORCH", "NCCL", "GLOO", "PYTHON"))}
+        env["OMP_NUM_THREADS"] = str(threads_per_rank(self.world_size))
         port = free_port()
         self._procs = [
             ctx.Process(

@@ -1,6 +1,6 @@
 """Where communication overlaps compute: a kernel timeline of one training step, from torch.profiler.
 
-    PYTHONPATH=$PWD torchrun --standalone --nproc_per_node 2 bench/e2e/overlap.py [--units 6] [--dim 4096]
+    torchrun --standalone --nproc_per_node 2 -m bench.e2e.overlap [--units 6] [--dim 4096]
 
 A stack of ``units`` residual MLP blocks (two dim x dim GEMMs each), every block one shardfuse unit plus the
 root, bf16 compute and fp32 reduce-scatter. After warm-up steps (the first records the forward order), one
@@ -13,17 +13,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from shardfuse import FullyShardedDataParallel as FSDP  # noqa: E402
+from shardfuse import FullyShardedDataParallel as FSDP
 
 
 class WideBlock(nn.Module):

@@ -1,10 +1,12 @@
 """End-to-end training benchmark: shardfuse vs FSDP2 vs FSDP1 (vs FairScale), one after another in one job.
 
-    PYTHONPATH=$PWD torchrun --standalone --nproc_per_node 2 bench/e2e/run.py --regime both \\
+    torchrun --standalone --nproc_per_node 2 -m bench.e2e.run --regime both \\
         --impls shardfuse,fsdp2,fsdp1 --steps 20 --warmup 3 [--profile DIR]
     # CPU smoke test of the script itself (gloo, tiny model):
-    PYTHONPATH=$PWD torchrun --standalone --nproc_per_node 2 bench/e2e/run.py --device cpu --config tiny \\
+    torchrun --standalone --nproc_per_node 2 -m bench.e2e.run --device cpu --config tiny \\
         --impls shardfuse,fsdp2,fsdp1 --steps 2 --warmup 1
+
+From the repository root (``-m`` runs it as the module ``bench.e2e.run``, with the root on ``sys.path``).
 
 The model is the Llama-style decoder of ``examples/llama.py`` (``--config bench``: 953M parameters), with bf16
 compute, fp32 gradient reduction and AdamW (lr 1e-4, PyTorch's default foreach setting), every decoder layer one
@@ -43,8 +45,6 @@ import datetime
 import functools
 import gc
 import os
-import socket
-import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -59,9 +59,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bench.common import write_result  # noqa: E402
+from bench.common import free_port, write_result  # noqa: E402
 from examples.llama import DecoderLayer, Llama, LlamaConfig, next_token_loss  # noqa: E402
 
 REGIMES: dict[str, tuple[int, int]] = {"8k": (4, 2048), "1k": (1, 1024)}  # (batch, seq) per GPU
@@ -357,10 +355,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 def _init_distributed(args: argparse.Namespace) -> tuple[int, int, int]:
     """Join torchrun's process group (or make a world of one); returns (rank, world, local_rank)."""
     if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if args.device == "cuda":

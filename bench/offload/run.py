@@ -1,6 +1,6 @@
 """Offload benchmark: one GPU trains a model whose weights live in host memory.
 
-    PYTHONPATH=$PWD python bench/offload/run.py [--quick] [--steps 5] [--warmup 3] [--only plain,shardfuse,...]
+    python -m bench.offload.run [--quick] [--steps 5] [--warmup 3] [--only plain,shardfuse,...]
 
 Model ``nn.Sequential(*[Linear(8192, 8192), ReLU()] x 16)`` (1074M fp32 parameters), batch 4096, SGD, side by
 side in one process:
@@ -28,21 +28,17 @@ import argparse
 import copy
 import gc
 import logging
-import socket
 import sys
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bench.common import write_result  # noqa: E402
-from shardfuse.offload import OffloadModel  # noqa: E402
+from bench.common import free_port, write_result
+from shardfuse.offload import OffloadModel
 
 logger = logging.getLogger(__name__)
 GIB = 2**30
@@ -163,7 +159,7 @@ def run_fsdp2(base: nn.Sequential, x: torch.Tensor, cfg: dict[str, Any]) -> dict
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     if not dist.is_initialized():
-        dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"tcp://127.0.0.1:{_free_port()}",
+        dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"tcp://127.0.0.1:{free_port()}",
                                 rank=0, world_size=1)  # fmt: skip
     model = copy.deepcopy(base)
     for m in model:
@@ -178,12 +174,6 @@ def run_fsdp2(base: nn.Sequential, x: torch.Tensor, cfg: dict[str, Any]) -> dict
     return {"step_ms": ms, "peak_gib": peak, "losses": [float(v) for v in losses],
             "h2d_gbps": 2 * pbytes / 1e9 / (ms / 1e3), "d2h_gbps": pbytes / 1e9 / (ms / 1e3),
             "traffic": "estimated"}  # fmt: skip
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_capped(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -236,7 +226,7 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
-        sys.exit("bench/offload/run.py needs a CUDA GPU")
+        sys.exit("bench.offload.run needs a CUDA GPU")
     torch.cuda.set_device(0)
     q = args.quick
     cfg: dict[str, Any] = {

@@ -16,17 +16,10 @@ import torch
 import torch.distributed as dist
 
 from shardfuse.offload import checkpoint_wrapper
-from tests.dist_pool import DistPool
 from tests.sharding import _models as M
 
 WORLD = 2
 STEPS = 3
-
-
-@pytest.fixture(scope="module")
-def pool():
-    with DistPool(world_size=WORLD) as p:
-        yield p
 
 
 def check_checkpointed_fsdp(cfg: dict[str, Any], offload_to_cpu: bool, fsdp_outside: bool) -> int:

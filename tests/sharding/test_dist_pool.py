@@ -13,12 +13,6 @@ import torch.distributed as dist
 from tests.dist_pool import DistPool, WorkerError
 
 
-@pytest.fixture(scope="module")
-def pool4():
-    with DistPool(world_size=4, timeout_s=120) as p:
-        yield p
-
-
 def rank_info(x: int) -> tuple[int, int, int, str | None]:
     t = torch.full((1,), float(dist.get_rank() + x))
     dist.all_reduce(t)

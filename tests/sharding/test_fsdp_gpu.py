@@ -15,17 +15,10 @@ import torch.distributed as dist
 from torch import nn
 
 from shardfuse.sharding import FullyShardedDataParallel as FSDP
-from tests.dist_pool import DistPool
 
 pytestmark = pytest.mark.multigpu
 
 WORLD = 2
-
-
-@pytest.fixture(scope="module")
-def pool():
-    with DistPool(world_size=WORLD, backend="nccl", timeout_s=300) as p:
-        yield p
 
 
 @contextlib.contextmanager

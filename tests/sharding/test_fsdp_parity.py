@@ -15,17 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_pool import DistPool
 from tests.sharding._models import batch, build, loss_fn, make_optim, reference_train, wrap_model
 
 WORLD = 2
 STEPS = 5
-
-
-@pytest.fixture(scope="module")
-def pool():
-    with DistPool(world_size=WORLD) as p:
-        yield p
 
 
 def _train_sharded(cfg: dict[str, Any], steps: int):

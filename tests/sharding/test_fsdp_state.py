@@ -9,16 +9,9 @@ import torch
 import torch.distributed as dist
 
 from shardfuse.sharding import FullyShardedDataParallel as FSDP
-from tests.dist_pool import DistPool
 from tests.sharding._models import batch, build, loss_fn, make_optim, reference_train, wrap_model
 
 WORLD = 2
-
-
-@pytest.fixture(scope="module")
-def pool():
-    with DistPool(world_size=WORLD) as p:
-        yield p
 
 
 def _step(model: FSDP, opt: torch.optim.Optimizer, step: int, cfg: dict[str, Any]) -> float:

@@ -1,0 +1,172 @@
+"""Synthetic result files of every benchmark runner's schema, for the report and regression-check tests.
+
+Each builder returns the JSON payload a runner writes through ``bench.common.write_result`` (environment
+included); ``write_results`` lays them out as ``<root>/<gpu>/<name>.json``, as ``bench/results/`` is.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+ENV = {
+    "date": "2026-11-30T12:00:00+00:00",
+    "commit": "abc1234",
+    "python": "3.12.3",
+    "torch": "2.13.0+cu130",
+    "gpu_key": "h200",
+    "triton": "3.6.0",
+    "gpu_name": "NVIDIA H200",
+    "gpu_count": 2,
+    "cuda": "13.0",
+    "nccl": "2.28.9",
+}
+
+
+def e2e_payload(world: int = 2, shardfuse_ms: tuple[float, float] = (113.7, 52.3)) -> dict[str, Any]:
+    """An ``e2e_<N>gpu.json`` as ``bench.e2e.run`` writes it (rows of every kind: measured, skipped)."""
+    rows: list[dict[str, Any]] = []
+    times = {"baseline": (121.8, 38.7), "shardfuse": shardfuse_ms, "fsdp2": (120.7, 70.0), "fsdp1": (121.7, 76.5)}
+    for k, (regime, (batch, seq)) in enumerate({"8k": (4, 2048), "1k": (1, 1024)}.items()):
+        for impl, ms in times.items():
+            rows.append(
+                {
+                    "impl": impl,
+                    "regime": regime,
+                    "batch": batch,
+                    "seq": seq,
+                    "gpus": 1 if impl == "baseline" else world,
+                    "step_ms": ms[k],
+                    "step_ms_rank0": ms[k],
+                    "step_ms_list_rank0": [ms[k]] * 3,
+                    "tok_s_gpu": batch * seq / (ms[k] * 1e-3),
+                    "loss_last": 10.37,
+                    "mfu": 0.4321,
+                    "peak_gib": 17.25,
+                    "mem_after_wrap_gib_rank0": 2.0,
+                }
+            )
+        rows.append({"impl": "fairscale", "regime": regime, "skipped": "not importable: No module named 'fairscale'"})
+    config = {
+        "model": "bench",
+        "dim": 2048,
+        "n_layers": 16,
+        "n_heads": 16,
+        "ffn_dim": 5632,
+        "vocab_size": 32000,
+        "max_seq_len": 2048,
+        "params": 953223168,
+        "world_size": world,
+        "device": "cuda",
+        "steps": 15,
+        "warmup": 3,
+        "lr": 1e-4,
+        "optimizer": "AdamW (foreach default)",
+        "compute_dtype": "bfloat16",
+        "reduce_dtype": "float32",
+        "peak_tflops": 989.0,
+        "regimes": {"8k": [4, 2048], "1k": [1, 1024]},
+        "nccl_nvls_enable": "0",
+    }
+    return {"env": dict(ENV, gpu_count=world), "config": config, "results": rows}
+
+
+def kernels_payload(scale: float = 1.0) -> dict[str, Any]:
+    """A ``kernels.json`` as ``bench.kernels.run`` writes it."""
+    rows = []
+    for n in (1 << 20, 1 << 26):
+        for family, name, speedups in (
+            ("shard_cast", f"fp32->bf16 flat shard n={n}", {"copy_": 1.01, "fsdp2_foreach_copy_x2": 1.87}),
+            ("post_divide", f"fp32->fp32 += n={n}", {"div.to+add_": 2.46}),
+        ):
+            nbytes = 6 * n
+            ms = nbytes / 3911e9 * 1e3 * scale
+            gbps = nbytes / (ms * 1e-3) / 1e9
+            rows.append(
+                {
+                    "family": family,
+                    "name": name,
+                    "numel": n,
+                    "num_tensors": 1,
+                    "bytes": nbytes,
+                    "shardfuse_ms": ms,
+                    "shardfuse_gbps": gbps,
+                    "pct_copy_bw": 100 * gbps / 4213.0,
+                    "baselines": {k: {"ms": ms * v, "speedup": v} for k, v in speedups.items()},
+                }
+            )
+    return {"env": ENV, "copy_bandwidth_gbps": 4213.0, "sizes": [1 << 20, 1 << 26], "rows": rows}
+
+
+def offload_payload(shardfuse_ms: float = 587.4) -> dict[str, Any]:
+    """An ``offload.json`` as ``bench.offload.run`` writes it."""
+    variants: dict[str, dict[str, Any]] = {
+        "plain": {"step_ms": 508.1, "peak_gib": 8.94, "losses": [1.0], "h2d_gbps": 0.0, "d2h_gbps": 0.0},
+        "shardfuse": {
+            "step_ms": shardfuse_ms,
+            "peak_gib": 3.17,
+            "losses": [1.0],
+            "h2d_gb_per_step": 8.6,
+            "d2h_gb_per_step": 4.3,
+            "h2d_gbps": 14.64,
+            "d2h_gbps": 7.32,
+        },
+        "shardfuse_bf16": {"error": "RuntimeError: something broke"},
+        "fairscale": {"skipped": "not importable: No module named 'fairscale'"},
+        "fsdp2_cpu_offload": {
+            "step_ms": 771.9,
+            "peak_gib": 7.57,
+            "losses": [1.0],
+            "h2d_gbps": 11.13,
+            "d2h_gbps": 5.56,
+            "traffic": "estimated",
+        },
+    }
+    for v in variants.values():
+        v["wall_s"] = 1.0
+        if "step_ms" in v:
+            v["vs_plain"] = v["step_ms"] / 508.1
+    config = {
+        "width": 8192,
+        "layers": 16,
+        "batch": 4096,
+        "slices": 4,
+        "microbatches": 4,
+        "lr": 1e-3,
+        "warmup": 3,
+        "steps": 5,
+        "params_m": 1073.9,
+        "model_gib": 4.0,
+    }
+    capped = {
+        "model": "64 x Linear(4096, 4096) + ReLU",
+        "params_m": 1074.0,
+        "model_gib": 4.0,
+        "budget_gib": 0.89,
+        "model_over_budget": 4.5,
+        "plain_weights_fit": False,
+        "num_slices": 64,
+        "batch": 4096,
+        "step_ms": 912.6,
+        "samples_per_s": 4488.0,
+        "peak_gib": 0.85,
+        "losses": [1.0],
+    }
+    return {"env": dict(ENV, gpu_count=1), "config": config, "variants": variants, "capped": capped}
+
+
+def write_results(root: Path, gpu: str = "h200", **payloads: dict[str, Any]) -> Path:
+    d = root / gpu
+    d.mkdir(parents=True, exist_ok=True)
+    for name, payload in payloads.items():
+        (d / f"{name}.json").write_text(json.dumps(payload))
+    return d
+
+
+def make_results_dir(root: Path) -> Path:
+    """A results folder with every kind of file on two GPUs, plus one unreadable file."""
+    write_results(root, "h200", e2e_2gpu=e2e_payload(2), kernels=kernels_payload(), offload=offload_payload())
+    write_results(root, "h100", e2e_4gpu=e2e_payload(4, (118.4, 47.9)))
+    (root / "h100" / "broken.json").write_text("{ not json")
+    return root

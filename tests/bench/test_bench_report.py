@@ -1,0 +1,98 @@
+"""``bench.report`` renders synthetic results of every runner's schema and rewrites a README's results table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import report
+from tests.bench._payloads import e2e_payload, kernels_payload, make_results_dir, write_results
+
+
+@pytest.fixture
+def results_dir(tmp_path: Path) -> Path:
+    return make_results_dir(tmp_path / "results")
+
+
+def test_report_renders_synthetic_results(results_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "docs" / "benchmarks.md"
+    assert report.main(["--results", str(results_dir), "--out", str(out), "--no-plots"]) == 0
+    text = out.read_text()
+    # one section per GPU, with the environment of each table
+    assert "## H100 (NVIDIA H200)" in text and "## H200 (NVIDIA H200)" in text
+    assert "NCCL 2.28.9" in text and "commit `abc1234`" in text and "triton 3.6.0" in text
+    # e2e: step ms, tokens/s/GPU, MFU %, peak GiB, speedup vs FSDP2, skipped FairScale
+    assert "| shardfuse `FullyShardedDataParallel` | 113.7 | 72,049 | 43.2 | 17.25 | 1.06x |" in text
+    assert "| FSDP2 `fully_shard` | 70.0 | 14,629 | 43.2 | 17.25 | 1.00x |" in text
+    assert "| shardfuse `FullyShardedDataParallel` | 47.9 | 21,378 |" in text  # the H100 4-GPU file
+    assert "FairScale FSDP: skipped: not importable" in text
+    # kernels: GB/s, % of copy bandwidth and the speedup over every baseline
+    assert "**4,213 GB/s**" in text
+    assert "| fp32->bf16 flat shard n=67108864 | 402.7 MB | 0.1030 | 3,911 | 92.8% | 1.01x | 1.87x |" in text
+    assert "vs `div.to+add_`" in text and "2.46x" in text
+    # offload: step time vs plain, host<->device GB/s (estimated ones marked), peak memory, capped run
+    assert "| shardfuse `OffloadModel` | 587.4 | 1.16x | 14.6 | 7.3 | 3.17 |" in text
+    assert "| FSDP2 `fully_shard` + `CPUOffloadPolicy` | 771.9 | 1.52x | 11.1* | 5.6* | 7.57 |" in text
+    assert "error: RuntimeError: something broke" in text and "912.6" in text
+    assert "`h100/broken.json`: not shown" in text
+    assert "Plots were skipped" in text
+    # the README summary goes to stdout when no --readme is given
+    printed = capsys.readouterr().out
+    assert "| H200 | training, 2 GPUs, 8K tokens/GPU | tokens/s/GPU | 72,049 (1.06x) | 67,871 | 67,313 | - |" in printed
+
+
+def test_report_plots(results_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "site" / "benchmarks.md"
+    assert report.main(["--results", str(results_dir), "--out", str(out)]) == 0
+    pngs = sorted(p.name for p in (out.parent / "img").glob("*.png"))
+    assert pngs == [
+        "h100_e2e_4gpu_tokens.png",
+        "h200_e2e_2gpu_tokens.png",
+        "h200_kernels_gbps.png",
+        "h200_offload_step.png",
+    ]
+    assert "](img/h200_kernels_gbps.png)" in out.read_text()
+
+
+def test_report_without_results(tmp_path: Path) -> None:
+    out = tmp_path / "benchmarks.md"
+    assert report.main(["--results", str(tmp_path / "nothing"), "--out", str(out), "--no-plots"]) == 0
+    assert "No benchmark results are stored yet" in out.read_text()
+    (tmp_path / "empty" / "h100").mkdir(parents=True)
+    assert report.main(["--results", str(tmp_path / "empty"), "--out", str(out)]) == 0
+    assert "No benchmark results are stored yet" in out.read_text()
+
+
+def test_report_tolerates_missing_keys(tmp_path: Path) -> None:
+    e2e = e2e_payload()
+    for row in e2e["results"]:
+        row.pop("mfu", None)
+        row.pop("peak_gib", None)
+    del e2e["env"], e2e["config"]
+    kern = kernels_payload()
+    kern["rows"][0].pop("baselines")
+    del kern["copy_bandwidth_gbps"]
+    root = tmp_path / "r"
+    write_results(root, "a100", e2e_2gpu=e2e, kernels=kern, offload={"variants": {}})
+    out = tmp_path / "b.md"
+    assert report.main(["--results", str(root), "--out", str(out), "--no-plots"]) == 0
+    text = out.read_text()
+    assert "_Environment: not recorded._" in text and "| 113.7 | 72,049 | - | - | 1.06x |" in text
+
+
+def test_readme_table_is_rewritten(results_dir: Path, tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("# project\n\n## Results\n\nRESULTS_TABLE\n\n## Documentation\n")
+    out = tmp_path / "docs" / "benchmarks.md"
+    args = ["--results", str(results_dir), "--out", str(out), "--no-plots", "--readme", str(readme)]
+    assert report.main(args) == 0
+    first = readme.read_text()
+    assert "RESULTS_TABLE" not in first and report.START_MARK in first and report.END_MARK in first
+    assert "72,049 (1.06x)" in first and "](docs/benchmarks.md)" in first
+    assert first.startswith("# project\n") and first.endswith("## Documentation\n")
+    assert report.main(args) == 0
+    assert readme.read_text() == first  # idempotent: the markers are found the second time
+    with pytest.raises(ValueError, match="RESULTS_TABLE"):
+        report.update_readme("no table here\n", ["x"])
