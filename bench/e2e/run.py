@@ -44,7 +44,9 @@ import contextlib
 import datetime
 import functools
 import gc
+import importlib
 import os
+import statistics
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -63,7 +65,10 @@ from bench.common import free_port, write_result  # noqa: E402
 from examples.llama import DecoderLayer, Llama, LlamaConfig, next_token_loss  # noqa: E402
 
 REGIMES: dict[str, tuple[int, int]] = {"8k": (4, 2048), "1k": (1, 1024)}  # (batch, seq) per GPU
-IMPLS = ("shardfuse", "fsdp2", "fsdp1", "fairscale")
+IMPLS = ("shardfuse", "shardfuse-ref", "fsdp2", "fsdp1", "fairscale")
+# ``shardfuse-ref``: another version of shardfuse, importable under this package name (bench/e2e/make_ref.sh
+# builds one from a commit), measured side by side with the working tree's.
+REF_PACKAGE = os.environ.get("SHARDFUSE_REF", "shardfuse_ref")
 DEFAULT_PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
 PROFILE_STEPS = 3
 
@@ -85,12 +90,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pg-timeout", type=float, default=600.0, help="process-group timeout in seconds")
     p.add_argument("--name", default=None, help="result name (default e2e_<N>gpu)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat every (regime, impl) this often, interleaved; the table shows medians and spread")
     args = p.parse_args(argv)
     impls = [i.strip() for i in args.impls.split(",") if i.strip()]
     unknown = [i for i in impls if i not in IMPLS]
     if unknown or not impls:
         p.error(f"--impls {args.impls!r}: unknown {unknown}; choose from {', '.join(IMPLS)}")
     args.impl_list = impls
+    if args.rounds < 1:
+        p.error(f"need --rounds >= 1, got {args.rounds}")
     if args.steps < 1 or args.warmup < 0:
         p.error(f"need --steps >= 1 and --warmup >= 0, got {args.steps=} {args.warmup=}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -101,20 +110,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------------------ wrapping
 
 
-def shardfuse_fsdp() -> type[nn.Module]:
-    """shardfuse's FullyShardedDataParallel (package root once exported there)."""
-    try:
-        from shardfuse import FullyShardedDataParallel
-    except ImportError:
-        from shardfuse.sharding._fully_sharded import FullyShardedDataParallel
-    return FullyShardedDataParallel
-
-
 def unavailable_reason(impl: str) -> str | None:
     """Why ``impl`` cannot run in this environment (the same answer on every rank), or None."""
     try:
         if impl == "shardfuse":
-            shardfuse_fsdp()
+            import shardfuse  # noqa: F401
+        elif impl == "shardfuse-ref":
+            importlib.import_module(REF_PACKAGE)
         elif impl == "fairscale":
             import fairscale.nn.data_parallel  # noqa: F401
         elif impl == "fsdp2":
@@ -124,14 +126,24 @@ def unavailable_reason(impl: str) -> str | None:
     return None
 
 
-def wrap_shardfuse(model: Llama, device: torch.device) -> nn.Module:
-    """Each decoder layer, then the root, in shardfuse's FSDP (bf16 compute, fp32 reduce-scatter)."""
-    from shardfuse.sharding._wrap import ModuleClassWrapPolicy, auto_wrap, enable_wrap, wrap
-
+def _wrap_with(package: str, model: Llama) -> nn.Module:
+    """Each decoder layer, then the root, in ``package``'s FSDP (bf16 compute, fp32 reduce-scatter), through
+    the public wrapping API that every shardfuse version exports."""
+    sf = importlib.import_module(package)
     kwargs = dict(mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True)
-    with enable_wrap(wrapper_cls=shardfuse_fsdp(), **kwargs):
-        model = auto_wrap(model, auto_wrap_policy=ModuleClassWrapPolicy({DecoderLayer}))
-        return wrap(model)
+    with sf.enable_wrap(wrapper_cls=sf.FullyShardedDataParallel, **kwargs):
+        model = sf.auto_wrap(model, auto_wrap_policy=sf.ModuleClassWrapPolicy({DecoderLayer}))
+        return sf.wrap(model)
+
+
+def wrap_shardfuse(model: Llama, device: torch.device) -> nn.Module:
+    """This working tree's shardfuse."""
+    return _wrap_with("shardfuse", model)
+
+
+def wrap_shardfuse_ref(model: Llama, device: torch.device) -> nn.Module:
+    """The reference version of shardfuse (``SHARDFUSE_REF``)."""
+    return _wrap_with(REF_PACKAGE, model)
 
 
 def wrap_fsdp2(model: Llama, device: torch.device) -> nn.Module:
@@ -169,6 +181,7 @@ def wrap_fairscale(model: Llama, device: torch.device) -> nn.Module:
 
 WRAPPERS: dict[str, Callable[[Llama, torch.device], nn.Module]] = {
     "shardfuse": wrap_shardfuse,
+    "shardfuse-ref": wrap_shardfuse_ref,
     "fsdp2": wrap_fsdp2,
     "fsdp1": wrap_fsdp1,
     "fairscale": wrap_fairscale,
@@ -352,6 +365,45 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print("(vs fsdp2: FSDP2's step time / this step time; > 1 is faster)", flush=True)
 
 
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (impl, regime): the median step time over rounds, its spread, and ratios of medians against fsdp2,
+    fairscale, shardfuse-ref and the one-GPU baseline (tokens/s/GPU ratios: > 1 is faster)."""
+    by: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        if "step_ms" in r:
+            by.setdefault((r["impl"], r["regime"]), []).append(r)
+    out = []
+    medians = {k: statistics.median(x["step_ms"] for x in v) for k, v in by.items()}
+    for (impl, regime), runs in by.items():
+        ms = [x["step_ms"] for x in runs]
+        entry: dict[str, Any] = {
+            "impl": impl, "regime": regime, "rounds": len(ms), "step_ms_median": medians[(impl, regime)],
+            "step_ms_min": min(ms), "step_ms_max": max(ms),
+            "tok_s_gpu_median": statistics.median(x["tok_s_gpu"] for x in runs),
+            "peak_gib_max": max((x.get("peak_gib", 0.0) for x in runs), default=0.0),
+        }
+        for other in ("fsdp2", "fairscale", "shardfuse-ref", "baseline"):
+            if (other, regime) in medians and other != impl:
+                entry[f"vs_{other}"] = medians[(other, regime)] / medians[(impl, regime)]
+        out.append(entry)
+    return out
+
+
+def print_summary(summary: list[dict[str, Any]]) -> None:
+    """Medians over rounds with their spread, and the ratios of medians (rank 0)."""
+    if not summary or max(s["rounds"] for s in summary) < 2:
+        return
+    others = ("fsdp2", "fairscale", "shardfuse-ref", "baseline")
+    print(f"\n{'impl':14s} {'regime':6s} {'rounds':>6s} {'median ms':>10s} {'min-max ms':>16s} {'tok/s/GPU':>10s} "
+          + " ".join(f"{'vs ' + o:>16s}" for o in others))
+    for s in summary:
+        ratios = " ".join(f"{s['vs_' + o]:15.2f}x" if f"vs_{o}" in s else f"{'-':>16s}" for o in others)
+        spread = f"{s['step_ms_min']:.1f}-{s['step_ms_max']:.1f}"
+        print(f"{s['impl']:14s} {s['regime']:6s} {s['rounds']:6d} {s['step_ms_median']:10.1f} {spread:>16s} "
+              f"{s['tok_s_gpu_median']:10,.0f} {ratios}")
+    print("(ratios of median step times: the other's / this one's; > 1 means this one is faster)", flush=True)
+
+
 def _init_distributed(args: argparse.Namespace) -> tuple[int, int, int]:
     """Join torchrun's process group (or make a world of one); returns (rank, world, local_rank)."""
     if "RANK" not in os.environ:
@@ -393,17 +445,18 @@ def main(argv: list[str] | None = None) -> None:
         "results": [],
     }
     rows: list[dict[str, Any]] = payload["results"]
-    for regime in regimes:
-        for impl in impls:
-            reason = unavailable_reason(impl)
-            if reason is not None:
-                if rank == 0:
-                    print(f"-- {impl} {regime}: skipped ({reason})", flush=True)
-                rows.append({"impl": impl, "regime": regime, "skipped": reason})
-                continue
+    unavailable = {impl: unavailable_reason(impl) for impl in impls}
+    for impl, reason in unavailable.items():
+        if reason is not None:
+            rows.extend({"impl": impl, "regime": regime, "skipped": reason} for regime in regimes)
             if rank == 0:
-                print(f"-- {impl} {regime} ...", flush=True)
+                print(f"-- {impl}: skipped ({reason})", flush=True)
+    for rnd in range(args.rounds):
+        for regime, impl in ((r, i) for r in regimes for i in impls if unavailable[i] is None):
+            if rank == 0:
+                print(f"-- round {rnd} {impl} {regime} ...", flush=True)
             row = run_one(impl, regime, cfg, args, device, rank, world, host_group)
+            row["round"] = rnd
             rows.append(row)
             if rank == 0:
                 if "step_ms" in row:
@@ -413,8 +466,10 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"   error: {row['error']}", flush=True)
                 write_result(name, payload)
     if rank == 0:
+        payload["summary"] = summarize(rows)
         path = write_result(name, payload)
         print_table(rows)
+        print_summary(payload["summary"])
         print(f"wrote {path}", flush=True)
     dist.barrier(group=host_group)
     dist.destroy_process_group()
