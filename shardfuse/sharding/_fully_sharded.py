@@ -332,6 +332,45 @@ class FullyShardedDataParallel(nn.Module):
             lazy_init(unit)
             return unit.forward(args, kwargs)
 
+    @contextlib.contextmanager
+    def _own_params_gathered(self) -> Iterator[None]:
+        """The root's own parameters gathered (nested units gather in their forwards) while the wrapped module
+        is called other than through this forward; no order is recorded, nothing is prefetched."""
+        unit = self._unit
+        lazy_init(unit)
+        check_state(unit.training_state, (TrainingState.IDLE,), "generate()", unit.name,
+                    "call it outside forward, backward and summon_full_params()")
+        rs = unit.root_state
+        rs.order_paused = True
+        unit.training_state = TrainingState.FORWARD
+        try:
+            unit.unshard()
+            unit.wait_and_set_views()
+            yield
+        finally:
+            unit.reshard()
+            unit.training_state = TrainingState.IDLE
+            rs.order_paused = False
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's ``generate()`` (Hugging Face) with this unit's own parameters gathered for the
+        whole call; nested units gather per forward as usual. Collective: every rank must call it."""
+        inner = getattr(self.module, "generate", None)
+        if not callable(inner):
+            raise AttributeError(f"{type(self.module).__name__} has no generate() method")
+        with profiled("shardfuse.sharding:generate"), self._own_params_gathered():
+            return inner(*args, **kwargs)
+
+    def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's ``save_pretrained()`` (Hugging Face) with the full state dict gathered from the
+        shards (every rank must call; pass ``is_main_process=(rank == 0)`` so one rank writes)."""
+        inner = getattr(self.module, "save_pretrained", None)
+        if not callable(inner):
+            raise AttributeError(f"{type(self.module).__name__} has no save_pretrained() method")
+        if kwargs.get("state_dict") is None:
+            kwargs["state_dict"] = self.state_dict()
+        return inner(*args, **kwargs)
+
     # ----------------------------------------------------------------------------------------------
     # public API: sync control, divide factors, norms
     # ----------------------------------------------------------------------------------------------

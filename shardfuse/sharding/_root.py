@@ -24,11 +24,19 @@ def lazy_init(unit: Unit) -> None:
     """Make the outermost unit above ``unit`` the root of its tree, once (until the tree is moved or cast)."""
     if unit.root_state is not None:
         return
+    # A first call under inference_mode (evaluation before training) must not make the full buffers or the
+    # cast buffers inference tensors, which training could never update again.
+    with torch.inference_mode(False):
+        _lazy_init(unit)
+
+
+def _lazy_init(unit: Unit) -> None:
     top = unit
     while top.parent is not None:
         top = top.parent
     if top is not unit:
-        lazy_init(top)
+        if top.root_state is None:
+            _lazy_init(top)
         if unit.root_state is not None:
             return
     units = units_below(unit)

@@ -63,6 +63,8 @@ class RootState:
         self.in_backward = False
         self.callback_queued = False
         self.pending = PendingFrees()
+        # Set while units run outside the root's forward (e.g. generate()): no recording, no prefetch.
+        self.order_paused = False
 
     def finish_recording(self) -> None:
         """Freeze the forward order and derive the backward prefetch order from it."""
@@ -78,6 +80,8 @@ class RootState:
 
     def forward_prefetch_target(self, unit: Unit) -> Unit | None:
         """The unit that ran after ``unit`` in the recorded forward order (None while recording/mismatched)."""
+        if self.order_paused:
+            return None
         pos = self.fwd_pos
         self.fwd_pos += 1
         if not self.order_recorded:

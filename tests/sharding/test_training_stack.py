@@ -1,0 +1,133 @@
+"""How training stacks call a model besides training it: evaluation first, generate(), save_pretrained()
+(2 gloo ranks, against the unsharded model)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardfuse import FullyShardedDataParallel as FSDP
+from tests.sharding._models import batch, build, loss_fn, make_optim, wrap_model
+
+WORLD = 2
+
+
+class TinyLM(nn.Module):
+    """Embedding and head owned by the root unit, blocks wrapped on their own; a greedy generate() that calls
+    the model itself, as Hugging Face's does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(29, 12)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(12, 12), nn.Tanh()) for _ in range(3)])
+        self.norm = nn.LayerNorm(12)
+        self.head = nn.Linear(12, 29)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(self.norm(x))
+
+    def generate(self, ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        for _ in range(max_new_tokens):
+            nxt = self(ids)[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, nxt], dim=1)
+        return ids
+
+    def save_pretrained(self, path: str, state_dict: dict[str, torch.Tensor] | None = None,
+                        is_main_process: bool = True) -> dict[str, torch.Tensor]:
+        # Stands in for transformers' save_pretrained: what it would write.
+        return dict(self.state_dict() if state_dict is None else state_dict)
+
+
+def _wrap_lm(lm: TinyLM) -> FSDP:
+    for i, b in enumerate(lm.blocks):
+        lm.blocks[i] = FSDP(b)
+    return FSDP(lm)
+
+
+def _train(model: nn.Module, cfg: dict[str, Any], steps: range) -> list[float]:
+    opt = make_optim(model.parameters(), cfg)
+    losses = []
+    for step in steps:
+        ids, target = batch(step, dist.get_rank(), dist.get_world_size())
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model, ids, target, step, cfg)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def check_evaluation_first(mode: str) -> bool:
+    cfg: dict[str, Any] = {"nested": True, "optim": "adamw"}
+    torch.manual_seed(0)
+    plain = wrap_model(build(cfg), cfg)
+    torch.manual_seed(0)
+    evaluated = wrap_model(build(cfg), cfg)
+    ids, _ = batch(9, dist.get_rank(), dist.get_world_size())
+    ctx = torch.inference_mode() if mode == "inference_mode" else torch.no_grad()
+    with ctx:
+        evaluated(ids)
+        evaluated(ids)
+    assert _train(plain, cfg, range(3)) == _train(evaluated, cfg, range(3))
+    for (k, a), b in zip(plain.state_dict().items(), evaluated.state_dict().values()):
+        assert torch.equal(a, b), k
+    return True
+
+
+def check_generate(mode: str) -> bool:
+    torch.manual_seed(1)
+    ref = TinyLM()
+    model = _wrap_lm(copy.deepcopy(ref))
+    prompt = torch.randint(0, 29, (2, 3))
+    ctx = torch.inference_mode() if mode == "inference_mode" else torch.no_grad()
+    with ctx:
+        want = ref.generate(prompt, 6)
+        got = model.generate(prompt, max_new_tokens=6)
+    assert torch.equal(got, want), (got, want)
+    # Training afterwards is untouched by the generate calls (no recorded order, nothing left gathered).
+    x = torch.randint(0, 29, (2, 5))
+    ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            o.zero_grad()
+            m(x).logsumexp(-1).mean().backward()
+            o.step()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, ref.state_dict()[k], rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        assert torch.equal(model.generate(prompt, max_new_tokens=4), ref.generate(prompt, 4))
+    return True
+
+
+def check_save_pretrained() -> bool:
+    torch.manual_seed(2)
+    ref = TinyLM()
+    model = _wrap_lm(copy.deepcopy(ref))
+    written = model.save_pretrained("unused", is_main_process=dist.get_rank() == 0)
+    want = ref.state_dict()
+    assert set(written) == set(want), sorted(set(written) ^ set(want))
+    for k, v in want.items():
+        assert torch.equal(written[k], v), k
+    return True
+
+
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_evaluation_before_training(pool, mode):
+    assert pool.run(check_evaluation_first, mode) == [True] * WORLD
+
+
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_generate_matches_unsharded(pool, mode):
+    assert pool.run(check_generate, mode) == [True] * WORLD
+
+
+def test_save_pretrained_writes_every_tensor(pool):
+    assert pool.run(check_save_pretrained) == [True] * WORLD
