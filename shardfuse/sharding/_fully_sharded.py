@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import fields
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from shardfuse._profiling import profiled
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding import _optim_state, _state_dict
 from shardfuse.sharding._config import ShardingConfig, make_config, resolve_groups
-from shardfuse.sharding._flat_param import OWNED_MARK, UNIT_ATTR, flatten_own_params, iter_own_modules
+from shardfuse.sharding._flat_param import FLATTENED_MARK, OWNED_MARK, UNIT_ATTR, flatten_own_params, iter_own_modules
 from shardfuse.sharding._root import lazy_init, reset_root
 from shardfuse.sharding._runtime import Unit
 from shardfuse.sharding._state import TrainingState, check_state
@@ -179,10 +181,22 @@ class FullyShardedDataParallel(nn.Module):
                     u.is_root = False
             if not allow_reset_parameters:
                 _guard_reset_parameters(module)
+            _install_optimizer_guard()
 
     # ----------------------------------------------------------------------------------------------
     # properties and nn.Module plumbing
     # ----------------------------------------------------------------------------------------------
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
+        # DistributedDataParallel reads this before its start-up broadcast, which would overwrite every rank's
+        # shards with rank 0's (accelerate's prepare() wraps models in DDP): refuse loudly instead.
+        raise RuntimeError(
+            "a FullyShardedDataParallel model must not be wrapped in DistributedDataParallel: its start-up "
+            "broadcast would overwrite every rank's parameter shards with rank 0's, and FullyShardedDataParallel "
+            "already reduces gradients; use the model as it is (with accelerate, do not pass it to prepare() "
+            "with a DDP plugin)"
+        )
 
     @property
     def _unit(self) -> Unit:
@@ -558,6 +572,33 @@ for _field in fields(ShardingConfig):
     if not hasattr(FullyShardedDataParallel, _field.name):
         setattr(FullyShardedDataParallel, _field.name, _config_property(_field.name))
 del _field
+
+
+_checked_optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+_optimizer_guard: Any = None
+
+
+def _refuse_flattened_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimizer step pre-hook: an optimizer over the parameters as they were before wrapping would
+    step tensors nothing reads any more (their values moved into the flat shards), silently."""
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    if _checked_optimizers.get(optimizer) == count:
+        return
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            if getattr(p, FLATTENED_MARK, None) is not None:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds a parameter (group {gi}, index {pi}, shape {tuple(p.shape)}) "
+                    f"that FullyShardedDataParallel flattened into its shards when it wrapped the model: stepping it "
+                    f"changes nothing the model uses; build the optimizer after wrapping, on model.parameters()"
+                )
+    _checked_optimizers[optimizer] = count
+
+
+def _install_optimizer_guard() -> None:
+    global _optimizer_guard
+    if _optimizer_guard is None:
+        _optimizer_guard = register_optimizer_step_pre_hook(_refuse_flattened_params)
 
 
 def _guard_reset_parameters(module: nn.Module) -> None:

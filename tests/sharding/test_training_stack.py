@@ -119,6 +119,26 @@ def check_save_pretrained() -> bool:
     return True
 
 
+def check_no_silent_traps() -> bool:
+    torch.manual_seed(3)
+    lm = TinyLM()
+    early = torch.optim.SGD(lm.parameters(), lr=0.1)  # built before wrapping: holds the originals
+    model = _wrap_lm(lm)
+    model(torch.randint(0, 29, (2, 4))).sum().backward()
+    with pytest.raises(RuntimeError, match=r"SGD holds a parameter .* build the optimizer after wrapping"):
+        early.step()
+    late = torch.optim.SGD(model.parameters(), lr=0.1)
+    late.step()  # the right optimizer is not affected
+    late.step()
+    with pytest.raises(RuntimeError, match="must not be wrapped in DistributedDataParallel"):
+        nn.parallel.DistributedDataParallel(model)
+    return True
+
+
+def test_no_silent_traps(pool):
+    assert pool.run(check_no_silent_traps) == [True] * WORLD
+
+
 @pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
 def test_evaluation_before_training(pool, mode):
     assert pool.run(check_evaluation_first, mode) == [True] * WORLD
