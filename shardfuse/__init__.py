@@ -4,7 +4,7 @@ The public API; everything else in the package is private. Kernels live in ``sha
 """
 
 from shardfuse import kernels
-from shardfuse.offload import OffloadModel, checkpoint_wrapper
+from shardfuse.offload import OffloadModel, checkpoint_wrapper, disable_checkpointing
 from shardfuse.sharding import (
     FullyShardedDataParallel,
     ModuleClassWrapPolicy,
@@ -29,6 +29,7 @@ __all__ = [
     "checkpoint_wrapper",
     "config_auto_wrap_policy",
     "default_auto_wrap_policy",
+    "disable_checkpointing",
     "enable_wrap",
     "kernels",
     "size_based_auto_wrap_policy",

@@ -60,3 +60,13 @@ def wait_stream(waiter: torch.cuda.Stream | None, target: torch.cuda.Stream | No
     """Make ``waiter`` wait for all work queued so far on ``target`` (device-side only)."""
     if waiter is not None and target is not None and waiter != target:
         waiter.wait_stream(target)
+
+
+def current_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The stream the caller's kernels go to now on ``device`` (None on CPU)."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+def new_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream | None:
+    """A fresh side stream on ``device`` (None on CPU)."""
+    return torch.cuda.Stream(device=device, priority=priority) if device.type == "cuda" else None

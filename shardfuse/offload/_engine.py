@@ -17,8 +17,6 @@ filled). Gradient slots: two fp32 buffers (one is accumulated while the other dr
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,9 +25,8 @@ import torch
 from torch import nn
 
 from shardfuse._profiling import profiled
+from shardfuse._streams import current_stream, new_stream, record_event, use_stream, wait_event, wait_stream
 from shardfuse.offload._slices import Slice
-
-logger = logging.getLogger(__name__)
 
 
 class _Slot:
@@ -161,34 +158,32 @@ class Engine:
 
     # ------------------------------------------------------------------ streams
     def compute_stream(self) -> torch.cuda.Stream | None:
-        return torch.cuda.current_stream(self.device) if self.cuda else None
+        return current_stream(self.device)
 
     @property
     def h2d(self) -> torch.cuda.Stream | None:
-        if self.cuda and self._h2d is None:
-            self._h2d = torch.cuda.Stream(self.device)
+        if self._h2d is None:
+            self._h2d = new_stream(self.device)
         return self._h2d
 
     @property
     def d2h(self) -> torch.cuda.Stream | None:
-        if self.cuda and self._d2h is None:
-            self._d2h = torch.cuda.Stream(self.device)
+        if self._d2h is None:
+            self._d2h = new_stream(self.device)
         return self._d2h
-
-    def _on(self, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
-        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-    def _record(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
-        if stream is None:
-            return None
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        return ev
 
     def new_step(self) -> Step:
         step = Step()
         self._steps.add(step)
         return step
+
+    def begin_backward(self, step: Step) -> None:
+        """Called as a backward reaches ``step``'s slices: :meth:`finish` runs once that backward is through."""
+        if step.finish_queued:
+            return
+        step.finish_queued = True
+        self._steps.add(step)  # again, for a second backward through a retained graph
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self.finish(step))
 
     # ------------------------------------------------------------------ loading
     def _needs_master(self, s: Slice, phase: str) -> bool:
@@ -199,12 +194,10 @@ class Engine:
         compute, h2d = self.compute_stream(), self.h2d
         slot = self.param_pool.acquire()
         ld = Loaded(s, slot, None, s.stamp())
-        if h2d is not None:
-            h2d.wait_stream(compute)
-            if slot.event is not None:
-                h2d.wait_event(slot.event)
+        wait_stream(h2d, compute)
+        wait_event(h2d, slot.event)
         n = s.numel
-        with self._on(h2d), torch.no_grad():
+        with use_stream(h2d), torch.no_grad():
             dst = slot.buf[:n]
             if not self.lp:
                 dst.copy_(s.flat, non_blocking=True)
@@ -213,8 +206,7 @@ class Engine:
             elif need_master or not s.shadow_fresh():
                 assert self.master_pool is not None and s.shadow is not None
                 ms = self.master_pool.acquire()
-                if h2d is not None and ms.event is not None:
-                    h2d.wait_event(ms.event)
+                wait_event(h2d, ms.event)
                 mdst = ms.buf[:n]
                 mdst.copy_(s.flat, non_blocking=True)
                 self._count("h2d", s.flat)
@@ -224,15 +216,14 @@ class Engine:
                 else:
                     # refresh the low-precision host shadow so that later loads move half the bytes
                     self.master_pool.release(ms)
-                    slot.event = s.shadow_event = self._copy_out(s.shadow, dst, self._record(h2d))
+                    slot.event = s.shadow_event = self._copy_out(s.shadow, dst, record_event(h2d))
                     s.mark_shadow_fresh()
             else:
                 assert s.shadow is not None
-                if h2d is not None and s.shadow_event is not None:
-                    h2d.wait_event(s.shadow_event)  # the shadow may still be landing from its refresh
+                wait_event(h2d, s.shadow_event)  # the shadow may still be landing from its refresh
                 dst.copy_(s.shadow, non_blocking=True)
                 self._count("h2d", s.shadow)
-            ld.ready = self._record(h2d)
+            ld.ready = record_event(h2d)
         if stash is not None:
             ld.inputs, ld.inputs_ready = self._restore(stash)
             ld.stash = stash
@@ -248,12 +239,12 @@ class Engine:
             host.copy_(src)
             return None
         if after is not None:
-            d2h.wait_event(after)
+            wait_event(d2h, after)
         else:
-            d2h.wait_stream(self.compute_stream())
-        with torch.cuda.stream(d2h):
+            wait_stream(d2h, self.compute_stream())
+        with use_stream(d2h):
             host.copy_(src, non_blocking=True)
-        return self._record(d2h)
+        return record_event(d2h)
 
     def _restore(self, stash: Sequence[Any]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
         """Bring stashed activations back to the device on the h2d stream."""
@@ -262,19 +253,17 @@ class Engine:
         # allocated on the compute stream, which is also where they are used and freed
         targets = [torch.empty(x.host.shape, dtype=x.host.dtype, device=x.device) if isinstance(x, Stashed) else None
                    for x in stash]
-        if h2d is not None:
-            h2d.wait_stream(self.compute_stream())
-        with self._on(h2d):
+        wait_stream(h2d, self.compute_stream())
+        with use_stream(h2d):
             for x, t in zip(stash, targets):
                 if t is None:
                     out.append(x)
                     continue
-                if h2d is not None and x.event is not None:
-                    h2d.wait_event(x.event)  # never read the host copy before it has landed
+                wait_event(h2d, x.event)  # never read the host copy before it has landed
                 t.copy_(x.host, non_blocking=True)
                 self._count("h2d", t)
                 out.append(t)
-        return out, self._record(h2d)
+        return out, record_event(h2d)
 
     def _compatible(self, ld: Loaded, phase: str) -> bool:
         if ld.stamp != ld.slice.stamp():
@@ -284,12 +273,10 @@ class Engine:
     def _wait(self, ld: Loaded) -> None:
         # parameters and restored activations are waited separately: a slice kept resident since the
         # forward (already waited) gets its activations restored only when its backward starts
-        if self.cuda:
-            compute = self.compute_stream()
-            if not ld.waited:
-                compute.wait_event(ld.ready)
-            if ld.inputs_ready is not None:
-                compute.wait_event(ld.inputs_ready)
+        compute = self.compute_stream()
+        if not ld.waited:
+            wait_event(compute, ld.ready)
+        wait_event(compute, ld.inputs_ready)
         ld.waited = True
         ld.inputs_ready = None
 
@@ -353,21 +340,19 @@ class Engine:
         if not t.is_cuda:
             return t
         d2h = self.d2h
-        d2h.wait_stream(self.compute_stream())
-        with torch.cuda.stream(d2h):
+        wait_stream(d2h, self.compute_stream())
+        with use_stream(d2h):
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             host.copy_(t, non_blocking=True)
         self._count("d2h", t)
         t.record_stream(d2h)  # the activation was made on the compute stream and may be freed there
-        return Stashed(host, t.device, self._record(d2h))
+        return Stashed(host, t.device, record_event(d2h))
 
     # ------------------------------------------------------------------ gradients
     def grad_buffers(self, s: Slice) -> GradBuffers:
         """Zeroed device gradient buffers for ``s``'s backward."""
-        compute = self.compute_stream()
         slot = self.grad_pool.acquire()
-        if compute is not None and slot.event is not None:
-            compute.wait_event(slot.event)  # its previous contents are still draining to the host
+        wait_event(self.compute_stream(), slot.event)  # its previous contents are still draining to the host
         lp_slot = self.lp_grad_pool.acquire() if self.lp_grad_pool is not None else None
         gb = GradBuffers(slot, lp_slot, s.numel)
         gb.flat.zero_()
@@ -442,7 +427,7 @@ class Engine:
                         self._count("h2d", st[k])
             return
         d2h = self.d2h
-        d2h.wait_stream(self.compute_stream())
+        wait_stream(d2h, self.compute_stream())
         for p in s.params:
             st = opt.state.get(p)
             if not st:
@@ -450,7 +435,7 @@ class Engine:
             moved = []
             for k, v in st.items():
                 if isinstance(v, torch.Tensor) and v.is_cuda:
-                    with torch.cuda.stream(d2h):
+                    with use_stream(d2h):
                         host = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
                         host.copy_(v, non_blocking=True)
                     self._count("d2h", v)
@@ -473,6 +458,7 @@ class Engine:
                     else:
                         p.grad.add_(g)  # gradient accumulation over several backwards
         step.grads = []
+        step.finish_queued = False
         self._steps.discard(step)
         self.drop_prefetched()
         if not self._steps:

@@ -7,33 +7,43 @@ is the autograd node that runs it. Two modes:
 * ``recompute=True``: the forward runs under ``no_grad`` and keeps only the block's inputs (optionally in
   host memory); backward recomputes the forward per microbatch with the CPU and CUDA RNG state (and
   autocast state) of the original forward restored, then backpropagates the matching chunk of the output
-  gradient through the recomputed graph.
+  gradient through the recomputed graph. The recompute does not update normalisation running statistics:
+  the forward already did, as the plain module does once.
 * ``recompute=False``: the forward builds the autograd graph per microbatch and keeps it (activations stay
   resident); backward runs it. Subclasses may replace saved tensors by tokens (saved-tensor hooks), which is
   how an offloaded slice avoids pinning its parameters into the graph.
 
 Both modes split every batched input (tensor leaves with ``ndim >= 1``) along dim 0 into microbatches and
 join the microbatch results with the chunked concat kernel.
+
+What a call keeps for its backward (stashed inputs, kept graphs, parked activations) lives in a :class:`Kept`
+that the autograd graph owns, as a tensor saved for backward: torch frees it right after the block's
+backward unless ``retain_graph=True``, so a second backward works as with ``torch.utils.checkpoint``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shardfuse._profiling import profiled
 from shardfuse.kernels._concat import concat_microbatches, split_microbatches
 
-logger = logging.getLogger(__name__)
-
 CHECKPOINT_GRAD_ERROR = (
     "Checkpointing is not compatible with .grad() or backward(inputs=...): the block is recomputed inside "
     "backward and writes parameter gradients as a side effect; call loss.backward() instead"
+)
+
+SECOND_BACKWARD_ERROR = (
+    "Trying to backward through {what} a second time, but what it saved for backward was freed by the first "
+    "backward: pass retain_graph=True to the first backward() to backpropagate through the graph twice"
 )
 
 
@@ -92,6 +102,41 @@ def autocast_replay(state: list[tuple[str, bool, torch.dtype]]) -> Iterator[None
         for dev, enabled, dtype in state:
             stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
         yield
+
+
+_STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+@contextlib.contextmanager
+def running_stats_frozen(module: nn.Module | None) -> Iterator[None]:
+    """Keep a recompute from updating the running statistics of ``module``'s norm layers a second time.
+
+    The forward already updated them once, as the plain module does. Batch norm stops tracking for the
+    recompute (in training it normalises by the batch statistics either way, so the output is the same);
+    other norm layers with running statistics (instance norm) update clones, which are dropped.
+    """
+    toggled: list[_BatchNorm] = []
+    swapped: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
+    for m in module.modules() if module is not None else ():
+        if not (isinstance(m, _NormBase) and m.training and m.track_running_stats):
+            continue
+        if isinstance(m, _BatchNorm):
+            m.track_running_stats = False
+            toggled.append(m)
+            continue
+        for name in _STAT_BUFFERS:
+            buf = m._buffers.get(name)
+            if buf is not None:
+                m._buffers[name] = clone = buf.clone()
+                swapped.append((m, name, buf, clone))
+    try:
+        yield
+    finally:
+        for bn in toggled:
+            bn.track_running_stats = True
+        for m, name, buf, clone in swapped:
+            if m._buffers.get(name) is clone:  # unless the forward re-assigned it on purpose
+                m._buffers[name] = buf
 
 
 def cuda_devices_of(tensors: Sequence[torch.Tensor], extra: torch.device | None = None) -> list[int]:
@@ -177,6 +222,18 @@ def join_batch(parts: list[torch.Tensor]) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------- the block call
 
 
+class Kept:
+    """What one block call keeps from its forward for its backward; the autograd graph owns it."""
+
+    __slots__ = ("saved", "inner", "acts", "leaves", "__weakref__")
+
+    def __init__(self) -> None:
+        self.saved: list[Any] = []  # stashed inputs for the recompute (recompute=True)
+        self.inner: list[tuple[_GradSink, list[Any]]] = []  # per-microbatch graph and roots (recompute=False)
+        self.acts: list[Any] = []  # activations parked in host memory by a subclass
+        self.leaves: list[torch.Tensor] | None = None  # the kept graph's parameter leaves, for a subclass
+
+
 class BlockCall:
     """One forward call of a block, carried to its backward by :class:`OffloadCheckpointFunction`.
 
@@ -195,6 +252,7 @@ class BlockCall:
         num_microbatches: int = 1,
         offload_inputs: bool = False,
         rng_device: torch.device | None = None,
+        stats_module: nn.Module | None = None,
     ) -> None:
         self.fn = fn
         self.args = args
@@ -202,6 +260,7 @@ class BlockCall:
         self.num_microbatches = num_microbatches
         self.offload_inputs = offload_inputs
         self.rng_device = rng_device
+        self.stats_module = stats_module  # whose running statistics the recompute must leave alone
         self.sizes: list[int] = [0]
         self.split_in: list[bool] = []
         self.grad_in: list[bool] = []
@@ -209,8 +268,37 @@ class BlockCall:
         self.out_split: list[bool] = []
         self._rng: list[RngState] = []
         self._autocast: list[tuple[str, bool, torch.dtype]] = []
-        self._saved: list[Any] = []
-        self._inner: list[tuple[_GradSink, list[Any]]] = []
+        # Held strongly until the graph takes it over (apply_block), then weakly: a call is referenced by its
+        # graph node for as long as the graph lives, its Kept only until torch frees the saved tensors.
+        self.kept: Kept | None = Kept()
+        self._kept_ref: weakref.ref[Kept] | None = None
+        self._one_shot = False  # the graph could not take Kept over: free it after the first backward
+
+    # ---- what is kept for backward
+    def peek(self) -> Kept | None:
+        """What this call keeps for its backward, or None once it was freed."""
+        if self.kept is not None:
+            return self.kept
+        return self._kept_ref() if self._kept_ref is not None else None
+
+    def held(self) -> Kept:
+        """What this call keeps for its backward; raises when a backward already freed it."""
+        kept = self.peek()
+        if kept is None:
+            raise RuntimeError(SECOND_BACKWARD_ERROR.format(what=self.describe()))
+        return kept
+
+    def describe(self) -> str:
+        """Names the block in error messages."""
+        return f"a {self.profile_prefix} block"
+
+    def graph_retained(self) -> bool:
+        """Whether the backward running now keeps the graph (``retain_graph=True``); True when not known.
+
+        Decides whether a kept graph (``recompute=False``) is run with ``retain_graph``: then it is freed
+        with this call's :class:`Kept` right after the block's backward instead of node by node.
+        """
+        return True
 
     # ---- hooks for subclasses
     def run(self, *args: Any) -> Any:
@@ -248,7 +336,7 @@ class BlockCall:
     def unstash(self) -> list[torch.Tensor]:
         """The stashed inputs, back on their devices."""
         out = []
-        for s in self._saved:
+        for s in self.held().saved:
             if isinstance(s, tuple):
                 host, dev = s
                 out.append(host.to(dev, non_blocking=True))
@@ -273,11 +361,12 @@ class BlockCall:
         per_mb = [split_batch(t, self.sizes) for t in tensors]
         mbs = [[chunks[j] for chunks in per_mb] for j in range(len(self.sizes))]
 
+        kept = self.held()
         self.forward_enter()
         if self.recompute:
             # stash before computing, so that a device->host copy overlaps the compute
             with profiled(f"{self.profile_prefix}:forward_drop"):
-                self._saved = [self.stash(t) for t in tensors]
+                kept.saved = [self.stash(t) for t in tensors]
         outs: list[list[torch.Tensor]] = []
         with profiled(f"{self.profile_prefix}:forward_compute"):
             if self.recompute:
@@ -295,7 +384,7 @@ class BlockCall:
                         outs.append([o.detach() for o in flat])
                         # neither the microbatch inputs nor the outputs are kept: only the graph, its roots
                         # as gradient edges where torch can start backward from them
-                        self._inner.append((sink.detach_inputs(), _graph_roots(flat)))
+                        kept.inner.append((sink.detach_inputs(), _graph_roots(flat)))
                         del flat
         with profiled(f"{self.profile_prefix}:forward_drop"):
             self.forward_exit()
@@ -318,20 +407,20 @@ class BlockCall:
     # ---- backward
     def backward(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Backpropagate ``grads`` (one per output tensor leaf); return one gradient per input tensor."""
+        kept = self.held()  # before any side effect: a second backward without retain_graph raises here
         self.backward_enter()
         n_mb = len(self.sizes)
         grad_mbs = [self._split_grad(g, n_mb) for g in grads]
         in_grads: list[list[torch.Tensor | None]] = []
         if self.recompute:
-            inputs = self.unstash()
-            self._saved = []
-            per_mb = [split_batch(t, self.sizes) for t in inputs]
+            per_mb = [split_batch(t, self.sizes) for t in self.unstash()]
             for j in range(n_mb):
                 detached = [_detach_for_grad(chunks[j], g) for chunks, g in zip(per_mb, self.grad_in)]
                 with (
                     profiled(f"{self.profile_prefix}:backward_recompute"),
                     rng_replay(self._rng[j]),
                     autocast_replay(self._autocast),
+                    running_stats_frozen(self.stats_module),
                     torch.enable_grad(),
                 ):
                     outs = Packed(self.run(*self.args.rebuild(detached))).tensors
@@ -340,15 +429,19 @@ class BlockCall:
                 in_grads.append([d.grad if d.requires_grad else None for d in detached])
                 del outs, detached
                 self.microbatch_backward_exit(j)
+            del per_mb
         else:
-            inner, self._inner = self._inner, []
-            for j, (sink, roots) in enumerate(inner):
+            retain = self.graph_retained()
+            for j, (sink, roots) in enumerate(kept.inner):
                 with profiled(f"{self.profile_prefix}:backward_pass"):
-                    _run_backward(roots, [g[j] for g in grad_mbs])
+                    _run_backward(roots, [g[j] for g in grad_mbs], retain_graph=retain)
                 in_grads.append(sink.grads)
+                sink.grads = [None] * len(sink.grads)  # a retained graph must not hold on to them
                 self.microbatch_backward_exit(j)
-            del inner
+        del kept
         self.backward_exit()
+        if self._one_shot:
+            self.kept = None
         with torch.no_grad():
             return [self._join_grad([g[k] for g in in_grads], self.split_in[k]) for k in range(len(self.split_in))]
 
@@ -391,11 +484,11 @@ def _detach_for_grad(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     return t.detach().requires_grad_(requires_grad)
 
 
-def _run_backward(outs: Sequence[Any], grads: list[torch.Tensor | None]) -> None:
+def _run_backward(outs: Sequence[Any], grads: list[torch.Tensor | None], retain_graph: bool = False) -> None:
     """Backpropagate ``grads`` from ``outs``: tensors, gradient edges, or None for outputs without a graph."""
     pairs = [(o, g) for o, g in zip(outs, grads) if _has_graph(o) and g is not None]
     if pairs:
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], retain_graph=retain_graph)
 
 
 def _has_graph(o: Any) -> bool:
@@ -446,30 +539,69 @@ class _SinkFn(torch.autograd.Function):
 
 
 class OffloadCheckpointFunction(torch.autograd.Function):
-    """Autograd node of one :class:`BlockCall`.
+    """Autograd node of one :class:`BlockCall`, whose forward already ran (see :func:`apply_block`).
 
     ``dummy`` is a 0-element tensor that requires grad: it puts the node into the graph even when no input
     requires grad (the first block of a model, fed by data), so that backward reaches the block's parameters.
+    ``token`` is saved for backward, and :func:`apply_block`'s saved-tensor hooks store the call's
+    :class:`Kept` in its place, which hands its lifetime to torch.
     """
 
     @staticmethod
-    def forward(ctx: Any, call: BlockCall, dummy: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any,
+        call: BlockCall,
+        outs: list[torch.Tensor],
+        dummy: torch.Tensor,
+        token: torch.Tensor,
+        *tensors: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
         ctx.call = call
-        return call.forward(tensors)
+        ctx.save_for_backward(token)
+        return tuple(outs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if not torch.autograd._is_checkpoint_valid():
             raise RuntimeError(CHECKPOINT_GRAD_ERROR)
-        call: BlockCall = ctx.call
-        ctx.call = None  # free the stashed inputs once backward is through
-        in_grads = call.backward(grads)
-        return (None, None, *in_grads)
+        in_grads = ctx.call.backward(grads)
+        return (None, None, None, None, *in_grads)
+
+
+def _hand_to_graph(stack: contextlib.ExitStack, token: torch.Tensor, kept: Kept) -> bool:
+    """Saved-tensor hooks that save ``kept`` in place of ``token``; False where such hooks are disabled."""
+
+    def pack(t: torch.Tensor) -> Any:
+        return kept if t is token else t
+
+    def unpack(x: Any) -> Any:
+        return token if x is kept else x
+
+    try:
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
+    except RuntimeError:  # torch.autograd.graph.disable_saved_tensors_hooks is in force
+        return False
+    return True
 
 
 def apply_block(call: BlockCall, tensors: Sequence[torch.Tensor]) -> Any:
-    """Run ``call`` through :class:`OffloadCheckpointFunction` and rebuild the block's output pytree."""
+    """Run ``call``'s forward, put its :class:`OffloadCheckpointFunction` node into the graph, rebuild the output.
+
+    The forward runs before the node is made (under ``no_grad``; a kept graph enables grad itself), so that
+    the saved-tensor hooks around the node's creation see nothing but ``token``.
+    """
+    with torch.no_grad():
+        outs = call.forward(tuple(tensors))
+    kept = call.held()
+    token = torch.empty(0)
     dummy = torch.empty(0, requires_grad=True)
-    outs = OffloadCheckpointFunction.apply(call, dummy, *tensors)
+    with contextlib.ExitStack() as stack:
+        owned = _hand_to_graph(stack, token, kept)
+        flat = OffloadCheckpointFunction.apply(call, list(outs), dummy, token, *tensors)
+    if owned:
+        call._kept_ref = weakref.ref(kept)
+        call.kept = None
+    else:
+        call._one_shot = True
     assert call.out is not None
-    return call.out.rebuild(outs)
+    return call.out.rebuild(flat)

@@ -70,21 +70,34 @@ class _SliceCall(BlockCall):
             num_microbatches=model.num_microbatches,
             offload_inputs=True,
             rng_device=model.device,
+            stats_module=s.chain,
         )
         self.engine: Engine = model._engine
         self.slices: list[Slice] = model._slices
         self.slice = s
         self.step = step
         self.prev = prev
+        self.next: weakref.ref[_SliceCall] | None = None  # the call of the next slice (runs backward first)
+        if prev is not None:
+            prev.next = weakref.ref(self)
         self.keep = keep_after_forward
         # the last slice's backward follows its forward at once: its activations stay on the device
         self.offload_acts = model.offload_activations and not keep_after_forward
-        self._acts: list[Any] = []  # activations parked on the host, by _ActRef index
         self._act_index: dict[tuple[Any, ...], tuple[int, weakref.ref]] = {}
         self.current: Loaded | None = None
         self.leaves: list[torch.Tensor] | None = None
         self.grads: GradBuffers | None = None
         self._fwd_storage: int | None = None
+        self._fwd_stamp: tuple[int, int] | None = None
+
+    def describe(self) -> str:
+        return f"OffloadModel slice {self.slice.index} (layers {self.slice.start} to {self.slice.stop - 1})"
+
+    def graph_retained(self) -> bool:
+        # The next slice's backward ran just before this one, in the same backward call: its Kept is gone
+        # exactly when torch freed its saved tensors, i.e. when the graph is not retained.
+        nxt = self.next() if self.next is not None else None
+        return nxt is None or nxt.peek() is not None
 
     def run(self, *args: Any) -> Any:
         assert self.leaves is not None
@@ -96,6 +109,7 @@ class _SliceCall(BlockCall):
             # freed only once their device->host copy is done, and the host would run ahead of the bus.
             self.prev.prev.wait_parked()
         self.current = self.engine.acquire(self.slice, "forward")
+        self._fwd_stamp = self.current.stamp
         if self.slice.index + 1 < len(self.slices):
             self.engine.prefetch(self.slices[self.slice.index + 1], "forward")
         # recompute=False builds the graph now, so the parameters must be leaves that require grad
@@ -107,8 +121,9 @@ class _SliceCall(BlockCall):
         self.engine.release(self.current, keep=self.keep)
         self.current = None
         self._act_index = {}
-        if self.recompute:
-            self.leaves = None
+        if not self.recompute:
+            self.held().leaves = self.leaves  # the kept graph's leaves: alive exactly as long as that graph
+        self.leaves = None
 
     def stash(self, t: torch.Tensor) -> Any:
         return self.engine.stash(t)
@@ -156,35 +171,46 @@ class _SliceCall(BlockCall):
         hit = self._act_index.get(key)
         if hit is not None and hit[1]() is t:
             return _ActRef(hit[0])
-        idx = len(self._acts)
+        acts = self.held().acts
+        idx = len(acts)
         self._act_index[key] = (idx, weakref.ref(t))
-        self._acts.append(self.engine.stash(t))
+        acts.append(self.engine.stash(t))
         return _ActRef(idx)
 
     def wait_parked(self) -> None:
         """Block the host until this call's parked activations have reached host memory."""
-        for x in reversed(self._acts):  # one d2h stream: the last copy ends after the others
+        kept = self.peek()
+        for x in reversed(kept.acts if kept is not None else []):  # one d2h stream: the last copy ends last
             if isinstance(x, Stashed) and x.event is not None:
                 x.event.synchronize()
                 break
 
     def backward_stash(self) -> list[Any] | None:
         """What to bring back to the device with the slice for its backward (None: nothing)."""
+        kept = self.held()
         if self.recompute:
-            return self._saved
-        return self._acts or None
+            return kept.saved
+        return kept.acts or None
 
     def backward_enter(self) -> None:
-        if not self.step.finish_queued:
-            self.step.finish_queued = True
-            step, engine = self.step, self.engine
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: engine.finish(step))
+        if self.slice.stamp() != self._fwd_stamp:
+            # what plain autograd reports as "modified by an inplace operation": the recompute or the kept
+            # graph would silently use the new weights
+            raise RuntimeError(
+                f"{self.describe()}: its parameters were modified in place (an optimizer step or load_state_dict) "
+                f"after the forward this backward belongs to (version {self._fwd_stamp} -> {self.slice.stamp()}); "
+                "run the forward again after changing the weights. With optimizer_in_backward every backward steps "
+                "the weights, so backpropagate through each forward only once"
+            )
+        self.engine.begin_backward(self.step)
         self.current = self.engine.acquire(self.slice, "backward", self.backward_stash())
         prev = self.prev
-        if prev is not None:
+        if prev is not None and prev.peek() is not None:
             self.engine.prefetch(prev.slice, "backward", prev.backward_stash())
         if self.recompute:
             self.leaves = self.current.leaves(requires_grad=True)
+        else:
+            self.leaves = self.held().leaves
         assert self.leaves is not None
         if self.slice.trainable:
             self.grads = self.engine.grad_buffers(self.slice)
@@ -205,7 +231,6 @@ class _SliceCall(BlockCall):
                 leaf.grad = None
         self.engine.finish_slice(self.current, self.grads, self.step)
         self.current, self.leaves, self.grads = None, None, None
-        self._acts = []
 
 
 class OffloadModel(nn.Module):
@@ -235,8 +260,10 @@ class OffloadModel(nn.Module):
 
     Parameters keep their names and identity (``"0.weight"``, ...): ``parameters()``, ``state_dict()`` and
     ``load_state_dict()`` work as on the original model, and any torch optimizer can step them on the host
-    after ``backward()``. Buffers (e.g. batch-norm statistics) are small and stay on ``device``; note that a
-    recomputed forward updates running statistics a second time, as with ``torch.utils.checkpoint``.
+    after ``backward()``. Buffers (e.g. batch-norm statistics) are small and stay on ``device``; the recompute
+    of ``checkpoint_activation`` leaves running statistics alone (the forward updated them once per
+    microbatch). ``backward(retain_graph=True)`` keeps what backward needs for a second backward, as with
+    plain autograd.
     Do not move the model with ``.to()`` / ``.cuda()`` / ``.half()``: placement is this class's job.
     """
 

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 
 def partition(param_counts: Sequence[int], num_slices: int) -> list[tuple[int, int]]:

@@ -226,3 +226,55 @@ def test_cuda_no_grad_eval():
     with torch.no_grad():
         assert torch.equal(off(x), ref(x))
     assert off._engine.param_pool._made == 0
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mb", [1, 3], ids=lambda m: f"mb{m}")
+def test_cuda_second_backward(park_small, mode, mb):
+    # backward(retain_graph=True) twice: parked activations and stashed inputs come back from pinned host
+    # memory a second time; gradients equal the plain model's after each backward
+    ref = wide().to(CUDA)
+    off = OffloadModel(wide(), CUDA, num_slices=4, num_microbatches=mb, **MODES[mode])
+    x, w = torch.randn(19, 96, device=CUDA), torch.randn(19, 96, device=CUDA)
+    torch.manual_seed(5)
+    reference_step(ref, off.slice_ranges, (x,), [w], mb)
+    first = [q.grad.clone() for q in ref.parameters()]
+    for q in ref.parameters():
+        q.grad = None
+    torch.manual_seed(5)
+    out = off(x)
+    loss = loss_of(out, [w])
+    loss.backward(retain_graph=True)
+    for p, g in zip(off.parameters(), first):
+        assert torch.equal(p.grad, g.cpu())
+    loss.backward()
+    for p, g in zip(off.parameters(), first):
+        assert torch.equal(p.grad, 2 * g.cpu())
+    torch.cuda.synchronize()
+    assert off._engine.param_pool._made == 0
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["on-device", "offload-to-cpu"])
+def test_cuda_checkpoint_wrapper_batchnorm_and_second_backward(offload):
+    # cuDNN batch norm: the recompute leaves the running statistics alone and its gradients equal the plain
+    # module's, over two backwards through one retained graph
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.2),
+                             nn.Conv2d(8, 4, 3)).to(CUDA)  # fmt: skip
+
+    ref, ck = build(), checkpoint_wrapper(build(), offload_to_cpu=offload)
+    x = torch.randn(6, 3, 12, 12, device=CUDA)
+    w = torch.randn(6, 4, 8, 8, device=CUDA)
+    losses = []
+    for m in (ref, ck):
+        torch.manual_seed(2)
+        loss = (m(x) * w).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        losses.append(loss)
+    assert torch.equal(losses[0], losses[1])
+    for (n, p), q in zip(ck.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), n
+    for (k, v), r in zip(ck.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(v, r), k

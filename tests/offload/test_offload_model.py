@@ -24,14 +24,9 @@ from torch import nn
 from shardfuse.offload import OffloadModel, _engine
 from shardfuse.offload import _model as offload_model
 from shardfuse.offload._function import microbatch_sizes
+from tests.offload._models import mlp
 
-
-@pytest.fixture(autouse=True)
-def _poisoned_slots(monkeypatch):
-    # device buffers start as NaN: a parameter or gradient the engine forgets to write shows up at once
-    monkeypatch.setattr(
-        _engine.SlotPool, "_alloc", lambda self: torch.full((self.numel,), float("nan"), dtype=self.dtype)
-    )
+pytestmark = pytest.mark.usefixtures("poisoned_slots")
 
 
 EXACT = {"rtol": 1e-5, "atol": 1e-6}
@@ -39,17 +34,6 @@ EXACT = {"rtol": 1e-5, "atol": 1e-6}
 
 def assert_same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(a, b, **EXACT, msg=lambda m: f"{what}: {m}")
-
-
-def mlp(seed: int = 0, p: float = 0.25) -> nn.Sequential:
-    """9 layers, uneven parameter counts (42, 48, 60, 40) and parameter-free layers between them."""
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(5, 7), nn.ReLU(), nn.Dropout(p),
-        nn.Linear(7, 6), nn.Tanh(),
-        nn.Linear(6, 10), nn.Dropout(p), nn.GELU(),
-        nn.Linear(10, 4),
-    )  # fmt: skip
 
 
 def run_layers(model: nn.Sequential, start: int, stop: int, args: tuple) -> object:
@@ -139,25 +123,6 @@ def mlp_inputs(batch=7):
 @pytest.mark.parametrize("num_slices", [1, 2, 3, 4, 9], ids=lambda n: f"slices{n}")
 def test_training_parity(num_slices, mb, checkpoint):
     train_both(mlp, num_slices, mb, checkpoint, mlp_inputs(7))
-
-
-@pytest.fixture
-def park_everything(monkeypatch):
-    """Run ``offload_activations`` on the CPU as on CUDA: every saved activation parked, as a copy.
-
-    Returns the list of weak references to the originals handed to the stash.
-    """
-    import weakref
-
-    parked: list[weakref.ref] = []
-
-    def stash(self, t):
-        parked.append(weakref.ref(t))
-        return t.detach().clone()
-
-    monkeypatch.setattr(offload_model, "MIN_OFFLOAD_BYTES", 0)
-    monkeypatch.setattr(_engine.Engine, "stash", stash)
-    return parked
 
 
 @pytest.mark.parametrize("mb", [1, 3], ids=lambda m: f"mb{m}")
@@ -623,8 +588,6 @@ def test_checkpoint_forward_keeps_no_boundary_activation(monkeypatch):
     # kept for backward must not pin a slice's device input or output. The stash returns a copy, as on CUDA.
     import gc
     import weakref
-
-    from shardfuse.offload import _model as offload_model
 
     monkeypatch.setattr(_engine.Engine, "stash", lambda self, t: t.detach().clone())
     seen: list[weakref.ref] = []
