@@ -343,8 +343,18 @@ class FullyShardedDataParallel(nn.Module):
         """Gather the full parameters, run the wrapped module, reshard, and hook the outputs for backward."""
         with profiled("shardfuse.sharding:forward"):
             unit = self._unit
-            lazy_init(unit)
-            return unit.forward(args, kwargs)
+            # Under torch.compile the unit's bookkeeping runs eagerly (a graph break on each side) and only the
+            # wrapped module is traced; eager calls skip the disable wrapper's cost.
+            compiling = torch.compiler.is_compiling()
+            pre, post, abort = (_PRE_FORWARD, _POST_FORWARD, _ABORT_FORWARD) if compiling else (
+                _pre_forward, Unit.post_forward, Unit.abort_forward)
+            args, kwargs, recomputing = pre(unit, args, kwargs)
+            try:
+                outputs = self.module(*args, **kwargs)
+            except BaseException:
+                abort(unit, recomputing)
+                raise
+            return post(unit, outputs, recomputing)
 
     @contextlib.contextmanager
     def _own_params_gathered(self) -> Iterator[None]:
@@ -561,6 +571,16 @@ class FullyShardedDataParallel(nn.Module):
         with profiled("shardfuse.sharding:get_shard_from_optim_state_dict"):
             lazy_init(self._unit)
             return _optim_state.get_shard_from_optim_state_dict(self, full_optim_state_dict)
+
+
+def _pre_forward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
+    lazy_init(unit)
+    return unit.pre_forward(args, kwargs)
+
+
+_PRE_FORWARD = torch.compiler.disable(_pre_forward)
+_POST_FORWARD = torch.compiler.disable(Unit.post_forward)
+_ABORT_FORWARD = torch.compiler.disable(Unit.abort_forward)
 
 
 def _config_property(name: str) -> property:

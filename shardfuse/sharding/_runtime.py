@@ -1,8 +1,8 @@
 """The life of one sharded unit in a training step, in execution order.
 
-1. forward: gather the full parameters on the all-gather stream (and prefetch the next unit's), point the
-   module's parameters at views of the full buffer, run the module, reshard (``reshard_after_forward``), hook
-   the outputs for backward;
+1. forward (``pre_forward``, the wrapped module, ``post_forward``): gather the full parameters on the
+   all-gather stream (and prefetch the next unit's), point the module's parameters at views of the full
+   buffer, run the module, reshard (``reshard_after_forward``), hook the outputs for backward;
 2. pre-backward (a hook on the outputs): gather again, prefetch the unit whose backward runs next;
 3. post-backward (a hook on the full buffer's gradient accumulation): pre-divide/cast/pad, reduce-scatter and
    post-divide into ``flat.grad`` on the post-backward stream, reshard;
@@ -188,12 +188,16 @@ class Unit:
     # 1. forward
     # ----------------------------------------------------------------------------------------------
 
-    def forward(self, args: tuple, kwargs: dict) -> Any:
-        """Gather the full parameters, run the wrapped module, reshard, and hook the outputs for backward."""
+    def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
+        """Before the wrapped module runs: gather (and prefetch), cast the root's inputs, set the views.
+
+        Returns the (possibly cast) inputs and whether this is an activation-checkpoint recompute inside
+        backward, which :meth:`post_forward` must leave alone.
+        """
         rs = self.root_state
         if rs.in_backward:
             if inside_backward():
-                return self.recompute_forward(args, kwargs)
+                return (*self._pre_recompute(args, kwargs), True)
             # The last backward raised (e.g. out of memory) before its final callback could run.
             logger.warning("the previous backward did not finish (it raised); resetting the sharding state")
             rs.root.return_to_idle()
@@ -220,7 +224,17 @@ class Unit:
                 h.sync_requires_grad()
                 h.forward_version = h.flat._version
             self.wait_and_set_views()
-            outputs = self.module(*args, **kwargs)
+        except BaseException:
+            self.training_state = TrainingState.IDLE
+            raise
+        return args, kwargs, False
+
+    def post_forward(self, outputs: Any, recomputing: bool) -> Any:
+        """After the wrapped module ran: reshard, hook the outputs for backward, back to ``IDLE``."""
+        if recomputing:
+            return outputs  # the full parameters stay for the backward that follows at once
+        rs = self.root_state
+        try:
             if self.reshard_after_forward and not self._keep_full_for_backward():
                 self.reshard()
             if torch.is_grad_enabled():
@@ -229,9 +243,14 @@ class Unit:
             self.training_state = TrainingState.IDLE
         if self.is_root and not rs.order_recorded:
             rs.finish_recording()
-        if cfg.clear_autocast_cache:
+        if self.config.clear_autocast_cache:
             torch.clear_autocast_cache()
         return outputs
+
+    def abort_forward(self, recomputing: bool) -> None:
+        """The wrapped module raised: leave the forward state (the full parameters are freed later)."""
+        if not recomputing:
+            self.training_state = TrainingState.IDLE
 
     def _keep_full_for_backward(self) -> bool:
         """The last unit of the recorded forward order is the first whose backward needs full parameters:
@@ -239,8 +258,8 @@ class Unit:
         rs = self.root_state
         return torch.is_grad_enabled() and rs.prefetch_ok and bool(rs.fwd_order) and rs.fwd_order[-1] is self
 
-    def recompute_forward(self, args: tuple, kwargs: dict) -> Any:
-        """Forward during backward (activation checkpointing recompute): gather, run, keep params for backward."""
+    def _pre_recompute(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Forward during backward (activation checkpointing recompute): gather, keep params for backward."""
         with profiled("shardfuse.sharding:recompute_forward"):
             if self.training_state == TrainingState.IDLE:
                 # Reentrant checkpointing runs the unit's backward without its pre-backward hook.
@@ -249,7 +268,7 @@ class Unit:
                 args, kwargs = cast_floats((args, kwargs), self.input_dtype)
             self.unshard()
             self.wait_and_set_views()
-            return self.module(*args, **kwargs)
+            return args, kwargs
 
     def _register_pre_backward_hooks(self, outputs: Any) -> None:
         key = id(self)

@@ -151,3 +151,44 @@ def test_generate_matches_unsharded(pool, mode):
 
 def test_save_pretrained_writes_every_tensor(pool):
     assert pool.run(check_save_pretrained) == [True] * WORLD
+
+
+def check_compile(per_block: bool) -> list[float]:
+    """torch.compile of the whole wrapped model (or of each block before wrapping) against eager shardfuse."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg: dict[str, Any] = {"nested": True, "optim": "adamw"}
+    eager = wrap_model(build(cfg), cfg)
+    inner = build(cfg)
+    if per_block:
+        for i, b in enumerate(inner.blocks):
+            inner.blocks[i] = torch.compile(b)
+        compiled = wrap_model(inner, cfg)
+        run = compiled
+    else:
+        compiled = wrap_model(inner, cfg)
+        run = torch.compile(compiled)
+    opt_e, opt_c = make_optim(eager.parameters(), cfg), make_optim(compiled.parameters(), cfg)
+    diffs = []
+    for step in range(3):
+        ids, target = batch(step, dist.get_rank(), dist.get_world_size())
+        losses = []
+        for m, o in ((eager, opt_e), (run, opt_c)):
+            o.zero_grad(set_to_none=True)
+            loss = loss_fn(m, ids, target, step, cfg)
+            loss.backward()
+            o.step()
+            losses.append(loss.item())
+        diffs.append(abs(losses[0] - losses[1]))
+    assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled"
+    for (k, a), b in zip(eager.state_dict().items(), compiled.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=k)
+    return diffs
+
+
+@pytest.mark.parametrize("per_block", [False, True], ids=["whole-model", "per-block"])
+def test_torch_compile_matches_eager(pool, per_block):
+    for diffs in pool.run(check_compile, per_block):
+        assert max(diffs) <= 1e-5, diffs
