@@ -325,7 +325,10 @@ def flatten_own_params(
     for p in unique.values():
         groups.setdefault((p.dtype, p.requires_grad), []).append(p)
     shard_device = torch.device("cpu") if move_params_to_cpu else param_device
-    if cuda_group and shard_device is not None and shard_device.type == "cpu" and torch.cuda.is_available():
+    if (
+        cuda_group and not move_params_to_cpu and shard_device is not None and shard_device.type == "cpu"
+        and torch.cuda.is_available()
+    ):
         shard_device = compute_device or torch.device("cuda", torch.cuda.current_device())
     handles: list[FlatParamHandle] = []
     table: ParamTable = {}

@@ -131,7 +131,10 @@ def _check_ranks_agree(root: Unit, units: list[Unit]) -> None:
     if world == 1 or not coll.is_process_group(root.groups.process_group):
         return
     layout = [(u.name, [(h.numel, str(h.dtype), h.requires_grad) for h in u.handles]) for u in units]
-    values = [[h.init_checksum for h in u.handles] for u in units]
+    # Units sharded over another group (a mixture-of-experts expert in a group of its own) hold values of their
+    # own on purpose: only units of the root's group must agree.
+    values = [[h.init_checksum for h in u.handles] if u.groups.process_group is root.groups.process_group else None
+              for u in units]
     synced = all(u.config.sync_module_states for u in units)
     everyone = coll.all_gather_object((layout, values), root.groups.process_group, world)
     first_layout, first_values = everyone[0]
@@ -150,6 +153,7 @@ def _check_ranks_agree(root: Unit, units: list[Unit]) -> None:
             )
         if not synced and other_values != first_values:
             diff = next(i for i, (a, b) in enumerate(zip(first_values, other_values)) if a != b)
+            # (a unit of another group compares as None on every rank, so it is never the difference)
             raise RuntimeError(
                 f"ranks initialised the parameters of {units[diff].name} (unit #{diff}) differently: rank 0 and rank "
                 f"{rank} must start from the same values (each rank keeps only its shard): seed every rank "

@@ -211,3 +211,23 @@ def check_gpu_state_dict_round_trip() -> bool:
 
 def test_gpu_state_dict_round_trip(pool):
     assert pool.run(check_gpu_state_dict_round_trip) == [True] * WORLD
+
+
+def check_device_placement() -> list[str]:
+    """Where NCCL units keep their shards: the host with move_params_to_cpu (also for a module given on the
+    CUDA device), the GPU for a module left on the CPU without it (FairScale moves it); state dicts follow."""
+    seen = []
+    for move, start in ((True, "cpu"), (True, "cuda"), (False, "cpu")):
+        torch.manual_seed(0)
+        model = FSDP(nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7), nn.Linear(7, 3)).to(start),
+                     move_params_to_cpu=move)
+        out = model(torch.randn(4, 5, device="cuda"))
+        out.sum().backward()
+        sd_devices = {v.device.type for v in model.state_dict().values()}
+        seen.append(f"{next(model.parameters()).device.type}/{out.device.type}/{sorted(sd_devices)}")
+    return seen
+
+
+def test_nccl_shard_and_state_dict_devices(pool):
+    want = ["cpu/cuda/['cpu']", "cpu/cuda/['cpu']", "cuda/cuda/['cuda']"]
+    assert pool.run(check_device_placement) == [want] * WORLD
