@@ -557,8 +557,11 @@ class FullyShardedDataParallel(nn.Module):
         """Consolidate the optimizer state of the sharded flat parameters into per-original-parameter state.
 
         Every rank must call; the result lands on ``recipient_rank`` (all ranks with ``None``), other ranks
-        get ``None``. Per-element state (``exp_avg``, ``momentum_buffer``...) is gathered and unflattened;
-        scalars (``step``) are copied per parameter.
+        get ``None``; a rank outside the group is a ``ValueError``. Per-element state (``exp_avg``,
+        ``momentum_buffer``...) is gathered and unflattened (0-dim parameters keep 0-dim state); scalars
+        (``step``) are copied per parameter. Tensors come back on the CPU, numbered like the unwrapped model's
+        ``parameters()`` (module order), so the dict also loads into a plain optimizer of the unwrapped model;
+        several param groups are kept.
         """
         if ignored:
             raise TypeError(f"gather_full_optim_state_dict got unsupported arguments {sorted(ignored)}")
@@ -567,7 +570,9 @@ class FullyShardedDataParallel(nn.Module):
             return _optim_state.gather_full_optim_state_dict(self, optim, recipient_rank)
 
     def get_shard_from_optim_state_dict(self, full_optim_state_dict: dict[str, Any]) -> dict[str, Any]:
-        """This rank's optimizer state dict (for ``optim.load_state_dict``) from a consolidated one."""
+        """This rank's optimizer state dict (for ``optim.load_state_dict``, also of a fresh optimizer that has
+        not stepped yet) from a consolidated one, at any world size. As in FairScale, tensors are on the CPU
+        (``load_state_dict`` moves them to the parameters' device) and the input dict is consumed."""
         with profiled("shardfuse.sharding:get_shard_from_optim_state_dict"):
             lazy_init(self._unit)
             return _optim_state.get_shard_from_optim_state_dict(self, full_optim_state_dict)
