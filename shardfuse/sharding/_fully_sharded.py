@@ -24,7 +24,7 @@ from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding import _optim_state, _state_dict
 from shardfuse.sharding._config import ShardingConfig, make_config, resolve_groups
 from shardfuse.sharding._flat_param import FLATTENED_MARK, OWNED_MARK, UNIT_ATTR, flatten_own_params, iter_own_modules
-from shardfuse.sharding._root import lazy_init, reset_root
+from shardfuse.sharding._root import lazy_init, release_unit, reset_root
 from shardfuse.sharding._runtime import Unit
 from shardfuse.sharding._state import TrainingState, check_state
 from shardfuse.sharding._summon import summon_full_params
@@ -32,7 +32,7 @@ from shardfuse.sharding._tree import clean_key, unit_of, units_below
 
 __all__ = ["FullyShardedDataParallel", "TrainingState"]
 
-# Set on a wrapped module: its parameters are flattened, so it cannot be wrapped a second time.
+# Set on a wrapped module to the unit that flattened its parameters, which a second wrapper takes back.
 _WRAPPED_MARK = "_shardfuse_wrapped"
 
 
@@ -126,11 +126,11 @@ class FullyShardedDataParallel(nn.Module):
                     "module is already a FullyShardedDataParallel instance: wrap each module once "
                     "(nest instances by wrapping inner submodules, then the outer module)"
                 )
-            if getattr(module, _WRAPPED_MARK, False):
-                raise ValueError(
-                    f"{type(module).__name__} was already wrapped by FullyShardedDataParallel (its parameters are "
-                    f"flattened): wrap each module once and keep using the first wrapper"
-                )
+            prior = module.__dict__.get(_WRAPPED_MARK)
+            if prior is not None:
+                # Wrapping a module again (e.g. for inference after training): the earlier wrapper hands its
+                # parameters back, full, and stops working. Collective, like wrapping itself.
+                release_unit(prior)
             owned = next((p or "<the module itself>" for p, m in iter_own_modules(module) if OWNED_MARK in m.__dict__),
                          None)
             if owned is not None:
@@ -173,7 +173,7 @@ class FullyShardedDataParallel(nn.Module):
                 self.register_parameter(f"flat_param_{i}", h.flat)
             self._fsdp_wrapped_module = module
             self.__dict__[UNIT_ATTR] = unit
-            object.__setattr__(module, _WRAPPED_MARK, True)
+            object.__setattr__(module, _WRAPPED_MARK, unit)
             # Nested units know their outermost unit, so any of them can trigger the root's lazy init.
             for u in units_below(unit)[1:]:
                 if u.parent is None:

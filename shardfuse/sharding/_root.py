@@ -10,10 +10,11 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch import nn
 
 from shardfuse._streams import Streams
 from shardfuse.sharding import _collectives as coll
-from shardfuse.sharding._flat_param import MISSING_GROUP, iter_own_modules
+from shardfuse.sharding._flat_param import MISSING_GROUP, OWNED_MARK, iter_own_modules
 from shardfuse.sharding._grad_reduce import ReduceConfig
 from shardfuse.sharding._runtime import RootState, Unit
 from shardfuse.sharding._state import TrainingState, check_state
@@ -24,6 +25,11 @@ def lazy_init(unit: Unit) -> None:
     """Make the outermost unit above ``unit`` the root of its tree, once (until the tree is moved or cast)."""
     if unit.root_state is not None:
         return
+    if unit.released:
+        raise RuntimeError(
+            f"this {unit.name} gave its parameters to a newer FullyShardedDataParallel wrapped around the same "
+            f"module: use the new wrapper"
+        )
     # A first call under inference_mode (evaluation before training) must not make the full buffers or the
     # cast buffers inference tensors, which training could never update again.
     with torch.inference_mode(False):
@@ -70,6 +76,31 @@ def reset_root(unit: Unit) -> None:
         h.full_param = None
     unit.root_state = None
     unit.is_root = None
+
+
+@torch.no_grad()
+def release_unit(unit: Unit) -> None:
+    """Give ``unit``'s module its parameters back (full values, as ``nn.Parameter``s) so that a new wrapper can
+    flatten them again; ``unit`` and the units nested in it leave their tree. Collective over ``unit``'s group."""
+    units = units_below(unit)
+    for u in units:
+        check_state(u.training_state, (TrainingState.IDLE,), "wrapping the module again", u.name)
+    for h in unit.handles:
+        full = h.gather_full_precision(h.flat.device)
+        params = [nn.Parameter(v.clone(), requires_grad=h.requires_grad) for v in h.split_full(full)]
+        h.reshard()
+        for s in h.slots:
+            s.module.__dict__.pop(s.attr, None)
+            s.module._parameters[s.attr] = params[s.index]
+    for _, m in iter_own_modules(unit.module):
+        m.__dict__.pop(OWNED_MARK, None)
+        if isinstance(m.__dict__.get("reset_parameters"), functools.partial):
+            del m.__dict__["reset_parameters"]  # the guard against resets of flattened parameters
+    for u in units:
+        reset_root(u)
+        if u is not unit and u.parent is unit:
+            u.parent = None
+    unit.released = True
 
 
 def _init_unit(unit: Unit) -> None:

@@ -118,6 +118,7 @@ class Unit:
         self.training_state = TrainingState.IDLE
         self.is_root: bool | None = None
         self.parent: Unit | None = None  # the outermost unit that wraps this one (None for the top)
+        self.released = False  # its module was wrapped again: the newer wrapper owns the parameters
         self.root_state: RootState | None = None
         self.require_backward_grad_sync = True
         self.reshard_after_forward = config.reshard_after_forward  # effective value, set at lazy init

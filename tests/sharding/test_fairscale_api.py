@@ -187,6 +187,26 @@ def check_pure_fp16() -> bool:
     return True
 
 
+def check_rewrap_after_training() -> bool:
+    cfg = NESTED
+    inner = build(cfg)
+    model = wrap_model(inner, cfg)
+    _train(model, make_optim(model.parameters(), cfg), range(2), cfg)
+    ids, _ = batch(5, dist.get_rank(), dist.get_world_size())
+    with torch.no_grad():
+        want = model(ids)
+    trained = model.state_dict()
+    again = FSDP(inner)  # FairScale allows wrapping the trained module again, e.g. for inference
+    with torch.no_grad():
+        assert torch.equal(again(ids), want)
+    for k, v in again.state_dict().items():
+        assert torch.equal(v, trained[k]), k
+    with pytest.raises(RuntimeError, match="gave its parameters to a newer FullyShardedDataParallel"):
+        model(ids)
+    _train(again, make_optim(again.parameters(), cfg), range(2, 3), cfg)  # and it trains
+    return True
+
+
 class _SeesDtype(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -212,7 +232,7 @@ def check_mixed_precision_input_cast() -> list[torch.dtype]:
 @pytest.mark.parametrize(
     "check",
     [check_assert_state, check_metadata_consolidation, check_pickle_round_trip, check_duck_typed_group,
-     check_freeze_after_wrap, check_state_dict_inside_summon, check_pure_fp16],
+     check_freeze_after_wrap, check_state_dict_inside_summon, check_pure_fp16, check_rewrap_after_training],
     ids=lambda f: f.__name__.removeprefix("check_"),
 )
 def test_fairscale_behaviour(pool, check):
