@@ -82,7 +82,10 @@ def check_errors() -> bool:
     m = nn.Linear(3, 5)
     w = FSDP(m)
     _raises(ValueError, "already a FullyShardedDataParallel instance", FSDP, w)
-    _raises(ValueError, "was already wrapped by FullyShardedDataParallel", FSDP, m)
+    # Wrapping the module itself again is allowed (FairScale): the first wrapper gives its parameters back.
+    w2 = FSDP(m)
+    _raises(RuntimeError, "gave its parameters to a newer FullyShardedDataParallel", w, torch.randn(2, 3))
+    assert w2(torch.randn(2, 3)).shape == (2, 5)
     # Parameters on several devices (cpu + meta).
     mixed = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3, device="meta"))
     _raises(ValueError, r"on several devices \(\['cpu', 'meta'\]", FSDP, mixed)
