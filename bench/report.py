@@ -29,12 +29,13 @@ import argparse
 import math
 import os
 import re
+import statistics
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.results_io import DEFAULT_RESULTS, REPO, Result, load_results
+from bench.results_io import DEFAULT_RESULTS, REPO, Result, e2e_summary, load_results
 
 DEFAULT_OUT = REPO / "docs" / "benchmarks.md"
 DEFAULT_IMG = REPO / "docs" / "img"
@@ -44,10 +45,11 @@ END_MARK = "<!-- results:end -->"
 PLACEHOLDER = "RESULTS_TABLE"
 
 # Display order and names of the end-to-end implementations (bench/e2e/run.py's --impls plus its baseline).
-IMPL_ORDER = ("baseline", "shardfuse", "fsdp2", "fsdp1", "fairscale")
+IMPL_ORDER = ("baseline", "shardfuse", "shardfuse-ref", "fsdp2", "fsdp1", "fairscale")
 IMPL_LABEL = {
     "baseline": "one GPU, no sharding (autocast)",
     "shardfuse": "shardfuse `FullyShardedDataParallel`",
+    "shardfuse-ref": "shardfuse at an older commit (reference)",  # with the commit: see impl_label()
     "fsdp2": "FSDP2 `fully_shard`",
     "fsdp1": "FSDP1",
     "fairscale": "FairScale FSDP",
@@ -205,26 +207,46 @@ class Plotter:
         self.written.append(path)
         return path
 
-    def e2e(self, res: Result, rows: list[dict[str, Any]]) -> Path | None:
-        """Grouped bars of tokens/s/GPU per regime and implementation."""
+    def e2e(self, res: Result, rows: list[dict[str, Any]], summary: Sequence[dict[str, Any]] = ()) -> Path | None:
+        """Grouped bars of tokens/s/GPU per regime and implementation: the medians over rounds, with the
+        tokens/s/GPU of the slowest and fastest round as error bars, when there is a ``summary``, else the rows."""
         if not self.available:
             return None
-        regimes = _ordered({r["regime"] for r in rows if _num(r.get("tok_s_gpu"))}, REGIME_ORDER)
-        impls = _ordered({r["impl"] for r in rows if _num(r.get("tok_s_gpu"))}, IMPL_ORDER)
+        value: dict[tuple[str, str], float] = {}
+        spread: dict[tuple[str, str], tuple[float, float]] = {}
+        if summary:
+            for e in summary:
+                tok, med = _num(e.get("tok_s_gpu_median")), _num(e.get("step_ms_median"))
+                if not tok:
+                    continue
+                key = (e["regime"], e["impl"])
+                value[key] = tok
+                lo_ms, hi_ms = _num(e.get("step_ms_min")), _num(e.get("step_ms_max"))
+                if med and lo_ms and hi_ms:  # tokens/s/GPU is inverse to the step time
+                    spread[key] = (tok - tok * med / hi_ms, tok * med / lo_ms - tok)
+        else:
+            value = {(r["regime"], r["impl"]): r["tok_s_gpu"] for r in rows if _num(r.get("tok_s_gpu"))}
+        regimes = _ordered({rg for rg, _ in value}, REGIME_ORDER)
+        impls = _ordered({impl for _, impl in value}, IMPL_ORDER)
         if not regimes or not impls:
             return None
-        value = {(r["regime"], r["impl"]): r["tok_s_gpu"] for r in rows if _num(r.get("tok_s_gpu"))}
         fig, ax = self.plt.subplots(figsize=(7, 3.6))
         width = 0.8 / len(impls)
         for i, impl in enumerate(impls):
             xs = [j + (i - (len(impls) - 1) / 2) * width for j in range(len(regimes))]
             ys = [value.get((rg, impl), 0.0) for rg in regimes]
-            ax.bar(xs, ys, width, label="one GPU, unsharded" if impl == "baseline" else impl)
+            label = {"baseline": "one GPU, unsharded", "shardfuse-ref": _ref_label(res, short=True)}.get(impl, impl)
+            err = None
+            if spread:
+                err = [[spread.get((rg, impl), (0.0, 0.0))[k] for rg in regimes] for k in (0, 1)]
+            ax.bar(xs, ys, width, label=label, **({"yerr": err, "capsize": 2} if err else {}))
         ax.set_xticks(range(len(regimes)))
         ax.set_xticklabels([REGIME_LABEL.get(r, r) for r in regimes], fontsize=8)
         ax.set_ylabel("tokens/s/GPU")
         world = res.data.get("config", {}).get("world_size", "?")
-        ax.set_title(f"{res.gpu.upper()}: end-to-end training, {world} GPUs")
+        rounds = max((int(e.get("rounds") or 0) for e in summary), default=0)
+        how = f", medians of {rounds} rounds (whiskers: slowest to fastest round)" if rounds > 1 else ""
+        ax.set_title(f"{res.gpu.upper()}: end-to-end training, {world} GPUs{how}", **({"fontsize": 9} if how else {}))
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)
         return self.save(fig, f"{res.gpu}_{res.name}_tokens.png")
@@ -298,6 +320,38 @@ def _variant(name: str) -> str:
 # ------------------------------------------------------------------------------------------------ sections
 
 
+def _ref_commit(res: Result) -> str | None:
+    cfg = res.data.get("config")
+    commit = cfg.get("shardfuse_ref_commit") if isinstance(cfg, dict) else None
+    return str(commit) if commit else None
+
+
+def _ref_label(res: Result, short: bool = False) -> str:
+    """``shardfuse-ref``'s name: shardfuse at the commit recorded in ``config.shardfuse_ref_commit``."""
+    commit = _ref_commit(res)
+    if short:
+        return f"shardfuse at {commit}" if commit else "shardfuse (reference commit)"
+    return f"shardfuse at `{commit}` (reference)" if commit else IMPL_LABEL["shardfuse-ref"]
+
+
+def impl_label(res: Result, impl: str) -> str:
+    return _ref_label(res) if impl == "shardfuse-ref" else IMPL_LABEL.get(impl, impl)
+
+
+IMPL_SHORT = {
+    "baseline": "one GPU",
+    "shardfuse": "shardfuse",
+    "fsdp2": "FSDP2",
+    "fsdp1": "FSDP1",
+    "fairscale": "FairScale",
+}
+
+
+def impl_short(res: Result, impl: str) -> str:
+    """A short name for running text (``shardfuse-ref``: "shardfuse at <commit>")."""
+    return _ref_label(res, short=True) if impl == "shardfuse-ref" else IMPL_SHORT.get(impl, impl)
+
+
 def _e2e_rows(res: Result) -> list[dict[str, Any]]:
     rows = res.data.get("results")
     return (
@@ -315,7 +369,7 @@ def _regime_shape(res: Result, regime: str, rows: list[dict[str, Any]]) -> str:
     return ""
 
 
-def _e2e_config_line(cfg: dict[str, Any]) -> str:
+def _e2e_config_line(cfg: dict[str, Any], rounds: int = 0) -> str:
     if not cfg:
         return ""
     bits = []
@@ -330,7 +384,10 @@ def _e2e_config_line(cfg: dict[str, Any]) -> str:
     if cfg.get("optimizer"):
         bits.append(str(cfg["optimizer"]))
     if cfg.get("steps") is not None:
-        bits.append(f"mean of {cfg['steps']} steps after {cfg.get('warmup', '?')} warm-up")
+        each = f"each round the mean of {cfg['steps']} steps" if rounds > 1 else f"mean of {cfg['steps']} steps"
+        bits.append(f"{each} after {cfg.get('warmup', '?')} warm-up")
+    if rounds > 1:
+        bits.append(f"{rounds} interleaved rounds")
     if _num(cfg.get("peak_tflops")):
         bits.append(f"MFU against {cfg['peak_tflops']:g} TFLOP/s")
     if cfg.get("device") and cfg["device"] != "cuda":
@@ -343,10 +400,14 @@ def e2e_section(res: Result, plots: Plotter, out_dir: Path) -> list[str]:
     world = cfg.get("world_size")
     title = f"End-to-end training, {world} GPUs" if world else "End-to-end training"
     lines = [f"### {title} (`{res.name}.json`)", "", env_line(res.env), ""]
-    setup = _e2e_config_line(cfg)
+    summary = e2e_summary(res.data)
+    rounds = max((int(_num(e.get("rounds")) or 0) for e in summary), default=0)
+    setup = _e2e_config_line(cfg, rounds)
     if setup:
         lines += [setup, ""]
     rows = _e2e_rows(res)
+    if summary:
+        return lines + e2e_rounds_body(res, rows, summary, plots, out_dir)
     if not rows:
         return lines + ["No rows in this file.", ""]
     for regime in _ordered({r["regime"] for r in rows}, REGIME_ORDER):
@@ -357,7 +418,7 @@ def e2e_section(res: Result, plots: Plotter, out_dir: Path) -> list[str]:
         body, notes = [], []
         for impl in _ordered({r["impl"] for r in rr}, IMPL_ORDER):
             for r in (x for x in rr if x["impl"] == impl):
-                label = IMPL_LABEL.get(impl, impl)
+                label = impl_label(res, impl)
                 step = _num(r.get("step_ms"))
                 if step is None:
                     why = r.get("error") or r.get("skipped") or "no measurement"
@@ -385,6 +446,158 @@ def e2e_section(res: Result, plots: Plotter, out_dir: Path) -> list[str]:
             lines.append("")
     lines += ["_vs FSDP2: FSDP2's step time divided by this step time (above 1.00x is faster)._", ""]
     img = plots.e2e(res, rows)
+    if img is not None:
+        lines += [f"![tokens/s/GPU, {res.gpu} {res.name}]({_rel(img, out_dir)})", ""]
+    return lines
+
+
+def _pct(hi: float, lo: float) -> float:
+    return 100.0 * (hi / lo - 1.0)
+
+
+def _noise_line(res: Result, rows: list[dict[str, Any]], summary: list[dict[str, Any]], regime: str) -> str:
+    """How far rounds (and steps within a round) of one implementation moved in one regime, from the data."""
+    spans = [
+        (_pct(e["step_ms_max"], e["step_ms_min"]), e["impl"])
+        for e in summary
+        if e["regime"] == regime
+        and (_num(e.get("rounds")) or 0) > 1
+        and _num(e.get("step_ms_min"))
+        and _num(e.get("step_ms_max"))
+    ]
+    if not spans:
+        return ""
+    lo, hi = min(spans), max(spans)
+    text = (
+        f"the mean step time of one implementation moved by {lo[0]:.0f}-{hi[0]:.0f}% from its fastest to its "
+        f"slowest round (most: {impl_short(res, hi[1])})"
+    )
+    steps = [
+        (_pct(max(ms), min(ms)), r["impl"])
+        for r in rows
+        if r["regime"] == regime
+        and "round" in r
+        and isinstance(ms := r.get("step_ms_list_rank0"), list)
+        and ms
+        and all(_num(x) for x in ms)
+    ]
+    if steps:
+        top = max(steps)
+        text += f", single steps within one round by up to {top[0]:.0f}% ({impl_short(res, top[1])}, rank 0)"
+    return text
+
+
+def _leak_line(rows: list[dict[str, Any]]) -> str:
+    """A note when the memory after wrapping the same implementation grows from round to round: something an
+    earlier run left allocated then inflates every later peak."""
+    after: dict[tuple[str, str], dict[int, float]] = {}
+    for r in rows:
+        v = _num(r.get("mem_after_wrap_gib_rank0"))
+        if v is not None and isinstance(r.get("round"), int):
+            after.setdefault((r["impl"], r["regime"]), {})[r["round"]] = v
+    growth = [(by[max(by)] - by[min(by)]) / (max(by) - min(by)) for by in after.values() if len(by) > 1]
+    if not growth or max(growth) < 0.25:
+        return ""
+    everything = [v for by in after.values() for v in by.values()]
+    return (
+        "Memory: in this job the memory allocated right after wrapping the same implementation grew by up to "
+        f"{max(growth):.2f} GiB from one round to the next (rank 0, {min(everything):.2f} to "
+        f"{max(everything):.2f} GiB over the job): earlier runs left memory allocated, and it inflates the peaks "
+        "of later runs. *peak GiB* is therefore the lowest peak over rounds, which still carries what the runs "
+        "before it left; *peak above wrap GiB* (peak minus the memory right after wrapping, median over rounds) "
+        "does not carry it, and leaves out the wrapped model itself."
+    )
+
+
+def e2e_rounds_body(
+    res: Result, rows: list[dict[str, Any]], summary: list[dict[str, Any]], plots: Plotter, out_dir: Path
+) -> list[str]:
+    """Per regime one table of medians over the interleaved rounds of one job (files with a ``summary``)."""
+    lines: list[str] = []
+    rounds = max(int(_num(e.get("rounds")) or 0) for e in summary)
+    first = [r for r in rows if r.get("round") == 0]
+    regimes = list(dict.fromkeys(r["regime"] for r in first))
+    impls = list(dict.fromkeys(r["impl"] for r in first))
+    if first:
+        lines += [
+            f"Each round runs {' then '.join(REGIME_LABEL.get(x, x).split(' (')[0] for x in regimes)}, every "
+            f"implementation once per regime in this order: {', '.join(impl_short(res, i) for i in impls)}; "
+            f"{rounds} such rounds, interleaved in one job. The tables give medians over the rounds:",
+            "",
+        ]
+    ratio_cols = [("fairscale", "vs FairScale"), ("baseline", "vs one GPU"), ("fsdp2", "vs FSDP2")]
+    if any(e["impl"] == "shardfuse-ref" for e in summary):
+        ratio_cols.append(("shardfuse-ref", f"vs {_ref_label(res, short=True)}"))
+    with_wrap = any(_num(r.get("mem_after_wrap_gib_rank0")) is not None for r in rows)
+    noise: list[str] = []
+    for regime in _ordered({e["regime"] for e in summary} | {r["regime"] for r in rows}, REGIME_ORDER):
+        rr = [r for r in rows if r["regime"] == regime]
+        ss = {e["impl"]: e for e in summary if e["regime"] == regime}
+        shape = _regime_shape(res, regime, rr)
+        lines += [f"#### {REGIME_LABEL.get(regime, regime)}" + (f", {shape}" if shape else ""), ""]
+        body, notes = [], []
+        for impl in _ordered(set(ss) | {r["impl"] for r in rr}, IMPL_ORDER):
+            label = impl_label(res, impl)
+            mine = [r for r in rr if r["impl"] == impl]
+            for r in mine:
+                if _num(r.get("step_ms")) is None:
+                    kind = "error" if r.get("error") else "skipped"
+                    where = f" (round {r['round']})" if "round" in r else ""
+                    notes.append(f"{label}: {kind}{where}: {r.get('error') or r.get('skipped') or 'no measurement'}")
+            e = ss.get(impl)
+            if e is None:
+                failed = any(r.get("error") for r in mine)
+                blank = [DASH] * (5 + with_wrap + len(ratio_cols))
+                body.append([label, "failed" if failed else "skipped", *blank])
+                continue
+            measured = [r for r in mine if _num(r.get("step_ms")) is not None]
+            mfu = [m for r in measured if (m := _num(r.get("mfu"))) is not None]
+            peaks = [p for r in measured if (p := _num(r.get("peak_gib"))) is not None]
+            peak = min(peaks) if peaks else _num(e.get("peak_gib_max"))
+            wraps = [(_num(r.get("peak_gib")), _num(r.get("mem_after_wrap_gib_rank0"))) for r in measured]
+            added = [p - w for p, w in wraps if p is not None and w is not None]
+            lo, hi = _num(e.get("step_ms_min")), _num(e.get("step_ms_max"))
+            row = [
+                label,
+                str(int(n)) if (n := _num(e.get("rounds"))) is not None else DASH,
+                fmt(e.get("step_ms_median"), ".1f"),
+                _span(lo, hi, ".1f", "") if lo is not None and hi is not None else DASH,
+                fmt(e.get("tok_s_gpu_median"), ",.0f"),
+                f"{100 * statistics.median(mfu):.1f}" if mfu else DASH,
+                fmt(peak, ".2f"),
+            ]
+            if with_wrap:
+                row.append(fmt(statistics.median(added), ".2f") if added else DASH)
+            row += [fmt(e.get(f"vs_{other}"), ".2f", "x") if other != impl else DASH for other, _ in ratio_cols]
+            body.append(row)
+        header = ["implementation", "rounds", "median step ms", "min-max ms", "median tokens/s/GPU", "MFU %"]
+        header += ["peak GiB"]
+        header += ["peak above wrap GiB"] if with_wrap else []
+        header += [c for _, c in ratio_cols]
+        lines += table(header, body)
+        lines.append("")
+        lines += [f"- {n}" for n in notes]
+        if notes:
+            lines.append("")
+        moved = _noise_line(res, rr, summary, regime)
+        if moved:
+            noise.append(f"{REGIME_LABEL.get(regime, regime).split(' (')[0]}: {moved}")
+    lines += [
+        f"_vs X: X's median step time divided by this one's (above 1.00x is faster): ratios of the medians over "
+        f"{rounds} interleaved rounds in one job, not of single runs; min-max: the fastest and the slowest "
+        "round's mean step time; MFU %: median over rounds; vs one GPU compares with one GPU training the same "
+        "tokens per GPU without communication._",
+        "",
+    ]
+    if noise:
+        lines += [
+            "The hosts are noisy, so read differences inside the min-max spreads as ties. " + "; ".join(noise) + ".",
+            "",
+        ]
+    leak = _leak_line(rows)
+    if leak:
+        lines += [leak, ""]
+    img = plots.e2e(res, rows, summary)
     if img is not None:
         lines += [f"![tokens/s/GPU, {res.gpu} {res.name}]({_rel(img, out_dir)})", ""]
     return lines
@@ -576,8 +789,11 @@ HOW_MEASURED = """\
 - `python -m bench.kernels.run`: every kernel family against the PyTorch sequences it replaces, at several sizes,
   with the GPU's own device-copy bandwidth measured in the same run (medians of CUDA-event timings).
 - `torchrun ... -m bench.e2e.run`: a Llama-style decoder trained with shardfuse, FSDP2 `fully_shard`,
-  FSDP1 (and FairScale when installed), one after another in the same job, every decoder layer one sharded
-  unit plus the root; two regimes per GPU: 8K tokens (batch 4 x seq 2048) and 1K tokens (batch 1 x seq 1024).
+  FSDP1 (and FairScale when installed, and `shardfuse-ref`, shardfuse at an older commit built by
+  `bench/e2e/make_ref.sh`), one after another in the same job, every decoder layer one sharded unit plus the
+  root; two regimes per GPU: 8K tokens (batch 4 x seq 2048) and 1K tokens (batch 1 x seq 1024). With
+  `--rounds N` the job runs every implementation once per round, N rounds interleaved, and the tables give
+  medians over the rounds with their spread and ratios of those medians (files without rounds list one run).
   Step time is the max over ranks of the mean step time (forward, backward and optimizer step, synchronised
   before and after each step); tokens/s/GPU follows from it; MFU = (6 x matmul parameters x tokens + causal
   attention flops) / (step time x the dense bf16 peak named in the setup line); peak memory is
@@ -670,11 +886,33 @@ def _anchor(heading: str) -> str:
 # ------------------------------------------------------------------------------------------------ README table
 
 
-def _shardfuse_speed(ours: float | None, ref: float | None, higher_is_better: bool) -> str:
-    if ours is None or ref is None or ours == 0 or ref == 0:
-        return ""
-    ratio = ours / ref if higher_is_better else ref / ours
-    return f" ({ratio:.2f}x)"
+# The ratios a training row of the README table gives for shardfuse, in this order, and the columns it has.
+README_RATIOS = (("fairscale", "FairScale"), ("baseline", "one GPU"), ("fsdp2", "FSDP2"))
+README_COLUMNS = ("fairscale", "baseline", "fsdp2", "fsdp1")
+
+
+def _training_cells(res: Result, regime: str) -> tuple[str, dict[str, str], int] | None:
+    """(shardfuse's tokens/s/GPU with its ratios, tokens/s/GPU per README column, rounds) for one regime of an
+    e2e file: medians over rounds when it has a summary (``rounds`` > 0), else the single run's numbers."""
+    summary = [e for e in e2e_summary(res.data) if e["regime"] == regime]
+    if summary:
+        tok = {e["impl"]: _num(e.get("tok_s_gpu_median")) for e in summary}
+        ours = next((e for e in summary if e["impl"] == "shardfuse"), {})
+        ratio = {other: _num(ours.get(f"vs_{other}")) for other, _ in README_RATIOS}
+        rounds = max(int(_num(e.get("rounds")) or 0) for e in summary)
+    else:
+        tok = {x["impl"]: _num(x.get("tok_s_gpu")) for x in _e2e_rows(res) if x["regime"] == regime}
+        mine = tok.get("shardfuse")
+        # same tokens per GPU and step in every implementation: the tokens/s ratio is the step time ratio
+        ratio = {o: mine / t if mine and (t := tok.get(o)) else None for o, _ in README_RATIOS}
+        rounds = 0
+    if not any(v is not None for v in tok.values()):
+        return None
+    ours_text = fmt(tok.get("shardfuse"), ",.0f")
+    parts = [f"{ratio[o]:.2f}x {name}" for o, name in README_RATIOS if ratio.get(o)]
+    if ours_text != DASH and parts:
+        ours_text += f" ({', '.join(parts)})"
+    return ours_text, {c: fmt(tok.get(c), ",.0f") for c in README_COLUMNS}, rounds
 
 
 def _span(lo: float, hi: float, spec: str, suffix: str) -> str:
@@ -689,26 +927,15 @@ def summary_rows(results: dict[str, list[Result]]) -> list[list[str]]:
         for r in rs:
             if r.kind == "e2e":
                 world = r.data.get("config", {}).get("world_size")
-                rr = _e2e_rows(r)
-                for regime in _ordered({x["regime"] for x in rr}, REGIME_ORDER):
-                    tok = {x["impl"]: _num(x.get("tok_s_gpu")) for x in rr if x["regime"] == regime}
-                    if not any(v is not None for v in tok.values()):
+                regimes = {x["regime"] for x in _e2e_rows(r)} | {e["regime"] for e in e2e_summary(r.data)}
+                for regime in _ordered(regimes, REGIME_ORDER):
+                    cells = _training_cells(r, regime)
+                    if cells is None:
                         continue
+                    ours, others, rounds = cells
                     bench = f"training, {world} GPUs, {regime.upper()} tokens/GPU" if world else f"training, {regime}"
-                    ours = fmt(tok.get("shardfuse"), ",.0f")
-                    if ours != DASH:
-                        ours += _shardfuse_speed(tok.get("shardfuse"), tok.get("fsdp2"), True)
-                    rows.append(
-                        [
-                            gpu.upper(),
-                            bench,
-                            "tokens/s/GPU",
-                            ours,
-                            fmt(tok.get("fsdp2"), ",.0f"),
-                            fmt(tok.get("fsdp1"), ",.0f"),
-                            fmt(tok.get("fairscale"), ",.0f"),
-                        ]
-                    )
+                    metric = f"tokens/s/GPU, median of {rounds} rounds" if rounds > 1 else "tokens/s/GPU"
+                    rows.append([gpu.upper(), bench, metric, ours, *(others[c] for c in README_COLUMNS)])
             elif r.kind == "offload":
                 v = r.data.get("variants") if isinstance(r.data.get("variants"), dict) else {}
                 ms = {k: _num(x.get("step_ms")) for k, x in v.items() if isinstance(x, dict)}
@@ -720,9 +947,13 @@ def summary_rows(results: dict[str, list[Result]]) -> list[list[str]]:
                 metric = f"step ms (plain GPU {plain:.1f})" if plain else "step ms"
                 # FairScale's settings (checkpointing), then the fastest fp32 setting: activations on the
                 # host, no recompute, optimizer in backward (with its memory, the other half of the target)
-                for variant, what in (("shardfuse", "offload, 1 GPU"),
-                                      ("shardfuse_offload_acts_opt_in_bwd",
-                                       "offload, 1 GPU, `offload_activations` + optimizer in backward")):
+                for variant, what in (
+                    ("shardfuse", "offload, 1 GPU"),
+                    (
+                        "shardfuse_offload_acts_opt_in_bwd",
+                        "offload, 1 GPU, `offload_activations` + optimizer in backward",
+                    ),
+                ):
                     ours = fmt(ms.get(variant), ".1f")
                     if ours == DASH and variant != "shardfuse":
                         continue
@@ -737,9 +968,10 @@ def summary_rows(results: dict[str, list[Result]]) -> list[list[str]]:
                             what,
                             metric,
                             ours,
+                            fmt(ms.get("fairscale"), ".1f"),
+                            DASH,
                             fmt(ms.get("fsdp2_cpu_offload"), ".1f"),
                             DASH,
-                            fmt(ms.get("fairscale"), ".1f"),
                         ]
                     )
             elif r.kind == "kernels":
@@ -758,6 +990,7 @@ def summary_rows(results: dict[str, list[Result]]) -> list[list[str]]:
                             DASH,
                             DASH,
                             DASH,
+                            DASH,
                         ]
                     )
                 if smin:
@@ -767,6 +1000,7 @@ def summary_rows(results: dict[str, list[Result]]) -> list[list[str]]:
                             "kernels, all sizes",
                             "speedup vs the PyTorch sequence replaced",
                             _span(min(smin), max(smax), ".2f", "x"),
+                            DASH,
                             DASH,
                             DASH,
                             DASH,
@@ -782,16 +1016,18 @@ def summary_table(results: dict[str, list[Result]], link: str | None = "docs/ben
     if not rows:
         return [f"No benchmark results are stored yet (see {where} for how to produce them)."]
     lines = table(
-        ["GPU", "benchmark", "metric", "shardfuse", "FSDP2", "FSDP1", "FairScale"],
+        ["GPU", "benchmark", "metric", "shardfuse", "FairScale", "one GPU", "FSDP2", "FSDP1"],
         rows,
-        ["l", "l", "l", "r", "r", "r", "r"],
+        ["l", "l", "l", "r", "r", "r", "r", "r"],
     )
     lines += [
         "",
-        "Ratios in parentheses: shardfuse against FSDP2 (training, above 1.00x is faster) or against the "
-        "plain GPU step (offload, lower is better). Offload columns: FSDP2 = `fully_shard` with "
+        "Ratios in parentheses: training, shardfuse's step time against FairScale's, one GPU's (the same tokens "
+        "per GPU, unsharded, no communication) and FSDP2's (above 1.00x is faster; where the metric says "
+        '"median of N rounds", medians over rounds interleaved in one job on noisy hosts, else one run each); '
+        "offload, against the plain GPU step (lower is better). Offload columns: FSDP2 = `fully_shard` with "
         f"`CPUOffloadPolicy`, FairScale = its `OffloadModel`. Every number comes from `bench/results/`; "
-        f"environments and details in {where}.",
+        f"environments, spreads over rounds and details in {where}.",
     ]
     return lines
 

@@ -8,7 +8,9 @@ architecture: ``bench/results/<gpu>/<name>.json``. Standard library only (no tor
 from __future__ import annotations
 
 import json
+import math
 import re
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,19 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = REPO / "bench" / "results"
 
-__all__ = ["DEFAULT_RESULTS", "REPO", "Result", "detect_kind", "load_file", "load_results"]
+__all__ = [
+    "DEFAULT_RESULTS",
+    "E2E_RATIO_IMPLS",
+    "REPO",
+    "Result",
+    "detect_kind",
+    "e2e_summary",
+    "load_file",
+    "load_results",
+]
+
+# The implementations ``bench.e2e.run`` states ratios of median step times against (``vs_<impl>`` keys).
+E2E_RATIO_IMPLS = ("fsdp2", "fairscale", "shardfuse-ref", "baseline")
 
 
 @dataclass
@@ -84,3 +98,64 @@ def load_results(results_dir: Path) -> dict[str, list[Result]]:
         if files:
             out[gpu_dir.name] = sorted((load_file(f, gpu_dir.name) for f in files), key=_result_sort_key)
     return out
+
+
+# ------------------------------------------------------------------------------------------------ e2e rounds
+
+
+def _pos(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or math.isinf(v) or v <= 0:
+        return None
+    return float(v)
+
+
+def e2e_summary(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per (impl, regime) medians over the interleaved rounds of an e2e file (``bench.e2e.run --rounds N``).
+
+    The file's own ``summary`` when it has one; else one computed from the rows that carry a ``round`` key, as
+    ``bench.e2e.run.summarize`` does (a file written mid-run has rows but no summary yet); ``[]`` for a file of
+    one run without rounds (the older layout). Each entry has ``impl``, ``regime``, ``rounds``,
+    ``step_ms_median``, ``step_ms_min``, ``step_ms_max``, ``tok_s_gpu_median``, ``peak_gib_max`` (where
+    measured) and ``vs_<other>`` for every other implementation of ``E2E_RATIO_IMPLS`` measured in that
+    regime: the other's median step time divided by this one's (above 1 this one is faster). Ratios the stored
+    summary lacks are filled in from its medians; stored ones are kept as they are.
+    """
+    stored = data.get("summary")
+    entries: list[dict[str, Any]] = []
+    if isinstance(stored, list):
+        entries = [
+            dict(e)
+            for e in stored
+            if isinstance(e, dict) and e.get("impl") and e.get("regime") and _pos(e.get("step_ms_median"))
+        ]
+    if not entries:
+        rows = data.get("results")
+        rows = [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+        by: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for r in rows:
+            if "round" in r and r.get("impl") and r.get("regime") and _pos(r.get("step_ms")):
+                by.setdefault((str(r["impl"]), str(r["regime"])), []).append(r)
+        for (impl, regime), runs in by.items():
+            ms = [float(x["step_ms"]) for x in runs]
+            tok = [float(x["tok_s_gpu"]) for x in runs if _pos(x.get("tok_s_gpu"))]
+            peaks = [float(x["peak_gib"]) for x in runs if _pos(x.get("peak_gib"))]
+            entry: dict[str, Any] = {
+                "impl": impl,
+                "regime": regime,
+                "rounds": len(ms),
+                "step_ms_median": statistics.median(ms),
+                "step_ms_min": min(ms),
+                "step_ms_max": max(ms),
+            }
+            if tok:
+                entry["tok_s_gpu_median"] = statistics.median(tok)
+            if peaks:
+                entry["peak_gib_max"] = max(peaks)
+            entries.append(entry)
+    medians = {(e["impl"], e["regime"]): float(e["step_ms_median"]) for e in entries}
+    for e in entries:
+        for other in E2E_RATIO_IMPLS:
+            theirs = medians.get((other, e["regime"]))
+            if other != e["impl"] and theirs is not None and _pos(e.get(f"vs_{other}")) is None:
+                e[f"vs_{other}"] = theirs / float(e["step_ms_median"])
+    return entries

@@ -7,6 +7,7 @@ included); ``write_results`` lays them out as ``<root>/<gpu>/<name>.json``, as `
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,93 @@ def e2e_payload(world: int = 2, shardfuse_ms: tuple[float, float] = (113.7, 52.3
         "nccl_nvls_enable": "0",
     }
     return {"env": dict(ENV, gpu_count=world), "config": config, "results": rows}
+
+
+# Step times per round of ``e2e_rounds_payload``: medians 8K 102 / 97 / 98 / 108 / 104 ms and
+# 1K 42 / 50 / 52 / 54 / 69 ms (one GPU, shardfuse, shardfuse-ref, FairScale, FSDP2).
+ROUND_MS = {
+    "8k": {
+        "baseline": (100.0, 104.0, 102.0),
+        "shardfuse": (99.0, 95.0, 97.0),
+        "shardfuse-ref": (98.0, 96.0, 100.0),
+        "fairscale": (110.0, 106.0, 108.0),
+        "fsdp2": (103.0, 105.0, 104.0),
+    },
+    "1k": {
+        "baseline": (40.0, 44.0, 42.0),
+        "shardfuse": (50.0, 65.0, 48.0),
+        "shardfuse-ref": (52.0, 51.0, 70.0),
+        "fairscale": (53.0, 55.0, 54.0),
+        "fsdp2": (70.0, 68.0, 69.0),
+    },
+}
+LEAK_GIB = 1.5  # what every run leaves allocated for the next (the memory after wrapping grows by it)
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``summary`` entries ``bench.e2e.run`` writes, rebuilt here (the report must not need torch)."""
+    by: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        if "step_ms" in r:
+            by.setdefault((r["impl"], r["regime"]), []).append(r)
+    medians = {k: statistics.median(x["step_ms"] for x in v) for k, v in by.items()}
+    out = []
+    for (impl, regime), runs in by.items():
+        ms = [x["step_ms"] for x in runs]
+        entry: dict[str, Any] = {
+            "impl": impl,
+            "regime": regime,
+            "rounds": len(ms),
+            "step_ms_median": medians[(impl, regime)],
+            "step_ms_min": min(ms),
+            "step_ms_max": max(ms),
+            "tok_s_gpu_median": statistics.median(x["tok_s_gpu"] for x in runs),
+            "peak_gib_max": max(x["peak_gib"] for x in runs),
+        }
+        for other in ("fsdp2", "fairscale", "shardfuse-ref", "baseline"):
+            if (other, regime) in medians and other != impl:
+                entry[f"vs_{other}"] = medians[(other, regime)] / medians[(impl, regime)]
+        out.append(entry)
+    return out
+
+
+def e2e_rounds_payload(world: int = 2, with_summary: bool = True) -> dict[str, Any]:
+    """An ``e2e_<N>gpu.json`` of ``bench.e2e.run --rounds 3``: rows with a ``round`` key, run interleaved (round,
+    regime, implementation), FSDP1 skipped, and the ``summary`` of medians (left out: a file written mid-run)."""
+    payload = e2e_payload(world)
+    payload["config"].update(steps=8, shardfuse_ref_commit="b3aa59b")
+    rows: list[dict[str, Any]] = [
+        {"impl": "fsdp1", "regime": regime, "skipped": "not requested in this test"} for regime in ROUND_MS
+    ]
+    leaked = 0.0
+    for rnd in range(3):
+        for regime, (batch, seq) in (("8k", (4, 2048)), ("1k", (1, 1024))):
+            for impl, times in ROUND_MS[regime].items():
+                ms = times[rnd]
+                own = 4.0 if impl == "baseline" else 2.0  # the wrapped model's memory
+                rows.append(
+                    {
+                        "impl": impl,
+                        "regime": regime,
+                        "batch": batch,
+                        "seq": seq,
+                        "gpus": 1 if impl == "baseline" else world,
+                        "step_ms": ms,
+                        "step_ms_rank0": ms,
+                        "step_ms_list_rank0": [ms * 0.9, ms, ms * 1.1],
+                        "tok_s_gpu": batch * seq / (ms * 1e-3),
+                        "loss_last": 10.37,
+                        "mfu": 0.3,
+                        "peak_gib": leaked + own + 10.0,
+                        "mem_after_wrap_gib_rank0": leaked + own,
+                        "round": rnd,
+                    }
+                )
+                leaked += LEAK_GIB
+    payload["results"] = rows
+    if with_summary:
+        payload["summary"] = summarize(rows)
+    return payload
 
 
 def kernels_payload(scale: float = 1.0) -> dict[str, Any]:

@@ -39,7 +39,14 @@ def test_report_renders_synthetic_results(results_dir: Path, tmp_path: Path, cap
     assert "Plots were skipped" in text
     # the README summary goes to stdout when no --readme is given
     printed = capsys.readouterr().out
-    assert "| H200 | training, 2 GPUs, 8K tokens/GPU | tokens/s/GPU | 72,049 (1.06x) | 67,871 | 67,313 | - |" in printed
+    # a file of one run (no rounds): its own numbers; no FairScale measured, so a dash and no FairScale ratio
+    assert (
+        "| H200 | training, 2 GPUs, 8K tokens/GPU | tokens/s/GPU | 72,049 (1.07x one GPU, 1.06x FSDP2) | - | 67,258 "
+        "| 67,871 | 67,313 |" in printed
+    )
+    assert "| GPU | benchmark | metric | shardfuse | FairScale | one GPU | FSDP2 | FSDP1 |" in printed
+    # offload rows keep their meaning: FairScale's and FSDP2's offload step times, no one-GPU or FSDP1 number
+    assert "| 587.4 (1.16x plain, 0.35x its memory) | - | - | 771.9 | - |" in printed
 
 
 def test_report_plots(results_dir: Path, tmp_path: Path) -> None:
@@ -90,7 +97,7 @@ def test_readme_table_is_rewritten(results_dir: Path, tmp_path: Path) -> None:
     assert report.main(args) == 0
     first = readme.read_text()
     assert "RESULTS_TABLE" not in first and report.START_MARK in first and report.END_MARK in first
-    assert "72,049 (1.06x)" in first and "](docs/benchmarks.md)" in first
+    assert "72,049 (1.07x one GPU, 1.06x FSDP2)" in first and "](docs/benchmarks.md)" in first
     assert first.startswith("# project\n") and first.endswith("## Documentation\n")
     assert report.main(args) == 0
     assert readme.read_text() == first  # idempotent: the markers are found the second time

@@ -1,0 +1,161 @@
+"""``bench.report`` on e2e files of interleaved rounds (``bench.e2e.run --rounds N``): one table of medians per
+regime with the spread and the ratios of medians, README rows from the medians; files without rounds as before."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import report
+from bench.results_io import e2e_summary
+from tests.bench._payloads import e2e_payload, e2e_rounds_payload, summarize, write_results
+
+MEDIANS_HEADER = (
+    "| implementation | rounds | median step ms | min-max ms | median tokens/s/GPU | MFU % | peak GiB "
+    "| peak above wrap GiB | vs FairScale | vs one GPU | vs FSDP2 | vs shardfuse at b3aa59b |"
+)
+# 1K medians (ms): one GPU 42, shardfuse 50, shardfuse-ref 52, FairScale 54, FSDP2 69 (see _payloads.ROUND_MS)
+SHARDFUSE_1K = (
+    "| shardfuse `FullyShardedDataParallel` | 3 | 50.0 | 48.0-65.0 | 20,480 | 30.0 | 21.00 | 10.00 "
+    "| 1.08x | 0.84x | 1.38x | 1.04x |"
+)
+README_1K = (
+    "| H200 | training, 2 GPUs, 1K tokens/GPU | tokens/s/GPU, median of 3 rounds "
+    "| 20,480 (1.08x FairScale, 0.84x one GPU, 1.38x FSDP2) | 18,963 | 24,381 | 14,841 | - |"
+)
+
+
+def _render(tmp_path: Path, readme: bool = False, **payloads: dict) -> tuple[str, str]:
+    root = tmp_path / "results"
+    write_results(root, "h200", **payloads)
+    out = tmp_path / "docs" / "benchmarks.md"
+    args = ["--results", str(root), "--out", str(out), "--no-plots"]
+    if readme:
+        (tmp_path / "README.md").write_text("# p\n\nRESULTS_TABLE\n")
+        args += ["--readme", str(tmp_path / "README.md")]
+    assert report.main(args) == 0
+    return out.read_text(), (tmp_path / "README.md").read_text() if readme else ""
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(heading)
+    end = text.find("\n#### ", start + len(heading))
+    return text[start : end if end != -1 else len(text)]
+
+
+def test_medians_table_per_regime(tmp_path: Path) -> None:
+    text, _ = _render(tmp_path, e2e_2gpu=e2e_rounds_payload())
+    assert text.count(MEDIANS_HEADER) == 2  # one table per regime
+    one_k = _section(text, "#### 1K tokens per GPU")
+    assert SHARDFUSE_1K in one_k
+    assert "| shardfuse at `b3aa59b` (reference) | 3 | 52.0 | 51.0-70.0 | 19,692 |" in one_k
+    assert "| 1.04x | 0.81x | 1.33x | - |" in one_k  # its own ratio against itself is a dash
+    assert "| one GPU, no sharding (autocast) | 3 | 42.0 | 40.0-44.0 | 24,381 |" in one_k
+    assert "| FairScale FSDP | 3 | 54.0 | 53.0-55.0 | 18,963 | 30.0 | 24.00 | 10.00 | - | 0.78x | 1.28x | 0.96x |" in (
+        one_k
+    )
+    assert "| FSDP1 | skipped | - | - | - | - | - | - | - | - | - | - |" in one_k
+    assert "- FSDP1: skipped: not requested in this test" in one_k
+    eight_k = _section(text, "#### 8K tokens per GPU")
+    assert "| shardfuse `FullyShardedDataParallel` | 3 | 97.0 | 95.0-99.0 | 84,454 |" in eight_k
+    # one row per implementation, not one per round
+    assert one_k.count("| shardfuse `FullyShardedDataParallel` |") == 1
+    # the text says what the ratios are and that the hosts are noisy, with the spreads of this file
+    assert "ratios of the medians over 3 interleaved rounds in one job" in text
+    assert "The hosts are noisy" in text
+    assert "1K tokens per GPU: the mean step time of one implementation moved by 3-37%" in text
+    assert "(most: shardfuse at b3aa59b)" in text
+    assert "each round the mean of 8 steps after 3 warm-up; 3 interleaved rounds" in text
+    assert "in this order: one GPU, shardfuse, shardfuse at b3aa59b, FairScale, FSDP2" in text
+    # memory left behind by earlier runs is detected; the peak shown is the lowest over rounds
+    assert "grew by up to 15.00 GiB from one round to the next" in text
+    # no table of single runs for this file
+    assert "| implementation | step ms |" not in text
+
+
+def test_readme_rows_from_medians(tmp_path: Path) -> None:
+    text, readme = _render(tmp_path, readme=True, e2e_2gpu=e2e_rounds_payload())
+    assert README_1K in readme and README_1K in text  # the README and the page's summary
+    assert (
+        "| H200 | training, 2 GPUs, 8K tokens/GPU | tokens/s/GPU, median of 3 rounds "
+        "| 84,454 (1.11x FairScale, 1.05x one GPU, 1.07x FSDP2) | 75,852 | 80,314 | 78,769 | - |"
+    ) in readme
+    assert "one GPU's (the same tokens per GPU, unsharded, no communication)" in readme
+    assert "medians over rounds interleaved in one job on noisy hosts" in readme
+
+
+def test_stored_ratios_are_used(tmp_path: Path) -> None:
+    """The ratios come from the file's summary when it has them (the runner's numbers, not recomputed)."""
+    payload = e2e_rounds_payload()
+    for e in payload["summary"]:
+        if e["impl"] == "shardfuse" and e["regime"] == "1k":
+            e["vs_fairscale"] = 1.5
+    text, readme = _render(tmp_path, readme=True, e2e_2gpu=payload)
+    assert "20,480 (1.50x FairScale, 0.84x one GPU, 1.38x FSDP2)" in readme
+    assert "| 1.50x | 0.84x | 1.38x | 1.04x |" in text
+
+
+def test_rounds_without_summary_are_summarised(tmp_path: Path) -> None:
+    """A file written mid-run (rows with ``round``, no summary yet) gets the same medians."""
+    text, readme = _render(tmp_path, readme=True, e2e_2gpu=e2e_rounds_payload(with_summary=False))
+    assert SHARDFUSE_1K in text and README_1K in readme
+    stored = e2e_rounds_payload()
+    computed = e2e_summary(e2e_rounds_payload(with_summary=False))
+    key = lambda e: (e["impl"], e["regime"])  # noqa: E731
+    assert sorted(computed, key=key) == pytest.approx(sorted(stored["summary"], key=key))
+
+
+def test_summary_fills_missing_ratios() -> None:
+    payload = e2e_rounds_payload()
+    for e in payload["summary"]:
+        e.pop("vs_baseline", None)
+    got = {(e["impl"], e["regime"]): e for e in e2e_summary(payload)}
+    assert got[("shardfuse", "1k")]["vs_baseline"] == pytest.approx(42 / 50)
+    assert "vs_baseline" not in got[("baseline", "1k")]
+    assert e2e_summary(e2e_payload()) == []  # no rounds: nothing to summarise
+    assert e2e_summary({"results": [{"impl": "x", "regime": "1k", "round": 0, "error": "boom"}]}) == []
+
+
+def test_failed_round_is_noted(tmp_path: Path) -> None:
+    payload = e2e_rounds_payload(with_summary=False)
+    for r in payload["results"]:
+        if r.get("impl") == "fsdp2" and r.get("regime") == "1k" and r.get("round") == 1:
+            for k in ("step_ms", "tok_s_gpu", "peak_gib", "mfu"):
+                r.pop(k)
+            r["error"] = "RuntimeError: NCCL timeout"
+    payload["summary"] = summarize(payload["results"])
+    text, _ = _render(tmp_path, e2e_2gpu=payload)
+    one_k = _section(text, "#### 1K tokens per GPU")
+    assert "| FSDP2 `fully_shard` | 2 | 69.5 | 69.0-70.0 |" in one_k
+    assert "- FSDP2 `fully_shard`: error (round 1): RuntimeError: NCCL timeout" in one_k
+
+
+def test_file_without_summary_renders_as_before(tmp_path: Path) -> None:
+    """An e2e file of one run per implementation (the older layout): the table of single runs, as before."""
+    text, readme = _render(tmp_path, readme=True, e2e_4gpu=e2e_payload(4, (118.4, 47.9)))
+    assert "median step ms" not in text and "The hosts are noisy" not in text
+    assert "| implementation | step ms | tokens/s/GPU | MFU % | peak GiB | vs FSDP2 |" in text
+    one_k = _section(text, "#### 1K tokens per GPU")
+    assert "| one GPU, no sharding (autocast) | 38.7 | 26,460 | 43.2 | 17.25 | - |" in one_k
+    assert "| shardfuse `FullyShardedDataParallel` | 47.9 | 21,378 | 43.2 | 17.25 | 1.46x |" in one_k
+    assert "| FSDP2 `fully_shard` | 70.0 | 14,629 | 43.2 | 17.25 | 1.00x |" in one_k
+    assert "| FSDP1 | 76.5 | 13,386 | 43.2 | 17.25 | 0.92x |" in one_k
+    assert "| FairScale FSDP | skipped | - | - | - | - |" in one_k
+    assert "_vs FSDP2: FSDP2's step time divided by this step time (above 1.00x is faster)._" in text
+    # README: no FairScale measured, so its column and ratio are left out / dashed
+    assert (
+        "| H200 | training, 4 GPUs, 1K tokens/GPU | tokens/s/GPU | 21,378 (0.81x one GPU, 1.46x FSDP2) | - "
+        "| 26,460 | 14,629 | 13,386 |"
+    ) in readme
+
+
+def test_rounds_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    root = tmp_path / "results"
+    write_results(root, "h200", e2e_2gpu=e2e_rounds_payload(), e2e_4gpu=e2e_payload(4))
+    out = tmp_path / "site" / "benchmarks.md"
+    assert report.main(["--results", str(root), "--out", str(out)]) == 0
+    pngs = sorted(p.name for p in (out.parent / "img").glob("*.png"))
+    assert pngs == ["h200_e2e_2gpu_tokens.png", "h200_e2e_4gpu_tokens.png"]
+    assert "](img/h200_e2e_2gpu_tokens.png)" in out.read_text()
