@@ -45,6 +45,9 @@ class ShardingConfig:
     allow_reset_parameters: bool
     sync_module_states: bool = False
     flatten_parameters: bool = True
+    # The original parameters are registered as views of the flat shard (communication stays flat): per-parameter
+    # names, optimizer groups and freezing. FSDP1's use_orig_params=True; FairScale's flatten_parameters=False.
+    use_orig_params: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,13 +104,9 @@ def make_config(
     gradient_predivide_factor: float | None,
     allow_reset_parameters: bool,
     sync_module_states: bool = False,
+    use_orig_params: bool = False,
 ) -> ShardingConfig:
     """Validate FairScale's keyword arguments for a unit of ``world_size`` ranks into a :class:`ShardingConfig`."""
-    if not flatten_parameters:
-        raise NotImplementedError(
-            "flatten_parameters=False is not supported: shardfuse always shards flat parameters; "
-            "use flatten_parameters=True (the default)"
-        )
     move_params_to_cpu = bool(move_params_to_cpu or cpu_offload)
     if cpu_offload:
         logger.warning("cpu_offload is deprecated (as in FairScale); use move_params_to_cpu=True")
@@ -178,4 +177,6 @@ def make_config(
         gradient_postdivide_factor=postdivide,
         allow_reset_parameters=allow_reset_parameters,
         sync_module_states=bool(sync_module_states),
+        flatten_parameters=bool(flatten_parameters),
+        use_orig_params=bool(use_orig_params) or not flatten_parameters,
     )

@@ -125,6 +125,10 @@ class FlatParamHandle:
         # extra_repr) work, and reading data fails loudly instead of touching freed memory.
         self.placeholders = [torch.empty(s, dtype=self.dtype, device="meta") for s in self.shapes]
         self.clear_views()
+        # use_orig_params: one nn.Parameter per original parameter, a 1-D view of this rank's piece of it in
+        # ``flat`` (empty where the rank holds none of it); (offset in the shard, length) of each.
+        self.orig_views: list[nn.Parameter] | None = None
+        self.view_ranges: list[tuple[int, int]] = []
 
     # ----------------------------------------------------------------------------------------------
     # set-up
@@ -154,9 +158,57 @@ class FlatParamHandle:
             self.full_param.register_post_accumulate_grad_hook(self._on_grad)
             self._hooked = True
 
+    # ----------------------------------------------------------------------------------------------
+    # original parameters as views of the shard (use_orig_params)
+    # ----------------------------------------------------------------------------------------------
+
+    def make_orig_views(self) -> list[nn.Parameter]:
+        """The original parameters as 1-D views of this rank's piece of each in ``flat`` (they share its storage
+        and version counter, so optimizer steps on them are steps on the shard)."""
+        start = self.rank * self.shard_numel
+        end = start + self.shard_numel
+        base = self.flat.detach()
+        self.view_ranges = []
+        offset = 0
+        for n in self.numels:
+            lo, hi = max(offset, start), min(offset + n, end)
+            self.view_ranges.append((lo - start, hi - lo) if hi > lo else (0, 0))
+            offset += n
+        self.orig_views = [
+            nn.Parameter(base.narrow(0, a, n), requires_grad=self.requires_grad) for a, n in self.view_ranges
+        ]
+        return self.orig_views
+
+    def grads_from_views(self) -> None:
+        """Before a reduction accumulates into ``flat.grad``: take over what the optimizer did to the views'
+        gradients (``zero_grad(set_to_none=True)`` drops them, a user may assign new ones)."""
+        g = self.flat.grad
+        if self.orig_views is None or g is None:
+            return
+        if all(v.grad is None for v in self.orig_views):
+            self.flat.grad = None  # a fresh gradient, not an accumulation
+            return
+        for v, (a, n) in zip(self.orig_views, self.view_ranges):
+            piece = g.narrow(0, a, n)
+            if v.grad is None:
+                piece.zero_()
+            elif v.grad.data_ptr() != piece.data_ptr():
+                piece.copy_(v.grad)
+
+    def grads_to_views(self) -> None:
+        """After a reduction: each trainable view's gradient is its piece of ``flat.grad``."""
+        if self.orig_views is None:
+            return
+        g = self.flat.grad
+        for v, (a, n) in zip(self.orig_views, self.view_ranges):
+            v.grad = g.narrow(0, a, n) if g is not None and v.requires_grad else None
+
     def sync_requires_grad(self) -> None:
-        """Follow ``flat.requires_grad`` (a user may freeze the shard after wrapping): the full buffer, hence
-        the module's parameter views, require a gradient exactly when the shard does."""
+        """Follow ``flat.requires_grad`` (a user may freeze the shard after wrapping), or with original
+        parameters whether any of them trains: the full buffer, hence the module's parameter views, require a
+        gradient exactly when the shard does."""
+        if self.orig_views is not None:
+            self.flat.requires_grad_(any(v.requires_grad for v in self.orig_views))
         wanted = self.flat.requires_grad
         if wanted != self.requires_grad:
             self.requires_grad = wanted

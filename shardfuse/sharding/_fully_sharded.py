@@ -64,7 +64,8 @@ class FullyShardedDataParallel(nn.Module):
         disable_reshard_on_root: the root keeps its full parameters between forward and backward.
         mixed_precision: compute in ``compute_dtype`` (default fp16) with fp32 master shards.
         fp32_reduce_scatter: reduce gradients in fp32 under ``mixed_precision`` (default: compute dtype).
-        flatten_parameters: must be True (shardfuse always flattens).
+        flatten_parameters: ``False`` exposes the original parameters (see ``use_orig_params``); the shards and
+            all communication stay flat either way.
         move_params_to_cpu: keep the fp32 shard (and its gradient) in pinned CPU memory.
         compute_dtype: dtype of the gathered parameters under ``mixed_precision`` (fp16 or bf16).
         buffer_dtype: dtype of floating buffers (default: ``compute_dtype`` under ``mixed_precision``).
@@ -116,6 +117,7 @@ class FullyShardedDataParallel(nn.Module):
         gradient_predivide_factor: float | None = None,
         allow_reset_parameters: bool = False,
         sync_module_states: bool = False,
+        use_orig_params: bool = False,
     ) -> None:
         with profiled("shardfuse.sharding:wrap"):
             super().__init__()
@@ -152,6 +154,7 @@ class FullyShardedDataParallel(nn.Module):
                 verbose=verbose, cpu_offload=cpu_offload, state_dict_on_rank_0_only=state_dict_on_rank_0_only,
                 gradient_predivide_factor=gradient_predivide_factor,
                 allow_reset_parameters=allow_reset_parameters, sync_module_states=sync_module_states,
+                use_orig_params=use_orig_params,
             )
             if config.sync_module_states:
                 _broadcast_own_states(module, groups)
@@ -169,8 +172,16 @@ class FullyShardedDataParallel(nn.Module):
                         f"(e.g. model.half() for pure fp16), or pass mixed_precision=True"
                     )
             unit = Unit(module, config, groups, handles, table)
-            for i, h in enumerate(handles):
-                self.register_parameter(f"flat_param_{i}", h.flat)
+            if config.use_orig_params:
+                # The original parameters, views of the shard, where they were; compute reads the instance
+                # attributes (gathered views or meta placeholders), which shadow these registrations.
+                for h in handles:
+                    views = h.make_orig_views()
+                    for slot in h.slots:
+                        slot.module._parameters[slot.attr] = views[slot.index]
+            else:
+                for i, h in enumerate(handles):
+                    self.register_parameter(f"flat_param_{i}", h.flat)
             self._fsdp_wrapped_module = module
             self.__dict__[UNIT_ATTR] = unit
             object.__setattr__(module, _WRAPPED_MARK, unit)
@@ -288,10 +299,11 @@ class FullyShardedDataParallel(nn.Module):
         return dict(self.__dict__)
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
-        """``nn.Module.named_parameters``; inside ``summon_full_params()`` the names carry no wrapper segment."""
-        summoned = self.training_state == TrainingState.SUMMON_FULL_PARAMS
+        """``nn.Module.named_parameters``; with ``use_orig_params`` and inside ``summon_full_params()`` the names
+        carry no wrapper segment (the original names), as in FairScale."""
+        clean = self._unit.config.use_orig_params or self.training_state == TrainingState.SUMMON_FULL_PARAMS
         for name, p in super().named_parameters(*args, **kwargs):
-            yield (clean_key(name) if summoned else name), p
+            yield (clean_key(name) if clean else name), p
 
     def __getattr__(self, name: str) -> Any:
         """Attributes not found on the wrapper come from the wrapped module (as in FairScale)."""
@@ -328,7 +340,20 @@ class FullyShardedDataParallel(nn.Module):
         for u in units:
             check_state(u.training_state, (TrainingState.IDLE,), "moving or casting the model", u.name)
         out = super()._apply(fn, recurse)
-        reset_root(self._unit)
+        unit = self._unit
+        if unit.config.use_orig_params:
+            # nn.Module._apply moved the registered views (copies now) but not the unregistered shards: move the
+            # shards and make fresh views of them (build the optimizer after moving the model).
+            with torch.no_grad():
+                for h in unit.handles:
+                    h.flat.data = fn(h.flat)
+                    if h.flat.grad is not None:
+                        h.flat.grad = fn(h.flat.grad)
+                    views = h.make_orig_views()
+                    for slot in h.slots:
+                        slot.module._parameters[slot.attr] = views[slot.index]
+                    h.grads_to_views()
+        reset_root(unit)
         return out
 
     def _units(self) -> list[FullyShardedDataParallel]:

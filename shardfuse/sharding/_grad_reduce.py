@@ -70,6 +70,7 @@ def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pe
     if grad is None:
         return
     flat = handle.flat
+    handle.grads_from_views()
     offload = flat.device != grad.device
     current = streams.current()
     if offload:

@@ -145,16 +145,26 @@ def load_full_state_dict(root: nn.Module, state_dict: dict[str, Any], strict: bo
     return missing, unexpected
 
 
+def _local_targets(root: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's flat shards (``<unit path>.flat_param_<i>``, whether or not the original parameters are
+    exposed) and the buffers, keyed without wrapper segments."""
+    targets: dict[str, torch.Tensor] = {}
+    for path, m in root.named_modules():
+        u = unit_of(m)
+        if u is not None:
+            prefix = clean_key(path)
+            for i, h in enumerate(u.handles):
+                targets[f"{prefix}.flat_param_{i}" if prefix else f"flat_param_{i}"] = h.flat
+    for name, b in root.named_buffers():
+        targets[clean_key(name)] = b
+    return targets
+
+
 @torch.no_grad()
 def local_state_dict(root: nn.Module) -> OrderedDict[str, Any]:
     """This rank's flat shards and the buffers, keyed by their names without wrapper segments."""
     _idle_units(root, "local_state_dict()")
-    sd: OrderedDict[str, Any] = OrderedDict()
-    for name, p in root.named_parameters():
-        sd[clean_key(name)] = p.detach().clone()
-    for name, b in root.named_buffers():
-        sd[clean_key(name)] = b.detach().clone()
-    return sd
+    return OrderedDict((k, t.detach().clone()) for k, t in _local_targets(root).items())
 
 
 @torch.no_grad()
@@ -163,7 +173,7 @@ def load_local_state_dict(
 ) -> tuple[list[str], list[str]]:
     """Load a :func:`local_state_dict`; shapes must match (same world size and wrapping)."""
     units = _idle_units(root, "load_local_state_dict()")
-    targets = {clean_key(k): t for k, t in (*root.named_parameters(), *root.named_buffers())}
+    targets = _local_targets(root)
     missing = [k for k in targets if k not in state_dict]
     unexpected = [k for k in state_dict if k not in targets]
     if strict and (missing or unexpected):

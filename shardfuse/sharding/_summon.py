@@ -109,6 +109,8 @@ def _restore(wrapper: nn.Module, unit: Unit, saved_params: dict[str, nn.Paramete
     for h in unit.handles:
         for s in h.slots:
             s.module._parameters.pop(s.attr, None)
+            if h.orig_views is not None:
+                s.module._parameters[s.attr] = h.orig_views[s.index]
         h.clear_views()
     wrapper._parameters.clear()
     wrapper._parameters.update(saved_params)

@@ -90,8 +90,6 @@ def check_errors() -> bool:
     mixed = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3, device="meta"))
     _raises(ValueError, r"on several devices \(\['cpu', 'meta'\]", FSDP, mixed)
     # Unsupported or inconsistent arguments.
-    _raises(NotImplementedError, "flatten_parameters=False is not supported", FSDP, nn.Linear(3, 3),
-            flatten_parameters=False)
     _raises(ValueError, "fp32_reduce_scatter=True only applies with mixed_precision=True", FSDP, nn.Linear(3, 3),
             fp32_reduce_scatter=True)
     _raises(ValueError, "compute_dtype=torch.bfloat16 without mixed_precision computes in the parameters. own",

@@ -1,0 +1,98 @@
+"""Original parameters as views of the flat shard (``use_orig_params=True``, FairScale's ``flatten_parameters=False``),
+against unsharded training of the same model (2 gloo ranks)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardfuse import FullyShardedDataParallel as FSDP
+from tests.sharding._models import batch, build
+
+WORLD = 2
+TOL = dict(rtol=2e-5, atol=2e-6)
+
+
+def _wrap(net: nn.Module, **kw: Any) -> FSDP:
+    for i in range(len(net.blocks)):
+        net.blocks[i] = FSDP(net.blocks[i], **kw)
+    return FSDP(net, **kw)
+
+
+def _groups(named: list[tuple[str, nn.Parameter]]) -> list[dict[str, Any]]:
+    """No weight decay on norms and biases, a lower learning rate for the embedding."""
+    decay = [p for n, p in named if p.requires_grad and n.endswith("weight") and "norm" not in n and "embed" not in n]
+    embed = [p for n, p in named if p.requires_grad and "embed" in n]
+    rest = [p for n, p in named if p.requires_grad and not any(p is q for q in decay + embed)]
+    return [
+        {"params": decay, "weight_decay": 0.1},
+        {"params": rest, "weight_decay": 0.0},
+        {"params": embed, "weight_decay": 0.0, "lr": 3e-3},
+    ]
+
+
+def _loss(model: nn.Module, step: int, rank: int, ws: int) -> torch.Tensor:
+    ids, target = batch(step, rank, ws)
+    return (model(ids) - target).pow(2).mean()
+
+
+def _reference_step(ref: nn.Module, opt: torch.optim.Optimizer, step: int, ws: int, accumulate: int) -> None:
+    """The unsharded model sees every rank's batch; gradients averaged over ranks, as the sharded path does."""
+    for _ in range(accumulate):
+        for r in range(ws):
+            (_loss(ref, step, r, ws) / ws).backward()
+
+
+def check_orig_params(flag: str) -> bool:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    kw = {"use_orig_params": True} if flag == "use_orig_params" else {"flatten_parameters": False}
+    ref = build({})
+    model = _wrap(copy.deepcopy(ref), **kw)
+    names = [n for n, _ in model.named_parameters()]
+    assert names == [n for n, _ in ref.named_parameters()], names
+    # Freeze one original parameter after wrapping, in both.
+    dict(model.named_parameters())["blocks.1.fc2.bias"].requires_grad_(False)
+    dict(ref.named_parameters())["blocks.1.fc2.bias"].requires_grad_(False)
+    opt = torch.optim.AdamW(_groups(list(model.named_parameters())), lr=1e-2)
+    ref_opt = torch.optim.AdamW(_groups(list(ref.named_parameters())), lr=1e-2)
+    frozen_before = model.state_dict()["blocks.1.fc2.bias"].clone()
+    for step in range(4):
+        accumulate = 2 if step == 2 else 1  # one step accumulates two backwards (no zero_grad between)
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        ref_opt.zero_grad(set_to_none=step % 2 == 0)
+        for _ in range(accumulate):
+            _loss(model, step, rank, ws).backward()
+        _reference_step(ref, ref_opt, step, ws, accumulate)
+        if step == 3:
+            norm = model.clip_grad_norm_(0.05)
+            want = torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.grad is not None], 0.05)
+            torch.testing.assert_close(norm, want, **TOL)
+        opt.step()
+        ref_opt.step()
+    sd = model.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, **TOL, msg=k)
+    assert torch.equal(sd["blocks.1.fc2.bias"], frozen_before), "a frozen original parameter changed"
+    # The optimizer's parameters are this rank's pieces: together the ranks hold every element once.
+    total = torch.tensor(sum(p.numel() for p in model.parameters()))
+    dist.all_reduce(total)
+    assert total.item() == sum(p.numel() for p in ref.parameters())
+    with model.summon_full_params():
+        full = dict(model.named_parameters())
+        assert full["head.weight"].shape == ref.head.weight.shape
+    assert names == [n for n, _ in model.named_parameters()], "the views are registered again after summoning"
+    # Local state dicts keep the flat shards, and load back.
+    local = model.local_state_dict()
+    assert "flat_param_0" in local and "blocks.0.flat_param_0" in local, sorted(local)
+    model.load_local_state_dict(local)
+    return True
+
+
+@pytest.mark.parametrize("flag", ["use_orig_params", "flatten_parameters=False"])
+def test_orig_params_match_unsharded_training(pool, flag):
+    assert pool.run(check_orig_params, flag) == [True] * WORLD
