@@ -8,7 +8,12 @@ baselines are what PyTorch / FSDP2 run today:
   bf16 per-parameter tensors, then ``torch._foreach_copy_`` (or ``torch.cat``) into the all-gather input;
 - 1000 small tensors: ``torch._foreach_copy_`` into per-tensor bf16 outputs.
 
-GPU only: every tensor is built on "cuda" inside ``cases``. The runner is ``bench/kernels/run.py``.
+``crossover_cases`` put tensor counts on both sides of ``FOREACH_MIN_TENSORS``, where the list form hands
+over to ``torch._foreach_copy_``: each row is also timed with the Triton path forced, so a run shows what
+the dispatch rule saves on each side. The flat form has no such switch; its rows time it against the
+``_foreach_copy_`` into split views of the buffer that FSDP2 runs.
+
+GPU only: every tensor is built on "cuda" inside ``cases``. The runner is ``python -m bench.kernels.run``.
 """
 
 from __future__ import annotations
@@ -17,10 +22,13 @@ from collections.abc import Sequence
 
 import torch
 
-from bench.kernels.cases import KernelCase
+from bench.kernels.cases import KernelCase, forced
+from shardfuse.kernels import _cast
 from shardfuse.kernels._cast import cast_shard, cast_shards
 
 FAMILY = "shard_cast"
+DISPATCH_FAMILY = "shard_cast_dispatch"
+CROSSOVER_NUMELS = (1 << 10, 1 << 14, 1 << 18)  # elements per tensor, from host-bound to GPU-bound
 NUM_PARAMS = 16  # per-parameter shards in one FSDP unit's flat shard
 NUM_SMALL = 1000  # tensors in the multi-tensor case
 WORLD_SIZE = 2  # the all-gather input is this rank's slice of a WORLD_SIZE-times larger buffer
@@ -106,4 +114,47 @@ def cases(sizes: Sequence[int]) -> list[KernelCase]:
     for n in sizes:
         out += _shard_cases(n)
         out.append(_multi_case(n))
+    return out
+
+
+def _list_case(num: int, per_tensor: int) -> KernelCase:
+    sizes = split_sizes(num * per_tensor, num, seed=2)
+    srcs = [torch.randn(k, device="cuda") for k in sizes]
+    outs = [torch.empty(k, dtype=torch.bfloat16, device="cuda") for k in sizes]
+    side = "foreach" if num >= _cast.FOREACH_MIN_TENSORS else "triton"
+    return KernelCase(
+        family=DISPATCH_FAMILY,
+        name=f"list fp32->bf16 {num} tensors x{per_tensor} ({side})",
+        numel=sum(sizes),
+        bytes_moved=sum(sizes) * (4 + 2),
+        shardfuse=lambda: cast_shards(srcs, outs),
+        baselines={
+            "foreach_copy_": lambda: torch._foreach_copy_(outs, srcs),
+            "triton path": forced(_cast, "FOREACH_MIN_TENSORS", 1 << 62, lambda: cast_shards(srcs, outs)),
+        },
+        num_tensors=num,
+    )
+
+
+def _flat_case(num: int, per_tensor: int) -> KernelCase:
+    sizes = split_sizes(num * per_tensor, num, seed=3)
+    srcs = [torch.randn(k, device="cuda") for k in sizes]
+    flat = torch.empty(sum(sizes), dtype=torch.bfloat16, device="cuda")
+    return KernelCase(
+        family=DISPATCH_FAMILY,
+        name=f"flat fp32->bf16 {num} tensors x{per_tensor}",
+        numel=sum(sizes),
+        bytes_moved=sum(sizes) * (4 + 2),
+        shardfuse=lambda: cast_shards(srcs, flat),
+        baselines={"foreach_copy_(split)": lambda: torch._foreach_copy_(flat.split(sizes), srcs)},
+        num_tensors=num,
+    )
+
+
+def crossover_cases() -> list[KernelCase]:
+    """The list form at tensor counts around FOREACH_MIN_TENSORS (and 1000), and the flat form beside it."""
+    t = _cast.FOREACH_MIN_TENSORS
+    counts = sorted({t // 4, t // 2, t - 1, t, 2 * t, 256, 1000})
+    out = [_list_case(num, k) for k in CROSSOVER_NUMELS for num in counts]
+    out += [_flat_case(num, k) for k in CROSSOVER_NUMELS for num in (16, t, 1000)]
     return out

@@ -4,6 +4,10 @@ against ``torch._chunk_cat`` + ``div_`` (and with the per-tensor ``.to`` cast FS
 Inputs look like a decoder block's gradients: 2-D weights (rows x 1024) of a few sizes plus 1-D norm and
 bias vectors of odd lengths, in two groupings: 8 tensors, and many small tensors (up to 1024).
 World size 8, FairScale predivide 4. GPU only; tensors are built on "cuda" inside :func:`cases`.
+
+``crossover_cases`` put tensor counts and output bytes per tensor on both sides of the rule by which
+chunk_cat hands over to ``torch._chunk_cat`` (``TORCH_MIN_TENSORS``, ``TORCH_MAX_OUT_BYTES_PER_TENSOR``):
+each row is also timed with each path forced, so a run shows what the rule picks and what it saves.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
-from bench.kernels.cases import KernelCase
+from bench.kernels.cases import KernelCase, forced
+from shardfuse.kernels import _chunk_cat
 from shardfuse.kernels._chunk_cat import chunk_cat
 from shardfuse.kernels._grad_divide import gradient_divide_factors
 
@@ -65,3 +70,43 @@ def cases(sizes: Sequence[int]) -> list[KernelCase]:
         if many > 8:
             result += [_case(n, many, s, d) for s, d in PAIRS[:1]]
     return result
+
+
+def _crossover_case(num: int, per_tensor: int) -> KernelCase:
+    """num bf16 tensors of about per_tensor elements each (uneven rows of 256), world size 8, factor 4."""
+    tensors = [torch.randn(per_tensor // 256 + i % 3, 256, device="cuda").to(torch.bfloat16) for i in range(num)]
+    out = chunk_cat(tensors, WORLD_SIZE, factor=PRE)
+
+    def chunk_cat_div():
+        torch._chunk_cat(tensors, 0, WORLD_SIZE, out=out)
+        out.div_(PRE)
+
+    def run():
+        return chunk_cat(tensors, WORLD_SIZE, factor=PRE, out=out)
+
+    side = "torch" if _chunk_cat.use_torch_chunk_cat(tensors, PRE, None, out) else "triton"
+    in_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    return KernelCase(
+        family="chunk_cat_dispatch",
+        name=f"bf16 {num} tensors x{per_tensor // 1024}K ({side})",
+        numel=out.numel(),
+        bytes_moved=in_bytes + out.numel() * out.element_size(),
+        shardfuse=run,
+        baselines={
+            "_chunk_cat+div_": chunk_cat_div,
+            "triton path": forced(_chunk_cat, "TORCH_MIN_TENSORS", 1 << 62, run),
+            "torch path": forced(_chunk_cat, "TORCH_MAX_OUT_BYTES_PER_TENSOR", 1 << 62,
+                                 forced(_chunk_cat, "TORCH_MIN_TENSORS", 1, run)),
+        },
+        num_tensors=num,
+    )
+
+
+def crossover_cases() -> list[KernelCase]:
+    """Counts around TORCH_MIN_TENSORS and output sizes per tensor around TORCH_MAX_OUT_BYTES_PER_TENSOR."""
+    t = _chunk_cat.TORCH_MIN_TENSORS
+    per_bytes = _chunk_cat.TORCH_MAX_OUT_BYTES_PER_TENSOR
+    counts = sorted({16, t // 2, t - 1, t, 2 * t, 512, 1024})
+    # bf16 elements per tensor: 16 KB to 1 MB of output each, the threshold (per_bytes // 2 elements) among them.
+    sizes = sorted({per_bytes // 32, per_bytes // 8, per_bytes // 4, per_bytes // 2, per_bytes, 2 * per_bytes})
+    return [_crossover_case(num, k) for k in sizes for num in counts if num * k <= 1 << 28]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
 
 
 @dataclass
@@ -20,3 +22,18 @@ class KernelCase:
     shardfuse: Callable[[], object]  # runs the shardfuse kernel once (buffers preallocated)
     baselines: dict[str, Callable[[], object]] = field(default_factory=dict)  # PyTorch sequences replaced
     num_tensors: int = 1  # for multi-tensor forms
+
+
+def forced(module: ModuleType, name: str, value: Any, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` run with ``module.name`` set to ``value`` (a dispatch threshold): times the path the library
+    did not pick, for the crossover cases."""
+
+    def run() -> object:
+        old = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            return fn()
+        finally:
+            setattr(module, name, old)
+
+    return run

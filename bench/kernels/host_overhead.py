@@ -1,35 +1,36 @@
 """Host (Python) time per call of every public kernel launcher, at 16 and 1000 tensors.
 
-    PYTHONPATH=$PWD python bench/kernels/host_overhead.py [--calls 2000] [--real]
+    python -m bench.kernels.host_overhead [--min-run-time 0.2]
 
-On a machine without a GPU the launchers run on CPU tensors with Triton's interpreter switched on (so the
-Triton path is taken) and the kernel launches replaced by no-ops: what is left is validation, table
-building and dispatch, the part that does not depend on the GPU. On a GPU (``--real``, the default there)
-the kernels really launch on tiny tensors, so the time per call is the host's launch path end to end
-(the GPU finishes each tiny kernel long before the next is issued).
+(from the repository root). On a machine without a GPU the launchers run on CPU tensors with Triton's
+interpreter switched on (so the Triton path is taken) and the kernel launches replaced by no-ops: what is
+left is validation, plan lookup, table building and dispatch, the part that does not depend on the GPU.
+On a GPU the kernels really launch on tiny tensors, so the time per call is the host's launch path end
+to end (the GPU finishes each tiny kernel long before the next is issued). Where a launcher hands over to
+a PyTorch op past a dispatch threshold, the 1000-tensor case is also timed with the Triton path forced.
+Times are medians of ``torch.utils.benchmark.Timer.blocked_autorange`` (which synchronises CUDA).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
-import sys
-import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: take the Triton path on CPU
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from torch.utils import benchmark  # noqa: E402
 
-import importlib  # noqa: E402
+from bench.kernels.cases import forced  # noqa: E402
 
 # By module path: ``shardfuse.kernels._chunk_cat`` the attribute is the function, not the module.
 cast, chunk_cat, concat, flatten, grad_divide = (
-    importlib.import_module(f"shardfuse.kernels._{m}") for m in ("cast", "chunk_cat", "concat", "flatten", "grad_divide")
+    importlib.import_module(f"shardfuse.kernels._{m}")
+    for m in ("cast", "chunk_cat", "concat", "flatten", "grad_divide")
 )
 
 KERNELS = {
@@ -73,14 +74,22 @@ def launchers(num: int, device: str) -> dict[str, Callable[[], object]]:
     cat_out = torch.empty(sum(r.shape[0] for r in rows), 16, device=device)
     cc_out = chunk_cat.chunk_cat(rows, 8, factor=4.0)
     pre_out = torch.empty(flatten.padded_numel(total, 8), device=device)
+    list_cast = lambda: cast.cast_shards(srcs, outs_bf16)
+    cc = lambda: chunk_cat.chunk_cat(rows, 8, factor=4.0, out=cc_out)
     return {
         f"cast_shards flat ({num})": lambda: cast.cast_shards(srcs, flat_bf16),
-        f"cast_shards list ({num})": lambda: cast.cast_shards(srcs, outs_bf16),
+        f"cast_shards list ({num})": list_cast,
+        f"cast_shards list, triton path ({num})": forced(cast, "FOREACH_MIN_TENSORS", 1 << 62, list_cast),
         f"flatten_pad ({num})": lambda: flatten.flatten_pad(params, 8, out=flat32),
         f"unflatten_into ({num})": lambda: flatten.unflatten_into(flat32, p_outs),
-        f"chunk_cat ({num})": lambda: chunk_cat.chunk_cat(rows, 8, factor=4.0, out=cc_out),
+        f"chunk_cat ({num})": cc,
+        f"chunk_cat, triton path ({num})": forced(chunk_cat, "TORCH_MIN_TENSORS", 1 << 62, cc),
         f"concat_microbatches ({num})": lambda: concat.concat_microbatches(rows, out=cat_out),
         f"pre_divide_pad ({num})": lambda: grad_divide.pre_divide_pad(srcs, pre_out, 4.0),
+        # The PyTorch ops of the same calls, for scale (real copies on CPU).
+        f"torch._foreach_copy_ list ({num})": lambda: torch._foreach_copy_(outs_bf16, srcs),
+        f"torch._chunk_cat + div_ ({num})": lambda: torch._chunk_cat(rows, 0, 8, out=cc_out).div_(4.0),
+        f"torch.cat(out=) ({num})": lambda: torch.cat(rows, out=cat_out),
     }
 
 
@@ -95,27 +104,18 @@ def single_launchers(device: str) -> dict[str, Callable[[], object]]:
     }
 
 
-def time_us(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> float:
-    for _ in range(5):
-        fn()
-    sync()
-    best = float("inf")
-    for _ in range(3):  # best of three: the host is noisy
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    return best
+def time_us(fn: Callable[[], object], min_run_time: float) -> float:
+    fn()  # warm-up: compiles, builds and caches the launch plan
+    timer = benchmark.Timer("fn()", globals={"fn": fn})
+    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e6
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calls", type=int, default=300, help="calls per timing (1000-tensor cases: a tenth)")
+    parser.add_argument("--min-run-time", type=float, default=0.2, help="seconds of timed calls per case")
     args = parser.parse_args()
     real = torch.cuda.is_available()
     device = "cuda" if real else "cpu"
-    sync = torch.cuda.synchronize if real else (lambda: None)
     if not real:
         stub_launches()
     where = f"real launches on {torch.cuda.get_device_name()}" if real else "CPU, no-op launches"
@@ -124,8 +124,7 @@ def main() -> None:
     for num in (16, 1000):
         cases.update(launchers(num, device))
     for name, fn in cases.items():
-        calls = args.calls // 10 if "(1000)" in name else args.calls
-        print(f"{name:32s} {time_us(fn, max(calls, 10), sync):9.1f} us", flush=True)
+        print(f"{name:40s} {time_us(fn, args.min_run_time):9.1f} us", flush=True)
 
 
 if __name__ == "__main__":

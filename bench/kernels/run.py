@@ -1,6 +1,9 @@
 """Time every kernel family against the PyTorch sequences it replaces and this GPU's copy bandwidth.
 
-    PYTHONPATH=$PWD python bench/kernels/run.py [--sizes 1M,16M,64M,256M,512M] [--families shard_cast,...]
+    python -m bench.kernels.run [--sizes 1M,16M,64M,256M,512M] [--families cast,chunk_cat,...] [--no-crossover]
+
+(from the repository root). After the size sweep, the families that have a dispatch rule (a point past
+which the PyTorch op is faster and runs instead) time cases on both sides of it (``crossover_cases``).
 
 Times are medians of CUDA-event timings (``triton.testing.do_bench``). GB/s counts the fewest bytes the
 operation must move (each input read once, each output written once), so a multi-pass baseline scores
@@ -10,17 +13,14 @@ lower for the extra passes it makes. Writes ``bench/results/<gpu>/kernels.json``
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bench.common import copy_bandwidth_gbps, write_result  # noqa: E402
-from bench.kernels.cases import KernelCase  # noqa: E402
+from bench.common import copy_bandwidth_gbps, write_result
+from bench.kernels.cases import KernelCase
 
 FAMILY_MODULES = ("bench_cast", "bench_flatten", "bench_grad_divide", "bench_chunk_cat", "bench_concat")
 DEFAULT_SIZES = "1M,16M,64M,256M,512M"
@@ -60,10 +60,11 @@ def run_case(case: KernelCase, copy_gbps: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated element counts (K/M/G suffixes)")
-    parser.add_argument("--families", default="", help="comma-separated bench modules to run (default: all)")
+    parser.add_argument("--families", default="", help="bench modules to run, e.g. cast,chunk_cat (default: all)")
+    parser.add_argument("--no-crossover", action="store_true", help="skip the cases around the dispatch rules")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("bench/kernels/run.py needs a CUDA GPU")
+        raise SystemExit("python -m bench.kernels.run needs a CUDA GPU")
 
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     wanted = {f.strip() for f in args.families.split(",") if f.strip()}
@@ -71,33 +72,46 @@ def main() -> None:
     print(f"device copy bandwidth: {copy_gbps:.0f} GB/s", flush=True)
 
     rows = []
-    for mod_name in FAMILY_MODULES:
-        if wanted and mod_name.removeprefix("bench_") not in wanted and mod_name not in wanted:
-            continue
-        module = importlib.import_module(f"bench.kernels.{mod_name}")
+    modules = [
+        importlib.import_module(f"bench.kernels.{m}")
+        for m in FAMILY_MODULES
+        if not wanted or m.removeprefix("bench_") in wanted or m in wanted
+    ]
+    for module in modules:
         for size in sizes:
             # Build one size at a time so the largest cases never share memory with others.
-            try:
-                cases = module.cases([size])
-            except torch.cuda.OutOfMemoryError:
-                print(f"{mod_name} n={size}: out of memory, skipped", flush=True)
-                continue
-            for case in cases:
-                row = run_case(case, copy_gbps)
-                rows.append(row)
-                base = ", ".join(f"{k} x{v['speedup']:.2f}" for k, v in row["baselines"].items())
-                print(
-                    f"{case.family:12s} {case.name:40s} {row['shardfuse_gbps']:7.0f} GB/s "
-                    f"{row['pct_copy_bw']:5.1f}% copy  [{base}]",
-                    flush=True,
-                )
-            del cases
-            gc.collect()
-            torch.cuda.empty_cache()
+            rows += run_cases(module, functools.partial(module.cases, [size]), f"n={size}", copy_gbps)
+    if not args.no_crossover:
+        for module in modules:
+            if hasattr(module, "crossover_cases"):
+                rows += run_cases(module, module.crossover_cases, "crossover", copy_gbps)
 
     path = write_result("kernels", {"copy_bandwidth_gbps": copy_gbps, "sizes": sizes, "rows": rows})
     print(f"wrote {path}")
     print_summary(rows, copy_gbps)
+
+
+def run_cases(module, build, what: str, copy_gbps: float) -> list[dict]:
+    """Build one batch of cases (skipped when it does not fit in memory), time them, print a line each."""
+    try:
+        cases = build()
+    except torch.cuda.OutOfMemoryError:
+        print(f"{module.__name__} {what}: out of memory, skipped", flush=True)
+        return []
+    rows = []
+    for case in cases:
+        row = run_case(case, copy_gbps)
+        rows.append(row)
+        base = ", ".join(f"{k} x{v['speedup']:.2f}" for k, v in row["baselines"].items())
+        print(
+            f"{case.family:12s} {case.name:40s} {row['shardfuse_gbps']:7.0f} GB/s "
+            f"{row['pct_copy_bw']:5.1f}% copy  [{base}]",
+            flush=True,
+        )
+    del cases
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
 
 
 def print_summary(rows: list[dict], copy_gbps: float) -> None:

@@ -6,16 +6,17 @@ The multi-tensor form does all flat shards of a group, or thousands of small ten
 (source dtype, destination dtype) pair: a host-built owner column maps each program to its tensor in one
 load, so the launch count does not grow with the tensor count and nothing waits on the host. The launch
 plans (device tables included) are cached per set of tensors, so a repeat call costs little more than
-the launch itself.
+the launch itself, plus reading each tensor's address and layout for the plan key. From
+``FOREACH_MIN_TENSORS`` tensors on, that per-tensor Python work costs more than PyTorch's C++
+``torch._foreach_copy_``, so the list form hands over to it (docs/kernels.md, "Dispatch").
 
 Layout: ``@triton.jit`` kernels, launchers (``cast_shard``, ``cast_shards``), references (``*_ref``).
 """
 
 from __future__ import annotations
 
-import logging
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -23,26 +24,20 @@ import triton
 import triton.language as tl
 
 from shardfuse._profiling import profiled
-from shardfuse.kernels._common import (
-    BLOCK_SIZE,
-    PlanCache,
-    block_starts,
-    block_table,
-    check_float,
-    check_out,
-    check_same_device,
-    device_guard,
-    interpreting,
-    stream_key,
-    use_triton,
-)
-
-logger = logging.getLogger(__name__)
+from shardfuse.kernels import _common as common
+from shardfuse.kernels._overlap import check_no_overlap, meets
 
 __all__ = ["cast_shard", "cast_shards", "cast_shard_ref", "cast_shards_ref"]
 
-_NUM_WARPS = 8  # 4096 elements / 256 threads = 16 per thread: four 16-byte fp32 vectors in flight
-_MIN_MULTI_BLOCK = 512  # smallest block of the multi-tensor kernel (tiny tensors waste fewer lanes)
+# From this many tensors on, the list form of cast_shards on CUDA runs torch._foreach_copy_: the measured
+# crossover (bench/results, bench/kernels/bench_cast.py "crossover" cases; docs/kernels.md, "Dispatch").
+FOREACH_MIN_TENSORS = 32
+
+_IN_PLACE_FIX = "pass separate buffers (the same tensor as src and out, in place, is fine)"
+_LIST_FIX = (
+    "give every source a destination of its own that no other source or destination shares "
+    "(a source may be its own destination, in place)"
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -102,8 +97,7 @@ def _cast_shards_kernel(table, num_tensors, src_like, dst_like, ALIGNED: tl.cons
 # Launchers
 # --------------------------------------------------------------------------------------------------
 
-_PLANS = PlanCache()
-_DTYPE = operator.attrgetter("dtype")
+_PLANS = common.PlanCache()
 
 
 class _Launch(NamedTuple):
@@ -125,7 +119,7 @@ class _Plan(NamedTuple):
 
 
 def _check_src(src: torch.Tensor, name: str) -> None:
-    check_float(src, name)
+    common.check_float(src, name)
     if not src.is_contiguous():
         raise ValueError(
             f"{name} must be contiguous (got shape={tuple(src.shape)} stride={src.stride()}): "
@@ -136,17 +130,24 @@ def _check_src(src: torch.Tensor, name: str) -> None:
 def _check_cast_shard(src: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor:
     """Validate and return ``out`` (allocated when None)."""
     _check_src(src, "src")
+    common.check_dtype_arg(dtype)
     if out is None:
         out = torch.empty(src.shape, dtype=src.dtype if dtype is None else dtype, device=src.device)
-    elif dtype is not None and dtype != out.dtype:
-        raise ValueError(f"dtype={dtype} does not match out.dtype={out.dtype}: pass one of them, or make them agree")
-    check_same_device([src, out], ["src", "out"])
-    check_out(out, src.numel())
+    else:
+        common.check_tensor(out, "out")
+        if dtype is not None and dtype != out.dtype:
+            raise ValueError(
+                f"dtype={dtype} does not match out.dtype={out.dtype}: pass one of them, or make them agree"
+            )
+    common.check_same_device([src, out], ["src", "out"])
+    common.check_out(out, src.numel())
     if out.numel() != src.numel():
         raise ValueError(
             f"out must hold exactly src.numel() elements: out.numel()={out.numel()} src.numel()={src.numel()}; "
             f"pass out[:{src.numel()}] or a buffer of the right size"
         )
+    if meets(src, out):  # element i is read and written by the same lane: src is out is safe, no other overlap
+        check_no_overlap("cast_shard", [("src", src)], [("out", out)], _IN_PLACE_FIX, in_place=True)
     return out
 
 
@@ -156,8 +157,9 @@ def cast_shard(src: torch.Tensor, out: torch.Tensor | None = None, *, dtype: tor
     Args:
         src: contiguous float tensor (fp32/bf16/fp16) of any shape.
         out: contiguous float tensor with exactly ``src.numel()`` elements, of any shape; may be a slice
-            of a larger buffer (e.g. this rank's part of the all-gather input). Allocated with ``src``'s
-            shape and ``dtype`` (default: ``src.dtype``) when None.
+            of a larger buffer (e.g. this rank's part of the all-gather input), but must not overlap
+            ``src`` unless it is ``src`` itself. Allocated with ``src``'s shape and ``dtype`` (default:
+            ``src.dtype``) when None.
         dtype: destination dtype when ``out`` is None; must equal ``out.dtype`` if both are given.
 
     Returns:
@@ -165,132 +167,100 @@ def cast_shard(src: torch.Tensor, out: torch.Tensor | None = None, *, dtype: tor
     """
     with profiled("shardfuse.kernels:cast_shard"):
         out = _check_cast_shard(src, out, dtype)
-        if not use_triton(src, out):
+        if not common.use_triton(src, out):
             return cast_shard_ref(src, out)
         n = src.numel()
         if n == 0:
             return out
-        with device_guard(src.device):
-            _cast_shard_kernel[(-(-n // BLOCK_SIZE),)](src, out, n, BLOCK=BLOCK_SIZE, num_warps=_NUM_WARPS)
+        with common.device_guard(src.device):
+            grid = (-(-n // common.BLOCK_SIZE),)
+            _cast_shard_kernel[grid](src, out, n, BLOCK=common.BLOCK_SIZE, num_warps=common.NUM_WARPS)
         return out
 
 
+def _check_offsets(offsets: Sequence[int], numels: list[int]) -> list[int]:
+    try:
+        offsets = [operator.index(o) for o in offsets]
+    except TypeError:
+        raise TypeError(f"offsets must be ints (element offsets into out), got {list(offsets)[:8]}") from None
+    if len(offsets) != len(numels):
+        raise ValueError(f"len(offsets)={len(offsets)} != len(srcs)={len(numels)}: give one offset per source")
+    if any(o < 0 for o in offsets):
+        raise ValueError(f"offsets must be >= 0, got {[o for o in offsets if o < 0][:8]}")
+    # Overlapping destination ranges would make the result depend on program order.
+    ranges = sorted((o, o + k, i) for i, (o, k) in enumerate(zip(offsets, numels)) if k)
+    for (_, e0, i0), (b1, _, i1) in zip(ranges, ranges[1:]):
+        if b1 < e0:
+            raise ValueError(
+                f"destination ranges overlap: srcs[{i0}] ends at {e0} but srcs[{i1}] starts at {b1}; "
+                f"fix offsets so that each range [offset, offset + numel) is disjoint"
+            )
+    return offsets
+
+
 def _validate_cast_shards(
-    srcs: list[torch.Tensor], out: torch.Tensor | Sequence[torch.Tensor], offsets: Sequence[int] | None
-) -> tuple[list[torch.Tensor] | None, list[int] | None]:
-    """Validate; return (destinations, None) for a list ``out``, (None, offsets) for a flat one."""
+    srcs: list[torch.Tensor], out: torch.Tensor | list[torch.Tensor], offsets: Sequence[int] | None
+) -> list[torch.Tensor]:
+    """Validate; return the destination of every source (views of ``out`` when it is one flat tensor)."""
+    srcs = common.check_tensors(srcs, "srcs")
     for i, s in enumerate(srcs):
         _check_src(s, f"srcs[{i}]")
+    src_names = [f"srcs[{i}]" for i in range(len(srcs))]
     if isinstance(out, torch.Tensor):
-        check_same_device([*srcs, out], [*(f"srcs[{i}]" for i in range(len(srcs))), "out"])
+        common.check_same_device([*srcs, out], [*src_names, "out"])
         numels = [s.numel() for s in srcs]
-        if offsets is None:
-            offsets = block_starts(numels)  # back to back
-        else:
-            offsets = [int(o) for o in offsets]
-            if len(offsets) != len(srcs):
-                raise ValueError(f"len(offsets)={len(offsets)} != len(srcs)={len(srcs)}: give one offset per source")
-        end = max((o + k for o, k in zip(offsets, numels)), default=0)
-        check_out(out, end)
-        if any(o < 0 for o in offsets):
-            raise ValueError(f"offsets must be >= 0, got {[o for o in offsets if o < 0][:8]}")
-        # Overlapping destination ranges would make the result depend on program order.
-        ranges = sorted((o, o + k, i) for i, (o, k) in enumerate(zip(offsets, numels)) if k)
-        for (_, e0, i0), (b1, _, i1) in zip(ranges, ranges[1:]):
-            if b1 < e0:
+        # Default: back to back from element 0.
+        offsets = common.block_starts(numels) if offsets is None else _check_offsets(offsets, numels)
+        common.check_out(out, max((o + k for o, k in zip(offsets, numels)), default=0))
+        flat = out.view(-1)
+        dsts = [flat[o : o + k] for o, k in zip(offsets, numels)]
+        dst_names = [f"out[{o}:{o + k}]" for o, k in zip(offsets, numels)]
+    else:
+        if offsets is not None:
+            raise ValueError("offsets only apply when out is one flat tensor; drop offsets or pass a flat out")
+        dsts = common.check_tensors(out, "out")
+        if len(dsts) != len(srcs):
+            raise ValueError(f"len(out)={len(dsts)} != len(srcs)={len(srcs)}: give one destination per source")
+        dst_names = [f"out[{i}]" for i in range(len(dsts))]
+        if srcs:
+            common.check_same_device([*srcs, *dsts], [*src_names, *dst_names])
+        for i, (s, o) in enumerate(zip(srcs, dsts)):
+            common.check_out(o, s.numel(), f"out[{i}]")
+            if o.numel() != s.numel():
                 raise ValueError(
-                    f"destination ranges overlap: srcs[{i0}] ends at {e0} but srcs[{i1}] starts at {b1}; "
-                    f"fix offsets so that each range [offset, offset + numel) is disjoint"
+                    f"out[{i}].numel()={o.numel()} != srcs[{i}].numel()={s.numel()}: "
+                    f"destinations must match their sources"
                 )
-        return None, offsets
+    check_no_overlap("cast_shards", list(zip(src_names, srcs)), list(zip(dst_names, dsts)), _LIST_FIX, in_place=True)
+    return dsts
+
+
+@common.plan_key
+def _key(srcs: list[torch.Tensor], out: torch.Tensor | list[torch.Tensor], offsets: Sequence[int] | None):
+    if isinstance(out, torch.Tensor):
+        # The destination addresses in the table are out's address plus the offsets: both are in the key.
+        placement = None if offsets is None else tuple(map(operator.index, offsets))
+        return out.device, (common.tensors_key(srcs, "flat"), common.tensor_key(out), placement)
     if offsets is not None:
-        raise ValueError("offsets only apply when out is one flat tensor; drop offsets or pass a flat out")
-    outs = list(out)
-    if len(outs) != len(srcs):
-        raise ValueError(f"len(out)={len(outs)} != len(srcs)={len(srcs)}: give one destination per source")
-    names = [f"srcs[{i}]" for i in range(len(srcs))] + [f"out[{i}]" for i in range(len(outs))]
-    if srcs:
-        check_same_device([*srcs, *outs], names)
-    for i, (s, o) in enumerate(zip(srcs, outs)):
-        check_out(o, s.numel(), f"out[{i}]")
-        if o.numel() != s.numel():
-            raise ValueError(
-                f"out[{i}].numel()={o.numel()} != srcs[{i}].numel()={s.numel()}: destinations must match their sources"
-            )
-    return outs, None
-
-
-def _check_cast_shards(
-    srcs: Sequence[torch.Tensor], out: torch.Tensor | Sequence[torch.Tensor], offsets: Sequence[int] | None
-) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
-    """Validate; return (srcs, destination views, flat_mode). Destinations are views of ``out`` in flat mode."""
-    srcs = list(srcs)
-    outs, offsets = _validate_cast_shards(srcs, out, offsets)
-    if outs is not None:
-        return srcs, outs, False
-    flat = out.view(-1)
-    return srcs, [flat[o : o + s.numel()] for o, s in zip(offsets, srcs)], True
-
-
-def _meta(tensors: list[torch.Tensor]) -> tuple:
-    """Everything validation and the table read from ``tensors``: addresses, sizes, dtypes, layout, devices.
-    ``map`` over the unbound methods is several times cheaper than a loop building one tuple per tensor."""
-    T = torch.Tensor
-    return (
-        tuple(map(T.data_ptr, tensors)),
-        tuple(map(T.numel, tensors)),
-        tuple(map(_DTYPE, tensors)),
-        tuple(map(T.is_contiguous, tensors)),
-        tuple(map(T.get_device, tensors)),  # ints: cheaper to build and compare than devices
-    )
-
-
-def _cast_key(
-    srcs: list[torch.Tensor], out: torch.Tensor | list[torch.Tensor], offsets: Sequence[int] | None
-) -> tuple | None:
-    """The plan-cache key, or None when nothing may be cached (CUDA graph capture, malformed arguments:
-    the validating slow path then says what is wrong)."""
-    try:
-        if isinstance(out, torch.Tensor):
-            dst = (out.data_ptr(), out.numel(), out.dtype, out.is_contiguous(), out.device,
-                   None if offsets is None else tuple(map(int, offsets)))
-            device = out.device
-        else:
-            if offsets is not None or not out:
-                return None
-            dst = _meta(out)
-            device = out[0].device
-        stream = stream_key(device)
-        return None if stream is None else (stream, _meta(srcs), dst)
-    except (TypeError, AttributeError, ValueError, RuntimeError):
-        return None
+        raise ValueError("offsets with a list out")  # no key: the validating path explains
+    return out[0].device, (common.tensors_key(srcs, "flat"), common.tensors_key(out, "flat"))
 
 
 def _build_plan(
     srcs: list[torch.Tensor], out: torch.Tensor | list[torch.Tensor], offsets: Sequence[int] | None
 ) -> _Plan | None:
     """Validate and build the launches; None when the reference path should run (CPU tensors)."""
-    dsts, offsets = _validate_cast_shards(srcs, out, offsets)
-    if dsts is None:
-        if not use_triton(out, *srcs):
-            return None
-        device, base, esize = out.device, out.data_ptr(), out.element_size()
-        dst_addrs = [base + o * esize for o in offsets]
-        dst_dtypes = [out.dtype] * len(srcs)
-    else:
-        if not use_triton(*srcs, *dsts):
-            return None
-        device = srcs[0].device if srcs else torch.device("cpu")
-        dst_addrs = [d.data_ptr() for d in dsts]
-        dst_dtypes = [d.dtype for d in dsts]
+    dsts = _validate_cast_shards(srcs, out, offsets)
+    flat = isinstance(out, torch.Tensor)
+    if not common.use_triton(*srcs, *dsts, *([out] if flat else [])):
+        return None
+    device = out.device if flat else (srcs[0].device if srcs else torch.device("cpu"))
     groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
-    for i, (s, ddt) in enumerate(zip(srcs, dst_dtypes)):
+    for i, (s, d) in enumerate(zip(srcs, dsts)):
         if s.numel():
-            groups.setdefault((s.dtype, ddt), []).append(i)
-    launches = tuple(
-        _plan_group(srcs, idx, dst_addrs, device, flat=dsts is None) for idx in groups.values()
-    )
-    return _Plan(device, launches)
+            groups.setdefault((s.dtype, d.dtype), []).append(i)
+    dst_addrs = [d.data_ptr() for d in dsts]
+    return _Plan(device, tuple(_plan_group(srcs, idx, dst_addrs, device, flat) for idx in groups.values()))
 
 
 def _plan_group(
@@ -298,26 +268,30 @@ def _plan_group(
 ) -> _Launch:
     """One launch for tensors sharing (source dtype, destination dtype); all have numel > 0."""
     numels = [srcs[i].numel() for i in idx]
-    # Many tiny tensors: a smaller block wastes fewer masked lanes (one compile per power of two).
-    block = min(BLOCK_SIZE, max(_MIN_MULTI_BLOCK, 1 << (max(numels) - 1).bit_length()))
+    block, num_warps = common.multi_block(numels)
     counts = [-(-k // block) for k in numels]
     src_addrs = [srcs[i].data_ptr() for i in idx]
     dst = [dst_addrs[i] for i in idx]
     aligned = all(a % 16 == 0 for a in src_addrs) and all(a % 16 == 0 for a in dst)
     # One table, one host->device copy: starts, numels, source and destination addresses, owners.
-    table = block_table([block_starts(counts), numels, src_addrs, dst], counts, device)
-    return _Launch(sum(counts), table, len(idx), idx[0], -1 if flat else idx[0], aligned, block,
-                   _NUM_WARPS if block >= 2048 else 4)
+    table = common.block_table([common.block_starts(counts), numels, src_addrs, dst], counts, device)
+    return _Launch(sum(counts), table, len(idx), idx[0], -1 if flat else idx[0], aligned, block, num_warps)
 
 
 def _run_plan(plan: _Plan, srcs: list[torch.Tensor], out: torch.Tensor | list[torch.Tensor]) -> None:
-    with device_guard(plan.device):
+    with common.device_guard(plan.device):
         for la in plan.launches:
             dst_like = out if la.dst_like < 0 else out[la.dst_like]
             _cast_shards_kernel[(la.grid,)](
                 la.table, la.num_tensors, srcs[la.src_like], dst_like, ALIGNED=la.aligned, BLOCK=la.block,
                 num_warps=la.num_warps,
             )
+
+
+def use_foreach(srcs: Sequence[torch.Tensor]) -> bool:
+    """Whether the list form of :func:`cast_shards` runs ``torch._foreach_copy_`` (decided from the first
+    tensor and the count alone: reading every tensor's layout is the cost being avoided)."""
+    return len(srcs) >= FOREACH_MIN_TENSORS and isinstance(srcs[0], torch.Tensor) and common.triton_device(srcs[0])
 
 
 def cast_shards(
@@ -335,26 +309,36 @@ def cast_shards(
             with ``out[i].numel() == srcs[i].numel()`` (dtypes may differ per entry).
         offsets: element offsets into a flat ``out`` (default: back to back from 0); ranges must not overlap.
 
-    Returns:
-        ``out`` as given (the tensor, or the list of tensors).
+    No destination may share memory with another destination or with another source (a source may be its
+    own destination). Returns ``out`` as given (the tensor, or the list of tensors).
 
     A repeat call with the same tensors (same addresses, sizes, dtypes, layouts and device, on the same
-    stream) reuses the cached launch plan: no validation, no table building, no host->device copy.
+    stream) reuses the cached launch plan: no validation, no table building, no host->device copy. With a
+    list ``out`` of at least ``FOREACH_MIN_TENSORS`` CUDA tensors, the call is ``torch._foreach_copy_(out,
+    srcs)`` (same bits; PyTorch's own argument checks apply, see docs/kernels.md, "Dispatch").
     """
     with profiled("shardfuse.kernels:cast_shards"):
-        srcs = list(srcs)
-        dests = out if isinstance(out, torch.Tensor) else list(out)
-        key = _cast_key(srcs, dests, offsets)
-        plan = None if key is None else _PLANS.get(key)
+        srcs = common.as_list(srcs)
+        if isinstance(out, torch.Tensor):
+            dests = out
+        elif isinstance(out, Iterable):
+            dests = list(out)
+            if offsets is None and use_foreach(srcs):
+                try:
+                    torch._foreach_copy_(dests, srcs)
+                    return dests
+                except (RuntimeError, TypeError):
+                    pass  # PyTorch refused the arguments: the validating path says why, or handles them
+        else:
+            raise TypeError(f"out must be a tensor or a list of tensors, got a {type(out).__name__}")
+        key = _key(srcs, dests, offsets)
+        plan = _PLANS.get(key)
         if plan is None:
             plan = _build_plan(srcs, dests, offsets)
-            if plan is not None and key is not None:
+            if plan is not None:
                 _PLANS.put(key, plan)
-        elif plan.device.type == "cpu" and not interpreting():
-            plan = None  # the interpreter was switched off since the plan was built
         if plan is None:
-            _, views, _ = _check_cast_shards(srcs, dests, offsets)
-            _copy_all(srcs, views)  # the reference's copies
+            _copy_all(srcs, _validate_cast_shards(srcs, dests, offsets))  # the reference's copies
         else:
             _run_plan(plan, srcs, dests)
         return dests
@@ -381,9 +365,9 @@ def cast_shards_ref(
     offsets: Sequence[int] | None = None,
 ) -> torch.Tensor | list[torch.Tensor]:
     """Reference for :func:`cast_shards`: one ``copy_`` per tensor."""
-    srcs, dsts, flat_mode = _check_cast_shards(srcs, out, offsets)
-    _copy_all(srcs, dsts)
-    return out if flat_mode else list(out)
+    srcs = list(srcs)
+    _copy_all(srcs, _validate_cast_shards(srcs, out, offsets))
+    return out if isinstance(out, torch.Tensor) else list(out)
 
 
 def _copy_all(srcs: list[torch.Tensor], dsts: list[torch.Tensor]) -> None:

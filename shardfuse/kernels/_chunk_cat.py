@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -27,31 +26,22 @@ import triton
 import triton.language as tl
 
 from shardfuse._profiling import profiled
-from shardfuse.kernels._common import (
-    BLOCK_SIZE,
-    PlanCache,
-    apply_scale,
-    block_starts,
-    block_table,
-    check_float,
-    check_same_device,
-    device_guard,
-    interpreting,
-    scale_args,
-    stream_key,
-    use_triton,
-)
+from shardfuse.kernels import _common as common
+from shardfuse.kernels._common import apply_scale
+from shardfuse.kernels._overlap import check_no_overlap
 
 logger = logging.getLogger(__name__)
 
-# BLOCK_SIZE=4096 over 256 threads: 16 elements each, several 16-byte vectors in flight per thread.
-_NUM_WARPS = 8
-
 __all__ = ["chunk_cat", "chunk_cat_ref"]
 
-_PLANS = PlanCache()
-_DTYPE = operator.attrgetter("dtype")
-_SHAPE = operator.attrgetter("shape")
+# On CUDA, torch._chunk_cat and one scaling pass take over from this many tensors on when they carry less
+# than TORCH_MAX_OUT_BYTES_PER_TENSOR of output each: there the per-tensor host work of a launch plan
+# costs more than the copy. Measured crossover: bench/kernels/bench_chunk_cat.py "crossover" cases and
+# docs/kernels.md, "Dispatch".
+TORCH_MIN_TENSORS = 96
+TORCH_MAX_OUT_BYTES_PER_TENSOR = 512 * 1024
+
+_PLANS = common.PlanCache()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -131,13 +121,6 @@ def _layout(t: torch.Tensor, world_size: int) -> tuple[int, int]:
     return t.numel(), -(-dim0 // world_size) * rest
 
 
-def _check_factor(factor: float) -> float:
-    factor = float(factor)
-    if not math.isfinite(factor) or factor <= 0.0:
-        raise ValueError(f"the divide factor must be a finite number > 0, got {factor=}: use 1.0 for no division")
-    return factor
-
-
 def _validate(
     tensors: Sequence[torch.Tensor],
     world_size: int,
@@ -145,19 +128,17 @@ def _validate(
     dtype: torch.dtype | None,
     out: torch.Tensor | None,
 ) -> tuple[list[torch.Tensor], float, torch.dtype, list[int], list[int], int]:
-    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
-        raise TypeError(f"chunk_cat takes a sequence of tensors, got {type(tensors).__name__}: wrap it in a list")
-    tensors = list(tensors)
+    tensors = common.check_tensors(tensors, "tensors", "chunk_cat")
     if not tensors:
         raise ValueError("chunk_cat got an empty list of tensors: pass at least one tensor")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"chunk_cat needs an integer world_size >= 1, got {world_size=!r}")
-    factor = _check_factor(factor)
+    world_size = common.check_world_size(world_size, "chunk_cat")
+    factor = common.check_factor(factor)
+    common.check_dtype_arg(dtype)
     names = [f"tensors[{i}]" for i in range(len(tensors))]
     for t, name in zip(tensors, names):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} is a {type(t).__name__}, not a torch.Tensor")
-        check_float(t, name)
+        common.check_float(t, name)
+    if out is not None:
+        common.check_tensor(out, "out")
     in_dtypes = {t.dtype for t in tensors}
     if len(in_dtypes) > 1:
         raise TypeError(
@@ -167,9 +148,9 @@ def _validate(
     if out is not None and dtype is not None and out.dtype != dtype:
         raise TypeError(f"chunk_cat got {dtype=} but out.dtype={out.dtype}: pass one or make them agree")
     out_dtype = dtype if dtype is not None else (out.dtype if out is not None else tensors[0].dtype)
-    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if out_dtype not in common.FLOAT_DTYPES:
         raise TypeError(f"chunk_cat output dtype {out_dtype} is not supported: use float32, bfloat16 or float16")
-    check_same_device(tensors + ([out] if out is not None else []), names + (["out"] if out is not None else []))
+    common.check_same_device(tensors + ([out] if out is not None else []), names + (["out"] if out is not None else []))
     numels, chunks = zip(*(_layout(t, world_size) for t in tensors))
     row_numel = sum(chunks)
     if out is not None:
@@ -180,6 +161,8 @@ def _validate(
             )
         if not out.is_contiguous():
             raise ValueError(f"chunk_cat out must be contiguous (got stride={out.stride()}): pass a contiguous buffer")
+        fix = "write into a buffer apart from the inputs (or pass out=None)"
+        check_no_overlap("chunk_cat", list(zip(names, tensors)), [("out", out)], fix)
     return tensors, factor, out_dtype, list(numels), list(chunks), row_numel
 
 
@@ -197,33 +180,11 @@ class _Plan(NamedTuple):
     out_vec: int
 
 
-def _key(tensors: Sequence[torch.Tensor], world_size: int, dtype: torch.dtype | None,
-         out: torch.Tensor | None) -> tuple | None:
-    """The plan-cache key: everything validation and the table read from the inputs (and out's layout:
-    out is a kernel argument, its address is not in the table); None when nothing may be cached (CUDA
-    graph capture, malformed arguments: the validating path then says what is wrong)."""
-    if not isinstance(tensors, (list, tuple)) or not tensors:
-        return None
-    T = torch.Tensor
-    try:
-        stream = stream_key(tensors[0].device)
-        if stream is None:
-            return None
-        layout = None if out is None else (tuple(out.shape), out.dtype, out.is_contiguous(), out.device)
-        return (
-            stream,
-            world_size,
-            type(world_size),  # True == 1, but only an int passes validation
-            dtype,
-            layout,
-            tuple(map(T.data_ptr, tensors)),
-            tuple(map(_DTYPE, tensors)),
-            tuple(map(T.get_device, tensors)),  # ints: cheaper to build and compare than devices
-            tuple(map(_SHAPE, tensors)),
-            tuple(map(T.is_contiguous, tensors)),
-        )
-    except (TypeError, AttributeError, ValueError, RuntimeError):
-        return None
+@common.plan_key
+def _key(tensors: list[torch.Tensor], world_size: int, dtype: torch.dtype | None, out: torch.Tensor | None):
+    # type(world_size): True == 1, but only an int passes validation.
+    layout = common.tensors_key(tensors, "shaped")
+    return tensors[0].device, (world_size, type(world_size), dtype, common.tensor_key(out), layout)
 
 
 def _build_plan(tensors: list[torch.Tensor], world_size: int, out: torch.Tensor, numels: list[int],
@@ -233,7 +194,7 @@ def _build_plan(tensors: list[torch.Tensor], world_size: int, out: torch.Tensor,
     for m in chunks:
         cols.append(running)
         running += m
-        counts.append(world_size * -(-m // BLOCK_SIZE))
+        counts.append(world_size * -(-m // common.BLOCK_SIZE))
     ptrs = [t.data_ptr() for t in tensors]
     in_vec = 16 // tensors[0].element_size()
     out_vec = 16 // out.element_size()
@@ -244,7 +205,7 @@ def _build_plan(tensors: list[torch.Tensor], world_size: int, out: torch.Tensor,
         and all(c % out_vec == 0 for c in cols)
     )
     device = tensors[0].device
-    table = block_table([ptrs, numels, chunks, cols, block_starts(counts)], counts, device)
+    table = common.block_table([ptrs, numels, chunks, cols, common.block_starts(counts)], counts, device)
     # `like` only types the source pointers: a non-empty tensor (empty CUDA tensors have null pointers).
     like = next(i for i, t in enumerate(tensors) if t.numel())
     return _Plan(device, (world_size, row_numel), out.dtype, sum(counts), table, len(tensors), row_numel, like,
@@ -252,23 +213,67 @@ def _build_plan(tensors: list[torch.Tensor], world_size: int, out: torch.Tensor,
 
 
 def _run(plan: _Plan, tensors: Sequence[torch.Tensor], out: torch.Tensor, factor: float) -> None:
-    kernel_factor, divide, multiply = scale_args(factor)
-    with device_guard(plan.device):
+    kernel_factor, divide, multiply = common.scale_args(factor)
+    aligned = plan.aligned and out.data_ptr() % 16 == 0
+    with common.device_guard(plan.device):
         _chunk_cat_kernel[(plan.grid,)](
-            plan.table,
-            tensors[plan.like],
-            out,
-            plan.num_tensors,
-            plan.row_numel,
-            kernel_factor,
-            DIVIDE=divide,
-            MULTIPLY=multiply,
-            ALIGNED=plan.aligned and out.data_ptr() % 16 == 0,
-            IN_VEC=plan.in_vec,
-            OUT_VEC=plan.out_vec,
-            BLOCK=BLOCK_SIZE,
-            num_warps=_NUM_WARPS,
+            plan.table, tensors[plan.like], out, plan.num_tensors, plan.row_numel, kernel_factor, DIVIDE=divide,
+            MULTIPLY=multiply, ALIGNED=aligned, IN_VEC=plan.in_vec, OUT_VEC=plan.out_vec, BLOCK=common.BLOCK_SIZE,
+            num_warps=common.NUM_WARPS,
         )
+
+
+def use_torch_chunk_cat(
+    tensors: Sequence[torch.Tensor], factor: float, dtype: torch.dtype | None, out: torch.Tensor | None
+) -> bool:
+    """Whether :func:`chunk_cat` runs ``torch._chunk_cat`` and one scaling pass instead of its kernel.
+
+    Decided from the count, the first tensor and ``out`` alone (reading every tensor's layout is the cost
+    being avoided): at least TORCH_MIN_TENSORS tensors on CUDA, with less than TORCH_MAX_OUT_BYTES_PER_TENSOR
+    of output each when ``out`` tells the size. Only where PyTorch computes the same bits: no cast (the
+    output dtype is the inputs') and a factor whose division is a multiplication by an exact power of two.
+    """
+    if len(tensors) < TORCH_MIN_TENSORS:
+        return False
+    t0 = tensors[0]
+    if not isinstance(t0, torch.Tensor) or t0.dtype not in common.FLOAT_DTYPES or not common.triton_device(t0):
+        return False
+    if dtype is not None and dtype != t0.dtype:
+        return False
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.dtype != t0.dtype or out.device != t0.device:
+            return False
+        if out.numel() * out.element_size() >= len(tensors) * TORCH_MAX_OUT_BYTES_PER_TENSOR:
+            return False
+    try:
+        _, divide, multiply = common.scale_args(common.check_factor(factor))
+    except ValueError:
+        return False  # the validating path names the bad factor
+    return multiply or not divide
+
+
+def _chunk_cat_torch(tensors: list[torch.Tensor], world_size: int, factor: float,
+                     out: torch.Tensor | None) -> torch.Tensor | None:
+    """``torch._chunk_cat`` into a new buffer, then one pass ``* (1 / factor)`` into ``out``; None where
+    PyTorch refuses the arguments or its result does not fit ``out`` (the validating path then says why).
+
+    The whole result exists before ``out`` is written, so ``out`` is never resized by PyTorch and an ``out``
+    that overlaps the inputs cannot change what is read.
+    """
+    try:
+        full = torch._chunk_cat(tensors, 0, world_size)
+    except (RuntimeError, TypeError):
+        return None
+    if out is None:
+        out = full
+    elif full.shape != out.shape or not out.is_contiguous():
+        return None
+    kernel_factor, divide, _ = common.scale_args(factor)
+    if divide:
+        torch.mul(full, kernel_factor, out=out)  # x * 2**-k rounds like x / 2**k: one rounding of one value
+    elif out is not full:
+        out.copy_(full)
+    return out
 
 
 def chunk_cat(
@@ -284,23 +289,29 @@ def chunk_cat(
     Returns (or fills) a ``(world_size, row_numel)`` tensor whose row ``r`` is chunk ``r`` of every tensor
     (each viewed as ``(dim0, rest)`` and zero-padded along dim 0 to a multiple of ``world_size``), divided
     by ``factor`` in fp32 (IEEE division) and cast to ``dtype`` (default: ``out.dtype``, else the inputs'
-    dtype). All tensors share one floating dtype and one device. Contiguous inputs are read in place;
-    a non-contiguous input is first copied with ``.contiguous()`` (one extra copy kernel and a temporary).
-    One Triton launch for any number of tensors.
+    dtype). All tensors share one floating dtype and one device; ``out`` must not overlap them. Contiguous
+    inputs are read in place; a non-contiguous input is first copied with ``.contiguous()`` (one extra
+    copy kernel and a temporary). One Triton launch for any number of tensors, except where PyTorch's
+    ``_chunk_cat`` is measured faster and computes the same bits (see :func:`use_torch_chunk_cat`).
     """
     with profiled("shardfuse.kernels:chunk_cat"):
+        tensors = common.as_list(tensors)
+        if isinstance(tensors, list) and use_torch_chunk_cat(tensors, factor, dtype, out):
+            world_size = common.check_world_size(world_size, "chunk_cat")
+            result = _chunk_cat_torch(tensors, world_size, common.check_factor(factor), out)
+            if result is not None:
+                return result
         key = _key(tensors, world_size, dtype, out)
-        plan = None if key is None else _PLANS.get(key)
-        if plan is not None and (plan.device.type == "cuda" or interpreting()):
-            factor = _check_factor(factor)
+        plan = _PLANS.get(key)
+        if plan is not None:
             if out is None:
                 out = torch.empty(plan.shape, dtype=plan.dtype, device=plan.device)
-            _run(plan, tensors, out, factor)
+            _run(plan, tensors, out, common.check_factor(factor))
             return out
         tensors, factor, out_dtype, numels, chunks, row_numel = _validate(tensors, world_size, factor, dtype, out)
         if out is None:
             out = torch.empty((world_size, row_numel), dtype=out_dtype, device=tensors[0].device)
-        if not use_triton(*tensors, out):
+        if not common.use_triton(*tensors, out):
             return chunk_cat_ref(tensors, world_size, factor=factor, dtype=out_dtype, out=out)
         if out.numel() == 0:
             return out
@@ -309,7 +320,7 @@ def chunk_cat(
             logger.debug("chunk_cat: copying non-contiguous tensors %s to contiguous first", strided)
             tensors = [t.contiguous() for t in tensors]
         plan = _build_plan(tensors, world_size, out, numels, chunks, row_numel)
-        if key is not None and not strided:  # a table of temporaries' addresses must not outlive them
+        if not strided:  # a table of temporaries' addresses must not outlive them
             _PLANS.put(key, plan)
         _run(plan, tensors, out, factor)
         return out
@@ -320,14 +331,8 @@ def chunk_cat(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def chunk_cat_ref(
-    tensors: Sequence[torch.Tensor],
-    world_size: int,
-    *,
-    factor: float = 1.0,
-    dtype: torch.dtype | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def chunk_cat_ref(tensors: Sequence[torch.Tensor], world_size: int, *, factor: float = 1.0,
+                  dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-PyTorch :func:`chunk_cat` (pad, reshape and copy per tensor; fp32 math, one final cast)."""
     tensors, factor, out_dtype, _, chunks, row_numel = _validate(tensors, world_size, factor, dtype, out)
     device = tensors[0].device

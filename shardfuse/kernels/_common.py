@@ -1,4 +1,4 @@
-"""Shared plumbing for the kernel families: dispatch, validation and pointer tables.
+"""Shared plumbing for the kernel families: dispatch, argument checks, launch-plan keys and pointer tables.
 
 Every public kernel validates with these helpers so that the error messages read the same everywhere:
 they name the offending value and the fix.
@@ -7,12 +7,14 @@ they name the offending value and the fix.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import operator
 import os
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +26,15 @@ FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.fl
 
 # Elements per program for the streaming kernels: 16-byte vectors for every dtype, several in flight.
 BLOCK_SIZE = 4096
+NUM_WARPS = 8  # BLOCK_SIZE over 256 threads: 16 elements each, several 16-byte vectors in flight per thread
+MIN_MULTI_BLOCK = 512  # smallest block of a multi-tensor launch (tiny tensors waste fewer masked lanes)
+
+
+def multi_block(numels: Sequence[int]) -> tuple[int, int]:
+    """(block, num_warps) of a multi-tensor launch: the largest tensor rounded up to a power of two, between
+    MIN_MULTI_BLOCK and BLOCK_SIZE, so that many tiny tensors waste fewer lanes (one compile per power of two)."""
+    block = min(BLOCK_SIZE, max(MIN_MULTI_BLOCK, 1 << (max(numels) - 1).bit_length()))
+    return block, NUM_WARPS if block >= 2048 else 4
 
 
 def scale_args(factor: float) -> tuple[float, bool, bool]:
@@ -53,6 +64,11 @@ def apply_scale(x, factor, DIVIDE: tl.constexpr, MULTIPLY: tl.constexpr):
     return x
 
 
+# --------------------------------------------------------------------------------------------------
+# Dispatch
+# --------------------------------------------------------------------------------------------------
+
+
 def interpreting() -> bool:
     """True when Triton's CPU interpreter is asked for (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -65,12 +81,55 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     return interpreting() and all(t.device.type == "cpu" for t in tensors)
 
 
+def triton_device(t: torch.Tensor) -> bool:
+    """What :func:`use_triton` would say from one tensor alone: the O(1) test the PyTorch-op branches take
+    before anything else is looked at (the op itself rejects tensors on other devices)."""
+    return t.is_cuda or (interpreting() and t.device.type == "cpu")
+
+
+# --------------------------------------------------------------------------------------------------
+# Argument checks
+# --------------------------------------------------------------------------------------------------
+
+
+def check_tensor(t: Any, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} is a {type(t).__name__}, not a torch.Tensor: pass a tensor")
+
+
+def as_list(items: Any) -> Any:
+    """``items`` as a list when it is an iterable other than a tensor, else as given: the fast paths take
+    lists, and the validating path then says what is wrong with anything else. A list is not copied."""
+    if type(items) is list:
+        return items
+    return list(items) if isinstance(items, Iterable) and not isinstance(items, torch.Tensor) else items
+
+
+def check_tensors(items: Any, name: str, caller: str | None = None) -> list[torch.Tensor]:
+    """``items`` (argument ``name`` of ``caller``) as a list, every entry a tensor; a TypeError names the
+    first entry that is not."""
+    if isinstance(items, torch.Tensor) or not isinstance(items, Iterable):
+        what = f"{caller} takes" if caller else f"{name} must be"
+        raise TypeError(f"{what} a sequence of tensors, got a {type(items).__name__}: wrap it in a list")
+    items = list(items)
+    for i, t in enumerate(items):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}[{i}] is a {type(t).__name__}, not a torch.Tensor: pass tensors only")
+    return items
+
+
 def check_float(t: torch.Tensor, name: str) -> None:
+    check_tensor(t, name)
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"{name} has unsupported dtype {t.dtype}; shardfuse kernels take {list(FLOAT_DTYPES)}: "
             f"cast it first (e.g. {name}.float())"
         )
+
+
+def check_dtype_arg(dtype: Any) -> None:
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}: pass e.g. dtype=torch.bfloat16")
 
 
 def check_same_device(tensors: Sequence[torch.Tensor], names: Sequence[str]) -> torch.device:
@@ -91,6 +150,158 @@ def check_out(out: torch.Tensor, numel: int, name: str = "out") -> None:
         )
     if out.numel() < numel:
         raise ValueError(f"{name} is too small: {name}.numel()={out.numel()} < required {numel}")
+
+
+def check_world_size(world_size: Any, caller: str) -> int:
+    """``world_size`` as an int >= 1 (Python or NumPy integers; not bools, floats or strings)."""
+    try:
+        valid = not isinstance(world_size, bool) and operator.index(world_size) >= 1
+    except TypeError:
+        valid = False
+    if not valid:
+        raise ValueError(
+            f"{caller} needs an integer world_size >= 1, got {world_size=!r}: world_size is the number of "
+            f"ranks and must be a positive int"
+        )
+    return operator.index(world_size)
+
+
+def check_factor(factor: Any) -> float:
+    """A divide factor as a float: a finite number > 0 (not a bool or a string, which ``float()`` accepts)."""
+    try:
+        value = float(factor) if not isinstance(factor, (bool, str, bytes)) else math.nan
+    except (TypeError, ValueError):
+        value = math.nan
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"the divide factor must be a finite number > 0, got {factor=!r}: use 1.0 for no division")
+    return value
+
+
+# --------------------------------------------------------------------------------------------------
+# Launch plans: keys and cache
+# --------------------------------------------------------------------------------------------------
+
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
+_T = torch.Tensor
+# What a plan reads from each tensor of a list, by how the kernel addresses it. One ``map`` per field over
+# the unbound methods is several times cheaper than a loop building one tuple per tensor; device indices
+# (ints) are cheaper to build and compare than devices.
+_LIST_FIELDS = {
+    "flat": (_T.data_ptr, _T.numel, _DTYPE, _T.is_contiguous, _T.get_device),
+    "shaped": (_T.data_ptr, _SHAPE, _DTYPE, _T.is_contiguous, _T.get_device),
+    "strided": (_T.data_ptr, _SHAPE, _T.stride, _DTYPE, _T.get_device),
+}
+
+
+def tensors_key(tensors: Sequence[torch.Tensor], layout: str) -> tuple:
+    """The part of a plan key for a list of tensors: addresses, sizes (``layout``: "flat" numels, "shaped"
+    shapes, "strided" shapes and strides), dtypes, contiguity and devices."""
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError("a plan key is built from a list of tensors")  # anything else: no key, validation explains
+    return tuple(tuple(map(field, tensors)) for field in _LIST_FIELDS[layout])
+
+
+def tensor_key(t: torch.Tensor | None) -> tuple | None:
+    """The part of a plan key for one tensor argument (an ``out`` buffer, a flat source): its address is
+    in it, so the overlap checks made when the plan was built hold for every call that finds the plan."""
+    return None if t is None else (t.data_ptr(), tuple(t.shape), t.dtype, t.is_contiguous(), t.device)
+
+
+def plan_key(build: Callable[..., tuple[torch.device, tuple]]) -> Callable[..., tuple | None]:
+    """Decorate a function returning ``(device, parts)`` into one returning the plan-cache key: the current
+    stream, then the parts. None when nothing may be cached: during CUDA graph capture, and for malformed
+    arguments (the validating path then says what is wrong)."""
+
+    @functools.wraps(build)
+    def key(*args: Any, **kwargs: Any) -> tuple | None:
+        try:
+            device, parts = build(*args, **kwargs)
+            stream = stream_key(device)
+        except (TypeError, AttributeError, ValueError, RuntimeError, IndexError):
+            return None
+        return None if stream is None else (stream, *parts)
+
+    return key
+
+
+def stream_key(device: torch.device) -> int | None:
+    """What a cached device table is tied to: the current CUDA stream (0 on CPU); None while a CUDA graph
+    is being captured, when nothing may be cached (a captured table copy has not run yet, and a cached
+    table could be freed while the graph still reads it)."""
+    if device.type != "cuda":
+        return 0
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+class PlanCache:
+    """A small LRU cache of launch plans (device metadata tables plus launch arguments).
+
+    The FSDP data path calls every launcher with the same tensors each iteration, so a plan keyed by the
+    tensors' (address, size, dtype, layout, device) and the current stream lets a repeat call skip the
+    validation that depends only on those (overlap checks included), the table building and the
+    host->device copy. Plans are never mutated once stored: a kernel still in flight may be reading a
+    plan's table. Keys hold only ints, dtypes and devices, never tensors, so the cache keeps no user memory
+    alive. A table is used only on the stream it was copied on, so when an evicted table is freed, the
+    caching allocator hands its block out only to later work on that stream. Every plan has a ``device``.
+    """
+
+    def __init__(self, maxsize: int = 64) -> None:
+        self.maxsize = maxsize
+        # hash(key) -> (key, plan): a key is a tuple of thousands of values whose hash Python does not
+        # cache, so hash it once per call (an int key makes the LRU bookkeeping cheap); a colliding key
+        # only costs a rebuild.
+        self._plans: OrderedDict[int, tuple[Hashable, Any]] = OrderedDict()
+        self._lock = threading.Lock()
+        _CACHES.append(self)
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def get(self, key: Hashable | None) -> Any:
+        """The plan stored under ``key``; None if there is none, or if it was built for the interpreter on
+        CPU tensors and the interpreter has been switched off since (the reference path runs then)."""
+        if key is None:
+            return None
+        h = hash(key)
+        with self._lock:
+            entry = self._plans.get(h)
+            if entry is None or entry[0] != key:
+                return None
+            self._plans.move_to_end(h)
+            plan = entry[1]
+        return plan if plan.device.type == "cuda" or interpreting() else None
+
+    def put(self, key: Hashable | None, plan: Any) -> None:
+        if key is None:
+            return
+        h = hash(key)
+        with self._lock:
+            self._plans[h] = (key, plan)
+            self._plans.move_to_end(h)
+            while len(self._plans) > self.maxsize:
+                self._plans.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+
+_CACHES: list[PlanCache] = []
+
+
+def clear_plan_caches() -> None:
+    """Drop every cached launch plan (and its device tables)."""
+    for cache in _CACHES:
+        cache.clear()
+
+
+# --------------------------------------------------------------------------------------------------
+# Metadata tables
+# --------------------------------------------------------------------------------------------------
 
 
 def _host_int64(values: Sequence[int]) -> torch.Tensor:
@@ -140,70 +351,3 @@ def device_guard(device: torch.device):
     if device.type != "cuda" or device.index == torch.cuda.current_device():
         return _NULL_CONTEXT
     return torch.cuda.device(device)
-
-
-def stream_key(device: torch.device) -> int | None:
-    """What a cached device table is tied to: the current CUDA stream (0 on CPU); None while a CUDA graph
-    is being captured, when nothing may be cached (a captured table copy has not run yet, and a cached
-    table could be freed while the graph still reads it)."""
-    if device.type != "cuda":
-        return 0
-    if torch.cuda.is_current_stream_capturing():
-        return None
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return torch._C._cuda_getCurrentRawStream(index)
-
-
-class PlanCache:
-    """A small LRU cache of launch plans (device metadata tables plus launch arguments).
-
-    The FSDP data path calls every launcher with the same tensors each iteration, so a plan keyed by the
-    tensors' (address, size, dtype, layout, device) and the current stream lets a repeat call skip the
-    validation that depends only on those, the table building and the host->device copy. Plans are never
-    mutated once stored: a kernel still in flight may be reading a plan's table. Keys hold only ints,
-    dtypes and devices, never tensors, so the cache keeps no user memory alive. A table is used only on
-    the stream it was copied on, so when an evicted table is freed, the caching allocator hands its block
-    out only to later work on that stream.
-    """
-
-    def __init__(self, maxsize: int = 64) -> None:
-        self.maxsize = maxsize
-        # hash(key) -> (key, plan): a key is a tuple of thousands of values whose hash Python does not
-        # cache, so hash it once per call (an int key makes the LRU bookkeeping cheap); a colliding key
-        # only costs a rebuild.
-        self._plans: OrderedDict[int, tuple[Hashable, Any]] = OrderedDict()
-        self._lock = threading.Lock()
-        _CACHES.append(self)
-
-    def __len__(self) -> int:
-        return len(self._plans)
-
-    def get(self, key: Hashable) -> Any:
-        h = hash(key)
-        with self._lock:
-            entry = self._plans.get(h)
-            if entry is None or entry[0] != key:
-                return None
-            self._plans.move_to_end(h)
-            return entry[1]
-
-    def put(self, key: Hashable, plan: Any) -> None:
-        h = hash(key)
-        with self._lock:
-            self._plans[h] = (key, plan)
-            self._plans.move_to_end(h)
-            while len(self._plans) > self.maxsize:
-                self._plans.popitem(last=False)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._plans.clear()
-
-
-_CACHES: list[PlanCache] = []
-
-
-def clear_plan_caches() -> None:
-    """Drop every cached launch plan (and its device tables)."""
-    for cache in _CACHES:
-        cache.clear()

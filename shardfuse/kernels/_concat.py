@@ -13,9 +13,7 @@ copy kernel per such input, but no temporary); the contiguous ones still share t
 
 from __future__ import annotations
 
-import logging
-import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -23,22 +21,8 @@ import triton
 import triton.language as tl
 
 from shardfuse._profiling import profiled
-from shardfuse.kernels._common import (
-    BLOCK_SIZE,
-    PlanCache,
-    block_starts,
-    block_table,
-    check_same_device,
-    device_guard,
-    interpreting,
-    stream_key,
-    use_triton,
-)
-
-logger = logging.getLogger(__name__)
-
-# BLOCK_SIZE=4096 over 256 threads: 16 elements each, several 16-byte vectors in flight per thread.
-_NUM_WARPS = 8
+from shardfuse.kernels import _common as common
+from shardfuse.kernels._overlap import check_no_overlap
 
 __all__ = ["concat_microbatches", "split_microbatches", "concat_microbatches_ref"]
 
@@ -46,9 +30,7 @@ __all__ = ["concat_microbatches", "split_microbatches", "concat_microbatches_ref
 _BITS_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _WIDE_BYTES = 4  # narrower dtypes are copied as 4-byte words where sizes and addresses allow
 
-_PLANS = PlanCache()
-_DTYPE = operator.attrgetter("dtype")
-_SHAPE = operator.attrgetter("shape")
+_PLANS = common.PlanCache()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -95,32 +77,30 @@ def _concat_kernel(
 
 def _validate(tensors: Sequence[torch.Tensor], out: torch.Tensor | None) -> tuple[list[torch.Tensor], tuple]:
     """Check the inputs (and ``out``); return them as a list and the output shape."""
-    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
-        raise TypeError(
-            f"concat_microbatches takes a sequence of tensors, got {type(tensors).__name__}: wrap it in a list"
-        )
-    tensors = list(tensors)
+    tensors = common.check_tensors(tensors, "tensors", "concat_microbatches")
     if not tensors:
         raise ValueError("concat_microbatches got an empty list of tensors: pass at least one tensor")
     for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"tensors[{i}] is a {type(t).__name__}, not a torch.Tensor")
         if t.dim() == 0:
             raise ValueError(f"tensors[{i}] is 0-dimensional and cannot be joined along dim 0: use t.reshape(1)")
-    trailing = tuple(tensors[0].shape[1:])
-    for i, t in enumerate(tensors):
-        if tuple(t.shape[1:]) != trailing:
-            raise ValueError(
-                f"concat_microbatches needs one trailing shape: tensors[0].shape={tuple(tensors[0].shape)} "
-                f"but tensors[{i}].shape={tuple(t.shape)}: only dim 0 may differ"
-            )
-        if t.dtype != tensors[0].dtype:
-            raise TypeError(
-                f"concat_microbatches needs one dtype: tensors[0] is {tensors[0].dtype} but tensors[{i}] is "
-                f"{t.dtype}: cast them first"
-            )
+    t0 = tensors[0]
+    trailing = tuple(t0.shape[1:])
+    i = next((i for i, t in enumerate(tensors) if tuple(t.shape[1:]) != trailing), None)
+    if i is not None:
+        raise ValueError(
+            f"concat_microbatches needs one trailing shape: tensors[0].shape={tuple(t0.shape)} "
+            f"but tensors[{i}].shape={tuple(tensors[i].shape)}: only dim 0 may differ"
+        )
+    i = next((i for i, t in enumerate(tensors) if t.dtype != t0.dtype), None)
+    if i is not None:
+        raise TypeError(
+            f"concat_microbatches needs one dtype: tensors[0] is {t0.dtype} but tensors[{i}] is "
+            f"{tensors[i].dtype}: cast them first"
+        )
     names = [f"tensors[{i}]" for i in range(len(tensors))]
-    check_same_device(tensors + ([out] if out is not None else []), names + (["out"] if out is not None else []))
+    if out is not None:
+        common.check_tensor(out, "out")
+    common.check_same_device(tensors + ([out] if out is not None else []), names + (["out"] if out is not None else []))
     shape = (sum(t.shape[0] for t in tensors), *trailing)
     if out is not None:
         if tuple(out.shape) != shape:
@@ -137,6 +117,8 @@ def _validate(tensors: Sequence[torch.Tensor], out: torch.Tensor | None) -> tupl
             raise ValueError(
                 f"concat_microbatches out must be contiguous (got stride={out.stride()}): pass a contiguous buffer"
             )
+        fix = "concatenate into a buffer apart from the inputs (or pass out=None)"
+        check_no_overlap("concat_microbatches", list(zip(names, tensors)), [("out", out)], fix)
     return tensors, shape
 
 
@@ -153,29 +135,9 @@ class _Plan(NamedTuple):
     strided: tuple[tuple[int, int], ...]  # (input index, element offset) of each non-contiguous input
 
 
-def _key(tensors: Sequence[torch.Tensor], out: torch.Tensor | None) -> tuple | None:
-    """The plan-cache key: everything validation and the table read from the inputs (and out's layout:
-    out is a kernel argument, its address is not in the table); None when nothing may be cached (CUDA
-    graph capture, malformed arguments: the validating path then says what is wrong)."""
-    if not isinstance(tensors, (list, tuple)) or not tensors:
-        return None
-    T = torch.Tensor
-    try:
-        stream = stream_key(tensors[0].device)
-        if stream is None:
-            return None
-        layout = None if out is None else (tuple(out.shape), out.dtype, out.is_contiguous(), out.device)
-        return (
-            stream,
-            layout,
-            tuple(map(T.data_ptr, tensors)),
-            tuple(map(_DTYPE, tensors)),
-            tuple(map(T.get_device, tensors)),  # ints: cheaper to build and compare than devices
-            tuple(map(_SHAPE, tensors)),
-            tuple(map(T.is_contiguous, tensors)),
-        )
-    except (TypeError, AttributeError, ValueError, RuntimeError):
-        return None
+@common.plan_key
+def _key(tensors: list[torch.Tensor], out: torch.Tensor | None):
+    return tensors[0].device, (common.tensor_key(out), common.tensors_key(tensors, "shaped"))
 
 
 def _copy_width(tensors: list[torch.Tensor]) -> int:
@@ -207,11 +169,11 @@ def _build_plan(tensors: list[torch.Tensor], shape: tuple, device: torch.device,
             ptrs.append(t.data_ptr())
             numels.append(n // k)
             offsets.append(offset // k)
-            counts.append(-(-(n // k) // BLOCK_SIZE))
+            counts.append(-(-(n // k) // common.BLOCK_SIZE))
         elif n:
             strided.append((i, offset))  # in elements of the output's dtype
         offset += n
-    table = block_table([ptrs, numels, offsets, block_starts(counts)], counts, device) if ptrs else None
+    table = common.block_table([ptrs, numels, offsets, common.block_starts(counts)], counts, device) if ptrs else None
     aligned = all(p % 16 == 0 for p in ptrs) and all(o % vec == 0 for o in offsets)
     return _Plan(device, shape, t0.dtype, _BITS_DTYPE[width], sum(counts), table, len(ptrs), aligned, vec,
                  tuple(strided))
@@ -229,15 +191,15 @@ def _run(plan: _Plan, tensors: list[torch.Tensor], out: torch.Tensor) -> None:
     if out.data_ptr() % width:
         # out itself sits off the word boundary (a view into a larger buffer): copy element by element
         plan = _build_plan(tensors, plan.shape, plan.device, widen=False)
-    with device_guard(plan.device):
+    with common.device_guard(plan.device):
         _concat_kernel[(plan.grid,)](
             plan.table,
             flat.view(plan.bits),
             plan.num_tensors,
             ALIGNED=plan.aligned and out.data_ptr() % 16 == 0,
             VEC=plan.vec,
-            BLOCK=BLOCK_SIZE,
-            num_warps=_NUM_WARPS,
+            BLOCK=common.BLOCK_SIZE,
+            num_warps=common.NUM_WARPS,
         )
 
 
@@ -251,20 +213,20 @@ def concat_microbatches(tensors: Sequence[torch.Tensor], out: torch.Tensor | Non
     plan. Returns ``out``.
     """
     with profiled("shardfuse.kernels:concat_microbatches"):
+        tensors = common.as_list(tensors)
         key = _key(tensors, out)
-        plan = None if key is None else _PLANS.get(key)
-        if plan is None or not (plan.device.type == "cuda" or interpreting()):
+        plan = _PLANS.get(key)
+        if plan is None:
             tensors, shape = _validate(tensors, out)
             if out is None:
                 out = torch.empty(shape, dtype=tensors[0].dtype, device=tensors[0].device)
-            if out.element_size() not in _BITS_DTYPE or not use_triton(*tensors, out):
+            if out.element_size() not in _BITS_DTYPE or not common.use_triton(*tensors, out):
                 return concat_microbatches_ref(tensors, out=out)
             plan = _build_plan(tensors, shape, out.device)
-            if key is not None:
-                _PLANS.put(key, plan)
+            _PLANS.put(key, plan)
         elif out is None:
             out = torch.empty(plan.shape, dtype=plan.dtype, device=plan.device)
-        _run(plan, list(tensors), out)
+        _run(plan, tensors, out)
         return out
 
 
@@ -274,8 +236,11 @@ def split_microbatches(buffer: torch.Tensor, sizes: Sequence[int]) -> list[torch
     ``sizes`` must be non-negative integers summing to ``buffer.shape[0]``. No copy is made.
     """
     with profiled("shardfuse.kernels:split_microbatches"):
+        common.check_tensor(buffer, "buffer")
         if buffer.dim() == 0:
             raise ValueError("split_microbatches needs a buffer with at least one dimension, got a 0-dim tensor")
+        if not isinstance(sizes, Iterable):
+            raise ValueError(f"split_microbatches sizes must be a list of non-negative ints, got {sizes=!r}")
         sizes = list(sizes)
         for i, s in enumerate(sizes):
             if isinstance(s, bool) or not isinstance(s, int) or s < 0:

@@ -22,8 +22,6 @@ references (``*_ref``).
 
 from __future__ import annotations
 
-import logging
-import operator
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -32,33 +30,14 @@ import triton
 import triton.language as tl
 
 from shardfuse._profiling import profiled
-from shardfuse.kernels._common import (
-    BLOCK_SIZE,
-    FLOAT_DTYPES,
-    PlanCache,
-    block_starts,
-    block_table,
-    check_float,
-    check_out,
-    check_same_device,
-    device_guard,
-    interpreting,
-    stream_key,
-    use_triton,
-)
-
-logger = logging.getLogger(__name__)
+from shardfuse.kernels import _common as common
+from shardfuse.kernels._overlap import check_no_overlap
 
 __all__ = ["padded_numel", "flatten_pad", "unflatten_into", "flatten_pad_ref", "unflatten_into_ref"]
 
-_NUM_WARPS = 8  # BLOCK_SIZE=4096 over 256 threads: 16 elements each, several 16-byte vectors in flight
-_MIN_BLOCK = 512  # smallest block, for launches of tiny tensors
 _MAX_DIMS = 4  # strided tensors with more dims after coalescing are made contiguous first
 _TILE = 64  # tiles of 64 x 64: 16 KiB of fp32 through shared memory, 16 elements per thread at 8 warps
 _MIN_TILE_SIDE = 16  # thinner transposed matrices keep the flat-order path: a tile would be mostly masked
-
-_DTYPE = operator.attrgetter("dtype")
-_SHAPE = operator.attrgetter("shape")
 
 # Segment kinds in the table.
 _CONTIGUOUS, _STRIDED, _ZERO, _TILED = 0, 1, 2, 3
@@ -173,10 +152,9 @@ def _flat_segments_kernel(table, num_segs, flat_ptr, other_like, FLAT_IS_DST: tl
 
 def padded_numel(numel: int, world_size: int) -> int:
     """Smallest multiple of ``world_size`` that is >= ``numel`` (0 for 0)."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size=}")
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, got {numel=}")
+    world_size = common.check_world_size(world_size, "padded_numel")
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel=!r}: pass an int element count")
     return -(-numel // world_size) * world_size
 
 
@@ -204,7 +182,7 @@ def _check_no_overlap(t: torch.Tensor, name: str) -> None:
         )
 
 
-_PLANS = PlanCache()
+_PLANS = common.PlanCache()
 
 
 class _Launch(NamedTuple):
@@ -261,8 +239,7 @@ class _Segments:
 
     def plan(self, flat_element_size: int, device: torch.device) -> _Launch:
         numels, kinds, addrs, flat_offs = self.cols[:4]
-        # Many tiny tensors: a smaller block wastes fewer masked lanes (one compile per power of two).
-        block = min(BLOCK_SIZE, max(_MIN_BLOCK, 1 << (max(numels) - 1).bit_length()))
+        block, num_warps = common.multi_block(numels)
         counts = [
             _tile_count(*sizes) if kind == _TILED else -(-k // block)
             for k, kind, *sizes in zip(numels, kinds, *self.cols[4:7])
@@ -273,9 +250,8 @@ class _Segments:
             for kind, a, o in zip(kinds, addrs, flat_offs)
             if kind == _CONTIGUOUS
         )
-        table = block_table([block_starts(counts), *self.cols], counts, device)  # one copy, no sync
-        return _Launch(sum(counts), table, len(self), self.like, self.strided, self.tiled, aligned, block,
-                       _NUM_WARPS if block >= 2048 else 4)
+        table = common.block_table([common.block_starts(counts), *self.cols], counts, device)  # one copy, no sync
+        return _Launch(sum(counts), table, len(self), self.like, self.strided, self.tiled, aligned, block, num_warps)
 
 
 def _is_transposed(sizes: list[int], strides: list[int]) -> bool:
@@ -290,7 +266,7 @@ def _tile_count(batch: int, rows: int, cols: int) -> int:
 
 def _run(plan: _Plan, flat: torch.Tensor, others: list[torch.Tensor], flat_is_dst: bool) -> None:
     flat_aligned = flat.data_ptr() % 16 == 0
-    with device_guard(plan.device):
+    with common.device_guard(plan.device):
         for la in plan.launches:
             _flat_segments_kernel[(la.grid,)](
                 la.table, la.num_segs, flat, others[la.like], FLAT_IS_DST=flat_is_dst, STRIDED=la.strided,
@@ -299,40 +275,16 @@ def _run(plan: _Plan, flat: torch.Tensor, others: list[torch.Tensor], flat_is_ds
             )
 
 
-def _layout_key(tensors: list[torch.Tensor]) -> tuple:
-    """Everything validation and the table read from ``tensors``: addresses, dtypes, devices, shapes,
-    strides. ``map`` over the unbound methods is several times cheaper than a loop building one tuple per
-    tensor."""
-    T = torch.Tensor
-    return (
-        tuple(map(T.data_ptr, tensors)),
-        tuple(map(_DTYPE, tensors)),
-        tuple(map(T.get_device, tensors)),  # ints: cheaper to build and compare than devices
-        tuple(map(_SHAPE, tensors)),
-        tuple(map(T.stride, tensors)),
-    )
+@common.plan_key
+def _flatten_key(tensors: list[torch.Tensor], world_size: int, dtype: torch.dtype | None, out: torch.Tensor | None):
+    # type(world_size): True == 1, but only an int passes validation.
+    layout = common.tensors_key(tensors, "strided")
+    return tensors[0].device, (world_size, type(world_size), dtype, common.tensor_key(out), layout)
 
 
-def _buffer_key(t: torch.Tensor | None) -> tuple | None:
-    # The flat buffer is a kernel argument, not in the table: its address is not part of the key.
-    return None if t is None else (t.numel(), t.dtype, t.is_contiguous(), t.device)
-
-
-def _plan_key(device: torch.device, *parts) -> tuple | None:
-    stream = stream_key(device)
-    return None if stream is None else (stream, *parts)
-
-
-def _flatten_key(tensors: list[torch.Tensor], world_size: int, dtype: torch.dtype | None,
-                 out: torch.Tensor | None) -> tuple | None:
-    """The plan-cache key, or None when nothing may be cached (CUDA graph capture, malformed arguments:
-    the validating slow path then says what is wrong)."""
-    try:
-        if not tensors:
-            return None
-        return _plan_key(tensors[0].device, world_size, dtype, _buffer_key(out), _layout_key(tensors))
-    except (TypeError, AttributeError, ValueError, RuntimeError):
-        return None
+@common.plan_key
+def _unflatten_key(flat: torch.Tensor, outs: list[torch.Tensor]):
+    return flat.device, (common.tensor_key(flat), common.tensors_key(outs, "strided"))
 
 
 def _plan_flatten(tensors: list[torch.Tensor], out: torch.Tensor, total: int) -> tuple[_Plan, list[torch.Tensor]]:
@@ -365,10 +317,14 @@ def _prepare_flatten(
     tensors: Sequence[torch.Tensor], world_size: int, dtype: torch.dtype | None, out: torch.Tensor | None
 ) -> tuple[list[torch.Tensor], torch.Tensor, int]:
     """Validate; return (tensors, out (allocated if None), total numel)."""
-    tensors = list(tensors)
+    tensors = common.check_tensors(tensors, "tensors")
+    world_size = common.check_world_size(world_size, "flatten_pad")
+    common.check_dtype_arg(dtype)
     for i, t in enumerate(tensors):
-        check_float(t, f"tensors[{i}]")
+        common.check_float(t, f"tensors[{i}]")
         _check_no_overlap(t, f"tensors[{i}]")
+    if out is not None:
+        common.check_tensor(out, "out")
     if dtype is None:
         if out is not None:
             dtype = out.dtype
@@ -378,24 +334,26 @@ def _prepare_flatten(
             raise ValueError("flatten_pad of no tensors needs dtype= or out= to know the buffer's dtype")
     elif out is not None and out.dtype != dtype:
         raise ValueError(f"dtype={dtype} does not match out.dtype={out.dtype}: pass one of them, or make them agree")
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"dtype={dtype} is not supported; flatten_pad writes one of {list(FLOAT_DTYPES)}")
+    if dtype not in common.FLOAT_DTYPES:
+        raise TypeError(f"dtype={dtype} is not supported; flatten_pad writes one of {list(common.FLOAT_DTYPES)}")
     names = [f"tensors[{i}]" for i in range(len(tensors))]
     if out is not None:
-        check_same_device([*tensors, out], [*names, "out"])
+        common.check_same_device([*tensors, out], [*names, "out"])
     elif tensors:
-        check_same_device(tensors, names)
+        common.check_same_device(tensors, names)
     total = sum(t.numel() for t in tensors)
     padded = padded_numel(total, world_size)
     if out is None:
         out = torch.empty(padded, dtype=dtype, device=tensors[0].device if tensors else "cpu")
     else:
-        check_out(out, padded)
+        common.check_out(out, padded)
         if out.numel() != padded:
             raise ValueError(
                 f"out must hold exactly padded_numel({total}, {world_size})={padded} elements, got "
                 f"out.numel()={out.numel()}: allocate torch.empty({padded}) or pass out[:{padded}]"
             )
+        fix = "allocate out apart from the tensors it gathers (or pass out=None)"
+        check_no_overlap("flatten_pad", list(zip(names, tensors)), [("out", out)], fix)
     return tensors, out, total
 
 
@@ -411,41 +369,45 @@ def flatten_pad(
     Args:
         tensors: float tensors of any shapes and strides (non-contiguous views welcome; overlapping memory,
             e.g. ``expand()``, is rejected), possibly of mixed dtypes.
-        world_size: the buffer length is ``padded_numel(sum of numels, world_size)``.
+        world_size: a positive int; the buffer length is ``padded_numel(sum of numels, world_size)``.
         dtype: dtype of the buffer (default: ``out.dtype`` if given, else the first tensor's dtype).
-        out: contiguous buffer of exactly the padded length, written in place (allocated when None).
+        out: contiguous buffer of exactly the padded length, written in place (allocated when None); it
+            must not overlap any of ``tensors``.
 
     Returns:
         The flat buffer; one launch per source dtype, the zero tail written by the last one.
     """
     with profiled("shardfuse.kernels:flatten_pad"):
-        tensors = list(tensors)
+        tensors = common.as_list(tensors)
         key = _flatten_key(tensors, world_size, dtype, out)
-        plan = None if key is None else _PLANS.get(key)
-        if plan is not None and (plan.device.type == "cuda" or interpreting()):
+        plan = _PLANS.get(key)
+        if plan is not None:
             if out is None:
                 out = torch.empty(plan.numel, dtype=plan.dtype, device=plan.device)
             _run(plan, out, tensors, flat_is_dst=True)
             return out
         tensors, out, total = _prepare_flatten(tensors, world_size, dtype, out)
-        if not use_triton(out, *tensors):
+        if not common.use_triton(out, *tensors):
             return flatten_pad_ref(tensors, world_size, out=out)
         plan, sources = _plan_flatten(tensors, out, total)
-        if key is not None and all(s is t for s, t in zip(sources, tensors)):
+        if all(s is t for s, t in zip(sources, tensors)):
             _PLANS.put(key, plan)
         _run(plan, out, sources, flat_is_dst=True)
         return out
 
 
 def _prepare_unflatten(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
-    outs = list(outs)
-    check_float(flat, "flat")
-    for i, o in enumerate(outs):
-        check_float(o, f"outs[{i}]")
-        _check_no_overlap(o, f"outs[{i}]")
-    check_same_device([flat, *outs], ["flat", *(f"outs[{i}]" for i in range(len(outs)))])
+    common.check_float(flat, "flat")
+    outs = common.check_tensors(outs, "outs")
+    names = [f"outs[{i}]" for i in range(len(outs))]
+    for o, name in zip(outs, names):
+        common.check_float(o, name)
+        _check_no_overlap(o, name)
+    common.check_same_device([flat, *outs], ["flat", *names])
     total = sum(o.numel() for o in outs)
-    check_out(flat, total, "flat")
+    common.check_out(flat, total, "flat")
+    fix = "give every output memory of its own, apart from flat"
+    check_no_overlap("unflatten_into", [("flat", flat)], list(zip(names, outs)), fix)
     return outs, total
 
 
@@ -475,27 +437,25 @@ def unflatten_into(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> list[tor
 
     Args:
         flat: contiguous float buffer with at least ``sum(o.numel() for o in outs)`` elements.
-        outs: float tensors of any shapes, strides (non-overlapping) and dtypes; each gets the next
-            ``o.numel()`` elements of ``flat`` in row-major order, cast to ``o.dtype``.
+        outs: float tensors of any shapes, strides and dtypes; each gets the next ``o.numel()`` elements of
+            ``flat`` in row-major order, cast to ``o.dtype``. No two may share memory (interleaved views
+            of one tensor, such as column slices, are fine), and none may overlap ``flat``.
 
     Returns:
         ``outs`` as a list; one launch per destination dtype.
     """
     with profiled("shardfuse.kernels:unflatten_into"):
-        outs = list(outs)
-        try:
-            key = _plan_key(flat.device, _buffer_key(flat), _layout_key(outs)) if outs else None
-        except (TypeError, AttributeError, ValueError, RuntimeError):
-            key = None  # malformed arguments: the validating path below says what is wrong
-        plan = None if key is None else _PLANS.get(key)
-        if plan is not None and (plan.device.type == "cuda" or interpreting()):
+        outs = common.as_list(outs)
+        key = _unflatten_key(flat, outs)
+        plan = _PLANS.get(key)
+        if plan is not None:
             _run(plan, flat, outs, flat_is_dst=False)
             return outs
         outs, _ = _prepare_unflatten(flat, outs)
-        if not use_triton(flat, *outs):
+        if not common.use_triton(flat, *outs):
             return unflatten_into_ref(flat, outs)
         plan, targets, fixups = _plan_unflatten(outs, flat)
-        if key is not None and not fixups:
+        if not fixups:
             _PLANS.put(key, plan)
         _run(plan, flat, targets, flat_is_dst=False)
         for o, target in fixups:
@@ -508,13 +468,8 @@ def unflatten_into(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> list[tor
 # --------------------------------------------------------------------------------------------------
 
 
-def flatten_pad_ref(
-    tensors: Sequence[torch.Tensor],
-    world_size: int = 1,
-    *,
-    dtype: torch.dtype | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def flatten_pad_ref(tensors: Sequence[torch.Tensor], world_size: int = 1, *, dtype: torch.dtype | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Reference for :func:`flatten_pad`: one ``copy_`` per tensor into views of ``out``, then ``zero_``."""
     tensors, out, total = _prepare_flatten(tensors, world_size, dtype, out)
     flat = out.view(-1)

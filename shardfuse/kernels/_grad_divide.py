@@ -18,9 +18,6 @@ factors that are not powers of two; the references here divide by a device tenso
 
 from __future__ import annotations
 
-import logging
-import math
-import operator
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -29,29 +26,12 @@ import triton
 import triton.language as tl
 
 from shardfuse._profiling import profiled
-from shardfuse.kernels._common import (
-    BLOCK_SIZE,
-    PlanCache,
-    apply_scale,
-    block_starts,
-    block_table,
-    check_float,
-    check_out,
-    check_same_device,
-    device_guard,
-    interpreting,
-    scale_args,
-    stream_key,
-    use_triton,
-)
+from shardfuse.kernels import _common as common
+from shardfuse.kernels._common import apply_scale
+from shardfuse.kernels._overlap import check_no_overlap, meets
 
-logger = logging.getLogger(__name__)
-
-# BLOCK_SIZE=4096 over 256 threads: 16 elements each, several 16-byte vectors in flight per thread.
-_NUM_WARPS = 8
-
-_PLANS = PlanCache()
-_DTYPE = operator.attrgetter("dtype")
+_PLANS = common.PlanCache()
+_IN_PLACE_FIX = "use separate buffers (a tensor written in place, src is out, is fine)"
 
 __all__ = [
     "gradient_divide_factors",
@@ -68,23 +48,30 @@ __all__ = [
 
 
 @triton.jit
+def _scale_block(src, dst, start, n, limit, factor, DIVIDE: tl.constexpr, MULTIPLY: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """dst[i] = cast(src[i] / factor) in fp32 for the BLOCK elements from ``start``; elements in [n, limit)
+    are the padding and come out zero (masked-off loads read 0, and 0 / factor == +0)."""
+    offs = start + tl.arange(0, BLOCK)
+    if start + BLOCK <= n:
+        # Full block: no mask, so the accesses vectorise whatever n is.
+        x = tl.load(src + offs).to(tl.float32)
+        x = apply_scale(x, factor, DIVIDE, MULTIPLY)
+        tl.store(dst + offs, x.to(dst.dtype.element_ty))
+    else:
+        x = tl.load(src + offs, mask=offs < n, other=0.0).to(tl.float32)
+        x = apply_scale(x, factor, DIVIDE, MULTIPLY)
+        tl.store(dst + offs, x.to(dst.dtype.element_ty), mask=offs < limit)
+
+
+@triton.jit
 def _pre_divide_pad_kernel(
     src_ptr, out_ptr, n, total, factor, DIVIDE: tl.constexpr, MULTIPLY: tl.constexpr, BLOCK: tl.constexpr
 ):
     """One tensor: out[:n] = cast(src / factor), out[n:total] = 0."""
     # int64 before multiplying: a flat gradient can pass 2^31 elements.
     start = tl.program_id(0).to(tl.int64) * BLOCK
-    offs = start + tl.arange(0, BLOCK)
-    if start + BLOCK <= n:
-        # Full block: no mask, so the accesses vectorise whatever n is.
-        x = tl.load(src_ptr + offs).to(tl.float32)
-        x = apply_scale(x, factor, DIVIDE, MULTIPLY)
-        tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty))
-    else:
-        # Tail and padding: masked-off loads read 0, and 0 / factor == +0, so the padding comes out zero.
-        x = tl.load(src_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-        x = apply_scale(x, factor, DIVIDE, MULTIPLY)
-        tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=offs < total)
+    _scale_block(src_ptr, out_ptr, start, n, total, factor, DIVIDE, MULTIPLY, BLOCK)
 
 
 @triton.jit
@@ -131,16 +118,7 @@ def _pre_divide_pad_multi_kernel(
         src = src_addr.to(tl.pointer_type(like_ptr.dtype.element_ty))
         dst = out_ptr + dst_off
         start = (pid - tl.load(start_tab + lo)) * BLOCK
-        offs = start + tl.arange(0, BLOCK)
-        if start + BLOCK <= n:
-            x = tl.load(src + offs).to(tl.float32)
-            x = apply_scale(x, factor, DIVIDE, MULTIPLY)
-            tl.store(dst + offs, x.to(out_ptr.dtype.element_ty))
-        else:
-            mask = offs < n
-            x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-            x = apply_scale(x, factor, DIVIDE, MULTIPLY)
-            tl.store(dst + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
+        _scale_block(src, dst, start, n, n, factor, DIVIDE, MULTIPLY, BLOCK)
 
 
 @triton.jit
@@ -179,37 +157,26 @@ def gradient_divide_factors(world_size: int) -> tuple[float, float]:
     ``postdivide = world_size / predivide``, so ``predivide * postdivide == world_size``. For example
     1 -> (1, 1), 2 -> (2, 1), 4 -> (2, 2), 6 -> (4, 1.5), 8 -> (4, 2).
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"gradient_divide_factors needs an integer world_size >= 1, got {world_size=!r}")
+    world_size = common.check_world_size(world_size, "gradient_divide_factors")
     factor = 1
     while world_size % factor == 0 and world_size / factor > factor:
         factor *= 2
     return float(factor), world_size / factor
 
 
-def _check_factor(factor: float) -> float:
-    factor = float(factor)
-    if not math.isfinite(factor) or factor <= 0.0:
-        raise ValueError(f"the divide factor must be a finite number > 0, got {factor=}: use 1.0 for no division")
-    return factor
-
-
 def _as_list(grads: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
     if isinstance(grads, torch.Tensor):
         return [grads]
-    grads = list(grads)
+    grads = common.check_tensors(grads, "grads")
     if not grads:
         raise ValueError("pre_divide_pad got an empty list of gradients: pass at least one tensor")
-    for i, g in enumerate(grads):
-        if not isinstance(g, torch.Tensor):
-            raise TypeError(f"grads[{i}] is a {type(g).__name__}, not a torch.Tensor")
     return grads
 
 
 def _validate_pre_divide(grads: list[torch.Tensor], out: torch.Tensor, factor: float) -> tuple[int, float]:
     names = [f"grads[{i}]" for i in range(len(grads))]
     for g, name in zip(grads, names):
-        check_float(g, name)
+        common.check_float(g, name)
         if not g.is_contiguous():
             raise ValueError(
                 f"{name} is not contiguous (shape={tuple(g.shape)} stride={g.stride()}): call .contiguous() on it first"
@@ -220,10 +187,19 @@ def _validate_pre_divide(grads: list[torch.Tensor], out: torch.Tensor, factor: f
             f"pre_divide_pad needs all grads in one dtype, got {sorted(str(d) for d in dtypes)}: "
             f"group them by dtype and call once per group"
         )
-    check_same_device([*grads, out], [*names, "out"])
+    common.check_tensor(out, "out")
+    common.check_same_device([*grads, out], [*names, "out"])
     n = sum(g.numel() for g in grads)
-    check_out(out, n)
-    return n, _check_factor(factor)
+    common.check_out(out, n)
+    factor = common.check_factor(factor)
+    if any(meets(g, out) for g in grads):
+        # Each gradient element is read and written by the same lane, so a gradient that is exactly its own
+        # slice of out is scaled in place; any other overlap (the padding included) is not safe.
+        out_flat, offsets = out.view(-1), common.block_starts([g.numel() for g in grads])
+        writes = [(f"out[{o}:{o + g.numel()}]", out_flat[o : o + g.numel()]) for o, g in zip(offsets, grads)]
+        writes.append((f"out[{n}:]", out_flat[n:]))
+        check_no_overlap("pre_divide_pad", list(zip(names, grads)), writes, _IN_PLACE_FIX, in_place=True)
+    return n, factor
 
 
 def pre_divide_pad(grads: torch.Tensor | Sequence[torch.Tensor], out: torch.Tensor, factor: float) -> torch.Tensor:
@@ -231,19 +207,21 @@ def pre_divide_pad(grads: torch.Tensor | Sequence[torch.Tensor], out: torch.Tens
 
     ``out[:n] = (cat([g.flatten() for g in grads]).float() / factor).to(out.dtype)`` and ``out[n:] = 0``,
     where ``n`` is the total number of gradient elements. ``out`` must be contiguous with
-    ``out.numel() >= n`` (typically ``n`` rounded up to a multiple of the world size). A list of gradients
-    (one dtype, each contiguous) is handled in a single launch through a pointer table. ``factor == 1``
-    skips the division but still casts and pads. Returns ``out``.
+    ``out.numel() >= n`` (typically ``n`` rounded up to a multiple of the world size), and must not overlap
+    the gradients (a gradient that is exactly its own slice of ``out`` is scaled in place). A list of
+    gradients (one dtype, each contiguous) is handled in a single launch through a pointer table.
+    ``factor == 1`` skips the division but still casts and pads. Returns ``out``.
     """
     with profiled("shardfuse.kernels:pre_divide_pad"):
-        grads = _as_list(grads)
-        key = _multi_key(grads, out) if len(grads) > 1 else None
-        plan = None if key is None else _PLANS.get(key)
-        if plan is not None and (plan.device.type == "cuda" or interpreting()):
-            _run_multi(plan, grads, out.view(-1), _check_factor(factor))
+        grads = [grads] if isinstance(grads, torch.Tensor) else common.as_list(grads)
+        key = _multi_key(grads, out) if isinstance(grads, list) and len(grads) > 1 else None
+        plan = _PLANS.get(key)
+        if plan is not None:
+            _run_multi(plan, grads, out.view(-1), common.check_factor(factor))
             return out
+        grads = _as_list(grads)
         n, factor = _validate_pre_divide(grads, out, factor)
-        if not use_triton(*grads, out):
+        if not common.use_triton(*grads, out):
             return pre_divide_pad_ref(grads, out, factor)
         total = out.numel()
         if total == 0:
@@ -253,16 +231,15 @@ def pre_divide_pad(grads: torch.Tensor | Sequence[torch.Tensor], out: torch.Tens
             # An empty CUDA tensor has a null data pointer, which Triton may refuse; its loads are all
             # masked off anyway, so any valid pointer will do.
             src = grads[0] if n else out_flat
-            kernel_factor, divide, multiply = scale_args(factor)
-            with device_guard(out.device):
-                _pre_divide_pad_kernel[(-(-total // BLOCK_SIZE),)](
-                    src, out_flat, n, total, kernel_factor, DIVIDE=divide, MULTIPLY=multiply, BLOCK=BLOCK_SIZE,
-                    num_warps=_NUM_WARPS,
+            kernel_factor, divide, multiply = common.scale_args(factor)
+            with common.device_guard(out.device):
+                _pre_divide_pad_kernel[(-(-total // common.BLOCK_SIZE),)](
+                    src, out_flat, n, total, kernel_factor, DIVIDE=divide, MULTIPLY=multiply, BLOCK=common.BLOCK_SIZE,
+                    num_warps=common.NUM_WARPS,
                 )
             return out
         plan = _plan_multi(grads, out_flat, n)
-        if key is not None:
-            _PLANS.put(key, plan)
+        _PLANS.put(key, plan)
         _run_multi(plan, grads, out_flat, factor)
         return out
 
@@ -279,39 +256,22 @@ class _Plan(NamedTuple):
     out_vec: int
 
 
-def _multi_key(grads: list[torch.Tensor], out: torch.Tensor) -> tuple | None:
-    """The plan-cache key: everything validation and the table read from the gradients (and out's layout:
-    out is a kernel argument, its address is not in the table); None when nothing may be cached (CUDA
-    graph capture, malformed arguments: the validating path then says what is wrong)."""
-    T = torch.Tensor
-    try:
-        stream = stream_key(out.device)
-        if stream is None:
-            return None
-        return (
-            stream,
-            (out.numel(), out.dtype, out.is_contiguous(), out.device),
-            tuple(map(T.data_ptr, grads)),
-            tuple(map(T.numel, grads)),
-            tuple(map(_DTYPE, grads)),
-            tuple(map(T.is_contiguous, grads)),
-            tuple(map(T.get_device, grads)),  # ints: cheaper to build and compare than devices
-        )
-    except (TypeError, AttributeError, ValueError, RuntimeError):
-        return None
+@common.plan_key
+def _multi_key(grads: list[torch.Tensor], out: torch.Tensor):
+    return out.device, (common.tensor_key(out), common.tensors_key(grads, "flat"))
 
 
 def _plan_multi(grads: list[torch.Tensor], out_flat: torch.Tensor, n: int) -> _Plan:
     numels = [g.numel() for g in grads]
-    offsets = block_starts(numels)
-    counts = [-(-k // BLOCK_SIZE) for k in numels]
+    offsets = common.block_starts(numels)
+    counts = [-(-k // common.BLOCK_SIZE) for k in numels]
     total = out_flat.numel()
-    pad_blocks = -(-(total - n) // BLOCK_SIZE)
+    pad_blocks = -(-(total - n) // common.BLOCK_SIZE)
     ptrs = [g.data_ptr() for g in grads]
     out_vec = 16 // out_flat.element_size()
     aligned = all(p % 16 == 0 for p in ptrs) and all(o % out_vec == 0 for o in offsets)
-    starts = [*block_starts(counts), sum(counts)]  # T + 1: the last is the first padding program
-    meta = block_table([ptrs, numels, offsets, starts], counts, out_flat.device)
+    starts = [*common.block_starts(counts), sum(counts)]  # T + 1: the last is the first padding program
+    meta = common.block_table([ptrs, numels, offsets, starts], counts, out_flat.device)
     # `like` only types the source pointers: a non-empty tensor (empty CUDA tensors have null pointers).
     like = next((i for i, k in enumerate(numels) if k), -1)
     return _Plan(out_flat.device, sum(counts) + pad_blocks, meta, len(grads), n, total, like, aligned, out_vec)
@@ -320,37 +280,36 @@ def _plan_multi(grads: list[torch.Tensor], out_flat: torch.Tensor, n: int) -> _P
 def _run_multi(plan: _Plan, grads: list[torch.Tensor], out_flat: torch.Tensor, factor: float) -> None:
     if not plan.total:
         return
-    kernel_factor, divide, multiply = scale_args(factor)
-    with device_guard(plan.device):
+    kernel_factor, divide, multiply = common.scale_args(factor)
+    aligned = plan.aligned and out_flat.data_ptr() % 16 == 0
+    src_like = out_flat if plan.like < 0 else grads[plan.like]
+    with common.device_guard(plan.device):
         _pre_divide_pad_multi_kernel[(plan.grid,)](
-            plan.table,
-            out_flat if plan.like < 0 else grads[plan.like],
-            out_flat,
-            plan.num_tensors,
-            plan.n,
-            plan.total,
-            kernel_factor,
-            DIVIDE=divide,
-            MULTIPLY=multiply,
-            ALIGNED=plan.aligned and out_flat.data_ptr() % 16 == 0,
-            OUT_VEC=plan.out_vec,
-            BLOCK=BLOCK_SIZE,
-            num_warps=_NUM_WARPS,
+            plan.table, src_like, out_flat, plan.num_tensors, plan.n, plan.total, kernel_factor, DIVIDE=divide,
+            MULTIPLY=multiply, ALIGNED=aligned, OUT_VEC=plan.out_vec, BLOCK=common.BLOCK_SIZE,
+            num_warps=common.NUM_WARPS,
         )
 
 
-def _check_no_partial_overlap(src: torch.Tensor, out: torch.Tensor) -> None:
-    # Element i is read and written by the same lane, so src is out is safe; any other overlap would read
-    # elements another program has already overwritten.
-    if src.numel() == 0 or src.device != out.device:
-        return
-    s0, o0 = src.data_ptr(), out.data_ptr()
-    s1, o1 = s0 + src.numel() * src.element_size(), o0 + out.numel() * out.element_size()
-    if s0 < o1 and o0 < s1 and not (s0 == o0 and src.dtype == out.dtype):
+def _validate_post_divide(src: torch.Tensor, out: torch.Tensor, factor: float) -> float:
+    common.check_float(src, "src")
+    common.check_tensor(out, "out")
+    common.check_same_device([src, out], ["src", "out"])
+    if not src.is_contiguous():
         raise ValueError(
-            "post_divide: src and out overlap in memory without being the same tensor "
-            f"(src bytes [{s0:#x}, {s1:#x}), out bytes [{o0:#x}, {o1:#x})): use separate buffers or src is out"
+            f"src is not contiguous (shape={tuple(src.shape)} stride={src.stride()}): call .contiguous() on it first"
         )
+    common.check_out(out, src.numel())
+    if out.numel() != src.numel():
+        raise ValueError(
+            f"post_divide needs src and out of the same size, got src.numel()={src.numel()} "
+            f"out.numel()={out.numel()}: pass out[:src.numel()] or the matching shard"
+        )
+    if meets(src, out):
+        # Element i is read and written by the same lane, so src is out is safe; any other overlap would read
+        # elements another program has already overwritten.
+        check_no_overlap("post_divide", [("src", src)], [("out", out)], _IN_PLACE_FIX, in_place=True)
+    return common.check_factor(factor)
 
 
 def post_divide(src: torch.Tensor, out: torch.Tensor, factor: float, *, accumulate: bool = False) -> torch.Tensor:
@@ -363,33 +322,19 @@ def post_divide(src: torch.Tensor, out: torch.Tensor, factor: float, *, accumula
     not. Returns ``out``.
     """
     with profiled("shardfuse.kernels:post_divide"):
-        check_float(src, "src")
-        check_same_device([src, out], ["src", "out"])
-        if not src.is_contiguous():
-            raise ValueError(
-                f"src is not contiguous (shape={tuple(src.shape)} stride={src.stride()}): "
-                f"call .contiguous() on it first"
-            )
-        check_out(out, src.numel())
-        if out.numel() != src.numel():
-            raise ValueError(
-                f"post_divide needs src and out of the same size, got src.numel()={src.numel()} "
-                f"out.numel()={out.numel()}: pass out[:src.numel()] or the matching shard"
-            )
-        _check_no_partial_overlap(src, out)
-        factor = _check_factor(factor)
-        if not use_triton(src, out):
+        factor = _validate_post_divide(src, out, factor)
+        if not common.use_triton(src, out):
             return post_divide_ref(src, out, factor, accumulate=accumulate)
         n = src.numel()
         if n == 0:
             return out
-        kernel_factor, divide, multiply = scale_args(factor)
-        with device_guard(out.device):
+        kernel_factor, divide, multiply = common.scale_args(factor)
+        with common.device_guard(out.device):
             # No FMA contraction: out + x * (1 / factor) must round twice, as out + x / factor does (an FMA
             # rounds once: seen differing on H200 in the subnormal range and where x * (1 / factor) overflows).
-            _post_divide_kernel[(-(-n // BLOCK_SIZE),)](
+            _post_divide_kernel[(-(-n // common.BLOCK_SIZE),)](
                 src, out, n, kernel_factor, DIVIDE=divide, MULTIPLY=multiply, ACCUMULATE=bool(accumulate),
-                BLOCK=BLOCK_SIZE, num_warps=_NUM_WARPS, enable_fp_fusion=False,
+                BLOCK=common.BLOCK_SIZE, num_warps=common.NUM_WARPS, enable_fp_fusion=False,
             )
         return out
 
@@ -422,14 +367,7 @@ def pre_divide_pad_ref(grads: torch.Tensor | Sequence[torch.Tensor], out: torch.
 
 def post_divide_ref(src: torch.Tensor, out: torch.Tensor, factor: float, *, accumulate: bool = False) -> torch.Tensor:
     """Plain-PyTorch :func:`post_divide`."""
-    check_float(src, "src")
-    check_out(out, src.numel())
-    if out.numel() != src.numel():
-        raise ValueError(
-            f"post_divide needs src and out of the same size, got src.numel()={src.numel()} "
-            f"out.numel()={out.numel()}: pass out[:src.numel()] or the matching shard"
-        )
-    factor = _check_factor(factor)
+    factor = _validate_post_divide(src, out, factor)
     x = src.reshape(-1).float()
     if factor != 1.0:
         x = _true_div(x, factor)

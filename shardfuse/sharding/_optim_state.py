@@ -96,6 +96,16 @@ def _layout(root: nn.Module) -> tuple[list[_Flat], list[str]]:
     return flats, list(names.values())
 
 
+def _refuse_orig_params(units: list[Unit], action: str) -> None:
+    # The optimizer of a use_orig_params model holds per-parameter views, which this flat layout does not read.
+    if any(u.config.use_orig_params for u in units):
+        raise NotImplementedError(
+            f"{action} consolidates optimizers over the flat shards; with use_orig_params=True (or "
+            f"flatten_parameters=False) the optimizer holds per-parameter views: checkpoint it with the sharded "
+            f"state dict (torch.distributed.checkpoint) instead"
+        )
+
+
 def _optim_index(optim: torch.optim.Optimizer) -> dict[int, int]:
     """id(parameter) -> its index in ``optim.state_dict()`` (numbered through the groups in order)."""
     out: dict[int, int] = {}
@@ -176,6 +186,7 @@ def gather_full_optim_state_dict(
             f"gather_full_optim_state_dict() must be called on the root FullyShardedDataParallel, not on the nested "
             f"{unit.name}: call it on the outermost wrapper"
         )
+    _refuse_orig_params(units_below(unit), "gather_full_optim_state_dict()")
     recipient = _check_recipient(recipient_rank, unit.world_size)
     flats, names = _layout(root)
     index = _optim_index(optim)
@@ -306,6 +317,7 @@ def get_shard_from_optim_state_dict(root: nn.Module, full_osd: dict[str, Any]) -
     a dict from :func:`gather_full_optim_state_dict`), as in FairScale; ``load_state_dict`` moves it to the
     parameters' device. A flat parameter's other state comes from its first original parameter.
     """
+    _refuse_orig_params(units_below(unit_of(root)), "get_shard_from_optim_state_dict()")
     missing = [k for k in _LAYOUT_KEYS if not isinstance(full_osd, dict) or k not in full_osd]
     if missing:
         raise ValueError(

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardfuse.kernels._cast import cast_shard, cast_shard_ref, cast_shards, cast_shards_ref
-from shardfuse.kernels._common import interpreting
+from shardfuse.kernels import _cast
+from shardfuse.kernels._cast import cast_shard, cast_shard_ref, cast_shards, cast_shards_ref, use_foreach
+from shardfuse.kernels._common import clear_plan_caches, interpreting
 from tests.conftest import cuda_kernels, kernel_device, poisoned
 
 DEVICE = kernel_device()
@@ -230,6 +231,154 @@ def test_cast_shards_errors():
         cast_shards(srcs, [torch.empty(5, device=DEVICE), torch.empty(3, device="meta")])
 
 
+# ------------------------------------------------------------------ overlapping memory
+
+
+def test_cast_shard_overlapping_src_and_out_raises():
+    buf = fresh(10010, torch.float32)
+    before = buf.clone()
+    with pytest.raises(ValueError, match=r"cast_shard: src and out overlap in memory .*same tensor as src and out"):
+        cast_shard(buf[:10000], buf[5:10005])
+    with pytest.raises(ValueError, match=r"cast_shard: src and out overlap"):  # other dtype from the same byte
+        cast_shard(buf[:100], buf[:100].view(torch.bfloat16)[:100])
+    with pytest.raises(ValueError, match=r"cast_shard: src and out overlap"):
+        cast_shard_ref(buf[:10000], buf[5:10005])
+    assert torch.equal(buf, before), "an overlapping call wrote before it raised"
+
+
+@pytest.mark.parametrize("n", [1, 131, 4099], ids=lambda n: f"n{n}")
+def test_cast_shard_in_place_is_allowed(n):
+    # The same elements as source and destination: each lane reads then writes its own element.
+    buf = fresh(n + 8, torch.float32)
+    expected = buf.clone()
+    cast_shard(buf[3 : 3 + n], buf[3 : 3 + n])
+    assert cast_shard(buf, buf) is buf
+    assert_bits(buf, expected)
+
+
+def test_cast_shards_list_overlapping_destinations_raise():
+    srcs = [fresh(10, torch.float32), fresh(10, torch.float32)]
+    buf = poisoned((20,), torch.bfloat16, DEVICE)
+    with pytest.raises(ValueError, match=r"cast_shards: out\[0\] and out\[1\] overlap in memory .*destination of its"):
+        cast_shards(srcs, [buf[0:10], buf[5:15]])
+    with pytest.raises(ValueError, match=r"out\[0\] and out\[1\] overlap"):
+        cast_shards_ref(srcs, [buf[0:10], buf[5:15]])
+    with pytest.raises(ValueError, match=r"out\[0\] and out\[1\] overlap"):
+        cast_shards(srcs, [buf[0:10], buf[0:10]])  # the same destination twice
+    assert buf.isnan().all(), "an overlapping call wrote before it raised"
+
+
+def test_cast_shards_destination_over_another_source_raises():
+    buf = fresh(30, torch.float32)
+    before = buf.clone()
+    with pytest.raises(ValueError, match=r"srcs\[1\] and out\[0\] overlap"):
+        cast_shards([buf[:10], buf[10:20]], [buf[12:22], buf[20:30]])
+    flat = fresh(40, torch.float32)
+    with pytest.raises(ValueError, match=r"srcs\[0\] and out\[20:30\] overlap"):
+        cast_shards([flat[25:35], fresh(10, torch.float32), fresh(10, torch.float32)], flat[:30])
+    assert torch.equal(buf, before)
+
+
+def test_cast_shards_in_place_entries_are_allowed():
+    buf = fresh(30, torch.float32)
+    expected = buf.clone()
+    cast_shards([buf[:10], buf[10:30]], [buf[:10], buf[10:30]])
+    cast_shards([buf[:10], buf[10:30]], buf)  # back to back: each source is its own destination
+    assert_bits(buf, expected)
+
+
+# ------------------------------------------------------------------ PyTorch past the crossover
+
+
+def _no_kernel(*args, **kwargs):
+    raise AssertionError("this path should not have run")
+
+
+class _NoLaunch:
+    """Stands in for a Triton kernel that must not be launched."""
+
+    def __getitem__(self, grid):
+        return _no_kernel
+
+
+def test_use_foreach_decision(monkeypatch):
+    srcs = [torch.zeros(1)] * _cast.FOREACH_MIN_TENSORS
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # a CPU tensor stands for a CUDA one under the interpreter
+    assert use_foreach(srcs) and not use_foreach(srcs[:-1])
+    assert not use_foreach([3.0] * len(srcs))  # not tensors: the validating path names them
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not use_foreach(srcs)  # CPU tensors without the interpreter: the reference path
+
+
+@pytest.mark.parametrize("dst", list(DTYPES), ids=str)
+def test_cast_shards_foreach_branch_matches_reference(monkeypatch, dst):
+    monkeypatch.setattr(_cast, "FOREACH_MIN_TENSORS", 3)
+    monkeypatch.setattr(_cast, "_cast_shards_kernel", _NoLaunch())
+    dst_dt = DTYPES[dst]
+    srcs = [fresh(k, list(DTYPES.values())[i % 3]) for i, k in enumerate([7, 0, 131, 4099, 1, 64])]
+    outs = [poisoned((s.numel(),), dst_dt, DEVICE) for s in srcs]
+    result = cast_shards(srcs, outs)
+    assert isinstance(result, list) and all(r is o for r, o in zip(result, outs))
+    refs = cast_shards_ref(srcs, [poisoned((s.numel(),), dst_dt, DEVICE) for s in srcs])
+    for o, r in zip(outs, refs):
+        assert_bits(o, r)  # PyTorch's own copy: exact against the reference even under the interpreter
+
+
+def test_cast_shards_below_the_crossover_runs_the_kernel(monkeypatch):
+    monkeypatch.setattr(torch, "_foreach_copy_", _no_kernel)
+    srcs = [fresh(k, torch.float32) for k in (5, 17, 3)]
+    outs = [poisoned((k,), torch.float16, DEVICE) for k in (5, 17, 3)]
+    assert len(srcs) < _cast.FOREACH_MIN_TENSORS
+    cast_shards(srcs, outs)
+    for s, o in zip(srcs, outs):
+        assert_bits(o, s.half())
+
+
+def test_cast_shards_foreach_branch_keeps_clear_errors(monkeypatch):
+    monkeypatch.setattr(_cast, "FOREACH_MIN_TENSORS", 2)
+    t = fresh(4, torch.float32)
+    with pytest.raises(TypeError, match=r"srcs\[1\] is a float, not a torch.Tensor"):
+        cast_shards([t, 3.0], [torch.empty(4, device=DEVICE), torch.empty(4, device=DEVICE)])
+    with pytest.raises(ValueError, match=r"out\[1\].numel\(\)=5 != srcs\[1\].numel\(\)=4"):
+        cast_shards([t, t], [torch.empty(4, device=DEVICE), torch.empty(5, device=DEVICE)])
+    # Same numels in shapes PyTorch will not broadcast: the kernel path takes them, with the same result.
+    outs = [poisoned((4,), torch.bfloat16, DEVICE), poisoned((2, 2), torch.bfloat16, DEVICE)]
+    cast_shards([t.view(4, 1), t], outs)
+    ulp = max_ulp(torch.float32, torch.bfloat16)
+    assert_bits(outs[0], t.to(torch.bfloat16), ulp)
+    assert_bits(outs[1].view(-1), t.to(torch.bfloat16), ulp)
+
+
+# ------------------------------------------------------------------ argument types
+
+
+def test_cast_shards_non_tensor_entries():
+    t = fresh(4, torch.float32)
+    out = torch.empty(8, device=DEVICE)
+    with pytest.raises(TypeError, match=r"srcs\[1\] is a float, not a torch.Tensor: pass tensors only"):
+        cast_shards([t, 3.0], out)
+    with pytest.raises(TypeError, match=r"srcs\[1\] is a float"):
+        cast_shards([t, 3.0], [out[:4], out[4:]])
+    with pytest.raises(TypeError, match=r"out\[1\] is a NoneType"):
+        cast_shards([t, t], [out[:4], None])
+    with pytest.raises(TypeError, match=r"out must be a tensor or a list of tensors, got a NoneType"):
+        cast_shards([t], None)
+    with pytest.raises(TypeError, match=r"srcs must be a sequence of tensors, got a Tensor"):
+        cast_shards(t, out)
+    with pytest.raises(TypeError, match=r"offsets must be ints .*\[0, 4.5\]"):
+        cast_shards([t, t], out, offsets=[0, 4.5])
+
+
+def test_cast_shard_non_tensor_arguments():
+    t = fresh(4, torch.float32)
+    with pytest.raises(TypeError, match=r"src is a float, not a torch.Tensor"):
+        cast_shard(3.0)
+    with pytest.raises(TypeError, match=r"out is a int, not a torch.Tensor"):
+        cast_shard(t, 3)
+    with pytest.raises(TypeError, match=r"dtype must be a torch.dtype or None, got 'bf16'"):
+        cast_shard(t, dtype="bf16")
+
+
 # ------------------------------------------------------------------ GPU only
 
 
@@ -267,7 +416,9 @@ def test_gpu_cast_shard_one_launch():
 
 
 @pytest.mark.gpu
-def test_gpu_cast_shards_5000_tensors_one_launch():
+def test_gpu_cast_shards_5000_tensors_one_launch(monkeypatch):
+    monkeypatch.setattr(_cast, "FOREACH_MIN_TENSORS", 1 << 62)  # the kernel path, whatever the count
+    clear_plan_caches()
     sizes = torch.randint(0, 3000, (5000,)).tolist()
     srcs = [fresh(k, torch.float32, "cuda") for k in sizes]
     total = sum(sizes)
@@ -280,3 +431,16 @@ def test_gpu_cast_shards_5000_tensors_one_launch():
     assert len(names) == 1 and "_cast_shards_kernel" in names[0], names
     for s, o in zip(srcs, outs):
         assert_bits(o, s.half())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", [("fp32", "bf16"), ("fp32", "fp16"), ("bf16", "fp32")], ids=pair_id)
+def test_gpu_cast_shards_past_the_crossover_is_foreach_and_bit_exact(pair):
+    src_dt, dst_dt = DTYPES[pair[0]], DTYPES[pair[1]]
+    sizes = torch.randint(1, 3000, (2 * _cast.FOREACH_MIN_TENSORS,)).tolist()
+    srcs = [fresh(k, src_dt, "cuda") for k in sizes]
+    outs = [poisoned((k,), dst_dt, "cuda") for k in sizes]
+    names = cuda_kernels(lambda: cast_shards(srcs, outs))
+    assert names and not any("_cast_shards_kernel" in n for n in names), names
+    for s, o in zip(srcs, outs):
+        assert_bits(o, s.to(dst_dt))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardfuse.kernels import _chunk_cat
 from shardfuse.kernels._chunk_cat import chunk_cat, chunk_cat_ref
 from tests.conftest import assert_same, cuda_kernels, kernel_device, poisoned
 
@@ -142,6 +143,108 @@ def test_errors():
         chunk_cat([t], 2, out=torch.empty(2, 4, device="meta"))
 
 
+# ------------------------------------------------------------------ overlapping memory, argument types
+
+
+def test_out_overlapping_an_input_raises():
+    buf = randn(64, torch.float32)
+    before = buf.clone()
+    with pytest.raises(ValueError, match=r"chunk_cat: tensors\[0\] and out overlap in memory .*apart from the inputs"):
+        chunk_cat([buf[:16].view(4, 4)], 2, out=buf[8:24].view(2, 8))
+    with pytest.raises(ValueError, match=r"tensors\[1\] and out overlap"):
+        chunk_cat_ref([randn(3, torch.float32), buf[30:33]], 3, out=buf[32:38].view(3, 2))
+    assert torch.equal(buf, before), "an overlapping call wrote before it raised"
+
+
+def test_argument_types():
+    t = randn((4, 2), torch.float32)
+    for bad in (2.5, "2", None):
+        with pytest.raises(ValueError, match=rf"chunk_cat needs an integer world_size >= 1, got world_size={bad!r}"):
+            chunk_cat([t], bad)
+    for bad in (True, "2", None, float("nan")):
+        with pytest.raises(ValueError, match=r"the divide factor must be a finite number > 0, got factor="):
+            chunk_cat([t], 2, factor=bad)
+    with pytest.raises(TypeError, match=r"out is a int, not a torch.Tensor"):
+        chunk_cat([t], 2, out=3)
+    with pytest.raises(TypeError, match=r"dtype must be a torch.dtype or None, got 'bf16'"):
+        chunk_cat([t], 2, dtype="bf16")
+
+
+# ------------------------------------------------------------------ PyTorch past the crossover
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """Every call that may take torch._chunk_cat does (and the kernel may not run there)."""
+    monkeypatch.setattr(_chunk_cat, "TORCH_MIN_TENSORS", 2)
+    monkeypatch.setattr(_chunk_cat, "TORCH_MAX_OUT_BYTES_PER_TENSOR", 1 << 62)
+    calls = []
+    real = torch._chunk_cat
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_chunk_cat", spy)
+    return calls
+
+
+@pytest.mark.parametrize("ws", [1, 3, 8], ids=lambda w: f"ws{w}")
+@pytest.mark.parametrize("factor", [1.0, 4.0, 0.5], ids=lambda f: f"f{f:g}")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_torch_branch_matches_reference(torch_path, dtype, factor, ws):
+    tensors = [randn(s, DTYPES[dtype]) for s in MIXED_SHAPES] + [randn((6, 5), DTYPES[dtype]).t()]  # one strided
+    expected = chunk_cat_ref(tensors, ws, factor=factor)
+    out = poisoned(expected.shape, expected.dtype, DEVICE)
+    assert chunk_cat(tensors, ws, factor=factor, out=out) is out
+    assert torch.equal(out, expected)  # exact: PyTorch's copy, then a multiply by an exact power of two
+    assert torch.equal(chunk_cat(tensors, ws, factor=factor), expected)
+    assert len(torch_path) == 2
+
+
+def test_torch_branch_only_where_the_bits_are_the_same(torch_path):
+    tensors = [randn(s, torch.bfloat16) for s in MIXED_SHAPES]
+    assert_same(chunk_cat(tensors, 4, factor=3.0), chunk_cat_ref(tensors, 4, factor=3.0))  # not a power of two
+    assert_same(chunk_cat(tensors, 4, dtype=torch.float32), chunk_cat_ref(tensors, 4, dtype=torch.float32))  # a cast
+    assert torch_path == []
+    # PyTorch rejects empty and 0-dim tensors: the kernel path takes them, with the same result.
+    odd = [randn((0, 3), torch.float32), randn((), torch.float32), randn(5, torch.float32)]
+    assert torch.equal(chunk_cat(odd, 2, factor=2.0), chunk_cat_ref(odd, 2, factor=2.0))
+
+
+def test_torch_branch_keeps_clear_errors(torch_path):
+    t = randn((4, 2), torch.float32)
+    out = poisoned((2, 5), torch.float32, DEVICE)
+    with pytest.raises(ValueError, match=r"shape \(2, 5\), expected \(world_size, row_numel\)=\(2, 8\)"):
+        chunk_cat([t, t], 2, out=out)
+    assert out.shape == (2, 5) and out.isnan().all(), "the wrong-shaped out was resized or written"
+    with pytest.raises(TypeError, match=r"tensors\[1\] is a float"):
+        chunk_cat([t, 1.0], 2)
+    with pytest.raises(TypeError, match="one dtype"):
+        chunk_cat([t, t.half()], 2)
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        chunk_cat([t, t], 2, out=torch.empty(8, 2, device=DEVICE).t())
+
+
+def test_use_torch_chunk_cat_decision(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    n = _chunk_cat.TORCH_MIN_TENSORS
+    per_tensor = _chunk_cat.TORCH_MAX_OUT_BYTES_PER_TENSOR
+    t = torch.zeros(8, dtype=torch.bfloat16)
+    small = torch.empty(n * per_tensor // 2 - 2, dtype=torch.bfloat16)  # just under the bytes per tensor
+    big = torch.empty(n * per_tensor // 2, dtype=torch.bfloat16)
+    decide = _chunk_cat.use_torch_chunk_cat
+    assert decide([t] * n, 4.0, None, None) and decide([t] * n, 4.0, torch.bfloat16, small)
+    assert not decide([t] * (n - 1), 4.0, None, None)  # too few tensors
+    assert not decide([t] * n, 4.0, None, big)  # enough bytes per tensor: the kernel is faster
+    assert not decide([t] * n, 3.0, None, None)  # division by 3 is not a multiplication
+    assert not decide([t] * n, 4.0, torch.float32, None)  # a cast
+    assert not decide([t] * n, "x", None, None)  # a bad factor: the validating path names it
+    assert not decide([t.int()] * n, 4.0, None, None)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not decide([t] * n, 4.0, None, None)  # CPU tensors without the interpreter: the reference
+
+
 # ------------------------------------------------------------------ GPU: large, exact, one launch
 
 
@@ -167,3 +270,15 @@ def test_gpu_thousands_of_tensors_one_launch():
     out = chunk_cat(tensors, 8, factor=2.0, dtype=torch.bfloat16)
     torch.testing.assert_close(out, chunk_cat_ref(tensors, 8, factor=2.0, dtype=torch.bfloat16), rtol=0, atol=0)
     assert len(cuda_kernels(lambda: chunk_cat(tensors, 8, factor=2.0, out=out))) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_past_the_crossover_is_torch_and_bit_exact():
+    num = 2 * _chunk_cat.TORCH_MIN_TENSORS
+    tensors = [torch.randn(7 + i % 5, 33, device="cuda").to(torch.bfloat16) for i in range(num)]
+    expected = chunk_cat_ref(tensors, 8, factor=4.0)
+    out = poisoned(expected.shape, torch.bfloat16, "cuda")
+    assert _chunk_cat.use_torch_chunk_cat(tensors, 4.0, None, out)
+    names = cuda_kernels(lambda: chunk_cat(tensors, 8, factor=4.0, out=out))
+    assert not any("_chunk_cat_kernel" in n for n in names), names
+    assert torch.equal(out, expected)

@@ -155,6 +155,28 @@ def test_split_errors():
         split_microbatches(torch.tensor(1.0), [1])
 
 
+def test_out_holding_its_inputs_raises():
+    buf = randn((8, 4), torch.float32)
+    before = buf.clone()
+    with pytest.raises(ValueError, match=r"concat_microbatches: tensors\[1\] and out overlap in memory .*apart from"):
+        concat_microbatches([randn((2, 4), torch.float32), buf[5:7]], out=buf[4:8])
+    with pytest.raises(ValueError, match=r"tensors\[0\] and out overlap"):
+        concat_microbatches([buf[0:2], buf[2:3]], out=buf[0:3])  # even an input at its own slot
+    with pytest.raises(ValueError, match=r"tensors\[0\] and out overlap"):
+        concat_microbatches_ref([buf[0:2], buf[2:3]], out=buf[1:4])
+    assert torch.equal(buf, before), "an overlapping call wrote before it raised"
+
+
+def test_argument_types():
+    a = randn((3, 4), torch.float32)
+    with pytest.raises(TypeError, match=r"out is a int, not a torch.Tensor"):
+        concat_microbatches([a], out=3)
+    with pytest.raises(TypeError, match=r"buffer is a float, not a torch.Tensor"):
+        split_microbatches(3.0, [1])
+    with pytest.raises(ValueError, match=r"sizes must be a list of non-negative ints, got sizes=3"):
+        split_microbatches(a, 3)
+
+
 # ------------------------------------------------------------------ GPU: large, exact, one launch
 
 

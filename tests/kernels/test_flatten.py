@@ -100,7 +100,7 @@ def test_padded_numel(numel, world_size, expected):
 
 
 def test_padded_numel_errors():
-    with pytest.raises(ValueError, match=r"world_size must be >= 1, got world_size=0"):
+    with pytest.raises(ValueError, match=r"needs an integer world_size >= 1, got world_size=0"):
         padded_numel(5, 0)
     with pytest.raises(ValueError, match=r"numel must be >= 0, got numel=-1"):
         padded_numel(-1, 2)
@@ -191,7 +191,7 @@ def test_flatten_pad_errors():
         flatten_pad([a, b], out=torch.empty(16, device=DEVICE)[::2])
     with pytest.raises(ValueError, match=r"dtype=torch.float16 does not match out.dtype=torch.float32"):
         flatten_pad([a, b], dtype=torch.float16, out=torch.empty(8, device=DEVICE))
-    with pytest.raises(ValueError, match=r"world_size must be >= 1, got world_size=0"):
+    with pytest.raises(ValueError, match=r"needs an integer world_size >= 1, got world_size=0"):
         flatten_pad([a, b], 0)
     with pytest.raises(ValueError, match=r"needs dtype= or out="):
         flatten_pad([])
@@ -267,6 +267,81 @@ def test_unflatten_into_errors():
         unflatten_into(rand(16)[::2], [rand(3)])
     with pytest.raises(ValueError, match=r"all tensors must be on one device.*outs\[0\]=meta"):
         unflatten_into(flat, [torch.empty(3, device="meta")])
+
+
+# ------------------------------------------------------------------ overlapping memory, argument types
+
+
+def test_flatten_pad_out_overlapping_an_input_raises():
+    buf = rand(8200)
+    before = buf.clone()
+    with pytest.raises(ValueError, match=r"flatten_pad: tensors\[0\] and out overlap in memory .*apart from the"):
+        flatten_pad([buf[:8192]], 4, out=buf[4:8196])
+    strided = buf.view(82, 100)[:4, 90:]  # elements 90-99, 190-199, 290-299, 390-399 of buf
+    with pytest.raises(ValueError, match=r"tensors\[1\] and out overlap"):
+        flatten_pad([rand(3, 5).t(), strided], 1, out=buf[150:205])
+    with pytest.raises(ValueError, match=r"tensors\[0\] and out overlap"):
+        flatten_pad_ref([buf[:8192]], 4, out=buf[4:8196])
+    assert torch.equal(buf, before), "an overlapping call wrote before it raised"
+    # In the gap between two rows of the strided input: no shared element.
+    expected = flatten_pad_ref([strided], 1)
+    out = flatten_pad([strided], 1, out=buf[100:140])
+    assert_bits(out, expected)
+
+
+def test_unflatten_into_aliasing_outputs_raise():
+    flat = rand(40)
+    buf = poisoned((20,), torch.float32, DEVICE)
+    with pytest.raises(ValueError, match=r"unflatten_into: outs\[0\] and outs\[1\] overlap in memory .*its own"):
+        unflatten_into(flat, [buf[0:10], buf[5:15]])
+    x = poisoned((3, 4), torch.float32, DEVICE)
+    with pytest.raises(ValueError, match=r"outs\[0\] and outs\[1\] overlap"):
+        unflatten_into(flat, [x, x])
+    with pytest.raises(ValueError, match=r"outs\[0\] and outs\[1\] overlap"):
+        unflatten_into(flat, [x, x.t()])
+    with pytest.raises(ValueError, match=r"outs\[0\] and outs\[1\] overlap"):
+        unflatten_into_ref(flat, [buf[0:10], buf[5:15]])
+    with pytest.raises(ValueError, match=r"flat and outs\[0\] overlap"):
+        unflatten_into(flat, [flat[30:40]])
+    assert buf.isnan().all() and x.isnan().all(), "an overlapping call wrote before it raised"
+
+
+def test_unflatten_into_interleaved_column_slices_are_fine():
+    # Column slices of one matrix interleave in memory but share no element (e.g. a fused qkv weight).
+    w = poisoned((7, 10), torch.float32, DEVICE)
+    outs = [w[:, :3], w[:, 3:4], w[:, 4:].t()]
+    flat = rand(70)
+    unflatten_into(flat, outs)
+    expected = unflatten_into_ref(flat, [poisoned(o.shape, o.dtype, DEVICE) for o in outs])
+    for o, e in zip(outs, expected):
+        assert_bits(o, e)
+    assert not w.isnan().any()
+
+
+@pytest.mark.parametrize("bad", [2.5, 2.0, True, "2", None, 0], ids=repr)
+def test_world_size_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match=rf"flatten_pad needs an integer world_size >= 1, got world_size={bad!r}"):
+        flatten_pad([rand(5)], bad)
+    with pytest.raises(ValueError, match=rf"padded_numel needs an integer world_size >= 1, got world_size={bad!r}"):
+        padded_numel(5, bad)
+
+
+def test_flatten_non_tensor_arguments():
+    t = rand(4)
+    with pytest.raises(ValueError, match=r"numel must be >= 0, got numel=2.5: pass an int"):
+        padded_numel(2.5, 2)
+    with pytest.raises(TypeError, match=r"tensors\[1\] is a float, not a torch.Tensor"):
+        flatten_pad([t, 3.0])
+    with pytest.raises(TypeError, match=r"tensors must be a sequence of tensors, got a Tensor"):
+        flatten_pad(t)
+    with pytest.raises(TypeError, match=r"out is a int, not a torch.Tensor"):
+        flatten_pad([t], out=3)
+    with pytest.raises(TypeError, match=r"dtype must be a torch.dtype or None, got 'bf16'"):
+        flatten_pad([t], dtype="bf16")
+    with pytest.raises(TypeError, match=r"flat is a float, not a torch.Tensor"):
+        unflatten_into(3.0, [t])
+    with pytest.raises(TypeError, match=r"outs\[1\] is a NoneType"):
+        unflatten_into(rand(8), [t, None])
 
 
 # ------------------------------------------------------------------ transposed matrices (tiled path)

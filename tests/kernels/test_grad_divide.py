@@ -5,6 +5,7 @@ On CPU the Triton kernels run under Triton's interpreter (tests/conftest.py sets
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -66,10 +67,14 @@ def test_gradient_divide_factors_values(world_size, expected):
     assert gradient_divide_factors(world_size) == expected
 
 
-@pytest.mark.parametrize("bad", [0, -2, 2.0, True, "4"], ids=repr)
+@pytest.mark.parametrize("bad", [0, -2, 2.0, 2.5, True, "4", None], ids=repr)
 def test_gradient_divide_factors_rejects(bad):
-    with pytest.raises(ValueError, match="world_size >= 1"):
+    with pytest.raises(ValueError, match=r"world_size >= 1, got world_size=.*must be a positive int"):
         gradient_divide_factors(bad)
+
+
+def test_gradient_divide_factors_numpy_int():
+    assert gradient_divide_factors(np.int64(8)) == (4.0, 2.0)
 
 
 # ------------------------------------------------------------------ pre_divide_pad
@@ -250,6 +255,57 @@ def test_post_divide_errors():
     for bad in (0.0, -3.0, float("nan")):
         with pytest.raises(ValueError, match="finite number > 0"):
             post_divide(src, torch.empty(10, device=DEVICE), bad)
+
+
+# ------------------------------------------------------------------ overlapping memory, argument types
+
+
+def test_pre_divide_pad_out_overlapping_grads_raises():
+    buf = randn(64, torch.float32)
+    before = buf.clone()
+    with pytest.raises(ValueError, match=r"pre_divide_pad: grads\[0\] and out\[0:20\] overlap in memory .*in place"):
+        pre_divide_pad(buf[2:22], buf[:24], 2.0)  # shifted by two elements
+    with pytest.raises(ValueError, match=r"grads\[1\] and out\[14:\] overlap"):  # a gradient in the padding
+        pre_divide_pad([buf[40:50], buf[18:22]], buf[:24], 2.0)
+    with pytest.raises(ValueError, match=r"grads\[0\] and out\[0:10\] overlap"):
+        pre_divide_pad_ref([buf[30:40]], buf[30:40].view(torch.int16)[:12].view(torch.bfloat16), 2.0)
+    assert torch.equal(buf, before), "an overlapping call wrote before it raised"
+
+
+@pytest.mark.parametrize("num", [1, 2], ids=lambda k: f"{k}grads")
+def test_pre_divide_pad_in_place(num):
+    # Each gradient exactly its own slice of out: scaled in place, padding zeroed.
+    buf = randn(131 * num + 5, torch.float32)
+    grads = [buf[131 * i : 131 * (i + 1)] for i in range(num)]
+    expected = pre_divide_pad_ref([g.clone() for g in grads], poisoned((buf.numel(),), torch.float32, DEVICE), 4.0)
+    pre_divide_pad(grads if num > 1 else grads[0], buf, 4.0)
+    assert_same(buf, expected)
+
+
+def test_post_divide_overlap_names_the_fix():
+    buf = randn(15, torch.float32)
+    with pytest.raises(ValueError, match=r"post_divide: src and out overlap in memory .*src is out, is fine"):
+        post_divide(buf[:10], buf[5:15], 2.0)
+    with pytest.raises(ValueError, match=r"post_divide: src and out overlap"):
+        post_divide_ref(buf[:10], buf[5:15], 2.0)
+
+
+def test_grad_divide_argument_types():
+    g = randn(10, torch.float32)
+    out = torch.empty(12, device=DEVICE)
+    for bad in (True, "2", None, float("nan")):
+        with pytest.raises(ValueError, match=r"the divide factor must be a finite number > 0, got factor="):
+            pre_divide_pad(g, out, bad)
+        with pytest.raises(ValueError, match=r"the divide factor must be a finite number > 0, got factor="):
+            post_divide(g, out[:10], bad)
+    with pytest.raises(TypeError, match=r"grads must be a sequence of tensors, got a float"):
+        pre_divide_pad(3.0, out, 2.0)
+    with pytest.raises(TypeError, match=r"out is a int, not a torch.Tensor"):
+        pre_divide_pad(g, 3, 2.0)
+    with pytest.raises(TypeError, match=r"src is a list, not a torch.Tensor"):
+        post_divide([g], out[:10], 2.0)
+    with pytest.raises(TypeError, match=r"out is a NoneType, not a torch.Tensor"):
+        post_divide(g, None, 2.0)
 
 
 # ------------------------------------------------------------------ GPU: large, exact, one launch

@@ -36,14 +36,14 @@ def _empty_caches():
 @pytest.fixture
 def builds(monkeypatch):
     """Counts the metadata tables built (one per launch of a plan built from scratch)."""
+    original = _common.block_table
     count = [0]
 
     def counting(*args, **kwargs):
         count[0] += 1
-        return _common.block_table(*args, **kwargs)
+        return original(*args, **kwargs)
 
-    for module in MODULES.values():
-        monkeypatch.setattr(module, "block_table", counting)
+    monkeypatch.setattr(_common, "block_table", counting)  # every kernel module calls it through _common
     return count
 
 
@@ -241,6 +241,46 @@ def test_errors_still_raised_after_a_hit():
         concat.concat_microbatches([srcs[0], 3])
     with pytest.raises(TypeError, match=r"takes a sequence of tensors"):
         concat.concat_microbatches(srcs[0])
+
+
+def test_overlap_checked_once_per_plan(monkeypatch):
+    calls = []
+    real = cast.check_no_overlap
+    monkeypatch.setattr(cast, "check_no_overlap", lambda *a, **k: calls.append(a) or real(*a, **k))
+    srcs = [rand(k) for k in (5, 300, 9)]
+    outs = [poisoned((s.numel(),), torch.bfloat16, DEVICE) for s in srcs]
+    for _ in range(3):
+        cast.cast_shards(srcs, outs)
+    assert len(calls) == 1, "a repeat call with the same tensors validated again"
+
+
+def test_a_plan_does_not_serve_an_out_that_moved_onto_the_inputs():
+    # Same inputs, an out of the same shape and dtype at another address: that address is in the key, so
+    # the overlap check runs again instead of the cached plan writing over the inputs.
+    buf = rand(64)
+    before = buf.clone()
+    first = poisoned((16,), torch.float32, DEVICE)
+    flatten.flatten_pad([buf[:16]], 1, out=first)
+    with pytest.raises(ValueError, match=r"flatten_pad: tensors\[0\] and out overlap"):
+        flatten.flatten_pad([buf[:16]], 1, out=buf[8:24])
+    parts = [buf[:4].view(2, 2), buf[4:8].view(2, 2)]
+    concat.concat_microbatches(parts, out=poisoned((4, 2), torch.float32, DEVICE))
+    with pytest.raises(ValueError, match=r"concat_microbatches: tensors\[1\] and out overlap"):
+        concat.concat_microbatches(parts, out=buf[6:14].view(4, 2))
+    chunk_cat.chunk_cat(parts, 2, out=poisoned((2, 4), torch.float32, DEVICE))
+    with pytest.raises(ValueError, match=r"chunk_cat: tensors\[0\] and out overlap"):
+        chunk_cat.chunk_cat(parts, 2, out=buf[2:10].view(2, 4))
+    grads = [buf[:5], buf[5:9]]
+    grad_divide.pre_divide_pad(grads, poisoned((10,), torch.float32, DEVICE), 2.0)
+    with pytest.raises(ValueError, match=r"pre_divide_pad: grads\[0\] and out\[0:5\] overlap"):
+        grad_divide.pre_divide_pad(grads, buf[1:11], 2.0)
+    assert torch.equal(buf, before), "a cached plan wrote over its inputs"
+    outs = [buf[22:26]]
+    flatten.unflatten_into(rand(4), outs)
+    before = buf.clone()
+    with pytest.raises(ValueError, match=r"unflatten_into: flat and outs\[0\] overlap"):
+        flatten.unflatten_into(buf[20:24], outs)  # the same outputs, a flat that moved onto them
+    assert torch.equal(buf, before), "a cached plan wrote over its inputs"
 
 
 # ------------------------------------------------------------------ bounded, holds no tensors

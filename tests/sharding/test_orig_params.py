@@ -90,6 +90,8 @@ def check_orig_params(flag: str) -> bool:
     local = model.local_state_dict()
     assert "flat_param_0" in local and "blocks.0.flat_param_0" in local, sorted(local)
     model.load_local_state_dict(local)
+    with pytest.raises(NotImplementedError, match="use_orig_params=True .* sharded state dict"):
+        model.gather_full_optim_state_dict(opt)
     return True
 
 
