@@ -558,16 +558,9 @@ class FullyShardedDataParallel(nn.Module):
         lazy_init(self._unit)
         return _state_dict.local_metadata_dict(self)
 
-    @staticmethod
-    def consolidate_shard_weights(
-        shard_weights: list[dict[str, torch.Tensor]],
-        shard_metadata: list[dict[str, Any]],
-        with_module_buffers: bool = True,
-        strict: bool = True,
-    ) -> dict[str, torch.Tensor]:
-        """Full weights (original names) from every rank's :meth:`local_state_dict` and
-        :meth:`local_metadata_dict`, rank order, without any process group. Buffers come from rank 0."""
-        return _state_dict.consolidate_shard_weights(shard_weights, shard_metadata, with_module_buffers, strict)
+    # Full weights (original names) from every rank's local_state_dict() and local_metadata_dict(), in rank
+    # order, offline (no process group); buffers come from rank 0. FairScale's static method.
+    consolidate_shard_weights = staticmethod(_state_dict.consolidate_shard_weights)
 
     def load_local_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> NamedTuple:
         """Load a dict from :meth:`local_state_dict` saved with the same world size and wrapping."""

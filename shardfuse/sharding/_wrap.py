@@ -32,20 +32,6 @@ from shardfuse.sharding._fully_sharded import FullyShardedDataParallel
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "EXCLUDE_WRAP_MODULES",
-    "FORCE_LEAF_MODULES",
-    "ModuleClassWrapPolicy",
-    "WrapPolicy",
-    "auto_wrap",
-    "config_auto_wrap_policy",
-    "default_auto_wrap_policy",
-    "enable_wrap",
-    "size_based_auto_wrap_policy",
-    "transformer_auto_wrap_policy",
-    "wrap",
-]
-
 WrapPolicy = Callable[..., bool]
 """``policy(module, recurse, unwrapped_params[, module_is_root]) -> bool``."""
 
