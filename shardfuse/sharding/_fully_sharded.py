@@ -23,7 +23,14 @@ from shardfuse._profiling import profiled
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding import _optim_state, _state_dict
 from shardfuse.sharding._config import ShardingConfig, make_config, resolve_groups
-from shardfuse.sharding._flat_param import FLATTENED_MARK, OWNED_MARK, UNIT_ATTR, flatten_own_params, iter_own_modules
+from shardfuse.sharding._flat_param import (
+    FLATTENED_MARK,
+    OWNED_MARK,
+    UNIT_ATTR,
+    flatten_own_params,
+    iter_own_modules,
+    materialize_meta,
+)
 from shardfuse.sharding._root import lazy_init, release_unit, reset_root
 from shardfuse.sharding._runtime import Unit
 from shardfuse.sharding._state import TrainingState, check_state
@@ -89,6 +96,14 @@ class FullyShardedDataParallel(nn.Module):
         sync_module_states: broadcast the first rank's parameters and buffers of this unit at wrap time (FSDP1's
             name), so ranks need not build the model identically. Without it, the first use checks once that
             every rank starts from the same values and raises if not.
+        use_orig_params: register the original parameters, under their own names, as 1-D views of this rank's
+            piece of each in the flat shard (FSDP1's name; FairScale's ``flatten_parameters=False``): optimizer
+            groups per parameter (e.g. no weight decay on norms and biases) and freezing single parameters work;
+            the shards and all communication stay flat.
+        param_init_fn: for a module built on the meta device, called with it (FSDP1's argument) to give its
+            parameters and buffers real storage and initial values before they are sharded; by default
+            ``to_empty`` then ``reset_parameters()`` of each module the unit owns. Wrap inner units first (or use
+            auto_wrap), so only one unit's parameters are ever full on a rank.
     """
 
     def __init__(
@@ -118,6 +133,7 @@ class FullyShardedDataParallel(nn.Module):
         allow_reset_parameters: bool = False,
         sync_module_states: bool = False,
         use_orig_params: bool = False,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
     ) -> None:
         with profiled("shardfuse.sharding:wrap"):
             super().__init__()
@@ -156,6 +172,7 @@ class FullyShardedDataParallel(nn.Module):
                 allow_reset_parameters=allow_reset_parameters, sync_module_states=sync_module_states,
                 use_orig_params=use_orig_params,
             )
+            materialize_meta(module, _init_device(config, groups), param_init_fn)
             if config.sync_module_states:
                 _broadcast_own_states(module, groups)
             handles, table = flatten_own_params(
@@ -649,6 +666,16 @@ def _guard_reset_parameters(module: nn.Module) -> None:
     for _, m in iter_own_modules(module):
         if callable(getattr(type(m), "reset_parameters", None)):
             m.__dict__["reset_parameters"] = functools.partial(_forbidden_reset, m)
+
+
+def _init_device(config: ShardingConfig, groups: Any) -> torch.device:
+    """Where a module built on the meta device gets its storage: the compute device (the current GPU under
+    NCCL), or the host."""
+    if config.compute_device is not None and not config.move_params_to_cpu:
+        return config.compute_device
+    if coll.is_cuda_group(groups.process_group) and torch.cuda.is_available() and not config.move_params_to_cpu:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 @torch.no_grad()

@@ -86,9 +86,9 @@ def check_errors() -> bool:
     w2 = FSDP(m)
     _raises(RuntimeError, "gave its parameters to a newer FullyShardedDataParallel", w, torch.randn(2, 3))
     assert w2(torch.randn(2, 3)).shape == (2, 5)
-    # Parameters on several devices (cpu + meta).
-    mixed = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3, device="meta"))
-    _raises(ValueError, r"on several devices \(\['cpu', 'meta'\]", FSDP, mixed)
+    # A part built on the meta device is materialised on the others' device (meta-device init), not rejected.
+    mixed = FSDP(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3, device="meta")))
+    assert not any(v.is_meta for v in mixed.state_dict().values())
     # Unsupported or inconsistent arguments.
     _raises(ValueError, "fp32_reduce_scatter=True only applies with mixed_precision=True", FSDP, nn.Linear(3, 3),
             fp32_reduce_scatter=True)
