@@ -146,6 +146,28 @@ class ModuleClassWrapPolicy:
         return isinstance(module, tuple(self.module_classes))
 
 
+def no_split_modules_policy(model: nn.Module) -> ModuleClassWrapPolicy:
+    """A policy wrapping every module whose class a Hugging Face model names in ``_no_split_modules`` (its
+    decoder layers, e.g. ``LlamaDecoderLayer``): one unit per layer, as transformers' own FSDP integration does.
+
+    Raises:
+        ValueError: the model names no such classes, or none of them occurs in it.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    if not names:
+        raise ValueError(
+            f"{type(model).__name__} has no _no_split_modules: name the layer classes yourself, e.g. "
+            f"ModuleClassWrapPolicy({{DecoderLayer}})"
+        )
+    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
+    if not classes:
+        raise ValueError(
+            f"{type(model).__name__}._no_split_modules names {sorted(names)}, but no module of those classes is in "
+            f"the model: name the layer classes yourself with ModuleClassWrapPolicy"
+        )
+    return ModuleClassWrapPolicy(frozenset(classes))
+
+
 def config_auto_wrap_policy(
     module: nn.Module, recurse: bool, unwrapped_params: int, module_is_root: bool = False
 ) -> bool:
