@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from shardfuse._logging import warn_once
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding import _data_path as dp
 
@@ -109,7 +110,7 @@ def make_config(
     """Validate FairScale's keyword arguments for a unit of ``world_size`` ranks into a :class:`ShardingConfig`."""
     move_params_to_cpu = bool(move_params_to_cpu or cpu_offload)
     if cpu_offload:
-        logger.warning("cpu_offload is deprecated (as in FairScale); use move_params_to_cpu=True")
+        warn_once(logger, "cpu_offload is deprecated (as in FairScale); use move_params_to_cpu=True")
     if move_grads_to_cpu is None:
         move_grads_to_cpu = move_params_to_cpu
     if move_grads_to_cpu and not move_params_to_cpu:

@@ -22,6 +22,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils import _pytree as pytree
 
+from shardfuse._logging import warn_once
 from shardfuse._profiling import profiled
 from shardfuse._streams import Streams, wait_stream
 from shardfuse.sharding import _collectives as coll
@@ -200,7 +201,7 @@ class Unit:
             if inside_backward():
                 return (*self._pre_recompute(args, kwargs), True)
             # The last backward raised (e.g. out of memory) before its final callback could run.
-            logger.warning("the previous backward did not finish (it raised); resetting the sharding state")
+            warn_once(logger, "the previous backward did not finish (it raised); resetting the sharding state")
             rs.root.return_to_idle()
         check_state(
             self.training_state, (TrainingState.IDLE,), "forward()", self.name,
@@ -384,3 +385,6 @@ class Unit:
                 u.training_state = TrainingState.IDLE
         rs.in_backward = False
         rs.callback_queued = False
+        if logger.isEnabledFor(logging.DEBUG):  # per-step record, off unless the user asks for DEBUG
+            logger.debug("rank %d: backward finished, %d units back to IDLE, gradients reduced%s", self.rank,
+                         len(rs.units), "" if self.require_backward_grad_sync else " (no_sync: kept full)")

@@ -192,3 +192,38 @@ def check_compile(per_block: bool) -> list[float]:
 def test_torch_compile_matches_eager(pool, per_block):
     for diffs in pool.run(check_compile, per_block):
         assert max(diffs) <= 1e-5, diffs
+
+
+def check_logging() -> list[str]:
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(f"{record.levelname}:{record.getMessage()}")
+
+    log = logging.getLogger("shardfuse")
+    handler = Keep()
+    log.addHandler(handler)
+    old = log.level
+    try:
+        for _ in range(3):  # three units with the deprecated alias: one warning, on rank 0 only
+            FSDP(nn.Linear(2, 2), cpu_offload=True)
+        log.setLevel(logging.DEBUG)
+        torch.manual_seed(0)
+        model = FSDP(nn.Linear(3, 3))
+        model(torch.randn(2, 3)).sum().backward()
+    finally:
+        log.setLevel(old)
+        log.removeHandler(handler)
+    return records
+
+
+def test_warnings_once_per_job_and_debug_steps(pool):
+    rank0, rank1 = pool.run(check_logging)
+    warnings = [r for r in rank0 if r.startswith("WARNING")]
+    assert warnings == ["WARNING:cpu_offload is deprecated (as in FairScale); use move_params_to_cpu=True"], rank0
+    assert not any(r.startswith("WARNING") for r in rank1), rank1
+    for rank, records in ((0, rank0), (1, rank1)):
+        assert any(r.startswith(f"DEBUG:rank {rank}: backward finished") for r in records), records
