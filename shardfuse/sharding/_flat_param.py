@@ -411,23 +411,23 @@ def materialize_meta(
     """Give ``module``'s own modules on the meta device real storage on ``device`` and their initial values.
 
     Called by each unit before it flattens, inner units first, so a model built under ``torch.device("meta")``
-    never exists whole: only one unit's parameters are full at a time, then each rank keeps its shard. With
-    ``param_init_fn`` that function does it (FSDP1's argument: it gets ``module``); otherwise each own module
-    with meta tensors is ``to_empty``-ed and its ``reset_parameters()`` runs. Parameters tied across modules
-    stay tied.
+    never exists whole: only one unit's parameters are full at a time, then each rank keeps its shard. Each own
+    module with meta tensors (nested units are already done and are never passed) goes to ``param_init_fn``
+    (FSDP1's argument, e.g. ``m.to_empty(device=..., recurse=False)`` then a model's own init of ``m``), or by
+    default is ``to_empty``-ed and its ``reset_parameters()`` runs. Parameters tied across modules stay tied.
     """
     own = [(prefix, m) for prefix, m in iter_own_modules(module)]
     if not any(_has_meta(m) for _, m in own):
         return
-    if param_init_fn is not None:
-        param_init_fn(module)
-    else:
-        first: dict[int, nn.Parameter] = {}  # id of a meta parameter -> what it became
-        for prefix, m in own:
-            if not _has_meta(m):
-                continue
-            tied = {name: first[id(p)] for name, p in m._parameters.items() if p is not None and id(p) in first}
-            olds = {name: p for name, p in m._parameters.items() if p is not None and p.is_meta}
+    first: dict[int, nn.Parameter] = {}  # id of a meta parameter -> what it became
+    for prefix, m in own:
+        if not _has_meta(m):
+            continue
+        tied = {name: first[id(p)] for name, p in m._parameters.items() if p is not None and id(p) in first}
+        olds = {name: p for name, p in m._parameters.items() if p is not None and p.is_meta}
+        if param_init_fn is not None:
+            param_init_fn(m)
+        else:
             m.to_empty(device=device, recurse=False)
             reset = getattr(m, "reset_parameters", None)
             if callable(reset):
@@ -436,19 +436,20 @@ def materialize_meta(
                 raise ValueError(
                     f"{prefix.rstrip('.') or '<the module itself>'} ({type(m).__name__}) is on the meta device and "
                     f"has no reset_parameters() to initialise {sorted(olds.keys() - tied.keys())}: pass "
-                    f"param_init_fn=... (called with each unit's module) or build it on a real device"
+                    f"param_init_fn=... (called with each such module) or build it on a real device"
                 )
-            for name, p in olds.items():
+        for name, p in olds.items():
+            if name in m._parameters and m._parameters[name] is not None:
                 first.setdefault(id(p), m._parameters[name])
-            for name, p in tied.items():
-                m._parameters[name] = p
+        for name, p in tied.items():
+            m._parameters[name] = p
     left = sorted(f"{prefix}{name}" for prefix, m in own for name, t in (*m._parameters.items(), *m._buffers.items())
                   if t is not None and t.is_meta)
     if left:
         raise ValueError(
             f"{type(module).__name__} still has tensors on the meta device after initialisation ({left[:8]}): "
-            f"param_init_fn must give every parameter and buffer of the module real storage (e.g. "
-            f"module.to_empty(device=...) then initialise them)"
+            f"param_init_fn must give every parameter and buffer of the module it gets real storage (e.g. "
+            f"module.to_empty(device=..., recurse=False) then initialise them)"
         )
 
 

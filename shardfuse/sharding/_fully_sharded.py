@@ -21,7 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from shardfuse._profiling import profiled
 from shardfuse.sharding import _collectives as coll
-from shardfuse.sharding import _optim_state, _state_dict
+from shardfuse.sharding import _dcp, _optim_state, _state_dict
 from shardfuse.sharding._config import ShardingConfig, make_config, resolve_groups
 from shardfuse.sharding._flat_param import (
     FLATTENED_MARK,
@@ -100,10 +100,10 @@ class FullyShardedDataParallel(nn.Module):
             piece of each in the flat shard (FSDP1's name; FairScale's ``flatten_parameters=False``): optimizer
             groups per parameter (e.g. no weight decay on norms and biases) and freezing single parameters work;
             the shards and all communication stay flat.
-        param_init_fn: for a module built on the meta device, called with it (FSDP1's argument) to give its
-            parameters and buffers real storage and initial values before they are sharded; by default
-            ``to_empty`` then ``reset_parameters()`` of each module the unit owns. Wrap inner units first (or use
-            auto_wrap), so only one unit's parameters are ever full on a rank.
+        param_init_fn: for modules built on the meta device: called with each module of the unit that has meta
+            tensors (FSDP1's argument, e.g. ``m.to_empty(device=..., recurse=False)`` then the model's own init of
+            ``m``) before they are sharded; by default ``to_empty`` then ``reset_parameters()`` of each. Wrap inner
+            units first (or use auto_wrap), so only one unit's parameters are ever full on a rank.
     """
 
     def __init__(
@@ -611,6 +611,34 @@ class FullyShardedDataParallel(nn.Module):
         with profiled("shardfuse.sharding:get_shard_from_optim_state_dict"):
             lazy_init(self._unit)
             return _optim_state.get_shard_from_optim_state_dict(self, full_optim_state_dict)
+
+    def sharded_state_dict(self, optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+        """This rank's part of a sharded checkpoint of the model (and ``optim``, when given), for
+        ``torch.distributed.checkpoint.save``, and the dict to fill with ``torch.distributed.checkpoint.load``
+        before :meth:`load_sharded_state_dict`; it reshards to any world size with the same wrapping.
+
+        Each flat parameter, and each per-element optimizer state of it, is a ``DTensor`` of its whole flat range
+        (``Shard(0)``) whose local tensor is a view of this rank's piece (no copy); buffers are plain tensors. A
+        fresh optimizer's state is laid out without stepping it. Root only; every rank must call.
+        """
+        with profiled("shardfuse.sharding:sharded_state_dict"):
+            lazy_init(self._unit)
+            return _dcp.sharded_state_dict(self, optim)
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any], optim: torch.optim.Optimizer | None = None) -> None:
+        """Load a dict made by :meth:`sharded_state_dict` (with the same ``optim`` argument) on this model and
+        filled by ``torch.distributed.checkpoint.load``: the shards, buffers and (with ``optim``) the optimizer
+        state and hyper-parameters, also into a fresh optimizer. A checkpoint of another wrapping, a dict that was
+        not filled, or optimizer groups that differ from the saved ones raise before anything is written. Root
+        only; every rank must call."""
+        with profiled("shardfuse.sharding:load_sharded_state_dict"):
+            lazy_init(self._unit)
+            _dcp.load_sharded_state_dict(self, state_dict, optim)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """Asked by ``torch.distributed.checkpoint.state_dict`` (only): the wrapped module's modifiers, after
+        refusing the paths that would checkpoint the optimizer's shards wrongly (see ``_dcp.py``)."""
+        return _dcp.torch_dsd_fqn_modifiers(self)
 
 
 def _pre_forward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:

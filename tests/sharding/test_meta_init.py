@@ -84,12 +84,12 @@ def check_param_init_fn() -> bool:
 
     def init(module: nn.Module) -> None:
         seen.append(type(module).__name__)
-        module.to_empty(device="cpu")
-        for p in module.parameters():
+        module.to_empty(device="cpu", recurse=False)
+        for p in module.parameters(recurse=False):
             nn.init.constant_(p, 0.25)
 
     model = FSDP(net, param_init_fn=init)
-    assert seen == ["Sequential"]
+    assert seen == ["Linear", "Linear"], seen  # each module of the unit that was on the meta device
     assert all(torch.all(v == 0.25) for v in model.state_dict().values())
     return True
 
