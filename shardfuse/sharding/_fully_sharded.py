@@ -9,32 +9,31 @@ root (``_root.py``). Summoning, state dicts and optimizer state live in their ow
 from __future__ import annotations
 
 import contextlib
-import functools
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import fields
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from shardfuse._profiling import profiled
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding import _dcp, _optim_state, _state_dict
 from shardfuse.sharding._config import ShardingConfig, make_config, resolve_groups
+from shardfuse.sharding._dcp_guard import torch_dsd_fqn_modifiers
 from shardfuse.sharding._flat_param import (
-    FLATTENED_MARK,
     OWNED_MARK,
     UNIT_ATTR,
     flatten_own_params,
     iter_own_modules,
     materialize_meta,
 )
+from shardfuse.sharding._grad_reduce import clip_grad_norm
 from shardfuse.sharding._root import lazy_init, release_unit, reset_root
 from shardfuse.sharding._runtime import Unit
+from shardfuse.sharding._setup import broadcast_own_states, guard_reset_parameters, init_device, install_optimizer_guard
 from shardfuse.sharding._state import TrainingState, check_state
-from shardfuse.sharding._summon import summon_full_params
+from shardfuse.sharding._summon import own_params_gathered, summon_full_params
 from shardfuse.sharding._tree import clean_key, unit_of, units_below
 
 __all__ = ["FullyShardedDataParallel", "TrainingState"]
@@ -46,13 +45,6 @@ _WRAPPED_MARK = "_shardfuse_wrapped"
 class _IncompatibleKeys(NamedTuple):
     missing_keys: list[str]
     unexpected_keys: list[str]
-
-
-def _forbidden_reset(module: nn.Module, *args: Any, **kwargs: Any) -> None:
-    raise RuntimeError(
-        f"reset_parameters() of {type(module).__name__} was called after FullyShardedDataParallel flattened its "
-        f"parameters: pass allow_reset_parameters=True and call it inside summon_full_params()"
-    )
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -172,9 +164,9 @@ class FullyShardedDataParallel(nn.Module):
                 allow_reset_parameters=allow_reset_parameters, sync_module_states=sync_module_states,
                 use_orig_params=use_orig_params,
             )
-            materialize_meta(module, _init_device(config, groups), param_init_fn)
+            materialize_meta(module, init_device(config, groups), param_init_fn)
             if config.sync_module_states:
-                _broadcast_own_states(module, groups)
+                broadcast_own_states(module, groups)
             handles, table = flatten_own_params(
                 module, group=groups.process_group, rank=groups.rank, world_size=groups.world_size,
                 move_params_to_cpu=config.move_params_to_cpu, compute_device=config.compute_device,
@@ -208,8 +200,8 @@ class FullyShardedDataParallel(nn.Module):
                     u.parent = unit
                     u.is_root = False
             if not allow_reset_parameters:
-                _guard_reset_parameters(module)
-            _install_optimizer_guard()
+                guard_reset_parameters(module)
+            install_optimizer_guard()
 
     # ----------------------------------------------------------------------------------------------
     # properties and nn.Module plumbing
@@ -398,33 +390,14 @@ class FullyShardedDataParallel(nn.Module):
                 raise
             return post(unit, outputs, recomputing)
 
-    @contextlib.contextmanager
-    def _own_params_gathered(self) -> Iterator[None]:
-        """The root's own parameters gathered (nested units gather in their forwards) while the wrapped module
-        is called other than through this forward; no order is recorded, nothing is prefetched."""
-        unit = self._unit
-        lazy_init(unit)
-        check_state(unit.training_state, (TrainingState.IDLE,), "generate()", unit.name,
-                    "call it outside forward, backward and summon_full_params()")
-        rs = unit.root_state
-        rs.order_paused = True
-        unit.training_state = TrainingState.FORWARD
-        try:
-            unit.unshard()
-            unit.wait_and_set_views()
-            yield
-        finally:
-            unit.reshard()
-            unit.training_state = TrainingState.IDLE
-            rs.order_paused = False
-
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's ``generate()`` (Hugging Face) with this unit's own parameters gathered for the
         whole call; nested units gather per forward as usual. Collective: every rank must call it."""
         inner = getattr(self.module, "generate", None)
         if not callable(inner):
             raise AttributeError(f"{type(self.module).__name__} has no generate() method")
-        with profiled("shardfuse.sharding:generate"), self._own_params_gathered():
+        lazy_init(self._unit)
+        with profiled("shardfuse.sharding:generate"), own_params_gathered(self._unit, "generate()"):
             return inner(*args, **kwargs)
 
     def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:
@@ -487,25 +460,8 @@ class FullyShardedDataParallel(nn.Module):
             for u in units_below(unit):
                 check_state(u.training_state, (TrainingState.IDLE,), "clip_grad_norm_()", u.name,
                             "call it after backward has finished")
-            norm_type = float(norm_type)
-            grads = [p.grad for p in self.parameters() if p.grad is not None]
-            device = unit.compute_device
-            if not grads:
-                local = torch.zeros((), dtype=torch.float32, device=device)
-            elif norm_type == float("inf"):
-                local = torch.stack([g.detach().abs().max().float().to(device) for g in grads]).max()
-            else:
-                norms = torch._foreach_norm([g.detach() for g in grads], norm_type)
-                local = torch.stack([n.float().to(device) for n in norms]).pow(norm_type).sum()
-            group, world = unit.groups.process_group, unit.world_size
-            if norm_type == float("inf"):
-                total = coll.all_reduce_(local, group, world, op="max")
-            else:
-                total = coll.all_reduce_(local, group, world).pow(1.0 / norm_type)
-            coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-            for dev_grads in _by_device(grads).values():
-                torch._foreach_mul_(dev_grads, coef.to(dev_grads[0].device))
-            return total
+            return clip_grad_norm([p.grad for p in self.parameters() if p.grad is not None], max_norm, norm_type,
+                                  unit.compute_device, unit.groups.process_group, unit.world_size)
 
     # ----------------------------------------------------------------------------------------------
     # summon_full_params (implemented in _summon.py)
@@ -638,7 +594,7 @@ class FullyShardedDataParallel(nn.Module):
     def _fqn_modifiers(self) -> dict[str, str]:
         """Asked by ``torch.distributed.checkpoint.state_dict`` (only): the wrapped module's modifiers, after
         refusing the paths that would checkpoint the optimizer's shards wrongly (see ``_dcp.py``)."""
-        return _dcp.torch_dsd_fqn_modifiers(self)
+        return torch_dsd_fqn_modifiers(self)
 
 
 def _pre_forward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
@@ -660,79 +616,3 @@ for _field in fields(ShardingConfig):
     if not hasattr(FullyShardedDataParallel, _field.name):
         setattr(FullyShardedDataParallel, _field.name, _config_property(_field.name))
 del _field
-
-
-_checked_optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
-_optimizer_guard: Any = None
-
-
-def _refuse_flattened_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Global optimizer step pre-hook: an optimizer over the parameters as they were before wrapping would
-    step tensors nothing reads any more (their values moved into the flat shards), silently."""
-    count = sum(len(g["params"]) for g in optimizer.param_groups)
-    if _checked_optimizers.get(optimizer) == count:
-        return
-    for gi, group in enumerate(optimizer.param_groups):
-        for pi, p in enumerate(group["params"]):
-            if getattr(p, FLATTENED_MARK, None) is not None:
-                raise RuntimeError(
-                    f"{type(optimizer).__name__} holds a parameter (group {gi}, index {pi}, shape {tuple(p.shape)}) "
-                    f"that FullyShardedDataParallel flattened into its shards when it wrapped the model: stepping it "
-                    f"changes nothing the model uses; build the optimizer after wrapping, on model.parameters()"
-                )
-    _checked_optimizers[optimizer] = count
-
-
-def _install_optimizer_guard() -> None:
-    global _optimizer_guard
-    if _optimizer_guard is None:
-        _optimizer_guard = register_optimizer_step_pre_hook(_refuse_flattened_params)
-
-
-def _guard_reset_parameters(module: nn.Module) -> None:
-    """Make ``reset_parameters`` of owned submodules fail loudly (``allow_reset_parameters=False``)."""
-    for _, m in iter_own_modules(module):
-        if callable(getattr(type(m), "reset_parameters", None)):
-            m.__dict__["reset_parameters"] = functools.partial(_forbidden_reset, m)
-
-
-def _init_device(config: ShardingConfig, groups: Any) -> torch.device:
-    """Where a module built on the meta device gets its storage: the compute device (the current GPU under
-    NCCL), or the host."""
-    if config.compute_device is not None and not config.move_params_to_cpu:
-        return config.compute_device
-    if coll.is_cuda_group(groups.process_group) and torch.cuda.is_available() and not config.move_params_to_cpu:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-@torch.no_grad()
-def _broadcast_own_states(module: nn.Module, groups: Any) -> None:
-    """Copy the first rank's values of the unit's own parameters and buffers to every rank (one broadcast per
-    dtype and device)."""
-    if not coll.is_process_group(groups.process_group):
-        raise ValueError(
-            "sync_module_states=True needs a torch.distributed process group to broadcast with, got "
-            f"{type(groups.process_group).__name__}: pass a real group, or drop sync_module_states"
-        )
-    tensors: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for _, m in iter_own_modules(module):
-        for t in (*m._parameters.values(), *m._buffers.values()):
-            if t is not None:
-                tensors.setdefault((t.dtype, t.device), []).append(t)
-    on_gpu = coll.is_cuda_group(groups.process_group) and torch.cuda.is_available()
-    for group in tensors.values():
-        unique = list({id(t): t for t in group}.values())
-        flat = torch.cat([t.detach().reshape(-1) for t in unique])
-        if on_gpu and flat.device.type == "cpu":  # NCCL moves CUDA tensors only
-            flat = flat.cuda()
-        coll.broadcast_(flat, groups.process_group, groups.world_size)
-        for t, v in zip(unique, flat.split([t.numel() for t in unique])):
-            t.detach().copy_(v.view_as(t))
-
-
-def _by_device(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
-    out: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        out.setdefault((t.device, t.dtype), []).append(t)
-    return out

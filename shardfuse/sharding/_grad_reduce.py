@@ -126,3 +126,31 @@ def finish_host_grads(pending: PendingFrees, streams: Streams) -> None:
             flat.grad.add_(host)
     pending.host_grads.clear()
 
+
+
+@torch.no_grad()
+def clip_grad_norm(
+    grads: list[torch.Tensor], max_norm: float, norm_type: float, device: torch.device, group: coll.ProcessGroup,
+    world: int,
+) -> torch.Tensor:
+    """Scale the sharded gradients in place so that their global ``norm_type`` norm (one all-reduce over the
+    group) is at most ``max_norm``; returns that norm. Every rank must call it."""
+    norm_type = float(norm_type)
+    if not grads:
+        local = torch.zeros((), dtype=torch.float32, device=device)
+    elif norm_type == float("inf"):
+        local = torch.stack([g.detach().abs().max().float().to(device) for g in grads]).max()
+    else:
+        norms = torch._foreach_norm([g.detach() for g in grads], norm_type)
+        local = torch.stack([n.float().to(device) for n in norms]).pow(norm_type).sum()
+    if norm_type == float("inf"):
+        total = coll.all_reduce_(local, group, world, op="max")
+    else:
+        total = coll.all_reduce_(local, group, world).pow(1.0 / norm_type)
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault((g.device, g.dtype), []).append(g)
+    for same in by_device.values():
+        torch._foreach_mul_(same, coef.to(same[0].device))
+    return total

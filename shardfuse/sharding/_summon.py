@@ -114,3 +114,23 @@ def _restore(wrapper: nn.Module, unit: Unit, saved_params: dict[str, nn.Paramete
         h.clear_views()
     wrapper._parameters.clear()
     wrapper._parameters.update(saved_params)
+
+
+@contextlib.contextmanager
+def own_params_gathered(unit: Unit, action: str) -> Iterator[None]:
+    """``unit``'s own parameters gathered as views (nested units gather in their forwards) while its module is
+    called other than through the wrapper's forward (e.g. Hugging Face's ``generate()``); no forward order is
+    recorded, nothing is prefetched."""
+    check_state(unit.training_state, (TrainingState.IDLE,), action, unit.name,
+                "call it outside forward, backward and summon_full_params()")
+    rs = unit.root_state
+    rs.order_paused = True
+    unit.training_state = TrainingState.FORWARD
+    try:
+        unit.unshard()
+        unit.wait_and_set_views()
+        yield
+    finally:
+        unit.reshard()
+        unit.training_state = TrainingState.IDLE
+        rs.order_paused = False

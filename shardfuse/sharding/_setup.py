@@ -1,0 +1,97 @@
+"""Wrap-time set-up besides flattening: guards against silent misuse and the first rank's values on every rank.
+
+- ``reset_parameters()`` of flattened modules fails loudly unless ``allow_reset_parameters``;
+- an optimizer holding parameters from before wrapping fails at ``step()`` (one global step pre-hook);
+- ``sync_module_states`` broadcasts the first rank's parameters and buffers;
+- modules built on the meta device get their storage on :func:`init_device`.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from shardfuse.sharding import _collectives as coll
+from shardfuse.sharding._config import Groups, ShardingConfig
+from shardfuse.sharding._flat_param import FLATTENED_MARK, iter_own_modules
+
+
+def _forbidden_reset(module: nn.Module, *args: Any, **kwargs: Any) -> None:
+    raise RuntimeError(
+        f"reset_parameters() of {type(module).__name__} was called after FullyShardedDataParallel flattened its "
+        f"parameters: pass allow_reset_parameters=True and call it inside summon_full_params()"
+    )
+
+
+_checked_optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+_optimizer_guard: Any = None
+
+
+def _refuse_flattened_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimizer step pre-hook: an optimizer over the parameters as they were before wrapping would
+    step tensors nothing reads any more (their values moved into the flat shards), silently."""
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    if _checked_optimizers.get(optimizer) == count:
+        return
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            if getattr(p, FLATTENED_MARK, None) is not None:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds a parameter (group {gi}, index {pi}, shape {tuple(p.shape)}) "
+                    f"that FullyShardedDataParallel flattened into its shards when it wrapped the model: stepping it "
+                    f"changes nothing the model uses; build the optimizer after wrapping, on model.parameters()"
+                )
+    _checked_optimizers[optimizer] = count
+
+
+def install_optimizer_guard() -> None:
+    global _optimizer_guard
+    if _optimizer_guard is None:
+        _optimizer_guard = register_optimizer_step_pre_hook(_refuse_flattened_params)
+
+
+def guard_reset_parameters(module: nn.Module) -> None:
+    """Make ``reset_parameters`` of owned submodules fail loudly (``allow_reset_parameters=False``)."""
+    for _, m in iter_own_modules(module):
+        if callable(getattr(type(m), "reset_parameters", None)):
+            m.__dict__["reset_parameters"] = functools.partial(_forbidden_reset, m)
+
+
+def init_device(config: ShardingConfig, groups: Groups) -> torch.device:
+    """Where a module built on the meta device gets its storage: the compute device (the current GPU under
+    NCCL), or the host."""
+    if config.compute_device is not None and not config.move_params_to_cpu:
+        return config.compute_device
+    if coll.is_cuda_group(groups.process_group) and torch.cuda.is_available() and not config.move_params_to_cpu:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def broadcast_own_states(module: nn.Module, groups: Groups) -> None:
+    """Copy the first rank's values of the unit's own parameters and buffers to every rank (one broadcast per
+    dtype and device)."""
+    if not coll.is_process_group(groups.process_group):
+        raise ValueError(
+            "sync_module_states=True needs a torch.distributed process group to broadcast with, got "
+            f"{type(groups.process_group).__name__}: pass a real group, or drop sync_module_states"
+        )
+    tensors: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for _, m in iter_own_modules(module):
+        for t in (*m._parameters.values(), *m._buffers.values()):
+            if t is not None:
+                tensors.setdefault((t.dtype, t.device), []).append(t)
+    on_gpu = coll.is_cuda_group(groups.process_group) and torch.cuda.is_available()
+    for group in tensors.values():
+        unique = list({id(t): t for t in group}.values())
+        flat = torch.cat([t.detach().reshape(-1) for t in unique])
+        if on_gpu and flat.device.type == "cpu":  # NCCL moves CUDA tensors only
+            flat = flat.cuda()
+        coll.broadcast_(flat, groups.process_group, groups.world_size)
+        for t, v in zip(unique, flat.split([t.numel() for t in unique])):
+            t.detach().copy_(v.view_as(t))
