@@ -103,7 +103,12 @@ def test_rounds_without_summary_are_summarised(tmp_path: Path) -> None:
     stored = e2e_rounds_payload()
     computed = e2e_summary(e2e_rounds_payload(with_summary=False))
     key = lambda e: (e["impl"], e["regime"])  # noqa: E731
-    assert sorted(computed, key=key) == pytest.approx(sorted(stored["summary"], key=key))
+    got, want = sorted(computed, key=key), sorted(stored["summary"], key=key)
+    assert [key(e) for e in got] == [key(e) for e in want]
+    for g, w in zip(got, want):  # entry by entry: pytest.approx takes flat mappings of numbers only
+        assert g.keys() == w.keys(), key(g)
+        for k, v in w.items():
+            assert g[k] == (pytest.approx(v) if isinstance(v, float) else v), (key(g), k)
 
 
 def test_summary_fills_missing_ratios() -> None:
