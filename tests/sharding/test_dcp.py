@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from shardfuse.sharding import FullyShardedDataParallel as FSDP
 from tests.dist_pool import DistPool
 from tests.sharding._models import divide_factors
+from tests.sharding.test_optim_state import make_opt  # the same optimizers as the full-state path
 
 WORLD = 2
 D_IN, DIM, HID, D_OUT = 5, 11, 13, 3
@@ -106,13 +107,6 @@ def param_groups(model: nn.Module) -> list[dict[str, Any]]:
         {"params": [p for n, p in named if "blocks." not in n and p.requires_grad]},
         {"params": [p for n, p in named if not p.requires_grad], "lr": LR_FROZEN},
     ]
-
-
-def make_opt(groups: list[dict[str, Any]], name: str, **override: Any) -> torch.optim.Optimizer:
-    groups = [{**g, **override} for g in groups]
-    if name == "sgd":
-        return torch.optim.SGD(groups, lr=0.05, momentum=0.9)
-    return torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)
 
 
 def batch(step: int, rank: int, ws: int, per_rank: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
