@@ -34,24 +34,13 @@ from torch.distributed.tensor import DTensor
 from shardfuse.sharding import FullyShardedDataParallel as FSDP
 from tests.dist_pool import DistPool
 from tests.sharding._models import divide_factors
-from tests.sharding.test_optim_state import make_opt  # the same optimizers as the full-state path
+from tests.sharding.test_optim_state import D_IN, D_OUT, DIM, Block, make_opt  # the same shapes and optimizers
 
 WORLD = 2
-D_IN, DIM, HID, D_OUT = 5, 11, 13, 3
 LR_BLOCKS, LR_FROZEN = 0.03, 0.5
 SAVE_STEPS, MORE_STEPS = 3, 2
 TOL = (1e-5, 1e-6)  # 3 and 4 ranks: gloo sums the gradients in another order than the reference
 DSD_ERROR = "cannot save or load the optimizer state of a FullyShardedDataParallel model"
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(DIM, HID)
-        self.fc2 = nn.Linear(HID, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.tanh(self.fc1(x)))
 
 
 class Net(nn.Module):
