@@ -96,13 +96,6 @@ class FlatParamHandle:
         self.shard_numel = self.padded_numel // world_size
         # A fresh contiguous tensor: the full flattened buffer is released when this returns.
         shard = full.narrow(0, rank * self.shard_numel, self.shard_numel).clone()
-        # A cheap fingerprint of the initial values, compared across ranks once at lazy init: ranks that built
-        # the model differently would otherwise train a mix of both inits.
-        self.init_checksum: tuple[float, float] | None = None
-        if full.device.type != "meta":
-            with torch.no_grad():
-                wide = full.double()
-                self.init_checksum = (wide.sum().item(), wide.square().sum().item())
         del full
         if shard.device != shard_device:
             shard = shard.to(shard_device)

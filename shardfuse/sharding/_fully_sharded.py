@@ -31,7 +31,13 @@ from shardfuse.sharding._flat_param import (
 from shardfuse.sharding._grad_reduce import clip_grad_norm
 from shardfuse.sharding._root import lazy_init, release_unit, reset_root
 from shardfuse.sharding._runtime import Unit
-from shardfuse.sharding._setup import broadcast_own_states, guard_reset_parameters, init_device, install_optimizer_guard
+from shardfuse.sharding._setup import (
+    agree_on_initial_values,
+    broadcast_own_states,
+    guard_reset_parameters,
+    init_device,
+    install_optimizer_guard,
+)
 from shardfuse.sharding._state import TrainingState, check_state
 from shardfuse.sharding._summon import own_params_gathered, summon_full_params
 from shardfuse.sharding._tree import clean_key, unit_of, units_below
@@ -167,6 +173,8 @@ class FullyShardedDataParallel(nn.Module):
             materialize_meta(module, init_device(config, groups), param_init_fn)
             if config.sync_module_states:
                 broadcast_own_states(module, groups)
+            else:
+                agree_on_initial_values(module, groups, f"{type(self).__name__}({type(module).__name__})")
             handles, table = flatten_own_params(
                 module, group=groups.process_group, rank=groups.rank, world_size=groups.world_size,
                 move_params_to_cpu=config.move_params_to_cpu, compute_device=config.compute_device,

@@ -152,24 +152,19 @@ def _cast_buffers(unit: Unit) -> None:
 
 
 def _check_ranks_agree(root: Unit, units: list[Unit]) -> None:
-    """Once per tree: every rank must have wrapped the same units with the same initial values.
+    """Once per tree: every rank must have wrapped the same units.
 
-    Ranks that wrap differently would issue mismatched collectives (a crash or hang deep in the backend), and
-    ranks built with different seeds would silently train a mix of both inits. One object all-gather here
-    turns both into an error that names the first difference.
+    Ranks that wrap differently would issue mismatched collectives (a crash or hang deep in the backend); one
+    object all-gather here turns that into an error naming the first difference. (Initial values were made to
+    agree unit by unit at wrap time: ``_setup.agree_on_initial_values``.)
     """
     world = root.world_size
     if world == 1 or not coll.is_process_group(root.groups.process_group):
         return
     layout = [(u.name, [(h.numel, str(h.dtype), h.requires_grad) for h in u.handles]) for u in units]
-    # Units sharded over another group (a mixture-of-experts expert in a group of its own) hold values of their
-    # own on purpose: only units of the root's group must agree.
-    values = [[h.init_checksum for h in u.handles] if u.groups.process_group is root.groups.process_group else None
-              for u in units]
-    synced = all(u.config.sync_module_states for u in units)
-    everyone = coll.all_gather_object((layout, values), root.groups.process_group, world)
-    first_layout, first_values = everyone[0]
-    for rank, (other_layout, other_values) in enumerate(everyone[1:], start=1):
+    everyone = coll.all_gather_object(layout, root.groups.process_group, world)
+    first_layout = everyone[0]
+    for rank, other_layout in enumerate(everyone[1:], start=1):
         if other_layout != first_layout:
             diff = next(
                 (i for i, (a, b) in enumerate(zip(first_layout, other_layout)) if a != b),
@@ -181,13 +176,4 @@ def _check_ranks_agree(root: Unit, units: list[Unit]) -> None:
                 f"ranks wrapped the model differently: {len(first_layout)} units on rank 0, {len(other_layout)} on "
                 f"rank {rank}; unit #{diff} is {mine} (name, [(numel, dtype, requires_grad) per flat group]) on rank "
                 f"0 but {theirs} on rank {rank}: build and wrap the same model on every rank"
-            )
-        if not synced and other_values != first_values:
-            diff = next(i for i, (a, b) in enumerate(zip(first_values, other_values)) if a != b)
-            # (a unit of another group compares as None on every rank, so it is never the difference)
-            raise RuntimeError(
-                f"ranks initialised the parameters of {units[diff].name} (unit #{diff}) differently: rank 0 and rank "
-                f"{rank} must start from the same values (each rank keeps only its shard): seed every rank "
-                f"identically (torch.manual_seed) before building the model, load the same checkpoint, or pass "
-                f"sync_module_states=True to broadcast rank 0's parameters and buffers at wrap time"
             )

@@ -2,13 +2,15 @@
 
 - ``reset_parameters()`` of flattened modules fails loudly unless ``allow_reset_parameters``;
 - an optimizer holding parameters from before wrapping fails at ``step()`` (one global step pre-hook);
-- ``sync_module_states`` broadcasts the first rank's parameters and buffers;
+- ``sync_module_states`` broadcasts the first rank's parameters and buffers; without it, ranks are checked to
+  agree (one tiny all-gather per unit) and, if they do not, get the first rank's values with a warning;
 - modules built on the meta device get their storage on :func:`init_device`.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import weakref
 from typing import Any
 
@@ -16,9 +18,12 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from shardfuse._logging import warn_once
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding._config import Groups, ShardingConfig
 from shardfuse.sharding._flat_param import FLATTENED_MARK, iter_own_modules
+
+logger = logging.getLogger(__name__)
 
 
 def _forbidden_reset(module: nn.Module, *args: Any, **kwargs: Any) -> None:
@@ -72,6 +77,61 @@ def init_device(config: ShardingConfig, groups: Groups) -> torch.device:
     return torch.device("cpu")
 
 
+def _own_states(module: nn.Module) -> list[torch.Tensor]:
+    """The unit's own parameters and buffers, each once."""
+    found: dict[int, torch.Tensor] = {}
+    for _, m in iter_own_modules(module):
+        for t in (*m._parameters.values(), *m._buffers.values()):
+            if t is not None:
+                found.setdefault(id(t), t)
+    return list(found.values())
+
+
+@torch.no_grad()
+def agree_on_initial_values(module: nn.Module, groups: Groups, name: str) -> None:
+    """Make every rank of the unit's group start from the same parameters and buffers.
+
+    Each rank keeps only its slice of what it built, so ranks built with different seeds would otherwise train a
+    mix of both inits. One all-gather of a fingerprint per unit (count, size, sum and sum of squares) finds that;
+    the first rank's values are then broadcast, as ``sync_module_states=True`` and DistributedDataParallel do,
+    with a warning. Ranks whose unit differs in shape get an error naming it (a broadcast would not line up).
+    """
+    world = groups.world_size
+    if world == 1 or not coll.is_process_group(groups.process_group):
+        return
+    states = _own_states(module)
+    if any(t.device.type == "meta" for t in states):
+        return  # nothing to compare yet: param_init_fn / reset_parameters decide later
+    dev = torch.device("cuda", torch.cuda.current_device()) if coll.is_cuda_group(groups.process_group) \
+        else torch.device("cpu")
+    stats = [float(len(states)), float(sum(t.numel() for t in states)), 0.0, 0.0]
+    for t in states:
+        wide = t.detach().double()
+        stats[2] += wide.sum().item()
+        stats[3] += wide.square().sum().item()
+    mine = torch.tensor(stats, dtype=torch.float64, device=dev)
+    everyone = torch.empty(world * 4, dtype=torch.float64, device=dev)
+    coll.all_gather_into(everyone, mine, groups.process_group, world)
+    rows = everyone.view(world, 4).tolist()
+    for rank, row in enumerate(rows[1:], start=1):
+        if row[:2] != rows[0][:2]:
+            raise RuntimeError(
+                f"ranks wrapped the model differently: {name} has {int(rows[0][0])} parameters and buffers of "
+                f"{int(rows[0][1])} elements on rank 0 but {int(row[0])} of {int(row[1])} on rank {rank}: build "
+                f"and wrap the same model on every rank"
+            )
+    differ = [r for r, row in enumerate(rows) if row != rows[0]]
+    if differ:
+        warn_once(
+            logger,
+            f"ranks built {name} with different initial values (rank 0 differs from rank {differ[0]}): every rank "
+            f"now starts from rank 0's parameters and buffers, as with sync_module_states=True (each rank keeps "
+            f"only its shard, so keeping them would train a mix of the ranks' inits); seed every rank identically "
+            f"or load the same checkpoint on each, or pass sync_module_states=True to broadcast without this check",
+        )
+        broadcast_own_states(module, groups)
+
+
 @torch.no_grad()
 def broadcast_own_states(module: nn.Module, groups: Groups) -> None:
     """Copy the first rank's values of the unit's own parameters and buffers to every rank (one broadcast per
@@ -82,13 +142,10 @@ def broadcast_own_states(module: nn.Module, groups: Groups) -> None:
             f"{type(groups.process_group).__name__}: pass a real group, or drop sync_module_states"
         )
     tensors: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for _, m in iter_own_modules(module):
-        for t in (*m._parameters.values(), *m._buffers.values()):
-            if t is not None:
-                tensors.setdefault((t.dtype, t.device), []).append(t)
+    for t in _own_states(module):
+        tensors.setdefault((t.dtype, t.device), []).append(t)
     on_gpu = coll.is_cuda_group(groups.process_group) and torch.cuda.is_available()
-    for group in tensors.values():
-        unique = list({id(t): t for t in group}.values())
+    for unique in tensors.values():
         flat = torch.cat([t.detach().reshape(-1) for t in unique])
         if on_gpu and flat.device.type == "cpu":  # NCCL moves CUDA tensors only
             flat = flat.cuda()

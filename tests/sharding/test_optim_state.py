@@ -324,14 +324,13 @@ def test_recipient_rank_outside_the_group_raises(pool):
 
 
 class MixtureOfExperts(nn.Module):
-    """FairScale's test model: an expert in its own size-1 group (not averaged: its state differs per rank),
-    the rest shared. FairScale also seeds the expert per rank; here every rank starts from the same expert, as
-    the wrapper's wrap-time check that ranks agree (``_root._check_ranks_agree``) currently rejects per-rank
-    values even in a size-1 group. The per-rank batches still make each rank's expert state its own."""
+    """FairScale's test model: an expert in its own size-1 group, seeded per rank as FairScale seeds it (the
+    wrap-time agreement check runs within a unit's own group, so it leaves a size-1 group alone), the rest
+    shared."""
 
     def __init__(self, wrapped: bool) -> None:
         super().__init__()
-        torch.manual_seed(42)
+        torch.manual_seed(42 + dist.get_rank())
         expert = nn.Linear(23, 12)
         self.expert_names = [f"module.2.{n}" for n, _ in expert.named_parameters()]
         torch.manual_seed(0)

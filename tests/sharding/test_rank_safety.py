@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -18,11 +19,55 @@ def _net() -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, 11), nn.Tanh(), nn.Sequential(nn.Linear(11, 5), nn.Tanh()), nn.Linear(5, 3))
 
 
-def check_different_seeds_raise() -> bool:
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _rank0_build(net: nn.Module) -> dict:
+    both: list = [None, None]
+    dist.all_gather_object(both, {k: v.clone() for k, v in net.state_dict().items()})
+    return both[0]
+
+
+def check_different_seeds_get_rank0_values() -> bool:
     torch.manual_seed(100 + dist.get_rank())  # a per-rank seed: the classic mistake
-    model = FSDP(_net())
-    with pytest.raises(RuntimeError, match="initialised the parameters of .* differently.*sync_module_states=True"):
-        model(torch.randn(2, 6))
+    net = _net()
+    want = _rank0_build(net)
+    assert dist.get_rank() == 0 or any(not torch.equal(v, want[k]) for k, v in net.state_dict().items())
+    ref = _net()
+    ref.load_state_dict(want)
+    records = _Records()
+    logging.getLogger("shardfuse").addHandler(records)
+    try:
+        model = FSDP(net)
+    finally:
+        logging.getLogger("shardfuse").removeHandler(records)
+    # Not a mix of both inits: rank 0's model on every rank, with a warning (rank 0 logs it) naming the unit.
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    warned = [m for m in records.messages if "different initial values" in m]
+    if dist.get_rank() == 0:
+        assert len(warned) == 1 and "FullyShardedDataParallel(Sequential)" in warned[0], records.messages
+        assert "sync_module_states=True" in warned[0]
+    else:
+        assert warned == []
+    torch.manual_seed(1)
+    x = torch.randn(4, 6)
+    torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    # Ranks that agree pay one tiny all-gather per unit and hear nothing.
+    torch.manual_seed(7)
+    records.messages.clear()
+    logging.getLogger("shardfuse").addHandler(records)
+    try:
+        FSDP(_net())
+    finally:
+        logging.getLogger("shardfuse").removeHandler(records)
+    assert records.messages == []
     return True
 
 
@@ -49,11 +94,14 @@ def check_sync_module_states() -> bool:
 def check_ranks_wrap_differently() -> bool:
     torch.manual_seed(3)
     net = _net()
-    if dist.get_rank() == 0:
-        net[2] = FSDP(net[2])  # only rank 0 makes the inner block a unit of its own
-    model = FSDP(net)
-    with pytest.raises(RuntimeError, match="ranks wrapped the model differently: 2 units on rank 0, 1 on rank 1"):
-        model(torch.randn(2, 6))
+    # Only rank 0 makes the inner block a unit of its own: its inner unit meets rank 1's outer unit in the
+    # wrap-time check, and both ranks stop there with the sizes of what they wrapped.
+    with pytest.raises(RuntimeError, match=r"ranks wrapped the model differently: FullyShardedDataParallel\((Linear|"
+                                           r"Sequential)\) has 2 parameters and buffers of 60 elements on rank 0 "
+                                           r"but 6 of 155 on rank 1"):
+        if dist.get_rank() == 0:
+            net[2] = FSDP(net[2])
+        FSDP(net)
     return True
 
 
@@ -88,7 +136,7 @@ def check_load_state_dict_inputs() -> bool:
 
 @pytest.mark.parametrize(
     "check",
-    [check_different_seeds_raise, check_sync_module_states, check_ranks_wrap_differently, check_wrap_errors,
+    [check_different_seeds_get_rank0_values, check_sync_module_states, check_ranks_wrap_differently, check_wrap_errors,
      check_load_state_dict_inputs],
     ids=lambda f: f.__name__.removeprefix("check_"),
 )
