@@ -4,6 +4,8 @@ The public API; everything else in the package is private. Kernels live in ``sha
 """
 
 from shardfuse import kernels
+from shardfuse._capture import CapturedStep, capture_step
+from shardfuse._graph_guard import CaptureError
 from shardfuse.offload import OffloadModel, checkpoint_wrapper, disable_checkpointing
 from shardfuse.sharding import (
     FullyShardedDataParallel,
@@ -22,11 +24,14 @@ from shardfuse.sharding import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CaptureError",
+    "CapturedStep",
     "FullyShardedDataParallel",
     "ModuleClassWrapPolicy",
     "OffloadModel",
     "TrainingState",
     "auto_wrap",
+    "capture_step",
     "checkpoint_wrapper",
     "config_auto_wrap_policy",
     "default_auto_wrap_policy",

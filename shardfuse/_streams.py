@@ -59,7 +59,17 @@ def wait_event(stream: torch.cuda.Stream | None, event: torch.cuda.Event | None)
 def wait_stream(waiter: torch.cuda.Stream | None, target: torch.cuda.Stream | None) -> None:
     """Make ``waiter`` wait for all work queued so far on ``target`` (device-side only)."""
     if waiter is not None and target is not None and waiter != target:
+        if torch.cuda.is_current_stream_capturing() and _capturing(waiter) and not _capturing(target):
+            # Under CUDA-graph capture a side stream that got no work in this capture (no reduce-scatter
+            # in a no_sync() micro-step) is outside the graph: nothing of it to wait for, and waiting on it
+            # would be an error (cudaErrorStreamCaptureIsolation).
+            return
         waiter.wait_stream(target)
+
+
+def _capturing(stream: torch.cuda.Stream) -> bool:
+    with torch.cuda.stream(stream):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def current_stream(device: torch.device) -> torch.cuda.Stream | None:

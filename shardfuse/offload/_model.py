@@ -18,6 +18,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_map
 
+from shardfuse._graph_guard import refuse_in_capture
 from shardfuse._profiling import profiled
 from shardfuse.offload._engine import Engine, GradBuffers, Loaded, Stashed, Step, make_optimizers
 from shardfuse.offload._function import BlockCall, Packed, apply_block
@@ -406,6 +407,10 @@ class OffloadModel(nn.Module):
         """Run the model; with autograd enabled the result can be backpropagated as usual."""
         if not inputs:
             raise ValueError("OffloadModel.forward needs at least one input")
+        refuse_in_capture(
+            "an OffloadModel",
+            "it moves each slice between host and GPU and waits for the copies every step; run it eagerly",
+        )
         args: tuple[Any, ...] = tree_map(self._prepare_input, inputs)
         if not torch.is_grad_enabled():
             return self._forward_no_grad(args)

@@ -22,6 +22,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils import _pytree as pytree
 
+from shardfuse._graph_guard import refuse_in_capture
 from shardfuse._logging import warn_once
 from shardfuse._profiling import profiled
 from shardfuse._streams import Streams, wait_stream
@@ -196,6 +197,12 @@ class Unit:
         Returns the (possibly cast) inputs and whether this is an activation-checkpoint recompute inside
         backward, which :meth:`post_forward` must leave alone.
         """
+        if self.config.move_params_to_cpu:
+            refuse_in_capture(
+                f"{self.name} with move_params_to_cpu=True (cpu_offload)",
+                "its shards and gradients live on the host, which every step synchronises with; train it eagerly, "
+                "or keep the parameters on the GPU",
+            )
         rs = self.root_state
         if rs.in_backward:
             if inside_backward():

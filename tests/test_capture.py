@@ -1,0 +1,203 @@
+"""capture_step's contract on the CPU (2 gloo ranks and one process): the step runs eagerly, equal to a plain
+eager loop, with the same warm-up, input checks and refusals that the CUDA graph path has.
+
+tests/sharding/test_capture_gpu.py runs the same checks with NCCL and real CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardfuse
+from shardfuse import CaptureError, capture_step
+from shardfuse import FullyShardedDataParallel as FSDP
+
+WORLD = 2
+DIM = 12
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, 3 * DIM)
+        self.down = nn.Linear(3 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+def build(seed: int, device: torch.device, nested: bool = True, **fsdp: Any) -> nn.Module:
+    """A small residual model, wrapped per block and at the root (nested units)."""
+    torch.manual_seed(seed)
+    blocks = [Block() for _ in range(3)]
+    head = nn.Linear(DIM, 5)
+    net = nn.Sequential(*[FSDP(b.to(device), **fsdp) if nested else b.to(device) for b in blocks], head.to(device))
+    return FSDP(net, **fsdp)
+
+
+def make_step(model: nn.Module, opt: torch.optim.Optimizer, micro: int = 1, clip: float | None = 1.0):
+    """One training step over ``micro`` micro-batches (no_sync for all but the last), clipping and AdamW."""
+
+    def step(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros((), device=xs.device)
+        for i in range(micro):
+            ctx = model.no_sync() if i < micro - 1 else torch.enable_grad()
+            with ctx:
+                loss = nn.functional.cross_entropy(model(xs[i]), ys[i]) / micro
+                loss.backward()
+            total = total + loss.detach()
+        if clip is not None:
+            model.clip_grad_norm_(clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return total
+
+    return step
+
+
+def batches(n: int, micro: int, device: torch.device, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(micro, 4, DIM, generator=g).to(device),
+             torch.randint(0, 5, (micro, 4), generator=g).to(device)) for _ in range(n)]
+
+
+def check_captured_equals_eager(device: torch.device, cfg: dict[str, Any], micro: int, steps: int = 20) -> dict:
+    """Captured and eager training from the same init on the same batches: losses and final parameters."""
+    rank = dist.get_rank()
+    data = batches(steps + 1, micro, device, seed=100 + rank)
+    capturable = device.type == "cuda"
+    results = []
+    for captured in (False, True):
+        model = build(7, device, **cfg)
+        init = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, capturable=capturable)
+        step = make_step(model, opt, micro)
+        losses = []
+        if captured:
+            run = capture_step(step, *data[0], warmup=3)
+            assert run.graphed == (device.type == "cuda")
+            for x, y in data[1:]:
+                losses.append(run(x, y).clone())
+        else:
+            for _ in range(3):
+                step(*data[0])
+            for x, y in data[1:]:
+                losses.append(step(x, y))
+        results.append((torch.stack(losses).cpu(), {k: v.cpu() for k, v in model.state_dict().items()}, run
+                        if captured else None))
+    (eager_losses, eager_sd, _), (cap_losses, cap_sd, run) = results
+    assert torch.equal(cap_losses, eager_losses), (cap_losses, eager_losses)
+    for k, v in eager_sd.items():
+        assert torch.equal(cap_sd[k], v), k
+    moved = [k for k, v in eager_sd.items() if not torch.equal(v, init[k])]
+    assert len(moved) == len(eager_sd), sorted(set(eager_sd) - set(moved))  # every parameter trained
+    return {"eager_peak": run.eager_peak_bytes, "captured_peak": run.captured_peak_bytes}
+
+
+def check_contract_errors(device: torch.device) -> bool:
+    model = build(3, device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = make_step(model, opt)
+    x, y = batches(1, 1, device, seed=5)[0]
+    run = capture_step(step, x, y, warmup=1)
+    with pytest.raises(CaptureError, match=r"input leaf #0 is tensor\(1, 6, 12\).*captured for a tensor \(\(1, 4, 12\)"
+                                           r".*capture_step again"):
+        run(torch.randn(1, 6, DIM, device=device), y)
+    with pytest.raises(CaptureError, match="structured as"):
+        run(x, [y])
+    with pytest.raises(CaptureError, match=r"input leaf #1 is tensor\(1, 4\) torch.float32"):
+        run(x, y.float())
+    run(x, y)  # the captured shape still works after a refused call
+    return True
+
+
+def check_offload_refused(device: torch.device) -> bool:
+    model = build(3, device, move_params_to_cpu=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batches(1, 1, device, seed=5)[0]
+    with pytest.raises(CaptureError, match=r"cannot capture FullyShardedDataParallel\(Sequential\) with "
+                                           r"move_params_to_cpu=True.*train it eagerly"):
+        capture_step(make_step(model, opt), x, y)
+    # The refusal does not outlive the call: the same model trains eagerly.
+    make_step(model, opt)(x, y)
+    return True
+
+
+def _cpu() -> torch.device:
+    return torch.device("cpu")
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+@pytest.mark.parametrize("cfg", [{}, {"reshard_after_forward": False}, {"mixed_precision": True}],
+                         ids=["reshard", "keep", "mixed"])
+def test_captured_equals_eager_cpu(pool, cfg, micro):
+    out = pool.run(check_captured_equals_eager, _cpu(), cfg, micro, 6)
+    assert out == [{"eager_peak": None, "captured_peak": None}] * WORLD
+
+
+def test_contract_errors_cpu(pool):
+    assert pool.run(check_contract_errors, _cpu()) == [True] * WORLD
+
+
+def test_offload_refused_cpu(pool):
+    assert pool.run(check_offload_refused, _cpu()) == [True] * WORLD
+
+
+def test_offload_model_refused():
+    model = shardfuse.OffloadModel(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), device="cpu",
+                                   offload_device="cpu", num_slices=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    with pytest.raises(CaptureError, match="cannot capture an OffloadModel.*run it eagerly"):
+        capture_step(step, torch.randn(3, 4))
+    step(torch.randn(3, 4))
+
+
+def test_warmup_steps_are_real_steps():
+    """capture_step runs ``warmup`` steps on the example inputs at capture time, on the host too."""
+    net = nn.Linear(3, 1)
+    ref = copy.deepcopy(net)
+    seen: list[torch.Tensor] = []
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            net.weight.add_(x.sum())
+        seen.append(x)
+        return net.weight.sum()
+
+    x = torch.randn(2, 3)
+    run = capture_step(step, x, warmup=2)
+    assert not run.graphed and len(seen) == 2
+    torch.testing.assert_close(net.weight, ref.weight + 2 * x.sum(), rtol=0, atol=1e-6)
+    out = run(x * 0)
+    assert len(seen) == 3 and torch.equal(out, net.weight.sum())
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "err", "match"),
+    [
+        ((None, torch.zeros(1)), {}, TypeError, "needs a callable step_fn, got NoneType"),
+        ((lambda x: x, torch.zeros(1)), {"warmup": 0}, ValueError, r"warmup=0.*int >= 1"),
+        ((lambda x: x, torch.zeros(1)), {"warmup": 1.5}, ValueError, r"warmup=1.5"),
+        ((lambda x: x, 3), {}, ValueError, r"at least one tensor.*\['3'\]"),
+        ((lambda x, y: x, torch.zeros(1), torch.zeros(1, device="meta")), {}, ValueError,
+         r"on \['cpu', 'meta'\]: put the batch on one device"),
+    ],
+)
+def test_bad_arguments(args, kwargs, err, match):
+    with pytest.raises(err, match=match):
+        capture_step(*args, **kwargs)
