@@ -16,6 +16,8 @@ sharded unit plus the root:
 - ``fsdp2``: ``fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))``
 - ``fsdp1``: ``torch.distributed.fsdp.FullyShardedDataParallel`` with ``MixedPrecision(bf16, fp32, bf16)``, a
   transformer auto-wrap policy, ``use_orig_params=False``
+- ``shardfuse-graph``: shardfuse wrapped the same way, its whole step captured by ``shardfuse.capture_step`` and
+  replayed (AdamW with ``capturable=True``; the capture's 3 warm-up steps come before the timed ones)
 - ``fairscale``: FairScale's FSDP with the same flags as shardfuse (when ``fairscale`` is importable)
 - ``baseline``: one GPU, no sharding, fp32 parameters under ``torch.autocast(bf16)``; rank 0 runs it alone while
   the other ranks wait (``--no-baseline`` skips it).
@@ -65,7 +67,7 @@ from bench.common import free_port, write_result  # noqa: E402
 from examples.llama import DecoderLayer, Llama, LlamaConfig, next_token_loss  # noqa: E402
 
 REGIMES: dict[str, tuple[int, int]] = {"8k": (4, 2048), "1k": (1, 1024)}  # (batch, seq) per GPU
-IMPLS = ("shardfuse", "shardfuse-ref", "fsdp2", "fsdp1", "fairscale")
+IMPLS = ("shardfuse", "shardfuse-graph", "shardfuse-ref", "fsdp2", "fsdp1", "fairscale")
 # ``shardfuse-ref``: another version of shardfuse, importable under this package name (bench/e2e/make_ref.sh
 # builds one from a commit), measured side by side with the working tree's.
 REF_PACKAGE = os.environ.get("SHARDFUSE_REF", "shardfuse_ref")
@@ -113,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def unavailable_reason(impl: str) -> str | None:
     """Why ``impl`` cannot run in this environment (the same answer on every rank), or None."""
     try:
-        if impl == "shardfuse":
+        if impl in ("shardfuse", "shardfuse-graph"):
             import shardfuse  # noqa: F401
         elif impl == "shardfuse-ref":
             importlib.import_module(REF_PACKAGE)
@@ -181,6 +183,7 @@ def wrap_fairscale(model: Llama, device: torch.device) -> nn.Module:
 
 WRAPPERS: dict[str, Callable[[Llama, torch.device], nn.Module]] = {
     "shardfuse": wrap_shardfuse,
+    "shardfuse-graph": wrap_shardfuse,
     "shardfuse-ref": wrap_shardfuse_ref,
     "fsdp2": wrap_fsdp2,
     "fsdp1": wrap_fsdp1,
@@ -225,6 +228,10 @@ def step_fn(model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, 
     return loss.detach()
 
 
+def _eager_step(model: nn.Module, opt: torch.optim.Optimizer, autocast: bool, tokens: torch.Tensor) -> torch.Tensor:
+    return step_fn(model, opt, tokens, autocast)
+
+
 @contextlib.contextmanager
 def maybe_profile(path: Path | None, device: torch.device) -> Iterator[None]:
     """Record a chrome trace to ``path`` when given."""
@@ -252,18 +259,24 @@ def measure(
         model = Llama(cfg)
     model.init_weights(args.seed)
     model = WRAPPERS[impl](model, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    graphed = impl == "shardfuse-graph"
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, capturable=graphed and device.type == "cuda")
     autocast = impl == "baseline"
     if device.type == "cuda":
         mem_after_wrap = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
+    step: Callable[[torch.Tensor], torch.Tensor] = functools.partial(_eager_step, model, opt, autocast)
+    if graphed:
+        from shardfuse import capture_step
+
+        step = capture_step(step, data[0], warmup=3)
     times = []
     loss = None
     for i in range(args.warmup + args.steps):
         sync(device)
         t0 = time.perf_counter()
         with torch.profiler.record_function(f"bench.e2e:{impl}_step"):
-            loss = step_fn(model, opt, data[i % len(data)], autocast)
+            loss = step(data[i % len(data)])
         sync(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
@@ -282,7 +295,7 @@ def measure(
                 with torch.profiler.record_function("bench.e2e:shardfuse_step"):
                     step_fn(model, opt, data[i % len(data)], autocast)
             sync(device)
-    del model, opt, loss, data
+    del model, opt, loss, data, step
     return out
 
 
@@ -351,16 +364,16 @@ def run_one(
 def print_table(rows: list[dict[str, Any]]) -> None:
     """The compact comparison table (rank 0)."""
     ref = {r["regime"]: r["step_ms"] for r in rows if r["impl"] == "fsdp2" and "step_ms" in r}
-    print(f"\n{'impl':10s} {'regime':6s} {'step ms':>9s} {'tok/s/GPU':>10s} {'MFU %':>6s} {'peak GiB':>9s} "
+    print(f"\n{'impl':15s} {'regime':6s} {'step ms':>9s} {'tok/s/GPU':>10s} {'MFU %':>6s} {'peak GiB':>9s} "
           f"{'loss':>7s} {'vs fsdp2':>9s}")
     for r in rows:
         if "step_ms" not in r:
-            print(f"{r['impl']:10s} {r['regime']:6s} {r.get('error') or r.get('skipped')}")
+            print(f"{r['impl']:15s} {r['regime']:6s} {r.get('error') or r.get('skipped')}")
             continue
         mfu = f"{100 * r['mfu']:6.1f}" if "mfu" in r else f"{'-':>6s}"
         peak = f"{r['peak_gib']:9.2f}" if "peak_gib" in r else f"{'-':>9s}"
         speedup = f"{ref[r['regime']] / r['step_ms']:8.2f}x" if r["regime"] in ref else f"{'-':>9s}"
-        print(f"{r['impl']:10s} {r['regime']:6s} {r['step_ms']:9.1f} {r['tok_s_gpu']:10,.0f} {mfu} {peak} "
+        print(f"{r['impl']:15s} {r['regime']:6s} {r['step_ms']:9.1f} {r['tok_s_gpu']:10,.0f} {mfu} {peak} "
               f"{r['loss_last']:7.3f} {speedup}")
     print("(vs fsdp2: FSDP2's step time / this step time; > 1 is faster)", flush=True)
 
@@ -382,7 +395,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "tok_s_gpu_median": statistics.median(x["tok_s_gpu"] for x in runs),
             "peak_gib_max": max((x.get("peak_gib", 0.0) for x in runs), default=0.0),
         }
-        for other in ("fsdp2", "fairscale", "shardfuse-ref", "baseline"):
+        for other in ("fsdp2", "fairscale", "shardfuse", "shardfuse-ref", "baseline"):
             if (other, regime) in medians and other != impl:
                 entry[f"vs_{other}"] = medians[(other, regime)] / medians[(impl, regime)]
         out.append(entry)
@@ -393,13 +406,13 @@ def print_summary(summary: list[dict[str, Any]]) -> None:
     """Medians over rounds with their spread, and the ratios of medians (rank 0)."""
     if not summary or max(s["rounds"] for s in summary) < 2:
         return
-    others = ("fsdp2", "fairscale", "shardfuse-ref", "baseline")
-    print(f"\n{'impl':14s} {'regime':6s} {'rounds':>6s} {'median ms':>10s} {'min-max ms':>16s} {'tok/s/GPU':>10s} "
+    others = ("fsdp2", "fairscale", "shardfuse", "shardfuse-ref", "baseline")
+    print(f"\n{'impl':15s} {'regime':6s} {'rounds':>6s} {'median ms':>10s} {'min-max ms':>16s} {'tok/s/GPU':>10s} "
           + " ".join(f"{'vs ' + o:>16s}" for o in others))
     for s in summary:
         ratios = " ".join(f"{s['vs_' + o]:15.2f}x" if f"vs_{o}" in s else f"{'-':>16s}" for o in others)
         spread = f"{s['step_ms_min']:.1f}-{s['step_ms_max']:.1f}"
-        print(f"{s['impl']:14s} {s['regime']:6s} {s['rounds']:6d} {s['step_ms_median']:10.1f} {spread:>16s} "
+        print(f"{s['impl']:15s} {s['regime']:6s} {s['rounds']:6d} {s['step_ms_median']:10.1f} {spread:>16s} "
               f"{s['tok_s_gpu_median']:10,.0f} {ratios}")
     print("(ratios of median step times: the other's / this one's; > 1 means this one is faster)", flush=True)
 
