@@ -17,7 +17,7 @@ sharded unit plus the root:
 - ``fsdp1``: ``torch.distributed.fsdp.FullyShardedDataParallel`` with ``MixedPrecision(bf16, fp32, bf16)``, a
   transformer auto-wrap policy, ``use_orig_params=False``
 - ``shardfuse-graph``: shardfuse wrapped the same way, its whole step captured by ``shardfuse.capture_step`` and
-  replayed (AdamW with ``capturable=True``; the capture's 3 warm-up steps come before the timed ones)
+  replayed (AdamW with ``capturable=True``; the capture's one warm-up step is the first untimed step)
 - ``fairscale``: FairScale's FSDP with the same flags as shardfuse (when ``fairscale`` is importable)
 - ``baseline``: one GPU, no sharding, fp32 parameters under ``torch.autocast(bf16)``; rank 0 runs it alone while
   the other ranks wait (``--no-baseline`` skips it).
@@ -266,19 +266,23 @@ def measure(
         mem_after_wrap = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     step: Callable[[torch.Tensor], torch.Tensor] = functools.partial(_eager_step, model, opt, autocast)
+    first = 0
     if graphed:
         from shardfuse import capture_step
 
-        step = capture_step(step, data[0], warmup=3)
+        # Its one warm-up step is the sequence's first (untimed) step: the same batches in the same order as
+        # the eager implementations, so the last losses compare.
+        step = capture_step(step, data[0], warmup=1)
+        first = 1
     times = []
     loss = None
-    for i in range(args.warmup + args.steps):
+    for i in range(first, max(args.warmup, first) + args.steps):
         sync(device)
         t0 = time.perf_counter()
         with torch.profiler.record_function(f"bench.e2e:{impl}_step"):
             loss = step(data[i % len(data)])
         sync(device)
-        if i >= args.warmup:
+        if i >= max(args.warmup, first):
             times.append(time.perf_counter() - t0)
     out: dict[str, Any] = {
         "batch": batch, "seq": seq, "step_ms_list": [t * 1e3 for t in times],
