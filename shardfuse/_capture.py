@@ -48,6 +48,7 @@ class CapturedStep:
         self.graphed = any(isinstance(x, torch.Tensor) and x.is_cuda for x in leaves)
         self.eager_peak_bytes: int | None = None
         self.captured_peak_bytes: int | None = None
+        self.graph_pool_bytes: int | None = None
         self.replays = 0
         if self.graphed:
             self._capture(leaves, warmup)
@@ -103,6 +104,10 @@ class CapturedStep:
             main.wait_stream(side)
             torch.cuda.synchronize(device)
             gc.collect()
+            # The allocator counts what the capture allocates and frees like an eager step (replays allocate
+            # nothing); the private pool the graph keeps is what memory_reserved grows by.
+            torch.cuda.reset_peak_memory_stats(device)
+            reserved = torch.cuda.memory_reserved(device)
             self._graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(self._graph):
@@ -120,7 +125,8 @@ class CapturedStep:
                     f"causes: "
                     f"{_HOST_SYNC_HINTS}. Move host work out of step_fn, or run the step eagerly"
                 ) from err
-        self._device = device
+            self.captured_peak_bytes = torch.cuda.max_memory_allocated(device)
+            self.graph_pool_bytes = torch.cuda.memory_reserved(device) - reserved
 
     def __call__(self, *inputs: Any) -> Any:
         """Run one step on ``inputs`` (same structure, shapes and dtypes as the example inputs)."""
@@ -131,15 +137,7 @@ class CapturedStep:
         for static, new in zip(self._static, leaves):
             if isinstance(static, torch.Tensor):
                 static.detach().copy_(new, non_blocking=True)
-        if self.replays == 0:
-            # The first replay measures the captured step's peak (one synchronisation, this call only).
-            torch.cuda.synchronize(self._device)
-            torch.cuda.reset_peak_memory_stats(self._device)
-            self._graph.replay()
-            torch.cuda.synchronize(self._device)
-            self.captured_peak_bytes = torch.cuda.max_memory_allocated(self._device)
-        else:
-            self._graph.replay()
+        self._graph.replay()
         self.replays += 1
         return self._outputs
 
@@ -154,8 +152,10 @@ def capture_step(step_fn: Callable[..., Any], *example_inputs: Any, warmup: int 
     communicators, kernel compilation and optimizer state happen there), then the step is captured (not run).
 
     With CUDA inputs the step is a CUDA graph: every call copies the batch into static buffers and replays it,
-    without host synchronisation (the first call synchronises once to measure ``captured_peak_bytes``; the last
-    warm-up step measured ``eager_peak_bytes``). With host inputs it runs eagerly under the same contract.
+    without host synchronisation. Memory, in bytes: ``eager_peak_bytes`` (the last warm-up step's peak),
+    ``captured_peak_bytes`` (the captured step's, counted the same way) and ``graph_pool_bytes`` (what the
+    graph's private pool keeps reserved); measuring them resets the device's peak-memory statistics. With host
+    inputs it runs eagerly under the same contract.
 
     Raises :class:`CaptureError` for what a graph cannot replay: CPU offload (``move_params_to_cpu``,
     ``OffloadModel``), host synchronisation inside the step, a new input shape (capture again).

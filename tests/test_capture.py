@@ -98,7 +98,8 @@ def check_captured_equals_eager(device: torch.device, cfg: dict[str, Any], micro
         assert torch.equal(cap_sd[k], v), k
     moved = [k for k, v in eager_sd.items() if not torch.equal(v, init[k])]
     assert len(moved) == len(eager_sd), sorted(set(eager_sd) - set(moved))  # every parameter trained
-    return {"eager_peak": run.eager_peak_bytes, "captured_peak": run.captured_peak_bytes}
+    return {"eager_peak": run.eager_peak_bytes, "captured_peak": run.captured_peak_bytes,
+            "graph_pool": run.graph_pool_bytes}
 
 
 def check_contract_errors(device: torch.device) -> bool:
@@ -139,7 +140,7 @@ def _cpu() -> torch.device:
                          ids=["reshard", "keep", "mixed"])
 def test_captured_equals_eager_cpu(pool, cfg, micro):
     out = pool.run(check_captured_equals_eager, _cpu(), cfg, micro, 6)
-    assert out == [{"eager_peak": None, "captured_peak": None}] * WORLD
+    assert out == [{"eager_peak": None, "captured_peak": None, "graph_pool": None}] * WORLD
 
 
 def test_contract_errors_cpu(pool):

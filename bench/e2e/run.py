@@ -290,6 +290,9 @@ def measure(
     }
     if device.type == "cuda":
         out["peak_bytes"] = torch.cuda.max_memory_allocated(device)
+        if graphed:  # capture_step reset the peak statistics: its own numbers cover the warm-up and the capture
+            out["peak_bytes"] = max(out["peak_bytes"], step.eager_peak_bytes, step.captured_peak_bytes)
+            out["graph_pool_bytes"] = step.graph_pool_bytes
         out["mem_after_wrap_bytes"] = mem_after_wrap
     if args.profile and impl == "shardfuse" and regime == "1k":
         path = Path(args.profile) / f"shardfuse_1k_{dist.get_world_size()}gpu_rank0.json" if rank == 0 else None
@@ -362,6 +365,8 @@ def run_one(
         row["mfu"] = flops / (step_ms * 1e-3) / (args.peak_tflops * 1e12)
         row["peak_gib"] = maxed[1].item() / 2**30
         row["mem_after_wrap_gib_rank0"] = mine["mem_after_wrap_bytes"] / 2**30
+        if "graph_pool_bytes" in mine:
+            row["graph_pool_gib_rank0"] = mine["graph_pool_bytes"] / 2**30
     return row
 
 
