@@ -45,15 +45,17 @@ END_MARK = "<!-- results:end -->"
 PLACEHOLDER = "RESULTS_TABLE"
 
 # Display order and names of the end-to-end implementations (bench/e2e/run.py's --impls plus its baseline).
-IMPL_ORDER = ("baseline", "shardfuse", "shardfuse-ref", "fsdp2", "fsdp1", "fairscale")
+IMPL_ORDER = ("baseline", "shardfuse", "shardfuse-graph", "shardfuse-ref", "fsdp2", "fsdp1", "fairscale")
 IMPL_LABEL = {
     "baseline": "one GPU, no sharding (autocast)",
     "shardfuse": "shardfuse `FullyShardedDataParallel`",
+    "shardfuse-graph": "shardfuse, step captured by `capture_step` (CUDA graph)",
     "shardfuse-ref": "shardfuse at an older commit (reference)",  # with the commit: see impl_label()
     "fsdp2": "FSDP2 `fully_shard`",
     "fsdp1": "FSDP1",
     "fairscale": "FairScale FSDP",
 }
+CAPTURED = "shardfuse-graph"  # shardfuse's whole step captured by ``capture_step`` into a CUDA graph, replayed
 REGIME_ORDER = ("8k", "1k")
 REGIME_LABEL = {"8k": "8K tokens per GPU (compute-bound)", "1k": "1K tokens per GPU (communication-bound)"}
 
@@ -235,7 +237,11 @@ class Plotter:
         for i, impl in enumerate(impls):
             xs = [j + (i - (len(impls) - 1) / 2) * width for j in range(len(regimes))]
             ys = [value.get((rg, impl), 0.0) for rg in regimes]
-            label = {"baseline": "one GPU, unsharded", "shardfuse-ref": _ref_label(res, short=True)}.get(impl, impl)
+            label = {
+                "baseline": "one GPU, unsharded",
+                CAPTURED: IMPL_SHORT[CAPTURED],
+                "shardfuse-ref": _ref_label(res, short=True),
+            }.get(impl, impl)
             err = None
             if spread:
                 err = [[spread.get((rg, impl), (0.0, 0.0))[k] for rg in regimes] for k in (0, 1)]
@@ -341,6 +347,7 @@ def impl_label(res: Result, impl: str) -> str:
 IMPL_SHORT = {
     "baseline": "one GPU",
     "shardfuse": "shardfuse",
+    "shardfuse-graph": "shardfuse (captured)",
     "fsdp2": "FSDP2",
     "fsdp1": "FSDP1",
     "fairscale": "FairScale",
@@ -439,6 +446,7 @@ def e2e_section(res: Result, plots: Plotter, out_dir: Path) -> list[str]:
                 )
                 if r.get("note"):
                     notes.append(f"{label}: {r['note']}")
+                notes += _captured_memory_notes(label, [r]) if impl == CAPTURED else []
         lines += table(["implementation", "step ms", "tokens/s/GPU", "MFU %", "peak GiB", "vs FSDP2"], body)
         lines.append("")
         lines += [f"- {n}" for n in notes]
@@ -509,6 +517,25 @@ def _leak_line(rows: list[dict[str, Any]]) -> str:
     )
 
 
+def _captured_memory_notes(label: str, measured: list[dict[str, Any]]) -> list[str]:
+    """What the peaks of the captured step mean: its graph pool where the rows carry one; without it (rows
+    measured before ``bench.e2e.run`` recorded ``capture_step``'s own numbers) the peak covers the replays only."""
+    pools = [p for r in measured if (p := _num(r.get("graph_pool_gib_rank0"))) is not None]
+    if pools:
+        return [
+            f"{label}: the CUDA graph's private memory pool kept {statistics.median(pools):.2f} GiB reserved "
+            f"(rank 0{', median over rounds' if len(pools) > 1 else ''})"
+        ]
+    if any(_num(r.get("peak_gib")) is not None for r in measured):
+        return [
+            f"{label}: these rows carry no graph pool (`graph_pool_gib_rank0`): they were measured before "
+            "`bench.e2e.run` recorded `capture_step`'s own memory numbers, so its peaks cover the replays only "
+            "(not the warm-up, the capture or the memory the graph keeps in its private pool) and do not "
+            "compare with the eager peaks"
+        ]
+    return []
+
+
 def e2e_rounds_body(
     res: Result, rows: list[dict[str, Any]], summary: list[dict[str, Any]], plots: Plotter, out_dir: Path
 ) -> list[str]:
@@ -526,6 +553,8 @@ def e2e_rounds_body(
             "",
         ]
     ratio_cols = [("fairscale", "vs FairScale"), ("baseline", "vs one GPU"), ("fsdp2", "vs FSDP2")]
+    if any(e["impl"] == CAPTURED for e in summary):
+        ratio_cols.append(("shardfuse", "vs eager shardfuse"))
     if any(e["impl"] == "shardfuse-ref" for e in summary):
         ratio_cols.append(("shardfuse-ref", f"vs {_ref_label(res, short=True)}"))
     with_wrap = any(_num(r.get("mem_after_wrap_gib_rank0")) is not None for r in rows)
@@ -570,6 +599,7 @@ def e2e_rounds_body(
                 row.append(fmt(statistics.median(added), ".2f") if added else DASH)
             row += [fmt(e.get(f"vs_{other}"), ".2f", "x") if other != impl else DASH for other, _ in ratio_cols]
             body.append(row)
+            notes += _captured_memory_notes(label, measured) if impl == CAPTURED else []
         header = ["implementation", "rounds", "median step ms", "min-max ms", "median tokens/s/GPU", "MFU %"]
         header += ["peak GiB"]
         header += ["peak above wrap GiB"] if with_wrap else []
@@ -788,7 +818,8 @@ HOW_MEASURED = """\
 
 - `python -m bench.kernels.run`: every kernel family against the PyTorch sequences it replaces, at several sizes,
   with the GPU's own device-copy bandwidth measured in the same run (medians of CUDA-event timings).
-- `torchrun ... -m bench.e2e.run`: a Llama-style decoder trained with shardfuse, FSDP2 `fully_shard`,
+- `torchrun ... -m bench.e2e.run`: a Llama-style decoder trained with shardfuse, shardfuse with its whole
+  step captured by `capture_step` into one CUDA graph and replayed (`shardfuse-graph`), FSDP2 `fully_shard`,
   FSDP1 (and FairScale when installed, and `shardfuse-ref`, shardfuse at an older commit built by
   `bench/e2e/make_ref.sh`), one after another in the same job, every decoder layer one sharded unit plus the
   root; two regimes per GPU: 8K tokens (batch 4 x seq 2048) and 1K tokens (batch 1 x seq 1024). With
@@ -889,30 +920,43 @@ def _anchor(heading: str) -> str:
 # The ratios a training row of the README table gives for shardfuse, in this order, and the columns it has.
 README_RATIOS = (("fairscale", "FairScale"), ("baseline", "one GPU"), ("fsdp2", "FSDP2"))
 README_COLUMNS = ("fairscale", "baseline", "fsdp2", "fsdp1")
+# The row of the captured step (right after shardfuse's) gives these too, and the one against eager shardfuse.
+README_CAPTURED_RATIOS = (*README_RATIOS, ("shardfuse", "eager shardfuse"))
+README_CAPTURED_BENCH = ", step captured (capture_step)"
 
 
-def _training_cells(res: Result, regime: str) -> tuple[str, dict[str, str], int] | None:
-    """(shardfuse's tokens/s/GPU with its ratios, tokens/s/GPU per README column, rounds) for one regime of an
-    e2e file: medians over rounds when it has a summary (``rounds`` > 0), else the single run's numbers."""
+def _training_cells(
+    res: Result, regime: str, impl: str = "shardfuse", ratios: Sequence[tuple[str, str]] = README_RATIOS
+) -> tuple[str, dict[str, str], int] | None:
+    """(``impl``'s tokens/s/GPU with its ``ratios``, tokens/s/GPU per README column, rounds) for one regime of
+    an e2e file: medians over rounds when it has a summary (``rounds`` > 0), else the single run's numbers."""
     summary = [e for e in e2e_summary(res.data) if e["regime"] == regime]
     if summary:
         tok = {e["impl"]: _num(e.get("tok_s_gpu_median")) for e in summary}
-        ours = next((e for e in summary if e["impl"] == "shardfuse"), {})
-        ratio = {other: _num(ours.get(f"vs_{other}")) for other, _ in README_RATIOS}
+        ours = next((e for e in summary if e["impl"] == impl), {})
+        ratio = {other: _num(ours.get(f"vs_{other}")) for other, _ in ratios}
         rounds = max(int(_num(e.get("rounds")) or 0) for e in summary)
     else:
         tok = {x["impl"]: _num(x.get("tok_s_gpu")) for x in _e2e_rows(res) if x["regime"] == regime}
-        mine = tok.get("shardfuse")
+        mine = tok.get(impl)
         # same tokens per GPU and step in every implementation: the tokens/s ratio is the step time ratio
-        ratio = {o: mine / t if mine and (t := tok.get(o)) else None for o, _ in README_RATIOS}
+        ratio = {o: mine / t if mine and (t := tok.get(o)) else None for o, _ in ratios}
         rounds = 0
     if not any(v is not None for v in tok.values()):
         return None
-    ours_text = fmt(tok.get("shardfuse"), ",.0f")
-    parts = [f"{ratio[o]:.2f}x {name}" for o, name in README_RATIOS if ratio.get(o)]
+    ours_text = fmt(tok.get(impl), ",.0f")
+    parts = [f"{ratio[o]:.2f}x {name}" for o, name in ratios if ratio.get(o)]
     if ours_text != DASH and parts:
         ours_text += f" ({', '.join(parts)})"
     return ours_text, {c: fmt(tok.get(c), ",.0f") for c in README_COLUMNS}, rounds
+
+
+def _has_captured(res: Result, regime: str) -> bool:
+    """Whether an e2e file measured the captured step in ``regime`` (its summary, else its rows)."""
+    summary = [e for e in e2e_summary(res.data) if e["regime"] == regime]
+    if summary:
+        return any(e["impl"] == CAPTURED and _num(e.get("tok_s_gpu_median")) for e in summary)
+    return any(r["impl"] == CAPTURED and _num(r.get("tok_s_gpu")) for r in _e2e_rows(res) if r["regime"] == regime)
 
 
 def _span(lo: float, hi: float, spec: str, suffix: str) -> str:
@@ -929,13 +973,17 @@ def summary_rows(results: dict[str, list[Result]]) -> list[list[str]]:
                 world = r.data.get("config", {}).get("world_size")
                 regimes = {x["regime"] for x in _e2e_rows(r)} | {e["regime"] for e in e2e_summary(r.data)}
                 for regime in _ordered(regimes, REGIME_ORDER):
-                    cells = _training_cells(r, regime)
-                    if cells is None:
-                        continue
-                    ours, others, rounds = cells
                     bench = f"training, {world} GPUs, {regime.upper()} tokens/GPU" if world else f"training, {regime}"
-                    metric = f"tokens/s/GPU, median of {rounds} rounds" if rounds > 1 else "tokens/s/GPU"
-                    rows.append([gpu.upper(), bench, metric, ours, *(others[c] for c in README_COLUMNS)])
+                    kinds = [("shardfuse", README_RATIOS, "")]
+                    if _has_captured(r, regime):
+                        kinds.append((CAPTURED, README_CAPTURED_RATIOS, README_CAPTURED_BENCH))
+                    for impl, ratios, what in kinds:
+                        cells = _training_cells(r, regime, impl, ratios)
+                        if cells is None:
+                            continue
+                        ours, others, rounds = cells
+                        metric = f"tokens/s/GPU, median of {rounds} rounds" if rounds > 1 else "tokens/s/GPU"
+                        rows.append([gpu.upper(), bench + what, metric, ours, *(others[c] for c in README_COLUMNS)])
             elif r.kind == "offload":
                 v = r.data.get("variants") if isinstance(r.data.get("variants"), dict) else {}
                 ms = {k: _num(x.get("step_ms")) for k, x in v.items() if isinstance(x, dict)}
@@ -1013,6 +1061,13 @@ def summary_table(results: dict[str, list[Result]], link: str | None = "docs/ben
     """The short results table (markdown lines) for the README (``link``: to benchmarks.md) or the page itself."""
     rows = summary_rows(results)
     where = f"[{Path(link).name}]({link})" if link else "the sections below"
+    captured = ""
+    if any(row[1].endswith(README_CAPTURED_BENCH) for row in rows):
+        captured = (
+            ' Rows "step captured (capture_step)": shardfuse\'s whole training step captured by `capture_step` '
+            "into one CUDA graph and replayed (shardfuse column), with the same ratios and one more, against eager "
+            "shardfuse."
+        )
     if not rows:
         return [f"No benchmark results are stored yet (see {where} for how to produce them)."]
     lines = table(
@@ -1026,7 +1081,7 @@ def summary_table(results: dict[str, list[Result]], link: str | None = "docs/ben
         "per GPU, unsharded, no communication) and FSDP2's (above 1.00x is faster; where the metric says "
         '"median of N rounds", medians over rounds interleaved in one job on noisy hosts, else one run each); '
         "offload, against the plain GPU step (lower is better). Offload columns: FSDP2 = `fully_shard` with "
-        f"`CPUOffloadPolicy`, FairScale = its `OffloadModel`. Every number comes from `bench/results/`; "
+        f"`CPUOffloadPolicy`, FairScale = its `OffloadModel`.{captured} Every number comes from `bench/results/`; "
         f"environments, spreads over rounds and details in {where}.",
     ]
     return lines

@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 # The implementations ``bench.e2e.run`` states ratios of median step times against (``vs_<impl>`` keys).
-E2E_RATIO_IMPLS = ("fsdp2", "fairscale", "shardfuse-ref", "baseline")
+E2E_RATIO_IMPLS = ("fsdp2", "fairscale", "shardfuse", "shardfuse-ref", "baseline")
 
 
 @dataclass

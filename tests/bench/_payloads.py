@@ -92,6 +92,8 @@ ROUND_MS = {
     },
 }
 LEAK_GIB = 1.5  # what every run leaves allocated for the next (the memory after wrapping grows by it)
+# Step times per round of ``shardfuse-graph`` (``e2e_rounds_payload(captured=True)``): medians 8K 95 ms, 1K 30 ms.
+CAPTURED_MS = {"8k": (96.0, 94.0, 95.0), "1k": (30.0, 31.0, 29.0)}
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -114,16 +116,20 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "tok_s_gpu_median": statistics.median(x["tok_s_gpu"] for x in runs),
             "peak_gib_max": max(x["peak_gib"] for x in runs),
         }
-        for other in ("fsdp2", "fairscale", "shardfuse-ref", "baseline"):
+        for other in ("fsdp2", "fairscale", "shardfuse", "shardfuse-ref", "baseline"):
             if (other, regime) in medians and other != impl:
                 entry[f"vs_{other}"] = medians[(other, regime)] / medians[(impl, regime)]
         out.append(entry)
     return out
 
 
-def e2e_rounds_payload(world: int = 2, with_summary: bool = True) -> dict[str, Any]:
+def e2e_rounds_payload(
+    world: int = 2, with_summary: bool = True, captured: bool = False, graph_pool_gib: float | None = None
+) -> dict[str, Any]:
     """An ``e2e_<N>gpu.json`` of ``bench.e2e.run --rounds 3``: rows with a ``round`` key, run interleaved (round,
-    regime, implementation), FSDP1 skipped, and the ``summary`` of medians (left out: a file written mid-run)."""
+    regime, implementation), FSDP1 skipped, and the ``summary`` of medians (left out: a file written mid-run).
+    ``captured``: ``shardfuse-graph`` (``CAPTURED_MS``) runs right after shardfuse, its rows with
+    ``graph_pool_gib_rank0`` when ``graph_pool_gib`` is given."""
     payload = e2e_payload(world)
     payload["config"].update(steps=8, shardfuse_ref_commit="b3aa59b")
     rows: list[dict[str, Any]] = [
@@ -132,7 +138,12 @@ def e2e_rounds_payload(world: int = 2, with_summary: bool = True) -> dict[str, A
     leaked = 0.0
     for rnd in range(3):
         for regime, (batch, seq) in (("8k", (4, 2048)), ("1k", (1, 1024))):
+            impls: dict[str, tuple[float, ...]] = {}
             for impl, times in ROUND_MS[regime].items():
+                impls[impl] = times
+                if captured and impl == "shardfuse":  # right after it, as bench.e2e.run's IMPLS order them
+                    impls["shardfuse-graph"] = CAPTURED_MS[regime]
+            for impl, times in impls.items():
                 ms = times[rnd]
                 own = 4.0 if impl == "baseline" else 2.0  # the wrapped model's memory
                 rows.append(
@@ -153,6 +164,8 @@ def e2e_rounds_payload(world: int = 2, with_summary: bool = True) -> dict[str, A
                         "round": rnd,
                     }
                 )
+                if impl == "shardfuse-graph" and graph_pool_gib is not None:
+                    rows[-1]["graph_pool_gib_rank0"] = graph_pool_gib + rnd  # medians: graph_pool_gib + 1
                 leaked += LEAK_GIB
     payload["results"] = rows
     if with_summary:

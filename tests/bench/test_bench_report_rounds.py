@@ -164,3 +164,69 @@ def test_rounds_plot(tmp_path: Path) -> None:
     pngs = sorted(p.name for p in (out.parent / "img").glob("*.png"))
     assert pngs == ["h200_e2e_2gpu_tokens.png", "h200_e2e_4gpu_tokens.png"]
     assert "](img/h200_e2e_2gpu_tokens.png)" in out.read_text()
+
+
+# ``shardfuse-graph`` (e2e_rounds_payload(captured=True)): medians 8K 95 ms, 1K 30 ms (see _payloads.CAPTURED_MS)
+README_CAPTURED_1K = (
+    "| H200 | training, 2 GPUs, 1K tokens/GPU, step captured (capture_step) | tokens/s/GPU, median of 3 rounds "
+    "| 34,133 (1.80x FairScale, 1.40x one GPU, 2.30x FSDP2, 1.67x eager shardfuse) | 18,963 | 24,381 | 14,841 | - |"
+)
+README_CAPTURED_8K = (
+    "| H200 | training, 2 GPUs, 8K tokens/GPU, step captured (capture_step) | tokens/s/GPU, median of 3 rounds "
+    "| 86,232 (1.14x FairScale, 1.07x one GPU, 1.09x FSDP2, 1.02x eager shardfuse) | 75,852 | 80,314 | 78,769 | - |"
+)
+CAPTURED_LABEL = "shardfuse, step captured by `capture_step` (CUDA graph)"
+
+
+def _table_rows(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("| H200 | training")]
+
+
+def test_captured_step_readme_rows(tmp_path: Path) -> None:
+    """A file with ``shardfuse-graph``: one more README row per regime, right after shardfuse's, with the ratios of
+    shardfuse's row and the one against eager shardfuse; the other rows as without it."""
+    text, readme = _render(tmp_path, readme=True, e2e_2gpu=e2e_rounds_payload(captured=True, graph_pool_gib=1.25))
+    rows = _table_rows(readme)
+    assert len(rows) == 4
+    assert rows[2] == README_1K and rows[3] == README_CAPTURED_1K
+    assert rows[1] == README_CAPTURED_8K and rows[0].startswith("| H200 | training, 2 GPUs, 8K tokens/GPU | ")
+    assert "1.11x FairScale, 1.05x one GPU, 1.07x FSDP2) |" in rows[0]  # shardfuse's own row: no eager ratio
+    assert _table_rows(text) == rows  # the page's summary has the same rows
+    assert 'Rows "step captured (capture_step)"' in readme
+    # the stored ratios are the ones shown (not recomputed from the medians)
+    payload = e2e_rounds_payload(captured=True)
+    for e in payload["summary"]:
+        if e["impl"] == "shardfuse-graph" and e["regime"] == "1k":
+            e["vs_shardfuse"] = 2.5
+    _, readme = _render(tmp_path / "stored", readme=True, e2e_2gpu=payload)
+    assert "| 34,133 (1.80x FairScale, 1.40x one GPU, 2.30x FSDP2, 2.50x eager shardfuse) |" in readme
+    # a file written mid-run (no summary yet): the same rows from the medians of its rows
+    _, readme = _render(tmp_path / "mid", readme=True, e2e_2gpu=e2e_rounds_payload(with_summary=False, captured=True))
+    assert README_CAPTURED_1K in readme and README_CAPTURED_8K in readme
+    # without shardfuse-graph: no such row and no word of it
+    _, readme = _render(tmp_path / "plain", readme=True, e2e_2gpu=e2e_rounds_payload())
+    assert len(_table_rows(readme)) == 2 and "step captured" not in readme
+
+
+def test_captured_step_docs_table(tmp_path: Path) -> None:
+    """The page's medians tables: the captured step right after shardfuse, with a column against eager shardfuse
+    and its graph pool as a note; rows without a graph pool say that their peaks cover the replays only."""
+    text, _ = _render(tmp_path, e2e_2gpu=e2e_rounds_payload(captured=True, graph_pool_gib=1.25))
+    header = MEDIANS_HEADER.replace(" | vs shardfuse at b3aa59b |", " | vs eager shardfuse | vs shardfuse at b3aa59b |")
+    assert text.count(header) == 2
+    one_k = _section(text, "#### 1K tokens per GPU")
+    captured = f"| {CAPTURED_LABEL} | 3 | 30.0 | 29.0-31.0 | 34,133 | 30.0 |"
+    assert captured in one_k
+    assert "| 1.80x | 1.40x | 2.30x | 1.67x | 1.73x |" in one_k.split(captured)[1].splitlines()[0]
+    eager = one_k.index("| shardfuse `FullyShardedDataParallel` | 3 | 50.0 |")
+    assert eager < one_k.index(captured) < one_k.index("| shardfuse at `b3aa59b` (reference) |")
+    assert "| 1.08x | 0.84x | 1.38x | - | 1.04x |" in one_k  # eager shardfuse against itself: a dash
+    assert f"- {CAPTURED_LABEL}: the CUDA graph's private memory pool kept 2.25 GiB reserved" in one_k
+    assert "in this order: one GPU, shardfuse, shardfuse (captured), shardfuse at b3aa59b" in text
+    text, _ = _render(tmp_path / "nopool", e2e_2gpu=e2e_rounds_payload(captured=True))
+    one_k = _section(text, "#### 1K tokens per GPU")
+    assert f"- {CAPTURED_LABEL}: these rows carry no graph pool (`graph_pool_gib_rank0`)" in one_k
+    assert "its peaks cover the replays only" in one_k
+    # without shardfuse-graph the tables keep their columns
+    text, _ = _render(tmp_path / "plain", e2e_2gpu=e2e_rounds_payload())
+    assert "vs eager shardfuse" not in text and "graph pool" not in text
