@@ -53,7 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from shardfuse.sharding import _collectives as coll
-from shardfuse.sharding._flat_param import FlatParamHandle
+from shardfuse.sharding._flat_param import SHARD_MARK_KEY, FlatParamHandle
 from shardfuse.sharding._runtime import Unit
 from shardfuse.sharding._tree import Entry, buffer_value, check_idle, clean_key, unit_of, units_below, walk_entries
 
@@ -250,6 +250,8 @@ def _live_plan(optim: torch.optim.Optimizer, slot: _Slot) -> _SlotPlan | None:
     st = optim.state.get(slot.param)
     if not st:
         return None
+    # The shard mark names this rank's shard; a sharded checkpoint is of the whole flat parameter.
+    st = {k: v for k, v in st.items() if k != SHARD_MARK_KEY}
     per = {k: v for k, v in st.items() if _is_per_element(v, slot)}
     return _SlotPlan(True, per, {k: v for k, v in st.items() if k not in per})
 

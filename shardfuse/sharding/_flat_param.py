@@ -26,6 +26,10 @@ from shardfuse.sharding import _data_path as dp
 
 # Marks original parameters once they were flattened, to catch a Parameter shared across two units.
 FLATTENED_MARK = "_shardfuse_flattened_into"
+# On sharded parameters (flat, or original views): (rank, world_size), the shard this rank's optimizer state is of.
+SHARD_MARK_ATTR = "_shardfuse_shard"
+# The key under which an optimizer's per-parameter state carries that mark (see _setup.mark_optimizer_state).
+SHARD_MARK_KEY = "shardfuse_shard"
 # The instance attribute that makes a module (the public wrapper) a unit: it holds the unit's runtime state.
 # Flattening stops at such modules; their own parameters belong to their unit.
 UNIT_ATTR = "_shardfuse_unit"
@@ -102,6 +106,10 @@ class FlatParamHandle:
         if pin and shard.device.type == "cpu" and torch.cuda.is_available():
             shard = shard.pin_memory()
         self.flat = nn.Parameter(shard, requires_grad=self.requires_grad)
+        # Which shard an optimizer holds for this parameter, (rank, world_size) (see _setup.mark_optimizer_state);
+        # None: not split. A tuple: the optimizer's load_state_dict keeps tuples of numbers as they are.
+        self.shard_mark = (rank, world_size) if world_size > 1 else None
+        setattr(self.flat, SHARD_MARK_ATTR, self.shard_mark)
         # Split sizes of the full buffer into parameters plus the padding tail (one SplitBackward node).
         self.split_sizes = [*self.numels, self.padded_numel - self.numel]
         # Set by init_full_buffer() (lazy init, once the compute device is final).
@@ -170,6 +178,8 @@ class FlatParamHandle:
         self.orig_views = [
             nn.Parameter(base.narrow(0, a, n), requires_grad=self.requires_grad) for a, n in self.view_ranges
         ]
+        for v in self.orig_views:
+            setattr(v, SHARD_MARK_ATTR, self.shard_mark)
         return self.orig_views
 
     def grads_from_views(self) -> None:

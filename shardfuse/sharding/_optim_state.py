@@ -60,7 +60,7 @@ import torch
 from torch import nn
 
 from shardfuse.sharding import _collectives as coll
-from shardfuse.sharding._flat_param import FlatParamHandle
+from shardfuse.sharding._flat_param import SHARD_MARK_KEY, FlatParamHandle
 from shardfuse.sharding._runtime import Unit
 from shardfuse.sharding._tree import check_idle, param_names, unit_of, units_below
 
@@ -230,7 +230,9 @@ def gather_full_optim_state_dict(
         if not receive:
             continue
         for j, g in enumerate(f.gids):
-            state[g] = {k: (gathered[k][j] if k in gathered else _to_cpu(v)) for k, v in st.items()}
+            # The shard mark names this rank's shard: the consolidated state is of the whole parameter.
+            state[g] = {k: (gathered[k][j] if k in gathered else _to_cpu(v)) for k, v in st.items()
+                        if k != SHARD_MARK_KEY}
     if not receive:
         return None
 
@@ -420,6 +422,8 @@ def get_shard_from_optim_state_dict(root: nn.Module, full_osd: dict[str, Any]) -
                 out[key] = _shard_slice([e[key] for e in entries], f.handle)
             else:
                 out[key] = first.detach().clone() if isinstance(first, torch.Tensor) else copy.deepcopy(first)
+        if f.handle.shard_mark is not None:
+            out[SHARD_MARK_KEY] = f.handle.shard_mark  # as the optimizer's own state of this shard carries it
         state[li] = out
         for g in f.gids:
             full_state.pop(g, None)

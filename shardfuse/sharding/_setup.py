@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from shardfuse._logging import warn_once
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding._config import Groups, ShardingConfig
-from shardfuse.sharding._flat_param import FLATTENED_MARK, iter_own_modules
+from shardfuse.sharding._flat_param import FLATTENED_MARK, SHARD_MARK_ATTR, SHARD_MARK_KEY, iter_own_modules
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +34,17 @@ def _forbidden_reset(module: nn.Module, *args: Any, **kwargs: Any) -> None:
 
 
 _checked_optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+# Per optimizer: how many parameters had state when its shard marks were last checked and written; forgotten
+# by a load_state_dict (a post-hook), so the loaded state is checked at the next step.
+_marks_seen: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+_load_hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 _optimizer_guard: Any = None
 
 
 def _refuse_flattened_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Global optimizer step pre-hook: an optimizer over the parameters as they were before wrapping would
     step tensors nothing reads any more (their values moved into the flat shards), silently."""
+    _check_shard_marks(optimizer)
     count = sum(len(g["params"]) for g in optimizer.param_groups)
     if _checked_optimizers.get(optimizer) == count:
         return
@@ -54,10 +59,81 @@ def _refuse_flattened_params(optimizer: torch.optim.Optimizer, args: Any, kwargs
     _checked_optimizers[optimizer] = count
 
 
+def _check_shard_marks(optimizer: torch.optim.Optimizer) -> None:
+    """Global optimizer step pre-hook, once per loaded ``state``: refuse optimizer state of sharded parameters
+    that cannot be this rank's.
+
+    A plain ``optimizer.state_dict()`` has the same keys on every rank, so ``torch.distributed.checkpoint`` keeps
+    one rank's copy, and loads it back under string keys that name no parameter (the values go nowhere; every
+    parameter keeps the state it had). Per-rank files loaded on the wrong rank give another rank's shards. Both
+    would resume silently wrong: entries that name no parameter, and the marks :func:`mark_optimizer_state`
+    writes coming back as another rank's, are refused before the step uses the state.
+    """
+    state = optimizer.state
+    if _marks_seen.get(optimizer) == len(state):
+        return
+    if optimizer not in _load_hooked:
+        optimizer.register_load_state_dict_post_hook(_forget_marks)
+        _load_hooked.add(optimizer)
+    sharded = False
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            want = getattr(p, SHARD_MARK_ATTR, None)
+            sharded = sharded or want is not None
+            st = state.get(p) if want is not None else None
+            got = st.get(SHARD_MARK_KEY, want) if st else want
+            if got != want:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds the optimizer state of {_describe_mark(got)}, but this rank "
+                    f"trains the shard of {_describe_mark(want)} (group {gi}, parameter {pi}): the state was loaded "
+                    f"from another rank's copy. "
+                    f"torch.distributed.checkpoint keeps one copy of optimizer.state_dict() (the same keys on every "
+                    f"rank); checkpoint a FullyShardedDataParallel model's optimizer with "
+                    f"model.sharded_state_dict(optim) / model.load_sharded_state_dict(state, optim), per rank with "
+                    f"torch.save(optim.state_dict()), or with gather_full_optim_state_dict()"
+                )
+    stray = [k for k in state if not isinstance(k, torch.Tensor)] if sharded else []
+    if stray:
+        raise RuntimeError(
+            f"{type(optimizer).__name__} holds optimizer state under keys {stray[:4]} that name no parameter, so "
+            f"the loaded values went nowhere and every parameter kept the state it had before loading: "
+            f"torch.distributed.checkpoint returns optimizer.state_dict()'s integer keys as strings (and keeps one "
+            f"rank's copy of each, while every rank holds other shards); checkpoint a FullyShardedDataParallel "
+            f"model's optimizer with model.sharded_state_dict(optim) / model.load_sharded_state_dict(state, optim)"
+        )
+
+
+def _forget_marks(optimizer: torch.optim.Optimizer) -> None:
+    _marks_seen.pop(optimizer, None)
+
+
+def _describe_mark(mark: Any) -> str:
+    if isinstance(mark, tuple) and len(mark) == 2:
+        return f"rank {mark[0]} of {mark[1]}"
+    return repr(mark)
+
+
+def mark_optimizer_state(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimizer step post-hook: the state of every sharded parameter carries the mark of its shard
+    (``(rank, world_size)``), so state loaded onto the wrong rank is caught by :func:`_check_shard_marks`."""
+    state = optimizer.state
+    if _marks_seen.get(optimizer) == len(state):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            mark = getattr(p, SHARD_MARK_ATTR, None)
+            if mark is not None:
+                st = state.get(p)
+                if st:
+                    st.setdefault(SHARD_MARK_KEY, mark)
+    _marks_seen[optimizer] = len(state)
+
+
 def install_optimizer_guard() -> None:
     global _optimizer_guard
     if _optimizer_guard is None:
-        _optimizer_guard = register_optimizer_step_pre_hook(_refuse_flattened_params)
+        _optimizer_guard = (register_optimizer_step_pre_hook(_refuse_flattened_params),
+                            register_optimizer_step_post_hook(mark_optimizer_state))
 
 
 def guard_reset_parameters(module: nn.Module) -> None:

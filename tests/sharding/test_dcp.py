@@ -445,6 +445,102 @@ def test_errors(pool, tmp_path):
 # --------------------------------------------------------------------------------------------------
 
 
+def check_raw_optimizer_state_dict_refused(path: str) -> bool:
+    """The path users try first, dcp of ``opt.state_dict()``: DCP keeps one rank's copy of its keys (the same on
+    every rank) and loads them back under string keys that name no parameter. The next step refuses, on every
+    rank, before it uses the state."""
+    model = wrap(build())
+    opt = make_opt(param_groups(model), "adamw")
+    for s in range(2):
+        sharded_step(model, opt, s)
+    marks = {opt.state[h.flat]["shardfuse_shard"] for m in model._units() for h in m._unit.handles
+             if h.flat.requires_grad}
+    assert marks == {(model.rank, WORLD)}, marks
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path)
+    model = wrap(build(seed=99))
+    opt = make_opt(param_groups(model), "adamw")
+    sharded_step(model, opt, 0)  # the "dummy step" users take so that the state exists to load into
+    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.load(sd, checkpoint_id=path)
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optim"])
+    with pytest.raises(RuntimeError, match=r"AdamW holds optimizer state under keys \['0', '1', '2', '3'\] that "
+                                           r"name no parameter.*sharded_state_dict\(optim\)"):
+        opt.step()
+    return True
+
+
+def test_raw_optimizer_state_dict_through_dcp_is_refused(pool, tmp_path):
+    assert pool.run(check_raw_optimizer_state_dict_refused, str(tmp_path)) == [True] * WORLD
+
+
+def check_optimizer_object_through_dcp_refused(path: str) -> bool:
+    """The optimizer object itself handed to DCP (a Stateful: DCP calls its state_dict / load_state_dict)."""
+    model = wrap(build())
+    opt = make_opt(param_groups(model), "sgd")
+    sharded_step(model, opt, 0)
+    dcp.save({"optim": opt}, checkpoint_id=path)
+    sharded_step(model, opt, 1)
+    dcp.load({"optim": opt}, checkpoint_id=path)
+    with pytest.raises(RuntimeError, match=r"SGD holds optimizer state under keys .* that name no parameter"):
+        opt.step()
+    return True
+
+
+def test_optimizer_object_through_dcp_is_refused(pool, tmp_path):
+    assert pool.run(check_optimizer_object_through_dcp_refused, str(tmp_path)) == [True] * WORLD
+
+
+def check_other_ranks_optimizer_state_refused(path: str) -> bool:
+    """Every rank loads rank 0's per-rank file (or any state of another rank's shards): refused at the next step
+    on the other ranks; rank 0's own file resumes."""
+    model = wrap(build())
+    opt = make_opt(param_groups(model), "adamw")
+    sharded_step(model, opt, 0)
+    if model.rank == 0:
+        torch.save(opt.state_dict(), f"{path}/optim-rank0.pt")
+    dist.barrier()
+    opt.load_state_dict(torch.load(f"{path}/optim-rank0.pt", weights_only=True))
+    if model.rank == 0:
+        opt.step()
+        return True
+    with pytest.raises(RuntimeError, match=r"AdamW holds the optimizer state of rank 0 of 2, but this rank trains "
+                                           r"the shard of rank 1 of 2 \(group 0, parameter 0\).*another rank's copy"):
+        opt.step()
+    return True
+
+
+def test_other_ranks_optimizer_state_is_refused(pool, tmp_path):
+    assert pool.run(check_other_ranks_optimizer_state_refused, str(tmp_path)) == [True] * WORLD
+
+
+def check_per_rank_torch_save_round_trip(path: str) -> bool:
+    """Per-rank files of ``opt.state_dict()`` (torch.save, torch.load with weights_only) resume exactly."""
+    model = wrap(build())
+    opt = make_opt(param_groups(model), "adamw")
+    for s in range(2):
+        sharded_step(model, opt, s)
+    f = f"{path}/optim-rank{model.rank}.pt"
+    torch.save(opt.state_dict(), f)
+    ref = copy.deepcopy(opt.state_dict())
+    want = sharded_step(model, opt, 2)
+    opt.load_state_dict(torch.load(f, weights_only=True))
+    model2 = wrap(build())
+    opt2 = make_opt(param_groups(model2), "adamw")
+    for s in range(2):
+        sharded_step(model2, opt2, s)
+    opt2.load_state_dict(torch.load(f, weights_only=True))
+    for k, v in opt2.state_dict()["state"].items():
+        for name, t in v.items():
+            assert (torch.equal(t, ref["state"][k][name]) if torch.is_tensor(t) else t == ref["state"][k][name])
+    assert sharded_step(model2, opt2, 2) == want
+    return True
+
+
+def test_per_rank_torch_save_round_trip(pool, tmp_path):
+    assert pool.run(check_per_rank_torch_save_round_trip, str(tmp_path)) == [True] * WORLD
+
+
 def check_torch_state_dict_api(path: str) -> bool:
     model = wrap(build())
     opt = make_opt(param_groups(model), "adamw")
