@@ -85,7 +85,7 @@ _MESHES: dict[tuple[int, str], tuple[Any, DeviceMesh]] = {}
 
 
 @dataclass
-class _Flat:
+class FlatEntry:
     """One flat parameter of the tree under its checkpoint key."""
 
     key: str  # "<unit path>.flat_param_<i>"
@@ -112,7 +112,7 @@ class _Slot:
 
     name: str
     param: nn.Parameter
-    flat: _Flat
+    flat: FlatEntry
     offset: int
     length: int
     state_len: int
@@ -127,7 +127,7 @@ class _SlotPlan:
     other: dict[str, Any]  # name -> value (live, or the stand-in's for a template)
 
 
-def _flats(root: nn.Module) -> list[_Flat]:
+def flat_entries(root: nn.Module) -> list[FlatEntry]:
     """Every flat parameter of the tree (units in module order), with its slots."""
     out = []
     for path, m in root.named_modules():
@@ -137,7 +137,7 @@ def _flats(root: nn.Module) -> list[_Flat]:
         prefix = clean_key(path)
         for hi, h in enumerate(u.handles):
             key = f"{prefix}.flat_param_{hi}" if prefix else f"flat_param_{hi}"
-            f = _Flat(key, u, h, [f"{prefix}.{n}" if prefix else n for n in h.names])
+            f = FlatEntry(key, u, h, [f"{prefix}.{n}" if prefix else n for n in h.names])
             if f.orig:
                 f.slots = [_Slot(name, v, f, a, n, n)
                            for name, v, (a, n) in zip(f.names, h.orig_views, h.view_ranges)]
@@ -189,7 +189,7 @@ def _mesh(unit: Unit, device_type: str) -> DeviceMesh:
     return hit[1]
 
 
-def _as_dtensor(padded: torch.Tensor, f: _Flat) -> DTensor:
+def as_dtensor(padded: torch.Tensor, f: FlatEntry) -> DTensor:
     """``padded`` (this rank's shard-long tensor) as the DTensor of the whole flat range; its local tensor is a
     view of the first ``valid`` elements (a DCP load writes straight into ``padded``)."""
     local = padded.narrow(0, 0, f.valid)
@@ -219,7 +219,7 @@ def _unpack(data: Any, what: str) -> Any:
 # --------------------------------------------------------------------------------------------------
 
 
-def _optim_slots(flats: list[_Flat], optim: torch.optim.Optimizer, action: str) -> list[list[_Slot]]:
+def _optim_slots(flats: list[FlatEntry], optim: torch.optim.Optimizer, action: str) -> list[list[_Slot]]:
     """The slots of each param group of ``optim``, in the optimizer's order."""
     by_id = {id(s.param): s for f in flats for s in f.slots}
     groups, foreign = [], []
@@ -350,7 +350,7 @@ def _check_same_on_all_ranks(unit: Unit, order: list[_Slot], plans: dict[str, _S
 # --------------------------------------------------------------------------------------------------
 
 
-def _meta_flats(flats: list[_Flat]) -> dict[str, Any]:
+def _meta_flats(flats: list[FlatEntry]) -> dict[str, Any]:
     return {f.key: {"names": list(f.names), "shapes": [list(s) for s in f.handle.shapes], "numel": f.handle.numel,
                     "use_orig_params": f.orig} for f in flats}
 
@@ -364,10 +364,10 @@ def sharded_state_dict(root: nn.Module, optim: torch.optim.Optimizer | None) -> 
     """See ``FullyShardedDataParallel.sharded_state_dict`` and the module docstring."""
     action = "sharded_state_dict()"
     unit = _root_unit(root, action)
-    flats = _flats(root)
+    flats = flat_entries(root)
     sd: dict[str, Any] = {}
     for f in flats:
-        sd[MODEL + f.key] = _as_dtensor(f.handle.flat.detach(), f)
+        sd[MODEL + f.key] = as_dtensor(f.handle.flat.detach(), f)
     buffers, extras = [], []
     for e in _model_entries(root):
         key = MODEL + e.key
@@ -392,7 +392,7 @@ def sharded_state_dict(root: nn.Module, optim: torch.optim.Optimizer | None) -> 
     return sd
 
 
-def _save_optim(sd: dict[str, Any], unit: Unit, flats: list[_Flat], optim: torch.optim.Optimizer,
+def _save_optim(sd: dict[str, Any], unit: Unit, flats: list[FlatEntry], optim: torch.optim.Optimizer,
                 action: str) -> dict[str, Any]:
     groups = _optim_slots(flats, optim, action)
     plans = _plans(optim, groups, action)
@@ -416,7 +416,7 @@ def _save_optim(sd: dict[str, Any], unit: Unit, flats: list[_Flat], optim: torch
                     v = plans[s.name].per_element.get(k)
                     if v is not None and s.length:
                         padded.narrow(0, s.offset, s.length).copy_(v.detach())
-            sd[f"{OPTIM_STATE}{f.key}.{k}"] = _as_dtensor(padded, f)
+            sd[f"{OPTIM_STATE}{f.key}.{k}"] = as_dtensor(padded, f)
     for s in order:
         for k, v in plans[s.name].other.items():
             sd[f"{OPTIM_STATE}{s.name}.{k}"] = v.detach() if isinstance(v, torch.Tensor) else _pack(v)
@@ -469,7 +469,7 @@ def _first_difference(a: list[Any], b: list[Any]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def _check_layout(meta: dict[str, Any], flats: list[_Flat], entries: list[Entry], action: str) -> None:
+def _check_layout(meta: dict[str, Any], flats: list[FlatEntry], entries: list[Entry], action: str) -> None:
     """The checkpoint must come from the same wrapping: the same flat parameters made of the same parameters."""
     saved, ours = meta.get("flat_params") or {}, _meta_flats(flats)
     only_saved, only_here = [k for k in saved if k not in ours], [k for k in ours if k not in saved]
@@ -502,7 +502,7 @@ def _check_layout(meta: dict[str, Any], flats: list[_Flat], entries: list[Entry]
             )
 
 
-def _check_dtensor(value: Any, f: _Flat, key: str, action: str) -> DTensor:
+def check_dtensor(value: Any, f: FlatEntry, key: str, action: str) -> DTensor:
     ok = (isinstance(value, DTensor) and tuple(value.shape) == (f.handle.numel,)
           and tuple(value.to_local().shape) == (f.valid,))
     if not ok:
@@ -515,8 +515,8 @@ def _check_dtensor(value: Any, f: _Flat, key: str, action: str) -> DTensor:
     return value
 
 
-def _padded(value: DTensor, f: _Flat) -> torch.Tensor:
-    """This rank's shard-long tensor behind a DTensor made by :func:`_as_dtensor` (a DCP load wrote into it), or
+def padded_shard(value: DTensor, f: FlatEntry) -> torch.Tensor:
+    """This rank's shard-long tensor behind a DTensor made by :func:`as_dtensor` (a DCP load wrote into it), or
     a zero-padded copy of the local piece."""
     local = value.to_local()
     padded = getattr(value, _PADDED_ATTR, None)
@@ -529,7 +529,7 @@ def _padded(value: DTensor, f: _Flat) -> torch.Tensor:
     return out
 
 
-def _load_optim(state: Mapping[str, Any], meta: dict[str, Any], flats: list[_Flat], optim: torch.optim.Optimizer,
+def _load_optim(state: Mapping[str, Any], meta: dict[str, Any], flats: list[FlatEntry], optim: torch.optim.Optimizer,
                 action: str) -> dict[str, Any]:
     """The ``optim.load_state_dict`` argument rebuilt from a filled dict; raises before anything is modified."""
     saved = meta.get("optim")
@@ -584,7 +584,7 @@ def _load_optim(state: Mapping[str, Any], meta: dict[str, Any], flats: list[_Fla
                 )
             v = state[key]
             if per_element:
-                padded = _padded(_check_dtensor(v, s.flat, key, action), s.flat)
+                padded = padded_shard(check_dtensor(v, s.flat, key, action), s.flat)
                 entry[k] = padded if not s.flat.orig else padded.narrow(0, s.offset, s.length).clone()
             else:
                 entry[k] = v if isinstance(v, torch.Tensor) else _unpack(v, key)
@@ -601,10 +601,10 @@ def load_sharded_state_dict(root: nn.Module, state: Mapping[str, Any], optim: to
     action = "load_sharded_state_dict()"
     unit = _root_unit(root, action)
     meta = _read_meta(state, action)
-    flats = _flats(root)
+    flats = flat_entries(root)
     entries = _model_entries(root)
     _check_layout(meta, flats, entries, action)
-    pieces = [_check_dtensor(state.get(MODEL + f.key), f, MODEL + f.key, action).to_local() for f in flats]
+    pieces = [check_dtensor(state.get(MODEL + f.key), f, MODEL + f.key, action).to_local() for f in flats]
     values = []
     for e in entries:
         key = MODEL + e.key

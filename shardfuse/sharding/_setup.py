@@ -82,7 +82,7 @@ def _check_shard_marks(optimizer: torch.optim.Optimizer) -> None:
             sharded = sharded or want is not None
             st = state.get(p) if want is not None else None
             got = st.get(SHARD_MARK_KEY, want) if st else want
-            if got != want:
+            if isinstance(got, tuple) and got != want:
                 raise RuntimeError(
                     f"{type(optimizer).__name__} holds the optimizer state of {_describe_mark(got)}, but this rank "
                     f"trains the shard of {_describe_mark(want)} (group {gi}, parameter {pi}): the state was loaded "
@@ -124,8 +124,8 @@ def mark_optimizer_state(optimizer: torch.optim.Optimizer, args: Any, kwargs: An
             mark = getattr(p, SHARD_MARK_ATTR, None)
             if mark is not None:
                 st = state.get(p)
-                if st:
-                    st.setdefault(SHARD_MARK_KEY, mark)
+                if st and not isinstance(st.get(SHARD_MARK_KEY), tuple):
+                    st[SHARD_MARK_KEY] = mark
     _marks_seen[optimizer] = len(state)
 
 

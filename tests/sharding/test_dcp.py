@@ -26,10 +26,9 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     get_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
     set_state_dict,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from shardfuse.sharding import FullyShardedDataParallel as FSDP
 from tests.dist_pool import DistPool
@@ -545,30 +544,83 @@ def check_torch_state_dict_api(path: str) -> bool:
     model = wrap(build())
     opt = make_opt(param_groups(model), "adamw")
     sharded_step(model, opt, 0)
-    before = copy.deepcopy(opt.state_dict())
-    for call in (lambda: get_state_dict(model, opt), lambda: get_optimizer_state_dict(model, opt)):
-        with pytest.raises(RuntimeError, match=DSD_ERROR):
-            call()
+    # Outside torch's API the optimizer's state dict is the plain one (per-rank shards, FairScale's format).
+    assert not any(isinstance(v, DTensor) for st in opt.state_dict()["state"].values() for v in st.values())
     fresh = wrap(build())
     fresh_opt = make_opt(param_groups(fresh), "adamw")
-    msd = model.state_dict()
-    for call in (lambda: set_state_dict(fresh, fresh_opt, model_state_dict=msd, optim_state_dict=before),
-                 lambda: set_optimizer_state_dict(fresh, fresh_opt, before)):
-        with pytest.raises(RuntimeError, match=DSD_ERROR):
-            call()
+    for options in (StateDictOptions(full_state_dict=True), StateDictOptions(cpu_offload=True)):
+        with pytest.raises(RuntimeError, match=rf"StateDictOptions\((full_state_dict|cpu_offload)=True\) {DSD_ERROR}"):
+            get_state_dict(fresh, fresh_opt, options=options)
     assert len(fresh_opt.state) == 0, "refused before torch's dummy optimizer step"
     assert all(p.grad is None for p in fresh.parameters())
+    orig = wrap(build(), use_orig_params=True)
+    with pytest.raises(RuntimeError, match=rf"{DSD_ERROR} wrapped with use_orig_params=True.*sharded_state_dict"):
+        get_optimizer_state_dict(orig, make_opt(param_groups(orig), "adamw"))
+    msd = model.state_dict()
     with pytest.raises(RuntimeError, match="ignore_frozen_params=True. is not supported"):
         get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
     with pytest.raises(RuntimeError, match="full_state_dict=True. is not supported"):
         set_model_state_dict(fresh, msd, options=StateDictOptions(full_state_dict=True))
-    # The model alone works: full tensors under the original names, which DCP saves once.
+    # The model alone: full tensors under the original names, which DCP saves once.
     got = get_model_state_dict(model)
     assert same(got, msd)
     set_model_state_dict(fresh, got)
     assert same(fresh.state_dict(), msd)
     dcp.save({"model": got}, checkpoint_id=path)
     return True
+
+
+def check_dsd_save(path: str, optim: str, flatten: bool) -> list[float]:
+    """torch's get_state_dict: the optimizer's per-element state of each flat parameter is a DTensor of its
+    whole flat range (a view of the live state), so DCP writes each rank's piece once."""
+    model = wrap(build())
+    opt = make_opt(param_groups(model), optim)
+    losses = [sharded_step(model, opt, s) for s in range(SAVE_STEPS)]
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=flatten))
+    per_element = "exp_avg" if optim == "adamw" else "momentum_buffer"
+    values = list(osd.values()) if flatten else [v for st in osd["state"].values() for v in st.values()]
+    dt = [v for v in values if isinstance(v, DTensor)]
+    assert dt and all(v.placements == (Shard(0),) for v in dt), [type(v).__name__ for v in values]
+    keys = list(osd) if flatten else [k for st in osd["state"].values() for k in st]
+    assert not any("shardfuse_shard" in k for k in keys), "the shard marks stay out of torch's dict"
+    live = opt.state[model.flat_param_0][per_element]
+    assert any(v.to_local().numel() and v.to_local().data_ptr() == live.data_ptr() for v in dt), "not a view"
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    return losses
+
+
+def check_dsd_resume(path: str, optim: str, flatten: bool) -> dict[str, Any]:
+    """A fresh model and optimizer (no step, wrong learning rates) through get_state_dict, dcp.load and
+    set_state_dict, at any world size."""
+    model = wrap(build(seed=99))
+    opt = make_opt(param_groups(model), optim, lr=1.0)
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    msd, osd = get_state_dict(model, opt, options=options)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=options)
+    assert [g["lr"] for g in opt.param_groups] == [LR_BLOCKS, opt.defaults["lr"], LR_FROZEN]
+    assert not any(isinstance(v, DTensor) for st in opt.state.values() for v in st.values())
+    losses = [sharded_step(model, opt, s) for s in range(SAVE_STEPS, SAVE_STEPS + MORE_STEPS)]
+    return {"losses": losses, "model": model.state_dict()}
+
+
+@pytest.mark.parametrize(("optim", "flatten", "world"),
+                         [("adamw", False, 1), ("adamw", False, 2), ("sgd", False, 3), ("adamw", True, 4)])
+def test_torch_get_set_state_dict_reshards(request, pool, tmp_path, optim, flatten, world):
+    saved_losses = pool.run(check_dsd_save, str(tmp_path), optim, flatten)[0]
+    out = pool_of(request, world).run(check_dsd_resume, str(tmp_path), optim, flatten)
+    ref, ref_losses = reference(optim, [WORLD] * SAVE_STEPS + [world] * MORE_STEPS)
+    tol = None if world in (1, WORLD) else TOL
+    assert saved_losses == [ref_losses[s][0] for s in range(SAVE_STEPS)]
+    for rank, res in enumerate(out):
+        want = torch.tensor([ref_losses[s][rank] for s in range(SAVE_STEPS, SAVE_STEPS + MORE_STEPS)])
+        assert_close(f"rank {rank} losses", torch.tensor(res["losses"]), want, tol)
+    for k, v in ref.state_dict().items():
+        if k == "_extra_state":
+            assert out[0]["model"][k] == v
+        else:
+            assert_close(k, out[0]["model"][k], v, tol)
 
 
 def check_torch_model_state_dict_load(path: str, want: dict[str, torch.Tensor]) -> bool:
