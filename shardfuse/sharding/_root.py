@@ -8,13 +8,15 @@ casts its buffers to ``buffer_dtype`` on the compute device.
 from __future__ import annotations
 
 import functools
+import weakref
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from shardfuse._streams import Streams
 from shardfuse.sharding import _collectives as coll
-from shardfuse.sharding._flat_param import MISSING_GROUP, OWNED_MARK, iter_own_modules
+from shardfuse.sharding._flat_param import MISSING_GROUP, OWNED_MARK, FlatParamHandle, iter_own_modules
 from shardfuse.sharding._grad_reduce import ReduceConfig
 from shardfuse.sharding._runtime import RootState, Unit
 from shardfuse.sharding._state import TrainingState, check_state
@@ -124,7 +126,7 @@ def _init_unit(unit: Unit) -> None:
     for h in unit.handles:
         if h.full_param is None:
             h.init_full_buffer(cfg.compute_dtype if cfg.mixed_precision else h.dtype, unit.compute_device,
-                               functools.partial(unit.post_backward, h))
+                               _post_backward_hook(unit, h))
     dtypes = {h.compute_dtype for h in unit.handles}
     reduce_dtype = torch.float32 if (cfg.fp32_reduce_scatter or not cfg.mixed_precision) else cfg.compute_dtype
     if not cfg.mixed_precision and dtypes:
@@ -136,6 +138,20 @@ def _init_unit(unit: Unit) -> None:
         group=unit.groups.reduce_scatter_group,
     )
     _cast_buffers(unit)
+
+
+def _post_backward_hook(unit: Unit, handle: FlatParamHandle) -> Callable[[torch.Tensor], None]:
+    """The full buffer's post-accumulate-grad hook, holding the unit and the handle weakly: the hook lives in the
+    tensor's C++ autograd metadata, where Python's garbage collector cannot see it, so a strong reference back
+    would keep the whole model alive after its last user let go of it."""
+    unit_ref, handle_ref = weakref.ref(unit), weakref.ref(handle)
+
+    def hook(full_param: torch.Tensor) -> None:
+        u, h = unit_ref(), handle_ref()
+        if u is not None and h is not None:
+            u.post_backward(h, full_param)
+
+    return hook
 
 
 def _cast_buffers(unit: Unit) -> None:
