@@ -13,6 +13,7 @@ accumulator for ``full_param`` across several forward passes, and ``flat.grad`` 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -30,6 +31,14 @@ FLATTENED_MARK = "_shardfuse_flattened_into"
 SHARD_MARK_ATTR = "_shardfuse_shard"
 # The key under which an optimizer's per-parameter state carries that mark (see _setup.mark_optimizer_state).
 SHARD_MARK_KEY = "shardfuse_shard"
+# On sharded parameters: a weak reference to their FlatParamHandle.
+HANDLE_ATTR = "_shardfuse_handle"
+
+
+def handle_of(p: torch.Tensor) -> FlatParamHandle | None:
+    """The handle whose shard ``p`` is (a flat parameter, or an original parameter's view), or None."""
+    ref = getattr(p, HANDLE_ATTR, None)
+    return ref() if ref is not None else None
 # The instance attribute that makes a module (the public wrapper) a unit: it holds the unit's runtime state.
 # Flattening stops at such modules; their own parameters belong to their unit.
 UNIT_ATTR = "_shardfuse_unit"
@@ -110,6 +119,7 @@ class FlatParamHandle:
         # None: not split. A tuple: the optimizer's load_state_dict keeps tuples of numbers as they are.
         self.shard_mark = (rank, world_size) if world_size > 1 else None
         setattr(self.flat, SHARD_MARK_ATTR, self.shard_mark)
+        setattr(self.flat, HANDLE_ATTR, weakref.ref(self))
         # Split sizes of the full buffer into parameters plus the padding tail (one SplitBackward node).
         self.split_sizes = [*self.numels, self.padded_numel - self.numel]
         # Set by init_full_buffer() (lazy init, once the compute device is final).
@@ -180,6 +190,7 @@ class FlatParamHandle:
         ]
         for v in self.orig_views:
             setattr(v, SHARD_MARK_ATTR, self.shard_mark)
+            setattr(v, HANDLE_ATTR, weakref.ref(self))
         return self.orig_views
 
     def grads_from_views(self) -> None:

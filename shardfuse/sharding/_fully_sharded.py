@@ -36,6 +36,7 @@ from shardfuse.sharding._setup import (
     broadcast_own_states,
     guard_reset_parameters,
     init_device,
+    install_clip_grad_norm,
     install_optimizer_guard,
 )
 from shardfuse.sharding._state import TrainingState, check_state
@@ -210,6 +211,7 @@ class FullyShardedDataParallel(nn.Module):
             if not allow_reset_parameters:
                 guard_reset_parameters(module)
             install_optimizer_guard()
+            install_clip_grad_norm()
 
     # ----------------------------------------------------------------------------------------------
     # properties and nn.Module plumbing

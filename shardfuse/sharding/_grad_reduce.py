@@ -128,6 +128,31 @@ def finish_host_grads(pending: PendingFrees, streams: Streams) -> None:
 
 
 
+def _local_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """``max |g|`` (inf) or ``sum ||g||^p`` over ``grads``, as a float32 scalar on ``device``."""
+    grads = [g for g in grads if g.numel()]  # a rank's piece of an original parameter may be empty
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    if norm_type == float("inf"):
+        return torch.stack([g.detach().abs().max().float().to(device) for g in grads]).max()
+    norms = torch._foreach_norm([g.detach() for g in grads], norm_type)
+    return torch.stack([n.float().to(device) for n in norms]).pow(norm_type).sum()
+
+
+@torch.no_grad()
+def global_grad_norm(sharded: list[torch.Tensor], replicated: list[torch.Tensor], norm_type: float,
+                     device: torch.device, group: coll.ProcessGroup, world: int) -> torch.Tensor:
+    """The ``norm_type`` norm of all gradients as one vector: ``sharded`` ones are this rank's pieces (one
+    all-reduce over ``group``), ``replicated`` ones are the same on every rank (counted once). Every rank of
+    ``group`` must call it."""
+    local = _local_norm(sharded, norm_type, device)
+    if norm_type == float("inf"):
+        total = coll.all_reduce_(local, group, world, op="max")
+        return torch.maximum(total, _local_norm(replicated, norm_type, device))
+    total = coll.all_reduce_(local, group, world) + _local_norm(replicated, norm_type, device)
+    return total.pow(1.0 / norm_type)
+
+
 @torch.no_grad()
 def clip_grad_norm(
     grads: list[torch.Tensor], max_norm: float, norm_type: float, device: torch.device, group: coll.ProcessGroup,
@@ -136,17 +161,7 @@ def clip_grad_norm(
     """Scale the sharded gradients in place so that their global ``norm_type`` norm (one all-reduce over the
     group) is at most ``max_norm``; returns that norm. Every rank must call it."""
     norm_type = float(norm_type)
-    if not grads:
-        local = torch.zeros((), dtype=torch.float32, device=device)
-    elif norm_type == float("inf"):
-        local = torch.stack([g.detach().abs().max().float().to(device) for g in grads]).max()
-    else:
-        norms = torch._foreach_norm([g.detach() for g in grads], norm_type)
-        local = torch.stack([n.float().to(device) for n in norms]).pow(norm_type).sum()
-    if norm_type == float("inf"):
-        total = coll.all_reduce_(local, group, world, op="max")
-    else:
-        total = coll.all_reduce_(local, group, world).pow(1.0 / norm_type)
+    total = global_grad_norm(grads, [], norm_type, device, group, world)
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
     by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:

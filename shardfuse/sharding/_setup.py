@@ -2,6 +2,7 @@
 
 - ``reset_parameters()`` of flattened modules fails loudly unless ``allow_reset_parameters``;
 - an optimizer holding parameters from before wrapping fails at ``step()`` (one global step pre-hook);
+- ``torch.nn.utils.clip_grad_norm_`` over sharded parameters computes the global norm (installed once);
 - ``sync_module_states`` broadcasts the first rank's parameters and buffers; without it, ranks are checked to
   agree (one tiny all-gather per unit) and, if they do not, get the first rank's values with a warning;
 - modules built on the meta device get their storage on :func:`init_device`.
@@ -21,7 +22,15 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from shardfuse._logging import warn_once
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding._config import Groups, ShardingConfig
-from shardfuse.sharding._flat_param import FLATTENED_MARK, SHARD_MARK_ATTR, SHARD_MARK_KEY, iter_own_modules
+from shardfuse.sharding._flat_param import (
+    FLATTENED_MARK,
+    SHARD_MARK_ATTR,
+    SHARD_MARK_KEY,
+    FlatParamHandle,
+    handle_of,
+    iter_own_modules,
+)
+from shardfuse.sharding._grad_reduce import global_grad_norm
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +136,62 @@ def mark_optimizer_state(optimizer: torch.optim.Optimizer, args: Any, kwargs: An
                 if st and not isinstance(st.get(SHARD_MARK_KEY), tuple):
                     st[SHARD_MARK_KEY] = mark
     _marks_seen[optimizer] = len(state)
+
+
+_torch_clip_grad_norm: Any = None
+
+
+def _sharded_handle(p: torch.Tensor) -> FlatParamHandle | None:
+    h = handle_of(p)
+    return h if h is not None and h.world_size > 1 else None
+
+
+def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                    foreach: bool | None = None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``, aware of shardfuse's sharded parameters.
+
+    Over parameters that include shards (flat parameters, or original parameters under ``use_orig_params``),
+    the norm is that of the whole gradients across ranks (one all-reduce over their process group; every rank
+    must call it, as with ``model.clip_grad_norm_``), so every rank clips by the same coefficient; other
+    parameters' gradients count once. Without shards it is torch's own function, unchanged.
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    handles = [_sharded_handle(p) for p in params]
+    groups = {id(h.group): h for h in handles if h is not None}
+    if not groups:
+        return _torch_clip_grad_norm(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    if len(groups) > 1:
+        raise RuntimeError(
+            f"torch.nn.utils.clip_grad_norm_ got shards of FullyShardedDataParallel units in {len(groups)} "
+            f"different process groups: their global norms need one all-reduce per group; clip each group's "
+            f"parameters separately, or call model.clip_grad_norm_() on the root"
+        )
+    h = next(iter(groups.values()))
+    sharded = [p.grad for p, hp in zip(params, handles) if hp is not None and p.grad is not None]
+    replicated = [p.grad for p, hp in zip(params, handles) if hp is None and p.grad is not None]
+    if coll.is_cuda_group(h.group) and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    total = global_grad_norm(sharded, replicated, float(norm_type), device, h.group, h.world_size)
+    if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
+            f"cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+            f"`error_if_nonfinite=False`"
+        )
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+    return total
+
+
+def install_clip_grad_norm() -> None:
+    """Make ``torch.nn.utils.clip_grad_norm_`` (looked up at call time, as Hugging Face's Trainer and
+    accelerate do) give the global norm over sharded parameters (:func:`clip_grad_norm_`)."""
+    global _torch_clip_grad_norm
+    if _torch_clip_grad_norm is None:
+        _torch_clip_grad_norm = torch.nn.utils.clip_grad.clip_grad_norm_
+        torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+        torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
 
 
 def install_optimizer_guard() -> None:
