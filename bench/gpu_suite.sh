@@ -2,7 +2,9 @@
 # One call on a GPU machine: the GPU tests and the benchmarks, logs and JSON under $OUT, a short table last.
 #
 #   bash bench/gpu_suite.sh [stage ...]     stages: env tests kernels kernels-pb tile-sweep offload e2e overlap
-#                                           train regress (default: all that fit)
+#                                           train regress (default: all that fit), and by name only (slow):
+#                                           e2e-hf (Hugging Face LlamaForCausalLM, 853M, 1 x 1024 tokens per GPU)
+#                                           e2e-7b (the 7B-class decoder, 1 x 4096 tokens per GPU)
 #
 # Every step runs under `timeout` so a hang cannot eat the lease; a failed step is reported and the
 # suite goes on. Multi-GPU steps issue the same collectives on every rank (fixed step counts).
@@ -82,6 +84,17 @@ for stage in "${STAGES[@]}"; do
     e2e)
       step e2e 540 torchrun --standalone --nproc_per_node "$NGPU" -m bench.e2e.run --regime both \
         --impls "${E2E_IMPLS:-shardfuse,fsdp2,fsdp1}" --steps "${E2E_STEPS:-15}" --warmup 3 ${E2E_ARGS:-} ;;
+    e2e-hf)
+      # transformers' LlamaForCausalLM (random init, 853M) in the communication-bound regime -> e2e_hf_<N>gpu.json
+      step e2e-hf 540 torchrun --standalone --nproc_per_node "$NGPU" -m bench.e2e.run --model hf-llama --regime 1k \
+        --impls "${E2E_IMPLS:-shardfuse,shardfuse-graph,fairscale,fsdp2}" --steps "${E2E_STEPS:-15}" --warmup 3 \
+        ${E2E_ARGS:-} ;;
+    e2e-7b)
+      # the decoder's 7B shape, built whole on each GPU before sharding, batch 1 x 4096 tokens per GPU; no one-GPU
+      # baseline (fp32 weights, gradients and AdamW state alone are 108 GB) -> e2e_7b_<N>gpu.json
+      step e2e-7b 540 torchrun --standalone --nproc_per_node "$NGPU" -m bench.e2e.run --config 7b --regime 4k \
+        --no-baseline --impls "${E2E_IMPLS:-shardfuse,shardfuse-graph,fsdp2,fairscale}" --steps "${E2E_STEPS:-15}" \
+        --warmup 3 ${E2E_ARGS:-} ;;
     train)
       # the README's main job on every local GPU (NCCL), with its parity check against unsharded training
       step train 300 torchrun --standalone --nproc_per_node "$NGPU" examples/train.py ;;

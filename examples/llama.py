@@ -5,7 +5,8 @@ RMSNorm -> SwiGLU feed-forward -> residual), a final RMSNorm and an untied outpu
 layers are bias-free. Attention runs through ``F.scaled_dot_product_attention(is_causal=True)``.
 
 ``LlamaConfig()`` is the benchmark model of DESIGN.md (dim 2048, 16 layers, 16 heads, SwiGLU ffn 5632,
-vocab 32000: 953,223,168 parameters); ``LlamaConfig.tiny()`` runs on a CPU in milliseconds.
+vocab 32000: 953,223,168 parameters); ``LlamaConfig.tiny()`` runs on a CPU in milliseconds;
+``LlamaConfig.llama_7b()`` (``named("7b")``) is the 7B-class shape of Llama-2-7B (6,738,415,616 parameters).
 Pure PyTorch, no dependencies beyond it.
 """
 
@@ -65,9 +66,15 @@ class LlamaConfig:
         return cls(dim=64, n_layers=2, n_heads=4, ffn_dim=176, vocab_size=257, max_seq_len=32)
 
     @classmethod
+    def llama_7b(cls) -> LlamaConfig:
+        """The 7B-class shape of Llama-2-7B (dim 4096, 32 layers, 32 heads, SwiGLU ffn 11008, vocab 32000,
+        sequences up to 4096): 6,738,415,616 parameters, 27 GB in fp32. For GPUs only."""
+        return cls(dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, vocab_size=32000, max_seq_len=4096)
+
+    @classmethod
     def named(cls, name: str) -> LlamaConfig:
-        """``'tiny'``, ``'small'`` or ``'bench'``."""
-        table = {"tiny": cls.tiny, "small": cls.small, "bench": cls.bench}
+        """``'tiny'``, ``'small'``, ``'bench'`` or ``'7b'``."""
+        table = {"tiny": cls.tiny, "small": cls.small, "bench": cls.bench, "7b": cls.llama_7b}
         if name not in table:
             raise ValueError(f"unknown model config {name!r}: choose one of {sorted(table)}")
         return table[name]()

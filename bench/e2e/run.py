@@ -5,12 +5,25 @@
     # CPU smoke test of the script itself (gloo, tiny model):
     torchrun --standalone --nproc_per_node 2 -m bench.e2e.run --device cpu --config tiny \\
         --impls shardfuse,fsdp2,fsdp1 --steps 2 --warmup 1
+    # a Hugging Face LlamaForCausalLM (853M), and the 7B-class decoder at 1 x 4096 tokens per GPU:
+    torchrun --standalone --nproc_per_node 2 -m bench.e2e.run --model hf-llama --regime 1k
+    torchrun --standalone --nproc_per_node 2 -m bench.e2e.run --config 7b --regime 4k --no-baseline
 
 From the repository root (``-m`` runs it as the module ``bench.e2e.run``, with the root on ``sys.path``).
 
-The model is the Llama-style decoder of ``examples/llama.py`` (``--config bench``: 953M parameters), with bf16
-compute, fp32 gradient reduction and AdamW (lr 1e-4, PyTorch's default foreach setting), every decoder layer one
-sharded unit plus the root:
+The model (``--model``, see ``model_spec``), built on the device with the same seeded weights for every
+implementation:
+
+- ``decoder`` (default): the Llama-style decoder of ``examples/llama.py``; ``--config bench``: 953M parameters,
+  ``--config 7b``: the 6.7B shape of Llama-2-7B (dim 4096, 32 layers, 32 heads, ffn 11008, vocab 32000).
+- ``hf-llama``: Hugging Face ``transformers.LlamaForCausalLM`` from a ``LlamaConfig`` with its own random
+  init (needs ``transformers``, imported only for this model); ``--config bench``: hidden 2048, 16 layers,
+  16 query heads sharing 4 key/value heads, SwiGLU 5632, vocab 32000, untied output, SDPA attention:
+  852,559,872 parameters; ``--config tiny`` for the CPU.
+
+bf16 compute, fp32 gradient reduction and AdamW (lr 1e-4, PyTorch's default foreach setting), the loss the
+next-token cross-entropy of the logits in fp32, every decoder layer (``DecoderLayer`` / ``LlamaDecoderLayer``)
+one sharded unit plus the root:
 
 - ``shardfuse``: ``FullyShardedDataParallel(mixed_precision=True, compute_dtype=bf16, fp32_reduce_scatter=True)``
 - ``fsdp2``: ``fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))``
@@ -22,8 +35,9 @@ sharded unit plus the root:
 - ``baseline``: one GPU, no sharding, fp32 parameters under ``torch.autocast(bf16)``; rank 0 runs it alone while
   the other ranks wait (``--no-baseline`` skips it).
 
-Regimes, per GPU: ``8k`` = batch 4 x seq 2048 (compute-bound), ``1k`` = batch 1 x seq 1024 (communication-bound);
-the sequence is capped at the model's ``max_seq_len`` (the tiny config's 32 on the CPU).
+Regimes, per GPU: ``8k`` = batch 4 x seq 2048 (compute-bound), ``1k`` = batch 1 x seq 1024 (communication-bound),
+``4k`` = batch 1 x seq 4096 (the 7B model's); ``--regime both`` = ``8k,1k``, or a comma-separated list. The
+sequence is capped at the model's ``max_seq_len`` (the tiny configs' 32 on the CPU).
 
 Measured per implementation and regime: mean step time (forward + backward + optimizer step, synchronised
 before and after every step) over ``--steps`` after ``--warmup``, max over ranks; tokens/s/GPU; MFU =
@@ -35,8 +49,9 @@ last step's loss averaged over ranks (all implementations start from the same we
 Every rank runs the same collectives with fixed step counts. An implementation that raises on every rank
 alike (e.g. at wrap time) is recorded as an error and the job goes on; one that fails on some ranks only would
 desynchronise the collectives, so the process-group timeout (``--pg-timeout``) then ends the job with a log.
-Rank 0 writes ``e2e_<N>gpu.json`` through ``bench.common.write_result`` after every implementation (so a
-crash keeps what was measured) and prints a table at the end.
+Rank 0 writes ``e2e_<N>gpu.json`` (``e2e_hf_<N>gpu.json`` for ``hf-llama``, ``e2e_7b_<N>gpu.json`` for the 7b
+decoder; the model kind and its config are in the file's ``config``) through ``bench.common.write_result`` after
+every implementation (so a crash keeps what was measured) and prints a table at the end.
 """
 
 from __future__ import annotations
@@ -47,12 +62,13 @@ import datetime
 import functools
 import gc
 import importlib
+import importlib.util
 import os
 import statistics
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,9 +80,21 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from bench.common import free_port, write_result  # noqa: E402
-from examples.llama import DecoderLayer, Llama, LlamaConfig, next_token_loss  # noqa: E402
+from examples.llama import DecoderLayer, Llama, LlamaConfig, count_params, next_token_loss  # noqa: E402
 
-REGIMES: dict[str, tuple[int, int]] = {"8k": (4, 2048), "1k": (1, 1024)}  # (batch, seq) per GPU
+REGIMES: dict[str, tuple[int, int]] = {"8k": (4, 2048), "1k": (1, 1024), "4k": (1, 4096)}  # (batch, seq) per GPU
+REGIME_SETS = {"both": ("8k", "1k")}
+MODELS = ("decoder", "hf-llama")
+DECODER_CONFIGS = ("tiny", "small", "bench", "7b")  # examples.llama.LlamaConfig.named
+# transformers.LlamaConfig arguments of ``--model hf-llama``. ``bench``: the decoder's bench shape with 4 key/value
+# heads (grouped-query attention, as Llama 2/3 and TinyLlama): 852,559,872 parameters.
+HF_CONFIGS: dict[str, dict[str, int]] = {
+    "tiny": dict(vocab_size=257, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=32),
+    "bench": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                  num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096),
+}
+TRANSFORMERS_MISSING = "needs the transformers package (pip install transformers), which is not importable here"
 IMPLS = ("shardfuse", "shardfuse-graph", "shardfuse-ref", "fsdp2", "fsdp1", "fairscale")
 # ``shardfuse-ref``: another version of shardfuse, importable under this package name (bench/e2e/make_ref.sh
 # builds one from a commit), measured side by side with the working tree's.
@@ -78,11 +106,15 @@ PROFILE_STEPS = 3
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line arguments."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--regime", choices=("8k", "1k", "both"), default="both")
+    p.add_argument("--model", choices=MODELS, default="decoder",
+                   help="the decoder of examples/llama.py or Hugging Face's LlamaForCausalLM (needs transformers)")
+    p.add_argument("--regime", default="both",
+                   help=f"'both' (= 8k,1k) or a comma-separated list of {', '.join(REGIMES)}")
     p.add_argument("--impls", default="shardfuse,fsdp2,fsdp1", help=f"comma-separated, from {', '.join(IMPLS)}")
     p.add_argument("--steps", type=int, default=20, help="timed steps per implementation and regime")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
-    p.add_argument("--config", choices=("tiny", "small", "bench"), default="bench", help="model size")
+    p.add_argument("--config", choices=DECODER_CONFIGS, default="bench",
+                   help=f"model size (hf-llama: {', '.join(HF_CONFIGS)})")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS, help="bf16 peak for MFU")
     p.add_argument("--no-baseline", action="store_true", help="skip the one-GPU unsharded baseline")
@@ -91,7 +123,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pg-timeout", type=float, default=600.0, help="process-group timeout in seconds")
-    p.add_argument("--name", default=None, help="result name (default e2e_<N>gpu)")
+    p.add_argument("--name", default=None, help="result name (default e2e_<N>gpu, e2e_hf_<N>gpu, e2e_7b_<N>gpu)")
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat every (regime, impl) this often, interleaved; the table shows medians and spread")
     args = p.parse_args(argv)
@@ -100,6 +132,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown or not impls:
         p.error(f"--impls {args.impls!r}: unknown {unknown}; choose from {', '.join(IMPLS)}")
     args.impl_list = impls
+    regimes = list(REGIME_SETS.get(args.regime, [r.strip() for r in args.regime.split(",") if r.strip()]))
+    bad = [r for r in regimes if r not in REGIMES]
+    if bad or not regimes or len(set(regimes)) != len(regimes):
+        p.error(f"--regime {args.regime!r}: give 'both' or a comma-separated list of distinct regimes from "
+                f"{', '.join(REGIMES)}")
+    args.regime_list = regimes
+    if args.model == "hf-llama":
+        if args.config not in HF_CONFIGS:
+            p.error(f"--model hf-llama --config {args.config}: the Hugging Face model has the configs "
+                    f"{', '.join(HF_CONFIGS)}")
+        if importlib.util.find_spec("transformers") is None:
+            p.error(f"--model hf-llama: {TRANSFORMERS_MISSING}")
     if args.rounds < 1:
         p.error(f"need --rounds >= 1, got {args.rounds}")
     if args.steps < 1 or args.warmup < 0:
@@ -107,6 +151,115 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but no CUDA GPU is visible: pass --device cpu for a smoke test")
     return args
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the benchmark knows of one model, so the wrappers, the step and the flop count are shared."""
+
+    kind: str  # one of MODELS
+    name: str  # its --config
+    tag: str  # "" or what the default result name carries: e2e_<tag>_<N>gpu
+    layer_cls: type[nn.Module]  # the sharded unit
+    make: Callable[[torch.device, int], nn.Module]  # the model on the device, initialised from the seed
+    layers: Callable[[nn.Module], nn.ModuleList]  # the (unwrapped) model's list of decoder layers
+    logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]  # token ids (batch, seq) -> (batch, seq, vocab)
+    num_params: int
+    vocab_size: int
+    dim: int  # width of the embeddings and of attention (heads x head size)
+    n_layers: int
+    max_seq_len: int
+    config: dict[str, Any]  # recorded in the result JSON's config
+
+    def flops_per_step(self, batch: int, seq: int) -> float:
+        """Training flops of one step on one GPU: 6 N T for the matrix products plus causal attention."""
+        n_matmul = self.num_params - self.vocab_size * self.dim  # the input embedding is a lookup, no flops
+        tokens = batch * seq
+        # QK^T and AV: 2 * 2 * seq^2 * dim per sequence and layer forward, halved by causality, x3 for backward.
+        attention = 6.0 * self.n_layers * seq * seq * self.dim * batch
+        return 6.0 * n_matmul * tokens + attention
+
+    def result_name(self, world: int) -> str:
+        """The default result name: e2e_<N>gpu, e2e_hf_<N>gpu or e2e_7b_<N>gpu."""
+        return f"e2e_{self.tag}_{world}gpu" if self.tag else f"e2e_{world}gpu"
+
+
+def _decoder_spec(name: str) -> ModelSpec:
+    cfg = LlamaConfig.named(name)
+
+    def make(device: torch.device, seed: int) -> nn.Module:
+        with torch.device(device):
+            model = Llama(cfg)
+        return model.init_weights(seed)
+
+    return ModelSpec(
+        kind="decoder", name=name, tag="7b" if name == "7b" else "", layer_cls=DecoderLayer, make=make,
+        layers=lambda model: model.layers, logits=lambda model, tokens: model(tokens),
+        num_params=cfg.num_params(), vocab_size=cfg.vocab_size, dim=cfg.dim, n_layers=cfg.n_layers,
+        max_seq_len=cfg.max_seq_len, config=asdict(cfg),
+    )  # fmt: skip
+
+
+def _import_transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(f"bench.e2e.run --model hf-llama {TRANSFORMERS_MISSING}: {exc}") from exc
+    return transformers
+
+
+def _hf_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """``model(tokens).logits``; by key when a wrapper rebuilt the output as a plain dict."""
+    out = model(tokens)
+    return out["logits"] if isinstance(out, dict) else out.logits
+
+
+def _hf_llama_spec(name: str) -> ModelSpec:
+    transformers = _import_transformers()
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    if name not in HF_CONFIGS:
+        raise ValueError(f"--model hf-llama has the configs {', '.join(HF_CONFIGS)}, not {name!r}")
+    # No KV cache in training; SDPA attention (causal, no mask tensor) as the decoder's.
+    hf_cfg = transformers.LlamaConfig(**HF_CONFIGS[name], use_cache=False, attn_implementation="sdpa")
+    with torch.device("meta"):  # shapes only: the parameter count as transformers builds it
+        num_params = count_params(transformers.LlamaForCausalLM(hf_cfg))
+
+    def make(device: torch.device, seed: int) -> nn.Module:
+        # transformers initialises from the global generator: seed it (the device's too) and put it back after.
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
+            torch.manual_seed(seed)
+            return transformers.LlamaForCausalLM(hf_cfg).float()  # fp32 parameters, as the decoder's
+
+    c = HF_CONFIGS[name]
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    return ModelSpec(
+        kind="hf-llama", name=name, tag="hf", layer_cls=LlamaDecoderLayer, make=make,
+        layers=lambda model: model.model.layers, logits=_hf_logits,
+        num_params=num_params, vocab_size=c["vocab_size"], dim=c["num_attention_heads"] * head_dim,
+        n_layers=c["num_hidden_layers"], max_seq_len=c["max_position_embeddings"],
+        config={
+            # The decoder's keys (the report shows them), then transformers' own.
+            "dim": c["hidden_size"], "n_layers": c["num_hidden_layers"], "n_heads": c["num_attention_heads"],
+            "n_kv_heads": c["num_key_value_heads"], "ffn_dim": c["intermediate_size"], "vocab_size": c["vocab_size"],
+            "max_seq_len": c["max_position_embeddings"],
+            "hf_class": "transformers.LlamaForCausalLM", "transformers": transformers.__version__,
+            "hf_config": {**c, "tie_word_embeddings": hf_cfg.tie_word_embeddings, "rms_norm_eps": hf_cfg.rms_norm_eps,
+                          "attn_implementation": hf_cfg._attn_implementation, "use_cache": hf_cfg.use_cache},
+        },
+    )  # fmt: skip
+
+
+def model_spec(kind: str, name: str) -> ModelSpec:
+    """The model ``kind`` (one of MODELS) in its config ``name``."""
+    if kind == "decoder":
+        return _decoder_spec(name)
+    if kind == "hf-llama":
+        return _hf_llama_spec(name)
+    raise ValueError(f"unknown model {kind!r}: choose one of {', '.join(MODELS)}")
 
 
 # ------------------------------------------------------------------------------------------------ wrapping
@@ -128,80 +281,72 @@ def unavailable_reason(impl: str) -> str | None:
     return None
 
 
-def _wrap_with(package: str, model: Llama) -> nn.Module:
+def _wrap_with(package: str, model: nn.Module, spec: ModelSpec) -> nn.Module:
     """Each decoder layer, then the root, in ``package``'s FSDP (bf16 compute, fp32 reduce-scatter), through
     the public wrapping API that every shardfuse version exports."""
     sf = importlib.import_module(package)
     kwargs = dict(mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True)
     with sf.enable_wrap(wrapper_cls=sf.FullyShardedDataParallel, **kwargs):
-        model = sf.auto_wrap(model, auto_wrap_policy=sf.ModuleClassWrapPolicy({DecoderLayer}))
+        model = sf.auto_wrap(model, auto_wrap_policy=sf.ModuleClassWrapPolicy({spec.layer_cls}))
         return sf.wrap(model)
 
 
-def wrap_shardfuse(model: Llama, device: torch.device) -> nn.Module:
+def wrap_shardfuse(model: nn.Module, spec: ModelSpec, device: torch.device) -> nn.Module:
     """This working tree's shardfuse."""
-    return _wrap_with("shardfuse", model)
+    return _wrap_with("shardfuse", model, spec)
 
 
-def wrap_shardfuse_ref(model: Llama, device: torch.device) -> nn.Module:
+def wrap_shardfuse_ref(model: nn.Module, spec: ModelSpec, device: torch.device) -> nn.Module:
     """The reference version of shardfuse (``SHARDFUSE_REF``)."""
-    return _wrap_with(REF_PACKAGE, model)
+    return _wrap_with(REF_PACKAGE, model, spec)
 
 
-def wrap_fsdp2(model: Llama, device: torch.device) -> nn.Module:
+def wrap_fsdp2(model: nn.Module, spec: ModelSpec, device: torch.device) -> nn.Module:
     """``fully_shard`` on each decoder layer, then on the root."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.layers:
+    for layer in spec.layers(model):
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     return model
 
 
-def wrap_fsdp1(model: Llama, device: torch.device) -> nn.Module:
+def wrap_fsdp1(model: nn.Module, spec: ModelSpec, device: torch.device) -> nn.Module:
     """FSDP1 with a transformer auto-wrap policy on the decoder layer class."""
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
     mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
-    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={DecoderLayer})
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={spec.layer_cls})
     return FullyShardedDataParallel(
         model, auto_wrap_policy=policy, mixed_precision=mp, device_id=device, use_orig_params=False
     )
 
 
-def wrap_fairscale(model: Llama, device: torch.device) -> nn.Module:
+def wrap_fairscale(model: nn.Module, spec: ModelSpec, device: torch.device) -> nn.Module:
     """FairScale 0.4's FSDP on each decoder layer, then the root, with the flags shardfuse gets."""
     from fairscale.nn.data_parallel import FullyShardedDataParallel
 
     kwargs = dict(mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True)
-    for i, layer in enumerate(model.layers):
-        model.layers[i] = FullyShardedDataParallel(layer, **kwargs)
+    layers = spec.layers(model)
+    for i, layer in enumerate(layers):
+        layers[i] = FullyShardedDataParallel(layer, **kwargs)
     return FullyShardedDataParallel(model, **kwargs)
 
 
-WRAPPERS: dict[str, Callable[[Llama, torch.device], nn.Module]] = {
+WRAPPERS: dict[str, Callable[[nn.Module, ModelSpec, torch.device], nn.Module]] = {
     "shardfuse": wrap_shardfuse,
     "shardfuse-graph": wrap_shardfuse,
     "shardfuse-ref": wrap_shardfuse_ref,
     "fsdp2": wrap_fsdp2,
     "fsdp1": wrap_fsdp1,
     "fairscale": wrap_fairscale,
-    "baseline": lambda model, device: model,
+    "baseline": lambda model, spec, device: model,
 }
 
 
 # ------------------------------------------------------------------------------------------------ measuring
-
-
-def model_flops_per_step(cfg: LlamaConfig, batch: int, seq: int) -> float:
-    """Training flops of one step on one GPU: 6 N T for the matrix products plus causal attention."""
-    n_matmul = cfg.num_params() - cfg.vocab_size * cfg.dim  # the input embedding is a lookup, no flops
-    tokens = batch * seq
-    # QK^T and AV: 2 * 2 * seq^2 * dim per sequence and layer forward, halved by causality, x3 for backward.
-    attention = 6.0 * cfg.n_layers * seq * seq * cfg.dim * batch
-    return 6.0 * n_matmul * tokens + attention
 
 
 def sync(device: torch.device) -> None:
@@ -210,17 +355,19 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def make_data(cfg: LlamaConfig, batch: int, seq: int, rank: int, seed: int, device: torch.device) -> list[torch.Tensor]:
+def make_data(vocab_size: int, batch: int, seq: int, rank: int, seed: int, device: torch.device) -> list[torch.Tensor]:
     """A few seeded random token batches of this rank, (batch, seq + 1) each, cycled through the steps."""
     gen = torch.Generator().manual_seed(seed * 7919 + rank)
-    return [torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=gen).to(device) for _ in range(4)]
+    return [torch.randint(0, vocab_size, (batch, seq + 1), generator=gen).to(device) for _ in range(4)]
 
 
-def step_fn(model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, autocast: bool) -> torch.Tensor:
+def step_fn(
+    model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, autocast: bool, spec: ModelSpec,
+) -> torch.Tensor:
     """One training step; returns the (detached) loss."""
     ctx = torch.autocast(tokens.device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with ctx:
-        logits = model(tokens[:, :-1])
+        logits = spec.logits(model, tokens[:, :-1])
     loss = next_token_loss(logits, tokens[:, 1:])
     loss.backward()
     opt.step()
@@ -228,8 +375,10 @@ def step_fn(model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, 
     return loss.detach()
 
 
-def _eager_step(model: nn.Module, opt: torch.optim.Optimizer, autocast: bool, tokens: torch.Tensor) -> torch.Tensor:
-    return step_fn(model, opt, tokens, autocast)
+def _eager_step(
+    model: nn.Module, opt: torch.optim.Optimizer, autocast: bool, spec: ModelSpec, tokens: torch.Tensor,
+) -> torch.Tensor:
+    return step_fn(model, opt, tokens, autocast, spec)
 
 
 @contextlib.contextmanager
@@ -249,23 +398,21 @@ def maybe_profile(path: Path | None, device: torch.device) -> Iterator[None]:
 
 
 def measure(
-    impl: str, regime: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.device, rank: int,
+    impl: str, regime: str, spec: ModelSpec, args: argparse.Namespace, device: torch.device, rank: int,
 ) -> dict[str, Any]:
     """Build, wrap and train ``impl`` for warmup + steps on this rank; returns this rank's numbers."""
     batch, seq = REGIMES[regime]
-    seq = min(seq, cfg.max_seq_len)
-    data = make_data(cfg, batch, seq, rank, args.seed, device)
-    with torch.device(device):
-        model = Llama(cfg)
-    model.init_weights(args.seed)
-    model = WRAPPERS[impl](model, device)
+    seq = min(seq, spec.max_seq_len)
+    data = make_data(spec.vocab_size, batch, seq, rank, args.seed, device)
+    model = spec.make(device, args.seed)
+    model = WRAPPERS[impl](model, spec, device)
     graphed = impl == "shardfuse-graph"
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, capturable=graphed and device.type == "cuda")
     autocast = impl == "baseline"
     if device.type == "cuda":
         mem_after_wrap = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-    step: Callable[[torch.Tensor], torch.Tensor] = functools.partial(_eager_step, model, opt, autocast)
+    step: Callable[[torch.Tensor], torch.Tensor] = functools.partial(_eager_step, model, opt, autocast, spec)
     first = 0
     if graphed:
         from shardfuse import capture_step
@@ -300,7 +447,7 @@ def measure(
         with maybe_profile(path, device):
             for i in range(PROFILE_STEPS):
                 with torch.profiler.record_function("bench.e2e:shardfuse_step"):
-                    step_fn(model, opt, data[i % len(data)], autocast)
+                    step_fn(model, opt, data[i % len(data)], autocast, spec)
             sync(device)
     del model, opt, loss, data, step
     return out
@@ -319,7 +466,7 @@ def free_memory(device: torch.device) -> None:
 
 
 def run_one(
-    impl: str, regime: str, cfg: LlamaConfig, args: argparse.Namespace, device: torch.device,
+    impl: str, regime: str, spec: ModelSpec, args: argparse.Namespace, device: torch.device,
     rank: int, world: int, host_group: dist.ProcessGroup | None,
 ) -> dict[str, Any]:
     """Measure one (impl, regime) on all ranks in lockstep; returns the row (meaningful on rank 0)."""
@@ -330,7 +477,7 @@ def run_one(
     error = None
     if not only_rank0 or rank == 0:
         try:
-            mine = measure(impl, regime, cfg, args, device, rank)
+            mine = measure(impl, regime, spec, args, device, rank)
         except Exception as exc:  # recorded, and the other ranks learn of it below
             traceback.print_exc()
             error = f"rank {rank}: {type(exc).__name__}: {exc}"
@@ -361,7 +508,7 @@ def run_one(
     if (batch, seq) != (mine["batch"], mine["seq"]):
         row["note"] = f"regime {regime} capped to batch {mine['batch']} x seq {mine['seq']} by the model config"
     if device.type == "cuda":
-        flops = model_flops_per_step(cfg, mine["batch"], mine["seq"])
+        flops = spec.flops_per_step(mine["batch"], mine["seq"])
         row["mfu"] = flops / (step_ms * 1e-3) / (args.peak_tflops * 1e12)
         row["peak_gib"] = maxed[1].item() / 2**30
         row["mem_after_wrap_gib_rank0"] = mine["mem_after_wrap_bytes"] / 2**30
@@ -449,16 +596,17 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
     # Host-side bookkeeping goes through gloo, so waiting ranks never spin on a GPU collective.
     host_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
-    cfg = LlamaConfig.named(args.config)
-    regimes = ["8k", "1k"] if args.regime == "both" else [args.regime]
+    spec = model_spec(args.model, args.config)
+    regimes = args.regime_list
     impls = (["baseline"] if not args.no_baseline else []) + args.impl_list
-    name = args.name or f"e2e_{world}gpu"
+    name = args.name or spec.result_name(world)
     if rank == 0:
-        print(f"e2e: {world} x {device.type}, {args.config} model ({cfg.num_params():,} params), regimes {regimes}, "
-              f"impls {impls}, {args.warmup} warm-up + {args.steps} timed steps", flush=True)
+        print(f"e2e: {world} x {device.type}, {args.model} {args.config} model ({spec.num_params:,} params), "
+              f"regimes {regimes}, impls {impls}, {args.warmup} warm-up + {args.steps} timed steps", flush=True)
     payload: dict[str, Any] = {
         "config": {
-            "model": args.config, **asdict(cfg), "params": cfg.num_params(), "world_size": world,
+            "model": args.config, "model_kind": spec.kind, **spec.config, "params": spec.num_params,
+            "world_size": world,
             "device": device.type, "steps": args.steps, "warmup": args.warmup, "lr": args.lr,
             "optimizer": "AdamW (foreach default)", "compute_dtype": "bfloat16", "reduce_dtype": "float32",
             "peak_tflops": args.peak_tflops, "regimes": {r: REGIMES[r] for r in regimes},
@@ -477,7 +625,7 @@ def main(argv: list[str] | None = None) -> None:
         for regime, impl in ((r, i) for r in regimes for i in impls if unavailable[i] is None):
             if rank == 0:
                 print(f"-- round {rnd} {impl} {regime} ...", flush=True)
-            row = run_one(impl, regime, cfg, args, device, rank, world, host_group)
+            row = run_one(impl, regime, spec, args, device, rank, world, host_group)
             row["round"] = rnd
             rows.append(row)
             if rank == 0:

@@ -165,6 +165,117 @@ def test_e2e_bench_argument_errors(capsys: pytest.CaptureFixture) -> None:
     assert parse_args(["--impls", "fsdp2, shardfuse", "--device", "cpu"]).impl_list == ["fsdp2", "shardfuse"]
 
 
+def test_e2e_bench_hf_llama_cpu_smoke(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "bench.e2e.run", "--device", "cpu", "--model", "hf-llama", "--config", "tiny", "--regime", "1k",
+        "--impls", "shardfuse,shardfuse-graph,fsdp2", "--steps", "2", "--warmup", "1",
+    ]  # fmt: skip
+    proc = _run(cmd, timeout=180, BENCH_OUT=str(tmp_path))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert not (tmp_path / "cpu" / "e2e_2gpu.json").exists(), "the HF run must not overwrite the decoder's result"
+    result = json.loads((tmp_path / "cpu" / "e2e_hf_2gpu.json").read_text())
+    cfg = result["config"]
+    assert (cfg["model_kind"], cfg["model"], cfg["hf_class"]) == ("hf-llama", "tiny", "transformers.LlamaForCausalLM")
+    assert cfg["hf_config"]["num_hidden_layers"] == cfg["n_layers"] == 2 and cfg["hf_config"]["use_cache"] is False
+    assert cfg["params"] == 125_376 and cfg["regimes"] == {"1k": [1, 1024]}
+    rows = {r["impl"]: r for r in result["results"]}
+    assert set(rows) == {"baseline", "shardfuse", "shardfuse-graph", "fsdp2"}
+    for impl, row in rows.items():
+        assert "error" not in row and "skipped" not in row, (impl, row)
+        assert row["regime"] == "1k" and row["step_ms"] > 0 and math.isfinite(row["loss_last"]) and row["seq"] == 32
+    # The same HF init (seeded) and data: the sharded runs train alike, the captured step as the eager one.
+    losses = [rows[i]["loss_last"] for i in ("shardfuse", "shardfuse-graph", "fsdp2")]
+    assert max(losses) - min(losses) < 5e-3, losses
+    assert abs(rows["shardfuse"]["loss_last"] - rows["shardfuse-graph"]["loss_last"]) < 1e-5
+
+
+def test_e2e_bench_model_specs() -> None:
+    from bench.e2e.run import REGIMES, model_spec
+    from examples.llama import DecoderLayer, Llama, LlamaConfig, count_params
+
+    # The 7B-class decoder: Llama-2-7B's shape, counted by formula and on the meta device (nothing allocated).
+    cfg = LlamaConfig.named("7b")
+    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.ffn_dim, cfg.vocab_size, cfg.max_seq_len) == (
+        4096, 32, 32, 11008, 32000, 4096)  # fmt: skip
+    assert cfg.num_params() == 6_738_415_616
+    with torch.device("meta"):
+        assert count_params(Llama(cfg)) == 6_738_415_616
+    spec = model_spec("decoder", "7b")
+    assert spec.layer_cls is DecoderLayer and spec.num_params == 6_738_415_616 and spec.max_seq_len == 4096
+    assert spec.result_name(2) == "e2e_7b_2gpu" and model_spec("decoder", "bench").result_name(2) == "e2e_2gpu"
+    assert REGIMES["4k"] == (1, 4096)
+    n_matmul = 6_738_415_616 - 32000 * 4096
+    assert spec.flops_per_step(1, 4096) == 6.0 * n_matmul * 4096 + 6.0 * 32 * 4096**2 * 4096
+    # The same formula as before for the bench decoder (MFU of the stored results stays comparable).
+    bench = model_spec("decoder", "bench")
+    assert bench.flops_per_step(4, 2048) == 6.0 * (953_223_168 - 32000 * 2048) * 8192 + 6.0 * 16 * 2048**2 * 2048 * 4
+
+    pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    hf = model_spec("hf-llama", "bench")
+    assert hf.num_params == 852_559_872 and hf.layer_cls is LlamaDecoderLayer and hf.result_name(2) == "e2e_hf_2gpu"
+    assert (hf.dim, hf.n_layers, hf.vocab_size, hf.config["n_kv_heads"]) == (2048, 16, 32000, 4)
+    tiny = model_spec("hf-llama", "tiny")
+    state = torch.get_rng_state()
+    a, b = tiny.make(torch.device("cpu"), 5), tiny.make(torch.device("cpu"), 5)
+    assert torch.equal(torch.get_rng_state(), state), "building the HF model must leave the global RNG alone"
+    assert count_params(a) == tiny.num_params == 125_376
+    layers = tiny.layers(a)
+    assert layers is a.model.layers and len(layers) == 2 and all(isinstance(m, LlamaDecoderLayer) for m in layers)
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), f"{name}: the seeded HF init differs between two builds"
+    tokens = torch.randint(0, tiny.vocab_size, (2, 9))
+    assert tiny.logits(a, tokens).shape == (2, 9, tiny.vocab_size)
+
+
+def test_e2e_bench_model_and_regime_arguments(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from bench.e2e.run import parse_args
+
+    base = ["--device", "cpu"]
+    assert parse_args(base).regime_list == ["8k", "1k"] and parse_args(base).model == "decoder"
+    assert parse_args([*base, "--regime", "4k"]).regime_list == ["4k"]
+    assert parse_args([*base, "--regime", "8k, 1k,4k"]).regime_list == ["8k", "1k", "4k"]
+    assert parse_args([*base, "--config", "7b"]).config == "7b"
+    for argv, message in [
+        (["--regime", "2k"], "--regime '2k'"),
+        (["--regime", "1k,1k"], "distinct regimes"),
+        (["--model", "hf-llama", "--config", "7b"], "--model hf-llama --config 7b"),
+        (["--model", "gpt"], "invalid choice"),
+    ]:
+        with pytest.raises(SystemExit):
+            parse_args([*base, *argv])
+        assert message in capsys.readouterr().err, argv
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "transformers" else real(n, *a))
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--model", "hf-llama", "--config", "tiny"])
+    assert "needs the transformers package" in capsys.readouterr().err
+    assert parse_args(base).model == "decoder"  # the decoder never needs it
+
+
+def test_gpu_suite_has_hf_and_7b_stages_by_name_only() -> None:
+    lines = _suite_commands()
+    text = "\n".join(lines)
+    # step NAME SECONDS ...: run under timeout within the device's 10 minutes per command, as the e2e stage
+    limits = {m.group(1): int(m.group(2)) for ln in lines if (m := re.search(r"\bstep (e2e\S*) (\d+) torchrun", ln))}
+    assert set(limits) == {"e2e", "e2e-hf", "e2e-7b"} and max(limits.values()) <= 600, limits
+    hf = next(ln for ln in lines if re.search(r"\bstep e2e-hf\b", ln))
+    assert "-m bench.e2e.run --model hf-llama --regime 1k" in hf
+    assert '"${E2E_IMPLS:-shardfuse,shardfuse-graph,fairscale,fsdp2}"' in hf and "${E2E_ARGS:-}" in hf
+    b7 = next(ln for ln in lines if re.search(r"\bstep e2e-7b\b", ln))
+    assert "-m bench.e2e.run --config 7b --regime 4k" in b7 and "--no-baseline" in b7
+    assert '"${E2E_IMPLS:-shardfuse,shardfuse-graph,fsdp2,fairscale}"' in b7 and "${E2E_ARGS:-}" in b7
+    assert re.search(r"^\s*e2e-hf\)", text, re.MULTILINE) and re.search(r"^\s*e2e-7b\)", text, re.MULTILINE)
+    defaults = " ".join(ln for ln in lines if "STAGES=(" in ln or "STAGES+=(" in ln)
+    assert "e2e" in defaults and "e2e-hf" not in defaults and "e2e-7b" not in defaults, defaults
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run of the suite's stages (nothing is timed)")
 def test_gpu_suite_regress_and_kernels_pb_stages(tmp_path: Path) -> None:
     out = tmp_path / "out"
