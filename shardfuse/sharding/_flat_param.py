@@ -31,14 +31,20 @@ FLATTENED_MARK = "_shardfuse_flattened_into"
 SHARD_MARK_ATTR = "_shardfuse_shard"
 # The key under which an optimizer's per-parameter state carries that mark (see _setup.mark_optimizer_state).
 SHARD_MARK_KEY = "shardfuse_shard"
-# On sharded parameters: a weak reference to their FlatParamHandle.
-HANDLE_ATTR = "_shardfuse_handle"
+# id(sharded parameter) -> (the parameter, its FlatParamHandle), both weakly. Not an attribute: parameters must
+# stay picklable; not a WeakKeyDictionary: it compares tensors with ==.
+_HANDLES: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[FlatParamHandle]]] = {}
+
+
+def _register_handle(p: torch.Tensor, handle: FlatParamHandle) -> None:
+    key = id(p)
+    _HANDLES[key] = (weakref.ref(p, lambda _, key=key: _HANDLES.pop(key, None)), weakref.ref(handle))
 
 
 def handle_of(p: torch.Tensor) -> FlatParamHandle | None:
     """The handle whose shard ``p`` is (a flat parameter, or an original parameter's view), or None."""
-    ref = getattr(p, HANDLE_ATTR, None)
-    return ref() if ref is not None else None
+    entry = _HANDLES.get(id(p))
+    return entry[1]() if entry is not None and entry[0]() is p else None
 # The instance attribute that makes a module (the public wrapper) a unit: it holds the unit's runtime state.
 # Flattening stops at such modules; their own parameters belong to their unit.
 UNIT_ATTR = "_shardfuse_unit"
@@ -119,7 +125,7 @@ class FlatParamHandle:
         # None: not split. A tuple: the optimizer's load_state_dict keeps tuples of numbers as they are.
         self.shard_mark = (rank, world_size) if world_size > 1 else None
         setattr(self.flat, SHARD_MARK_ATTR, self.shard_mark)
-        setattr(self.flat, HANDLE_ATTR, weakref.ref(self))
+        _register_handle(self.flat, self)
         # Split sizes of the full buffer into parameters plus the padding tail (one SplitBackward node).
         self.split_sizes = [*self.numels, self.padded_numel - self.numel]
         # Set by init_full_buffer() (lazy init, once the compute device is final).
@@ -190,7 +196,7 @@ class FlatParamHandle:
         ]
         for v in self.orig_views:
             setattr(v, SHARD_MARK_ATTR, self.shard_mark)
-            setattr(v, HANDLE_ATTR, weakref.ref(self))
+            _register_handle(v, self)
         return self.orig_views
 
     def grads_from_views(self) -> None:
