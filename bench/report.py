@@ -10,10 +10,11 @@ Run from the repository root (``python -m`` puts it on ``sys.path``).
 
 Inputs are the JSON files the benchmark runners write through ``bench.common.write_result``, one folder per
 GPU architecture: ``bench/results/<gpu>/kernels.json`` (``bench.kernels.run``),
-``bench/results/<gpu>/e2e_<N>gpu.json`` (``bench.e2e.run``) and ``bench/results/<gpu>/offload.json``
-(``bench.offload.run``), read through ``bench.results_io``. Every file carries an ``"env"`` entry (GPU,
-versions, date, commit) that is printed above each table. Missing files and keys are tolerated; with no
-results at all the page says so.
+``bench/results/<gpu>/e2e_<N>gpu.json`` (``bench.e2e.run``; ``e2e_hf_<N>gpu.json`` and ``e2e_7b_<N>gpu.json`` for
+its other models, named in their rows and sections from the file's ``config.model_kind`` and ``config.model``,
+see ``e2e_model``) and ``bench/results/<gpu>/offload.json`` (``bench.offload.run``), read through
+``bench.results_io``. Every file carries an ``"env"`` entry (GPU, versions, date, commit) that is printed above
+each table. Missing files and keys are tolerated; with no results at all the page says so.
 
 The README table goes between the lines ``<!-- results:start -->`` and ``<!-- results:end -->``; a README
 that has neither marker but a line that is exactly ``RESULTS_TABLE`` gets that line replaced by the
@@ -32,6 +33,7 @@ import re
 import statistics
 import sys
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +58,17 @@ IMPL_LABEL = {
     "fairscale": "FairScale FSDP",
 }
 CAPTURED = "shardfuse-graph"  # shardfuse's whole step captured by ``capture_step`` into a CUDA graph, replayed
-REGIME_ORDER = ("8k", "1k")
-REGIME_LABEL = {"8k": "8K tokens per GPU (compute-bound)", "1k": "1K tokens per GPU (communication-bound)"}
+REGIME_ORDER = ("8k", "4k", "1k")
+REGIME_LABEL = {
+    "8k": "8K tokens per GPU (compute-bound)",
+    "4k": "4K tokens per GPU",  # batch 1 x seq 4096: the 7B-class decoder's regime
+    "1k": "1K tokens per GPU (communication-bound)",
+}
+# The model an e2e file trained (``config.model_kind``, written by bench/e2e/run.py's ModelSpec; a file without
+# it is the Llama-style decoder, as every file was before the key existed), see ``e2e_model``.
+DECODER_KIND = "decoder"
+HF_LLAMA_KIND = "hf-llama"
+DEFAULT_DECODER_CONFIG = "bench"  # the decoder whose sections and README rows carry no model name
 
 # Offload variants of bench/offload/run.py.
 OFFLOAD_ORDER = (
@@ -252,7 +263,9 @@ class Plotter:
         world = res.data.get("config", {}).get("world_size", "?")
         rounds = max((int(e.get("rounds") or 0) for e in summary), default=0)
         how = f", medians of {rounds} rounds (whiskers: slowest to fastest round)" if rounds > 1 else ""
-        ax.set_title(f"{res.gpu.upper()}: end-to-end training, {world} GPUs{how}", **({"fontsize": 9} if how else {}))
+        model = e2e_model(_e2e_cfg(res)).short
+        what = f"{world} GPUs, {model}" if model else f"{world} GPUs"
+        ax.set_title(f"{res.gpu.upper()}: end-to-end training, {what}{how}", **({"fontsize": 9} if how else {}))
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)
         return self.save(fig, f"{res.gpu}_{res.name}_tokens.png")
@@ -366,6 +379,95 @@ def _e2e_rows(res: Result) -> list[dict[str, Any]]:
     )
 
 
+@dataclass(frozen=True)
+class E2EModel:
+    """What an e2e file trained, in the words of the page and the README (see ``e2e_model``)."""
+
+    kind: str  # ``config.model_kind``: "decoder" (also for files without the key), "hf-llama", ...
+    config: str  # ``config.model``, the config name: the decoder's "bench" or "7b", hf-llama's "bench"; "" if absent
+    title: str  # for section and plot titles; "" for the decoder's bench config (its titles name no model)
+    short: str  # the name in README rows; "" for the decoder's bench config
+    about: str  # what ``short`` stands for, in the note under the README table
+    setup: str  # the model part of the section's setup line; "" when the file does not say
+
+
+def _count(n: float, short: bool = False) -> str:
+    """A parameter count: ``6.7B``, ``852.6M`` (``short``: ``853M``)."""
+    if n >= 1e9:
+        return f"{n / 1e9:.1f}B"
+    return f"{n / 1e6:.0f}M" if short else f"{n / 1e6:.1f}M"
+
+
+def _shape_text(cfg: dict[str, Any], keys: Sequence[str]) -> str:
+    return ", ".join(f"{k} {cfg[k]}" for k in keys if k in cfg)
+
+
+def _hf_setup(cfg: dict[str, Any], cls: str, count: str) -> str:
+    """The setup line's model part for ``hf-llama``: transformers' own config names where the file has them."""
+    hf = cfg.get("hf_config") if isinstance(cfg.get("hf_config"), dict) else {}
+    if hf:
+        keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+        shape = [_shape_text(hf, (*keys, "intermediate_size", "vocab_size"))]
+        if isinstance(hf.get("tie_word_embeddings"), bool):
+            shape.append("tied input and output embeddings" if hf["tie_word_embeddings"] else "untied output layer")
+        if hf.get("attn_implementation"):
+            shape.append(f"`{hf['attn_implementation']}` attention")
+    else:
+        shape = [_shape_text(cfg, ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"))]
+    shape_text = ", ".join(x for x in shape if x)
+    parts = [f"{count} parameters, random init" if count else "random init"]
+    if cfg.get("model"):
+        parts.append(f"`{cfg['model']}` config" + (f": {shape_text}" if shape_text else ""))
+    elif shape_text:
+        parts.append(shape_text)
+    if cfg.get("transformers"):
+        parts.append(f"transformers {cfg['transformers']}")
+    return f"Hugging Face `{cls}` ({'; '.join(parts)})"
+
+
+def e2e_model(cfg: dict[str, Any]) -> E2EModel:
+    """The model of an e2e file's ``config``: bench/e2e/run.py's ``model_kind`` (``decoder`` when absent) and
+    ``model`` (the config name: the decoder's ``bench``, ``7b``, ...; hf-llama's ``bench``)."""
+    kind = str(cfg.get("model_kind") or DECODER_KIND)
+    name = cfg.get("model")
+    config = str(name) if name else ""
+    n = _num(cfg.get("params"))
+    full, short = (_count(n), _count(n, short=True)) if n else ("", "")
+    if kind == DECODER_KIND:
+        dims = _shape_text(cfg, ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size"))
+        if name == "7b":
+            setup = ""
+            if n:
+                setup = f"{full}-parameter 7B-class Llama-style decoder (`7b` config, the shape of Llama-2-7B"
+                setup += f": {dims})" if dims else ")"
+            title = f"7B-class decoder ({full})" if full else "7B-class decoder"
+            about = "the Llama-style decoder in the shape of Llama-2-7B" + (f" ({full} parameters)" if full else "")
+            return E2EModel(kind, config, title, "7B", about, setup)
+        setup = ""
+        if n:  # as the report has always written it
+            setup = f"{n / 1e6:.0f}M-parameter Llama-style decoder (`{cfg.get('model', '?')}` config"
+            setup += f": {dims})" if dims else ")"
+        if name in (None, DEFAULT_DECODER_CONFIG):
+            return E2EModel(kind, config, "", "", "", setup)
+        title = f"Llama-style decoder, `{name}` config" + (f" ({full})" if full else "")
+        about = f"the Llama-style decoder in its `{name}` config" + (f" ({full} parameters)" if full else "")
+        return E2EModel(kind, config, title, " ".join(x for x in ("decoder", config, short) if x), about, setup)
+    if kind == HF_LLAMA_KIND:
+        cls = str(cfg.get("hf_class") or "transformers.LlamaForCausalLM")
+        title = f"Hugging Face {cls.rsplit('.', 1)[-1]}" + (f" ({full})" if full else "")
+        about = f"Hugging Face `{cls}`" + (f" ({full} parameters, random init)" if full else " (random init)")
+        short = " ".join(x for x in ("HF Llama", short) if x)
+        return E2EModel(kind, config, title, short, about, _hf_setup(cfg, cls, full))
+    title = f"model `{kind}`" + (f" ({full})" if full else "")
+    setup = f"{full}-parameter `{kind}` model" if full else f"`{kind}` model"
+    return E2EModel(kind, config, title, " ".join(x for x in (kind, short) if x), f"the `{kind}` model", setup)
+
+
+def _e2e_cfg(res: Result) -> dict[str, Any]:
+    cfg = res.data.get("config")
+    return cfg if isinstance(cfg, dict) else {}
+
+
 def _regime_shape(res: Result, regime: str, rows: list[dict[str, Any]]) -> str:
     for r in rows:
         if r.get("regime") == regime and r.get("batch") and r.get("seq"):
@@ -380,10 +482,9 @@ def _e2e_config_line(cfg: dict[str, Any], rounds: int = 0) -> str:
     if not cfg:
         return ""
     bits = []
-    if _num(cfg.get("params")):
-        bits.append(f"{cfg['params'] / 1e6:.0f}M-parameter Llama-style decoder (`{cfg.get('model', '?')}` config")
-        shape = ", ".join(f"{k} {cfg[k]}" for k in ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size") if k in cfg)
-        bits[-1] += f": {shape})" if shape else ")"
+    model = e2e_model(cfg).setup
+    if model:
+        bits.append(model)
     if cfg.get("compute_dtype"):
         bits.append(f"{cfg['compute_dtype']} compute")
     if cfg.get("reduce_dtype"):
@@ -406,6 +507,8 @@ def e2e_section(res: Result, plots: Plotter, out_dir: Path) -> list[str]:
     cfg = res.data.get("config") if isinstance(res.data.get("config"), dict) else {}
     world = cfg.get("world_size")
     title = f"End-to-end training, {world} GPUs" if world else "End-to-end training"
+    model = e2e_model(cfg).title
+    title += f", {model}" if model else ""
     lines = [f"### {title} (`{res.name}.json`)", "", env_line(res.env), ""]
     summary = e2e_summary(res.data)
     rounds = max((int(_num(e.get("rounds")) or 0) for e in summary), default=0)
@@ -545,14 +648,24 @@ def e2e_rounds_body(
     first = [r for r in rows if r.get("round") == 0]
     regimes = list(dict.fromkeys(r["regime"] for r in first))
     impls = list(dict.fromkeys(r["impl"] for r in first))
-    if first:
+    order = ", ".join(impl_short(res, i) for i in impls)
+    regimes_text = " then ".join(REGIME_LABEL.get(x, x).split(" (")[0] for x in regimes)
+    if first and rounds > 1:
         lines += [
-            f"Each round runs {' then '.join(REGIME_LABEL.get(x, x).split(' (')[0] for x in regimes)}, every "
-            f"implementation once per regime in this order: {', '.join(impl_short(res, i) for i in impls)}; "
+            f"Each round runs {regimes_text}, every implementation once per regime in this order: {order}; "
             f"{rounds} such rounds, interleaved in one job. The tables give medians over the rounds:",
             "",
         ]
-    ratio_cols = [("fairscale", "vs FairScale"), ("baseline", "vs one GPU"), ("fsdp2", "vs FSDP2")]
+    elif first:  # ``--rounds 1``: one run each, in the layout of rounds
+        lines += [f"The job ran {regimes_text}, every implementation once per regime in this order: {order}.", ""]
+    # A ratio column per implementation measured in this file (a file without the one-GPU baseline, such as
+    # the 7B model's, has no column against it).
+    measured_impls = {e["impl"] for e in summary}
+    ratio_cols = [
+        (impl, name)
+        for impl, name in (("fairscale", "vs FairScale"), ("baseline", "vs one GPU"), ("fsdp2", "vs FSDP2"))
+        if impl in measured_impls
+    ]
     if any(e["impl"] == CAPTURED for e in summary):
         ratio_cols.append(("shardfuse", "vs eager shardfuse"))
     if any(e["impl"] == "shardfuse-ref" for e in summary):
@@ -612,13 +725,24 @@ def e2e_rounds_body(
         moved = _noise_line(res, rr, summary, regime)
         if moved:
             noise.append(f"{REGIME_LABEL.get(regime, regime).split(' (')[0]}: {moved}")
-    lines += [
-        f"_vs X: X's median step time divided by this one's (above 1.00x is faster): ratios of the medians over "
-        f"{rounds} interleaved rounds in one job, not of single runs; min-max: the fastest and the slowest "
-        "round's mean step time; MFU %: median over rounds; vs one GPU compares with one GPU training the same "
-        "tokens per GPU without communication._",
-        "",
-    ]
+    vs_one_gpu = (
+        "; vs one GPU compares with one GPU training the same tokens per GPU without communication"
+        if "baseline" in measured_impls
+        else ""
+    )
+    if rounds > 1:
+        lines += [
+            f"_vs X: X's median step time divided by this one's (above 1.00x is faster): ratios of the medians over "
+            f"{rounds} interleaved rounds in one job, not of single runs; min-max: the fastest and the slowest "
+            f"round's mean step time; MFU %: median over rounds{vs_one_gpu}._",
+            "",
+        ]
+    else:
+        lines += [
+            "_vs X: X's step time divided by this one's (above 1.00x is faster), one run each in the same job"
+            f"{vs_one_gpu}._",
+            "",
+        ]
     if noise:
         lines += [
             "The hosts are noisy, so read differences inside the min-max spreads as ties. " + "; ".join(noise) + ".",
@@ -840,6 +964,40 @@ HOW_MEASURED = """\
   [Regression check](#regression-check) below).
 """
 
+# Inserted into HOW_MEASURED after the e2e bullet, for the models whose files are shown (see ``how_measured``):
+# by (model_kind, config name), None for any config.
+_HF_LLAMA_HOW = (
+    "`--model hf-llama` (`e2e_hf_<N>gpu.json`) trains Hugging Face `transformers.LlamaForCausalLM` built with its "
+    "own random init from a `LlamaConfig` (`bench` config: 852.6M parameters, 16 layers, hidden 2048, 16 query "
+    "heads sharing 4 key/value heads, SDPA attention), every `LlamaDecoderLayer` one sharded unit"
+)
+_DECODER_7B_HOW = (
+    "`--config 7b` (`e2e_7b_<N>gpu.json`) trains the decoder in the shape of Llama-2-7B (6.7B parameters: dim 4096, "
+    "32 layers, 32 heads, ffn 11008) at 4K tokens per GPU (batch 1 x seq 4096), which `bench/gpu_suite.sh` runs "
+    "without the one-GPU baseline (`--no-baseline`: fp32 weights, gradients and AdamW state alone are 108 GB)"
+)
+HOW_MEASURED_MODELS: dict[tuple[str, str | None], str] = {
+    (HF_LLAMA_KIND, None): _HF_LLAMA_HOW,
+    (DECODER_KIND, "7b"): _DECODER_7B_HOW,
+}
+HOW_MEASURED_AFTER = "- `python -m bench.offload.run`"
+
+
+def how_measured(results: dict[str, list[Result]]) -> str:
+    """HOW_MEASURED, with a bullet on the other models of ``bench.e2e.run`` when their files are shown."""
+    shown = [(m.kind, m.config) for m in _e2e_models(results)]
+    said = [
+        text
+        for (kind, config), text in HOW_MEASURED_MODELS.items()
+        if (kind, config) in shown or config is None and any(k == kind for k, _ in shown)
+    ]
+    if not said:
+        return HOW_MEASURED
+    bullet = f"- {'; '.join(said)}: the same implementations, measurements and ratios as the decoder's.\n"
+    assert HOW_MEASURED_AFTER in HOW_MEASURED
+    return HOW_MEASURED.replace(HOW_MEASURED_AFTER, bullet + HOW_MEASURED_AFTER, 1)
+
+
 REGRESSION_NOTE = """\
 ## Regression check
 
@@ -904,7 +1062,7 @@ def render(results: dict[str, list[Result]], out_path: Path, plots: Plotter) -> 
                 others += other_section(r)
         if others:
             lines += ["Other files in this folder:", ""] + others + [""]
-    lines += [HOW_MEASURED, REGRESSION_NOTE]
+    lines += [how_measured(results), REGRESSION_NOTE]
     return "\n".join(lines)
 
 
@@ -971,9 +1129,15 @@ def summary_rows(results: dict[str, list[Result]]) -> list[list[str]]:
         for r in rs:
             if r.kind == "e2e":
                 world = r.data.get("config", {}).get("world_size")
+                model = e2e_model(_e2e_cfg(r)).short  # "" for the decoder's bench config, as the rows always were
+                named = f"{model}, " if model else ""
                 regimes = {x["regime"] for x in _e2e_rows(r)} | {e["regime"] for e in e2e_summary(r.data)}
                 for regime in _ordered(regimes, REGIME_ORDER):
-                    bench = f"training, {world} GPUs, {regime.upper()} tokens/GPU" if world else f"training, {regime}"
+                    bench = (
+                        f"training, {world} GPUs, {named}{regime.upper()} tokens/GPU"
+                        if world
+                        else f"training, {named}{regime}"
+                    )
                     kinds = [("shardfuse", README_RATIOS, "")]
                     if _has_captured(r, regime):
                         kinds.append((CAPTURED, README_CAPTURED_RATIOS, README_CAPTURED_BENCH))
@@ -1070,6 +1234,17 @@ def summary_table(results: dict[str, list[Result]], link: str | None = "docs/ben
         )
     if not rows:
         return [f"No benchmark results are stored yet (see {where} for how to produce them)."]
+    named = [
+        m
+        for m in _e2e_models(results)
+        if any(row[1].startswith("training, ") and f" {m.short}, " in row[1] for row in rows)
+    ]
+    models = ""
+    if named:
+        models = (
+            f" Training rows name their model unless it is the Llama-style decoder's `{DEFAULT_DECODER_CONFIG}` "
+            "config: " + "; ".join(f'"{m.short}" = {m.about}' for m in named) + "."
+        )
     lines = table(
         ["GPU", "benchmark", "metric", "shardfuse", "FairScale", "one GPU", "FSDP2", "FSDP1"],
         rows,
@@ -1081,10 +1256,21 @@ def summary_table(results: dict[str, list[Result]], link: str | None = "docs/ben
         "per GPU, unsharded, no communication) and FSDP2's (above 1.00x is faster; where the metric says "
         '"median of N rounds", medians over rounds interleaved in one job on noisy hosts, else one run each); '
         "offload, against the plain GPU step (lower is better). Offload columns: FSDP2 = `fully_shard` with "
-        f"`CPUOffloadPolicy`, FairScale = its `OffloadModel`.{captured} Every number comes from `bench/results/`; "
+        f"`CPUOffloadPolicy`, FairScale = its `OffloadModel`.{captured}{models} Every number comes from "
+        "`bench/results/`; "
         f"environments, spreads over rounds and details in {where}.",
     ]
     return lines
+
+
+def _e2e_models(results: dict[str, list[Result]]) -> list[E2EModel]:
+    """The named models (all but the decoder's bench config) of the e2e files, each once, in file order."""
+    out: dict[str, E2EModel] = {}
+    for rs in results.values():
+        for r in rs:
+            if r.kind == "e2e" and (m := e2e_model(_e2e_cfg(r))).short:
+                out.setdefault(m.short, m)
+    return list(out.values())
 
 
 def update_readme(text: str, table_lines: Sequence[str]) -> str:

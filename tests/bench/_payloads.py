@@ -173,6 +173,133 @@ def e2e_rounds_payload(
     return payload
 
 
+# ``e2e_hf_payload``: step times per round, 1K tokens (batch 1 x seq 1024) per GPU; medians one GPU 41,
+# shardfuse 51, shardfuse-graph 26, FairScale 61, FSDP2 56 ms.
+HF_ROUND_MS = {
+    "baseline": (40.0, 42.0, 41.0),
+    "shardfuse": (50.0, 52.0, 51.0),
+    "shardfuse-graph": (25.0, 27.0, 26.0),
+    "fairscale": (60.0, 62.0, 61.0),
+    "fsdp2": (55.0, 57.0, 56.0),
+}
+HF_PARAMS = 852559872  # bench.e2e.run --model hf-llama --config bench
+# ``e2e_7b_payload``: one round at 4K tokens (batch 1 x seq 4096) per GPU, no one-GPU baseline, FairScale skipped.
+SEVEN_B_MS = {"shardfuse": 400.0, "shardfuse-graph": 390.0, "fsdp2": 440.0}
+SEVEN_B_PARAMS = 6738415616  # examples.llama.LlamaConfig.llama_7b()
+
+
+def _model_rows(
+    times: dict[str, tuple[float, ...]], regime: str, batch: int, seq: int, world: int
+) -> list[dict[str, Any]]:
+    """Rows of ``bench.e2e.run --rounds len(times)`` in one regime, interleaved (round, implementation)."""
+    rows = []
+    for rnd in range(len(next(iter(times.values())))):
+        for impl, ms in times.items():
+            rows.append(
+                {
+                    "impl": impl,
+                    "regime": regime,
+                    "batch": batch,
+                    "seq": seq,
+                    "gpus": 1 if impl == "baseline" else world,
+                    "step_ms": ms[rnd],
+                    "step_ms_rank0": ms[rnd],
+                    "step_ms_list_rank0": [ms[rnd] * 0.98, ms[rnd], ms[rnd] * 1.02],
+                    "tok_s_gpu": batch * seq / (ms[rnd] * 1e-3),
+                    "loss_last": 10.4,
+                    "mfu": 0.25,
+                    "peak_gib": 30.0,
+                    "mem_after_wrap_gib_rank0": 8.0,
+                    "round": rnd,
+                }
+            )
+            if impl == "shardfuse-graph":
+                rows[-1]["graph_pool_gib_rank0"] = 1.5
+    return rows
+
+
+def _model_config(world: int, regime: str, shape: tuple[int, int], **model: Any) -> dict[str, Any]:
+    return {
+        **model,
+        "world_size": world,
+        "device": "cuda",
+        "steps": 15,
+        "warmup": 3,
+        "lr": 1e-4,
+        "optimizer": "AdamW (foreach default)",
+        "compute_dtype": "bfloat16",
+        "reduce_dtype": "float32",
+        "peak_tflops": 989.0,
+        "regimes": {regime: list(shape)},
+        "nccl_nvls_enable": "0",
+    }
+
+
+def e2e_hf_payload(world: int = 2) -> dict[str, Any]:
+    """An ``e2e_hf_<N>gpu.json`` of ``bench.e2e.run --model hf-llama --regime 1k --rounds 3`` (``HF_ROUND_MS``),
+    its ``config`` as the runner's ModelSpec writes it (the decoder's keys, then transformers' own)."""
+    hf_config = {
+        "vocab_size": 32000,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-6,
+        "attn_implementation": "sdpa",
+        "use_cache": False,
+    }
+    config = _model_config(
+        world,
+        "1k",
+        (1, 1024),
+        model="bench",
+        model_kind="hf-llama",
+        dim=2048,
+        n_layers=16,
+        n_heads=16,
+        n_kv_heads=4,
+        ffn_dim=5632,
+        vocab_size=32000,
+        max_seq_len=4096,
+        hf_class="transformers.LlamaForCausalLM",
+        transformers="4.57.1",
+        hf_config=hf_config,
+        params=HF_PARAMS,
+    )
+    rows = _model_rows(HF_ROUND_MS, "1k", 1, 1024, world)
+    return {"env": dict(ENV, gpu_count=world), "config": config, "results": rows, "summary": summarize(rows)}
+
+
+def e2e_7b_payload(world: int = 2) -> dict[str, Any]:
+    """An ``e2e_7b_<N>gpu.json`` of ``bench.e2e.run --config 7b --regime 4k --no-baseline`` (one round,
+    ``SEVEN_B_MS``; FairScale not importable)."""
+    config = _model_config(
+        world,
+        "4k",
+        (1, 4096),
+        model="7b",
+        model_kind="decoder",
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        ffn_dim=11008,
+        vocab_size=32000,
+        max_seq_len=4096,
+        norm_eps=1e-5,
+        rope_theta=10000.0,
+        params=SEVEN_B_PARAMS,
+    )
+    rows: list[dict[str, Any]] = [
+        {"impl": "fairscale", "regime": "4k", "skipped": "not importable: No module named 'fairscale'"}
+    ]
+    measured = _model_rows({k: (v,) for k, v in SEVEN_B_MS.items()}, "4k", 1, 4096, world)
+    rows += measured
+    return {"env": dict(ENV, gpu_count=world), "config": config, "results": rows, "summary": summarize(measured)}
+
+
 def kernels_payload(scale: float = 1.0) -> dict[str, Any]:
     """A ``kernels.json`` as ``bench.kernels.run`` writes it."""
     rows = []
