@@ -1,7 +1,8 @@
 """Wrap-time set-up besides flattening: guards against silent misuse and the first rank's values on every rank.
 
 - ``reset_parameters()`` of flattened modules fails loudly unless ``allow_reset_parameters``;
-- an optimizer holding parameters from before wrapping fails at ``step()`` (one global step pre-hook);
+- an optimizer holding parameters from before wrapping fails at ``step()`` (one global step pre-hook), and so
+  does optimizer state that cannot be this rank's (each sharded parameter's state carries its shard's mark);
 - ``torch.nn.utils.clip_grad_norm_`` over sharded parameters computes the global norm (installed once);
 - ``sync_module_states`` broadcasts the first rank's parameters and buffers; without it, ranks are checked to
   agree (one tiny all-gather per unit) and, if they do not, get the first rank's values with a warning;
