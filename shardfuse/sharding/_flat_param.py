@@ -146,6 +146,9 @@ class FlatParamHandle:
         # ``flat`` (empty where the rank holds none of it); (offset in the shard, length) of each.
         self.orig_views: list[nn.Parameter] | None = None
         self.view_ranges: list[tuple[int, int]] = []
+        # A reduction wrote ``flat.grad`` in this backward: only then do the views' gradients follow it (after a
+        # no_sync backward, or with the unit unused, ``flat.grad`` may be a stale one the user zeroed on the views).
+        self.grad_reduced = False
 
     # ----------------------------------------------------------------------------------------------
     # set-up

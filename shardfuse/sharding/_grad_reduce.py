@@ -71,6 +71,7 @@ def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pe
         return
     flat = handle.flat
     handle.grads_from_views()
+    handle.grad_reduced = True
     offload = flat.device != grad.device
     current = streams.current()
     if offload:

@@ -387,7 +387,9 @@ class Unit:
                 h.reshard()
                 h.fired = False
                 h.forward_version = None
-                h.grads_to_views()
+                if h.grad_reduced:
+                    h.grads_to_views()
+                    h.grad_reduced = False
             if u.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
                 u.training_state = TrainingState.IDLE
         rs.in_backward = False

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardfuse import FullyShardedDataParallel as FSDP
+from shardfuse.sharding._flat_param import handle_of
 from tests.sharding._models import batch, build
 
 WORLD = 2
@@ -98,3 +99,72 @@ def check_orig_params(flag: str) -> bool:
 @pytest.mark.parametrize("flag", ["use_orig_params", "flatten_parameters=False"])
 def test_orig_params_match_unsharded_training(pool, flag):
     assert pool.run(check_orig_params, flag) == [True] * WORLD
+
+
+class _TwoPath(nn.Module):
+    """``b`` is a nested unit; ``skip_b`` leaves it unused in a step."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = FSDP(nn.Linear(16, 16), **kw) if kw else nn.Linear(16, 16)
+        self.c = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, skip_b: bool = False) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        return self.c(h if skip_b else torch.relu(self.b(h)))
+
+
+def check_grads_after_zero_grad(zero: str) -> bool:
+    """After a reduced step and ``zero_grad``, a no_sync micro-batch plus a synced one give the gradient of both
+    batches, not that plus the previous step's (FairScale's test_transformer_no_flat_params caught this); a unit
+    unused after ``zero_grad`` has no gradient, not the stale one."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = _TwoPath()
+    model = FSDP(_TwoPath(use_orig_params=True), use_orig_params=True)
+    model.load_state_dict(ref.state_dict())
+    x = [torch.randn(5, 8, generator=torch.Generator().manual_seed(100 + i)) for i in range(2 * ws)]
+    mine = x[2 * rank : 2 * rank + 2]
+
+    def clear() -> None:
+        if zero == "model":
+            model.zero_grad()
+        else:
+            for p in model.parameters():
+                p.grad = None
+
+    model(torch.cat(mine)).sum().backward()  # a step's gradients, reduced into the shards
+    clear()
+    with model.no_sync():
+        model(mine[0]).sum().backward()
+    model(mine[1]).sum().backward()
+    ref(torch.cat(x)).sum().backward()
+    # This rank's pieces against the unsharded gradient averaged over ranks.
+    full = {n: p.grad / ws for n, p in ref.named_parameters()}
+    for n, p in model.named_parameters():
+        assert p.grad is not None, n
+        torch.testing.assert_close(p.grad, _my_piece(p, full[n]), **TOL, msg=n)
+    clear()
+    model(mine[0], skip_b=True).sum().backward()
+    for n, p in model.named_parameters():
+        if n.startswith("b."):
+            assert p.grad is None, f"{n}: an unused unit's parameter got a stale gradient"
+        else:
+            assert p.grad is not None, n
+    return True
+
+
+def _my_piece(view: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of an original parameter's full tensor, as its sharded view holds it."""
+    h = handle_of(view)
+    i = next(i for i, v in enumerate(h.orig_views) if v is view)
+    a, n = h.view_ranges[i]
+    if n == 0:  # the rank holds none of it
+        return full.reshape(-1)[:0]
+    return full.reshape(-1).narrow(0, h.rank * h.shard_numel + a - sum(h.numels[:i]), n)
+
+
+@pytest.mark.parametrize("zero", ["model", "set_none"])
+def test_no_sync_after_zero_grad_is_not_stale(pool, zero):
+    assert pool.run(check_grads_after_zero_grad, zero) == [True] * WORLD
