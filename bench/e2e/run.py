@@ -63,6 +63,7 @@ import functools
 import gc
 import importlib
 import importlib.util
+import json
 import os
 import statistics
 import time
@@ -119,7 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS, help="bf16 peak for MFU")
     p.add_argument("--no-baseline", action="store_true", help="skip the one-GPU unsharded baseline")
     p.add_argument("--profile", default=None, metavar="DIR",
-                   help=f"write a chrome trace of {PROFILE_STEPS} shardfuse steps of the 1k regime (rank 0) to DIR")
+                   help=f"profile {PROFILE_STEPS} eager steps of the 1k regime of each implementation (rank 0): a "
+                        f"chrome trace and a kernel-time summary (NCCL vs other kernels, the top kernels) per "
+                        f"implementation in DIR")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pg-timeout", type=float, default=600.0, help="process-group timeout in seconds")
@@ -382,8 +385,8 @@ def _eager_step(
 
 
 @contextlib.contextmanager
-def maybe_profile(path: Path | None, device: torch.device) -> Iterator[None]:
-    """Record a chrome trace to ``path`` when given."""
+def maybe_profile(path: Path | None, device: torch.device, steps: int = PROFILE_STEPS) -> Iterator[None]:
+    """Record a chrome trace to ``path`` when given, and beside it a summary of the GPU kernels' time per step."""
     if path is None:
         yield
         return
@@ -394,7 +397,35 @@ def maybe_profile(path: Path | None, device: torch.device) -> Iterator[None]:
         yield
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
-    print(f"wrote profiler trace {path}", flush=True)
+    summary = kernel_summary(prof.events(), steps)
+    write_json = path.with_suffix(".kernels.json")
+    write_json.write_text(json.dumps(summary, indent=1))
+    print(f"wrote profiler trace {path} and {write_json.name}: per step {summary['kernels_per_step']:.0f} "
+          f"kernels, NCCL {summary['nccl_ms_per_step']:.1f} ms, other kernels {summary['other_ms_per_step']:.1f} ms",
+          flush=True)
+    for k in summary["top_other"][:12]:
+        print(f"    {k['ms_per_step']:7.2f} ms {k['count_per_step']:6.1f}x  {k['name'][:100]}", flush=True)
+
+
+def kernel_summary(events: Any, steps: int) -> dict[str, Any]:
+    """GPU kernel time per step from profiler events: NCCL kernels apart from the others, and the others' top
+    names (summed durations: overlapping kernels both count)."""
+    per_name: dict[str, list[float]] = {}
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        per_name.setdefault(e.name, []).append(e.time_range.elapsed_us() / 1e3)
+    nccl = sum(sum(v) for n, v in per_name.items() if "nccl" in n.lower())
+    other = {n: v for n, v in per_name.items() if "nccl" not in n.lower()}
+    top = sorted(other.items(), key=lambda kv: -sum(kv[1]))
+    return {
+        "steps": steps,
+        "kernels_per_step": sum(len(v) for v in per_name.values()) / steps,
+        "nccl_ms_per_step": nccl / steps,
+        "other_ms_per_step": sum(sum(v) for v in other.values()) / steps,
+        "top_other": [{"name": n, "ms_per_step": sum(v) / steps, "count_per_step": len(v) / steps}
+                      for n, v in top[:40]],
+    }
 
 
 def measure(
@@ -441,12 +472,12 @@ def measure(
             out["peak_bytes"] = max(out["peak_bytes"], step.eager_peak_bytes, step.captured_peak_bytes)
             out["graph_pool_bytes"] = step.graph_pool_bytes
         out["mem_after_wrap_bytes"] = mem_after_wrap
-    if args.profile and impl == "shardfuse" and regime == "1k":
-        path = Path(args.profile) / f"shardfuse_1k_{dist.get_world_size()}gpu_rank0.json" if rank == 0 else None
+    if args.profile and not graphed and regime == "1k":
+        path = Path(args.profile) / f"{impl}_1k_{dist.get_world_size()}gpu_rank0.json" if rank == 0 else None
         # Every rank runs the same steps (collectives stay matched); rank 0 records them.
         with maybe_profile(path, device):
             for i in range(PROFILE_STEPS):
-                with torch.profiler.record_function("bench.e2e:shardfuse_step"):
+                with torch.profiler.record_function(f"bench.e2e:{impl}_step"):
                     step_fn(model, opt, data[i % len(data)], autocast, spec)
             sync(device)
     del model, opt, loss, data, step
