@@ -124,7 +124,9 @@ def main() -> int:
     for step in range(args.steps):
         start = time.perf_counter()
         losses.append(train_step(step_model, model, opt, data[step]))
-        say(f"step {step + 1}/{args.steps}  loss {losses[-1]:.4f}  {time.perf_counter() - start:.2f} s")
+        took = time.perf_counter() - start
+        say(f"step {step + 1}/{args.steps}  loss {losses[-1]:.4f}  {took:.2f} s  "
+            f"{args.batch * args.seq / took:,.0f} tok/s/{device.type}")
         if (step + 1) % args.eval_every == 0:
             say(f"eval after step {step + 1}: {evaluate(model, held_out):.4f}")
         if step + 1 == half:
@@ -136,7 +138,8 @@ def main() -> int:
     state = fresh.sharded_state_dict(fresh_opt)
     dcp.load(state, checkpoint_id=ckpt)
     fresh.load_sharded_state_dict(state, fresh_opt)
-    resumed = [train_step(fresh, fresh, fresh_opt, data[step]) for step in range(half, args.steps)]
+    fresh_step = fresh if args.no_compile else torch.compile(fresh)  # the same kernels as the run it resumes
+    resumed = [train_step(fresh_step, fresh, fresh_opt, data[step]) for step in range(half, args.steps)]
     diff = max(abs(a - b) for a, b in zip(resumed, losses[half:]))
     ok = diff <= (1e-5 if not args.no_compile else 0.0) + 1e-6
     say(f"resumed from the checkpoint: max loss difference {diff:.2e} over {len(resumed)} steps: "
