@@ -21,7 +21,8 @@ implementation:
   16 query heads sharing 4 key/value heads, SwiGLU 5632, vocab 32000, untied output, SDPA attention:
   852,559,872 parameters; ``--config tiny`` for the CPU.
 
-bf16 compute, fp32 gradient reduction and AdamW (lr 1e-4, PyTorch's default foreach setting), the loss the
+bf16 compute, fp32 gradient reduction and AdamW (lr 1e-4; ``--optim foreach``, PyTorch's default, or ``fused``
+for every implementation alike), the loss the
 next-token cross-entropy of the logits in fp32, every decoder layer (``DecoderLayer`` / ``LlamaDecoderLayer``)
 one sharded unit plus the root:
 
@@ -30,7 +31,9 @@ one sharded unit plus the root:
 - ``fsdp1``: ``torch.distributed.fsdp.FullyShardedDataParallel`` with ``MixedPrecision(bf16, fp32, bf16)``, a
   transformer auto-wrap policy, ``use_orig_params=False``
 - ``shardfuse-graph``: shardfuse wrapped the same way, its whole step captured by ``shardfuse.capture_step`` and
-  replayed (AdamW with ``capturable=True``; the capture's one warm-up step is the first untimed step)
+  replayed (AdamW with ``capturable=True``, which under ``foreach`` takes extra passes over the optimizer state
+  that the eager implementations skip; ``--optim fused`` runs the same fused kernel eager and captured; the
+  capture's one warm-up step is the first untimed step)
 - ``fairscale``: FairScale's FSDP with the same flags as shardfuse (when ``fairscale`` is importable)
 - ``baseline``: one GPU, no sharding, fp32 parameters under ``torch.autocast(bf16)``; rank 0 runs it alone while
   the other ranks wait (``--no-baseline`` skips it).
@@ -124,6 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"chrome trace and a kernel-time summary (NCCL vs other kernels, the top kernels) per "
                         f"implementation in DIR")
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--optim", choices=("foreach", "fused"), default="foreach",
+                   help="AdamW implementation for every implementation (the captured step adds capturable=True)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pg-timeout", type=float, default=600.0, help="process-group timeout in seconds")
     p.add_argument("--name", default=None, help="result name (default e2e_<N>gpu, e2e_hf_<N>gpu, e2e_7b_<N>gpu)")
@@ -412,7 +417,7 @@ def kernel_summary(events: Any, steps: int) -> dict[str, Any]:
     names (summed durations: overlapping kernels both count)."""
     per_name: dict[str, list[float]] = {}
     for e in events:
-        if e.device_type != torch.autograd.DeviceType.CUDA:
+        if e.device_type != torch.autograd.DeviceType.CUDA or getattr(e, "is_user_annotation", False):
             continue
         per_name.setdefault(e.name, []).append(e.time_range.elapsed_us() / 1e3)
     nccl = sum(sum(v) for n, v in per_name.items() if "nccl" in n.lower())
@@ -434,14 +439,18 @@ def measure(
     """Build, wrap and train ``impl`` for warmup + steps on this rank; returns this rank's numbers."""
     batch, seq = REGIMES[regime]
     seq = min(seq, spec.max_seq_len)
+    # What earlier implementations left allocated (FairScale 0.4.13 never frees a trained model: its hooks keep
+    # it alive): memory numbers are this implementation's own, above it.
+    leftover = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     data = make_data(spec.vocab_size, batch, seq, rank, args.seed, device)
     model = spec.make(device, args.seed)
     model = WRAPPERS[impl](model, spec, device)
     graphed = impl == "shardfuse-graph"
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, capturable=graphed and device.type == "cuda")
+    fused = args.optim == "fused" and device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, capturable=graphed and device.type == "cuda", fused=fused)
     autocast = impl == "baseline"
     if device.type == "cuda":
-        mem_after_wrap = torch.cuda.memory_allocated(device)
+        mem_after_wrap = torch.cuda.memory_allocated(device) - leftover
         torch.cuda.reset_peak_memory_stats(device)
     step: Callable[[torch.Tensor], torch.Tensor] = functools.partial(_eager_step, model, opt, autocast, spec)
     first = 0
@@ -471,6 +480,8 @@ def measure(
         if graphed:  # capture_step reset the peak statistics: its own numbers cover the warm-up and the capture
             out["peak_bytes"] = max(out["peak_bytes"], step.eager_peak_bytes, step.captured_peak_bytes)
             out["graph_pool_bytes"] = step.graph_pool_bytes
+        out["peak_bytes"] -= leftover
+        out["leftover_bytes"] = leftover
         out["mem_after_wrap_bytes"] = mem_after_wrap
     if args.profile and not graphed and regime == "1k":
         path = Path(args.profile) / f"{impl}_1k_{dist.get_world_size()}gpu_rank0.json" if rank == 0 else None
@@ -543,6 +554,7 @@ def run_one(
         row["mfu"] = flops / (step_ms * 1e-3) / (args.peak_tflops * 1e12)
         row["peak_gib"] = maxed[1].item() / 2**30
         row["mem_after_wrap_gib_rank0"] = mine["mem_after_wrap_bytes"] / 2**30
+        row["leftover_gib_rank0"] = mine["leftover_bytes"] / 2**30
         if "graph_pool_bytes" in mine:
             row["graph_pool_gib_rank0"] = mine["graph_pool_bytes"] / 2**30
     return row
@@ -639,7 +651,8 @@ def main(argv: list[str] | None = None) -> None:
             "model": args.config, "model_kind": spec.kind, **spec.config, "params": spec.num_params,
             "world_size": world,
             "device": device.type, "steps": args.steps, "warmup": args.warmup, "lr": args.lr,
-            "optimizer": "AdamW (foreach default)", "compute_dtype": "bfloat16", "reduce_dtype": "float32",
+            "optimizer": f"AdamW ({args.optim})", "peak_memory": "above what earlier runs left allocated",
+            "compute_dtype": "bfloat16", "reduce_dtype": "float32",
             "peak_tflops": args.peak_tflops, "regimes": {r: REGIMES[r] for r in regimes},
             "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
         },
