@@ -27,6 +27,7 @@ so. Only the standard library is needed otherwise (no torch import), so the repo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import re
@@ -427,7 +428,18 @@ def _hf_setup(cfg: dict[str, Any], cls: str, count: str) -> str:
 
 def e2e_model(cfg: dict[str, Any]) -> E2EModel:
     """The model of an e2e file's ``config``: bench/e2e/run.py's ``model_kind`` (``decoder`` when absent) and
-    ``model`` (the config name: the decoder's ``bench``, ``7b``, ...; hf-llama's ``bench``)."""
+    ``model`` (the config name: the decoder's ``bench``, ``7b``, ...; hf-llama's ``bench``); a run with fused
+    AdamW (``config.optimizer``, ``--optim fused``) says so in its titles and README rows."""
+    model = _e2e_model(cfg)
+    if "fused" not in str(cfg.get("optimizer", "")):
+        return model
+    return dataclasses.replace(
+        model, title=f"{model.title or 'decoder'}, fused AdamW", short=f"{model.short or 'decoder'}, fused AdamW",
+        about=f"{model.about or 'the decoder'} with fused AdamW (`--optim fused`) for every implementation",
+    )
+
+
+def _e2e_model(cfg: dict[str, Any]) -> E2EModel:
     kind = str(cfg.get("model_kind") or DECODER_KIND)
     name = cfg.get("model")
     config = str(name) if name else ""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,7 +26,7 @@ from shardfuse._streams import Streams, record_event, use_stream, wait_event, wa
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding import _data_path as dp
 
-# Marks original parameters once they were flattened, to catch a Parameter shared across two units.
+# Marks original parameters once they were flattened: a later unit borrows them instead of flattening them again.
 FLATTENED_MARK = "_shardfuse_flattened_into"
 # On sharded parameters (flat, or original views): (rank, world_size), the shard this rank's optimizer state is of.
 SHARD_MARK_ATTR = "_shardfuse_shard"
@@ -45,6 +46,33 @@ def handle_of(p: torch.Tensor) -> FlatParamHandle | None:
     """The handle whose shard ``p`` is (a flat parameter, or an original parameter's view), or None."""
     entry = _HANDLES.get(id(p))
     return entry[1]() if entry is not None and entry[0]() is p else None
+
+
+# id(original parameter) -> (it, the handle it was flattened into, its unique index there), all weakly (as
+# _HANDLES): a later unit whose modules register it too borrows it from that handle.
+_FLATTENED: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[FlatParamHandle], int]] = {}
+
+
+def _register_flattened(p: torch.Tensor, handle: FlatParamHandle, index: int) -> None:
+    key = id(p)
+    _FLATTENED[key] = (weakref.ref(p, lambda _, key=key: _FLATTENED.pop(key, None)), weakref.ref(handle), index)
+
+
+def flattened_into(p: torch.Tensor) -> tuple[FlatParamHandle, int] | None:
+    """``(handle, unique index)`` of a parameter some unit already flattened: an original parameter, or its
+    ``use_orig_params`` view; None for any other tensor."""
+    entry = _FLATTENED.get(id(p))
+    if entry is not None and entry[0]() is p:
+        h = entry[1]()
+        return None if h is None else (h, entry[2])
+    h = handle_of(p)
+    if h is not None and h.orig_views is not None:
+        for i, v in enumerate(h.orig_views):
+            if v is p:
+                return h, i
+    return None
+
+
 # The instance attribute that makes a module (the public wrapper) a unit: it holds the unit's runtime state.
 # Flattening stops at such modules; their own parameters belong to their unit.
 UNIT_ATTR = "_shardfuse_unit"
@@ -62,6 +90,22 @@ class ParamSlot:
     attr: str
     fqn: str  # name relative to the unit's wrapped module, e.g. "layers.0.weight"
     index: int
+
+
+@dataclass(eq=False)
+class BorrowedSlot:
+    """A registration ``module.<attr>`` in a unit of a parameter another unit (the lender, a sibling) flattened:
+    the lender's ``handle`` holds the shard and reduces the gradient; the borrower gathers that handle around its
+    own forward and backward. ``fqn`` is relative to the borrower's wrapped module."""
+
+    module: nn.Module
+    attr: str
+    fqn: str
+    handle: FlatParamHandle
+    index: int
+    # The lending unit (a Unit) and the handle's index in it, found in the tree at lazy init.
+    lender: Any = None
+    lender_hi: int = -1
 
 
 def iter_own_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
@@ -102,6 +146,9 @@ class FlatParamHandle:
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
         self.slots = slots
+        # Every module attribute that shows this handle's parameters: ``slots``, plus registrations in units
+        # that borrow them (see lend()); the same list object as long as nothing is lent.
+        self.attr_slots = slots
         self.names = [""] * len(params)
         for s in slots:  # the first registration names the parameter
             if not self.names[s.index]:
@@ -239,11 +286,43 @@ class FlatParamHandle:
                 self.full_param.requires_grad_(wanted)
                 self._hook_if_trained()
 
+    def lend(self, slot: ParamSlot) -> None:
+        """Another unit's module registers parameter ``slot.index`` too (``slot.fqn`` is relative to that unit):
+        its attribute follows this handle from now on, like the own registrations (views while gathered,
+        placeholders while sharded; the original-parameter view registered where there is one)."""
+        self.attr_slots = [*self.attr_slots, slot]
+        slot.module.__dict__[slot.attr] = self.views()[slot.index] if self.is_full else self.placeholders[slot.index]
+        if self.orig_views is not None:
+            slot.module._parameters[slot.attr] = self.orig_views[slot.index]
+
+    @property
+    def lent(self) -> bool:
+        """Some parameter of this handle is registered in another unit's modules too."""
+        return self.attr_slots is not self.slots
+
+    def index_of(self, t: torch.Tensor) -> int | None:
+        """The unique index of the parameter ``t`` stands for (its placeholder, its original-parameter view, what
+        one of its attributes shows now, or the original parameter), or None."""
+        found = flattened_into(t)
+        if found is not None:
+            return found[1] if found[0] is self else None
+        for i, ph in enumerate(self.placeholders):
+            if ph is t:
+                return i
+        for s in self.attr_slots:
+            if s.module.__dict__.get(s.attr) is t or s.module._parameters.get(s.attr) is t:
+                return s.index
+        return None
+
     def __getstate__(self) -> dict:
         # Process groups do not pickle; the owner sets them again (FairScale's "MISSING" convention).
         state = dict(self.__dict__)
         state["group"] = MISSING_GROUP
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        state.setdefault("attr_slots", state["slots"])  # pickled before sharing across units: nothing lent
+        self.__dict__.update(state)
 
     @property
     def nbytes(self) -> int:
@@ -306,14 +385,14 @@ class FlatParamHandle:
     def set_views(self) -> None:
         """Point every original parameter attribute at its view of the full buffer."""
         views = self.views()
-        for s in self.slots:
+        for s in self.attr_slots:
             # Plain attribute (the Parameter was removed from module._parameters at wrap time); writing the
             # instance dict skips nn.Module.__setattr__'s checks on the hot path.
             s.module.__dict__[s.attr] = views[s.index]
 
     def clear_views(self) -> None:
         """Point the original parameter attributes at meta placeholders (the full buffer is freed)."""
-        for s in self.slots:
+        for s in self.attr_slots:
             s.module.__dict__[s.attr] = self.placeholders[s.index]
 
     # ----------------------------------------------------------------------------------------------
@@ -351,27 +430,34 @@ def flatten_own_params(
     move_params_to_cpu: bool,
     compute_device: torch.device | None,
     cuda_group: bool = False,
-) -> tuple[list[FlatParamHandle], ParamTable]:
+) -> tuple[list[FlatParamHandle], ParamTable, list[BorrowedSlot]]:
     """Flatten ``module``'s own parameters (not those of nested units) per (dtype, requires_grad) group.
 
     Under an NCCL group (``cuda_group``) parameters left on the CPU are sharded onto the compute device (the
     current CUDA device by default), as FairScale moves such modules. The original ``nn.Parameter`` objects
     leave their modules' ``_parameters`` (marked with ``FLATTENED_MARK``); the returned handles own the shards.
-    Groups come in order of first appearance.
+    Groups come in order of first appearance. A parameter a sibling unit already flattened (shared across
+    units) is not flattened again but borrowed: its registrations come back as :class:`BorrowedSlot`, in the
+    table as handle index ``-1 - k`` for the ``k``-th of them.
     """
     unique: dict[int, nn.Parameter] = {}
     regs: list[tuple[str, nn.Module, str, nn.Parameter]] = []
+    borrowed: list[BorrowedSlot] = []
     order: dict[int, list[str]] = {}
     for prefix, m in iter_own_modules(module):
         for name, p in m._parameters.items():
             if p is None:
                 continue
-            if getattr(p, FLATTENED_MARK, None) is not None:
-                raise ValueError(
-                    f"parameter {prefix}{name} is shared with a module already wrapped by another "
-                    f"FullyShardedDataParallel unit: parameters shared across units are not supported; wrap "
-                    f"the modules that share it in the same unit"
-                )
+            if getattr(p, FLATTENED_MARK, None) is not None or handle_of(p) is not None:
+                lent = flattened_into(p)
+                if lent is None:
+                    raise ValueError(
+                        f"parameter {prefix}{name} was flattened by a FullyShardedDataParallel unit that no longer "
+                        f"exists (or is a unit's flat parameter): its values are stale; register a live parameter"
+                    )
+                borrowed.append(BorrowedSlot(m, name, f"{prefix}{name}", *lent))
+                order.setdefault(id(m), []).append(name)
+                continue
             if not p.is_floating_point():
                 raise TypeError(
                     f"parameter {prefix}{name} has dtype {p.dtype}; only floating-point parameters can be "
@@ -380,6 +466,8 @@ def flatten_own_params(
             unique.setdefault(id(p), p)
             regs.append((prefix, m, name, p))
             order.setdefault(id(m), []).append(name)
+    if borrowed:
+        _refuse_nested_lenders(module, borrowed)
     devices = {p.device for p in unique.values()}
     if len(devices) > 1:
         where = sorted({f"{pre}{n}: {p.device}" for pre, _, n, p in regs})[:8]
@@ -410,12 +498,17 @@ def flatten_own_params(
     for hi, params in enumerate(groups.values()):
         index = {id(p): i for i, p in enumerate(params)}
         slots = [ParamSlot(m, name, f"{prefix}{name}", index[id(p)]) for prefix, m, name, p in regs if id(p) in index]
-        handles.append(FlatParamHandle(
+        handle = FlatParamHandle(
             params, slots, group=group, rank=rank, world_size=world_size, shard_device=shard_device,
             pin=move_params_to_cpu,
-        ))
+        )
+        handles.append(handle)
         for s in slots:
             table.setdefault(id(s.module), []).append((s.attr, hi, s.index))
+        for p in params:
+            _register_flattened(p, handle, index[id(p)])
+    for k, b in enumerate(borrowed):
+        table.setdefault(id(b.module), []).append((b.attr, -1 - k, b.index))
     # Keep each module's original parameter order for state dicts.
     for mid, names in order.items():
         rank_of = {n: i for i, n in enumerate(names)}
@@ -423,9 +516,26 @@ def flatten_own_params(
     for _, m, name, p in regs:
         m._parameters.pop(name, None)
         setattr(p, FLATTENED_MARK, True)
+    for b in borrowed:
+        b.module._parameters.pop(b.attr, None)
+        b.handle.lend(ParamSlot(b.module, b.attr, b.fqn, b.index))
     for _, m in iter_own_modules(module):
         object.__setattr__(m, OWNED_MARK, True)
-    return handles, table
+    return handles, table, borrowed
+
+
+def _refuse_nested_lenders(module: nn.Module, borrowed: list[BorrowedSlot]) -> None:
+    """Only siblings share: a unit nested inside this one reshards the parameter after its own forward, in the
+    middle of this unit's forward, which still reads it."""
+    nested = {id(h) for m in module.modules() if UNIT_ATTR in m.__dict__ for h in m.__dict__[UNIT_ATTR].handles}
+    for b in borrowed:
+        if id(b.handle) in nested:
+            raise ValueError(
+                f"parameter {b.fqn} is shared with a module already wrapped by another FullyShardedDataParallel "
+                f"unit nested inside this {type(module).__name__}: parameters are shared only between sibling units "
+                f"(neither inside the other); wrap the modules that share it in the same unit, or wrap each of them "
+                f"as a sibling unit under a common root"
+            )
 
 
 def materialize_meta(

@@ -176,7 +176,7 @@ class FullyShardedDataParallel(nn.Module):
                 broadcast_own_states(module, groups)
             else:
                 agree_on_initial_values(module, groups, f"{type(self).__name__}({type(module).__name__})")
-            handles, table = flatten_own_params(
+            handles, table, borrowed = flatten_own_params(
                 module, group=groups.process_group, rank=groups.rank, world_size=groups.world_size,
                 move_params_to_cpu=config.move_params_to_cpu, compute_device=config.compute_device,
                 cuda_group=coll.is_cuda_group(groups.process_group),
@@ -189,7 +189,7 @@ class FullyShardedDataParallel(nn.Module):
                         f"own dtype, but {type(module).__name__} has {wrong} parameters: cast the model first "
                         f"(e.g. model.half() for pure fp16), or pass mixed_precision=True"
                     )
-            unit = Unit(module, config, groups, handles, table)
+            unit = Unit(module, config, groups, handles, table, borrowed)
             if config.use_orig_params:
                 # The original parameters, views of the shard, where they were; compute reads the instance
                 # attributes (gathered views or meta placeholders), which shadow these registrations.
@@ -369,7 +369,7 @@ class FullyShardedDataParallel(nn.Module):
                     if h.flat.grad is not None:
                         h.flat.grad = fn(h.flat.grad)
                     views = h.make_orig_views()
-                    for slot in h.slots:
+                    for slot in h.attr_slots:  # borrowing siblings register the same views
                         slot.module._parameters[slot.attr] = views[slot.index]
                     h.grads_to_views()
         reset_root(unit)
@@ -439,6 +439,36 @@ class FullyShardedDataParallel(nn.Module):
         finally:
             for u, o in zip(units, old):
                 u.require_backward_grad_sync = o
+
+    def append_shared_param(self, p: torch.Tensor) -> None:
+        """FairScale's declaration that ``p``, flattened by a sibling unit, is also used by this unit's modules.
+
+        Sharing is found when wrapping: a parameter that an earlier (sibling) unit flattened and that this unit's
+        modules register too is borrowed, not flattened again (any ``flatten_parameters`` on either side). This
+        only checks that ``p`` (e.g. ``sibling.module.weight``) is such a parameter, and raises otherwise.
+        """
+        unit = self._unit
+        if any(b.handle.index_of(p) == b.index for b in unit.borrowed):
+            return
+        what = f"a {type(p).__name__} of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else repr(p)
+        own = next((h.names[i] for h in unit.handles if (i := h.index_of(p)) is not None), None)
+        if own is not None:
+            raise ValueError(f"append_shared_param got {own!r}, a parameter {unit.name} flattened itself: pass a "
+                             f"parameter of the sibling unit it shares with")
+        raise ValueError(
+            f"append_shared_param got {what} that {unit.name} does not share (it shares "
+            f"{[b.fqn for b in unit.borrowed] or 'nothing'}): a parameter is shared when a sibling unit wrapped "
+            f"first flattened it and a module of this unit registers the same nn.Parameter (tie them before "
+            f"wrapping, e.g. l1.weight = l3.weight); pass it as the sibling shows it (e.g. l1.module.weight)"
+        )
+
+    def non_shared_params(self) -> list[nn.Parameter]:
+        """This unit's own parameters, without those it borrows from siblings (FairScale's method): the flat
+        parameters, or with ``use_orig_params`` the original parameters' views."""
+        unit = self._unit
+        if unit.config.use_orig_params:
+            return [v for h in unit.handles for v in h.orig_views or ()]
+        return [h.flat for h in unit.handles]
 
     def set_gradient_divide_factors(self, pre: float, post: float, recursive: bool = True) -> None:
         """Divide gradients by ``pre`` before and by ``post`` after the reduce-scatter (``pre * post`` is

@@ -57,6 +57,7 @@ def _lazy_init(unit: Unit) -> None:
                 f"process_group_reduce_scatter) on every FullyShardedDataParallel instance after unpickling"
             )
     _check_ranks_agree(unit, units)
+    _find_lenders(units)
     for u in units:
         _init_unit(u)
     rs = RootState(unit, units, Streams(unit.compute_device))
@@ -68,6 +69,22 @@ def _lazy_init(unit: Unit) -> None:
             u.no_broadcast_optim_state = True
     if unit.config.disable_reshard_on_root:
         unit.reshard_after_forward = False
+
+
+def _find_lenders(units: list[Unit]) -> None:
+    """Point each borrowed parameter at the unit of the tree that lends it; the lender must be in the tree, whose
+    root's streams and backward bookkeeping both units then share."""
+    owner = {id(h): (u, hi) for u in units for hi, h in enumerate(u.handles)}
+    for u in units:
+        for b in u.borrowed:
+            found = owner.get(id(b.handle))
+            if found is None:
+                raise RuntimeError(
+                    f"{u.name} shares parameter {b.fqn} with a FullyShardedDataParallel unit outside its tree "
+                    f"(rooted at {units[0].name}): wrap the modules of both units in one outer "
+                    f"FullyShardedDataParallel (the root), and run them through it"
+                )
+            b.lender, b.lender_hi = found
 
 
 def reset_root(unit: Unit) -> None:
@@ -87,6 +104,13 @@ def release_unit(unit: Unit) -> None:
     units = units_below(unit)
     for u in units:
         check_state(u.training_state, (TrainingState.IDLE,), "wrapping the module again", u.name)
+    shared = [b.fqn for b in unit.borrowed] + [s.fqn for h in unit.handles for s in h.attr_slots[len(h.slots):]]
+    if shared:
+        raise RuntimeError(
+            f"{unit.name} shares parameters {shared[:8]} with sibling FullyShardedDataParallel units: it cannot "
+            f"give them back to wrap its module again; wrap the whole model anew (build it again, or load its "
+            f"state_dict() into a fresh copy)"
+        )
     for h in unit.handles:
         full = h.gather_full_precision(h.flat.device)
         params = [nn.Parameter(v.clone(), requires_grad=h.requires_grad) for v in h.split_full(full)]
@@ -113,8 +137,8 @@ def _init_unit(unit: Unit) -> None:
         if dev is None:
             dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         unit.compute_device = dev if dev is not None else torch.device("cpu")
-    elif unit.handles:
-        unit.compute_device = unit.handles[0].flat.device
+    elif unit.gather_handles:
+        unit.compute_device = unit.gather_handles[0].flat.device
     else:
         dev = cfg.compute_device
         if dev is None:

@@ -28,7 +28,7 @@ from shardfuse._profiling import profiled
 from shardfuse._streams import Streams, wait_stream
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding._config import Groups, ShardingConfig
-from shardfuse.sharding._flat_param import MISSING_GROUP, FlatParamHandle, ParamTable
+from shardfuse.sharding._flat_param import MISSING_GROUP, BorrowedSlot, FlatParamHandle, ParamTable
 from shardfuse.sharding._grad_reduce import PendingFrees, ReduceConfig, finish_host_grads, reduce_grad
 from shardfuse.sharding._state import TrainingState, check_state
 
@@ -108,6 +108,7 @@ class Unit:
         groups: Groups,
         handles: list[FlatParamHandle],
         param_table: ParamTable,
+        borrowed: list[BorrowedSlot] | None = None,
     ) -> None:
         self.module = module
         self.config = config
@@ -116,6 +117,11 @@ class Unit:
         self.world_size = groups.world_size
         self.handles = handles
         self.param_table = param_table
+        # Parameters shared with sibling units that flattened them first: their handles are gathered (and
+        # resharded) with this unit's own; the lender's post-backward hook reduces their gradients.
+        self.borrowed = borrowed or []
+        lent: dict[int, FlatParamHandle] = {id(b.handle): b.handle for b in self.borrowed}
+        self.gather_handles = [*handles, *lent.values()] if lent else handles
         self.name = f"FullyShardedDataParallel({type(module).__name__})"
         self.training_state = TrainingState.IDLE
         self.is_root: bool | None = None
@@ -152,6 +158,12 @@ class Unit:
         state["groups"] = Groups(MISSING_GROUP, MISSING_GROUP, self.rank, self.world_size)
         return state
 
+    def __setstate__(self, state: dict) -> None:
+        # Units pickled before parameters could be shared across units borrow nothing.
+        state.setdefault("borrowed", [])
+        state.setdefault("gather_handles", state["handles"])
+        self.__dict__.update(state)
+
     def set_groups(self, process_group: Any | None = None, reduce_scatter_group: Any | None = None) -> None:
         """Replace the process groups (e.g. after unpickling); they must hold the same ranks as before."""
         for name, g in (("process_group", process_group), ("process_group_reduce_scatter", reduce_scatter_group)):
@@ -173,18 +185,18 @@ class Unit:
 
     def unshard(self) -> None:
         streams = self.root_state.streams
-        for h in self.handles:
+        for h in self.gather_handles:
             h.unshard(streams)
 
     def wait_and_set_views(self, set_views: bool = True) -> None:
         streams = self.root_state.streams
-        for h in self.handles:
+        for h in self.gather_handles:
             h.wait_full(streams)
             if set_views:
                 h.set_views()
 
     def reshard(self) -> None:
-        for h in self.handles:
+        for h in self.gather_handles:
             h.reshard()
 
     # ----------------------------------------------------------------------------------------------
@@ -229,7 +241,7 @@ class Unit:
             if nxt is not None:
                 with profiled("shardfuse.sharding:prefetch"):
                     nxt.unshard()
-            for h in self.handles:
+            for h in self.gather_handles:
                 h.sync_requires_grad()
                 h.forward_version = h.flat._version
             self.wait_and_set_views()
@@ -325,7 +337,7 @@ class Unit:
                 self.wait_and_set_views()
 
     def _check_unchanged_since_forward(self) -> None:
-        for h in self.handles:
+        for h in self.gather_handles:
             if h.forward_version is not None and h.flat._version != h.forward_version:
                 raise RuntimeError(
                     f"the sharded parameters of {self.name} changed between its forward and its backward "
@@ -341,7 +353,10 @@ class Unit:
     def post_backward(self, handle: FlatParamHandle, full_param: torch.Tensor) -> None:
         """Hook on the full buffer's gradient: reduce-scatter it into the shard's gradient, reshard."""
         with profiled("shardfuse.sharding:post_backward"):
-            if self.training_state not in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
+            if self.training_state not in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST) and not (
+                # A handle lent to a sibling: the borrower's outputs alone may have led backward here.
+                handle.lent and self.root_state is not None and self.root_state.in_backward
+            ):
                 raise RuntimeError(
                     f"the post-backward hook of {self.name} ran in state={self.training_state.name} "
                     f"without its pre-backward hook: backward reached the unit's parameters without going "

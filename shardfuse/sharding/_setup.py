@@ -220,11 +220,12 @@ def init_device(config: ShardingConfig, groups: Groups) -> torch.device:
 
 
 def _own_states(module: nn.Module) -> list[torch.Tensor]:
-    """The unit's own parameters and buffers, each once."""
+    """The unit's own parameters and buffers, each once; not those a sibling unit flattened (borrowed: a view's
+    values differ by rank, and the lender made them agree already)."""
     found: dict[int, torch.Tensor] = {}
     for _, m in iter_own_modules(module):
         for t in (*m._parameters.values(), *m._buffers.values()):
-            if t is not None:
+            if t is not None and getattr(t, FLATTENED_MARK, None) is None and handle_of(t) is None:
                 found.setdefault(id(t), t)
     return list(found.values())
 

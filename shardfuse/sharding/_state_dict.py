@@ -14,9 +14,18 @@ import torch
 from torch import nn
 
 from shardfuse.sharding import _data_path as dp
+from shardfuse.sharding._flat_param import FlatParamHandle
 from shardfuse.sharding._runtime import Unit
 from shardfuse.sharding._state import TrainingState
-from shardfuse.sharding._tree import buffer_value, check_idle, clean_key, unit_of, units_below, walk_entries
+from shardfuse.sharding._tree import (
+    buffer_value,
+    check_idle,
+    clean_key,
+    lent_handles,
+    unit_of,
+    units_below,
+    walk_entries,
+)
 
 
 def _idle_units(root: nn.Module, action: str) -> list[Unit]:
@@ -42,25 +51,25 @@ def full_state_dict(root: nn.Module) -> OrderedDict[str, Any]:
     attributes, so in-block changes show; the other units are gathered.
     """
     units = units_below(unit_of(root))
-    summoned = {id(u) for u in units if u.training_state == TrainingState.SUMMON_FULL_PARAMS}
-    check_idle([u for u in units if id(u) not in summoned], "state_dict()")
+    work = _handles_read(units)
+    summoned = {id(u) for u, _, _ in work if u.training_state == TrainingState.SUMMON_FULL_PARAMS}
+    check_idle([u for u in _units_of(units, work) if id(u) not in summoned], "state_dict()")
     cfg = units[0].config
     device = _state_dict_device(units[0])
     materialize = not cfg.state_dict_on_rank_0_only or units[0].rank == 0
     values: dict[tuple[int, int], list[torch.Tensor]] = {}
-    for u in units:
-        for hi, h in enumerate(u.handles):
-            if id(u) in summoned:
-                if materialize:
-                    values[(id(u), hi)] = [s.module._parameters[s.attr].detach().to(device, copy=True)
-                                           for s in _first_slots(h)]
-                continue
-            full = h.gather_full_precision(u.compute_device)
+    for u, hi, h in work:
+        if id(u) in summoned:
             if materialize:
-                outs = [torch.empty(s, dtype=h.dtype, device=full.device) for s in h.shapes]
-                dp.unflatten(full, outs)
-                values[(id(u), hi)] = [o.to(device) for o in outs]
-            del full
+                values[(id(u), hi)] = [s.module._parameters[s.attr].detach().to(device, copy=True)
+                                       for s in _first_slots(h)]
+            continue
+        full = h.gather_full_precision(u.compute_device)
+        if materialize:
+            outs = [torch.empty(s, dtype=h.dtype, device=full.device) for s in h.shapes]
+            dp.unflatten(full, outs)
+            values[(id(u), hi)] = [o.to(device) for o in outs]
+        del full
     sd: OrderedDict[str, Any] = OrderedDict()
     if not materialize:
         return sd
@@ -74,6 +83,17 @@ def full_state_dict(root: nn.Module) -> OrderedDict[str, Any]:
     return sd
 
 
+def _handles_read(units: list[Unit]) -> list[tuple[Unit, int, FlatParamHandle]]:
+    """``(unit, handle index, handle)`` of every handle whose parameters ``units``' entries name: their own,
+    then those borrowed from siblings outside them."""
+    return [(u, hi, h) for u in units for hi, h in enumerate(u.handles)] + lent_handles(units)
+
+
+def _units_of(units: list[Unit], work: list[tuple[Unit, int, FlatParamHandle]]) -> list[Unit]:
+    """``units`` and the siblings outside them that lend them parameters."""
+    return list({id(u): u for u in [*units, *(w[0] for w in work)]}.values())
+
+
 def _first_slots(h: Any) -> list[Any]:
     """The first registration of each unique parameter of a handle, in unique-index order."""
     first: dict[int, Any] = {}
@@ -85,7 +105,9 @@ def _first_slots(h: Any) -> list[Any]:
 @torch.no_grad()
 def load_full_state_dict(root: nn.Module, state_dict: dict[str, Any], strict: bool) -> tuple[list[str], list[str]]:
     """Load a full state dict into the shards and buffers of ``root``'s tree; returns (missing, unexpected)."""
-    units = _idle_units(root, "load_state_dict()")
+    units = units_below(unit_of(root))
+    work = _handles_read(units)
+    check_idle(_units_of(units, work), "load_state_dict()")
     entries = list(walk_entries(root))
     expected = {e.key for e in entries}
     missing = [e.key for e in entries if e.key not in state_dict]
@@ -125,23 +147,22 @@ def load_full_state_dict(root: nn.Module, state_dict: dict[str, Any], strict: bo
             buf.copy_(value)
         else:
             e.module.set_extra_state(value)
-    for u in units:
-        for hi, h in enumerate(u.handles):
-            have = [provided.get((id(u), hi, i)) for i in range(len(h.shapes))]
-            device = u.compute_device
-            if all(x is not None for x in have):
-                # Cast like nn.Module.load_state_dict's copy_ does (an int64 tensor loads into a float parameter).
-                full = dp.flatten_padded([x[1].to(device, h.dtype) for x in have], h.world_size, h.dtype)
-            else:
-                # Partial load (strict=False): start from the current values. Collective, like the full case
-                # is not: every rank must provide the same keys.
-                full = h.gather_full_precision(device)
-                views = h.split_full(full)
-                for i, x in enumerate(have):
-                    if x is not None:
-                        views[i].copy_(x[1])
-            h.reshard()
-            h.flat.detach().copy_(h.shard_of(full))  # bumps the version: gathered copies are refreshed
+    for u, hi, h in work:
+        have = [provided.get((id(u), hi, i)) for i in range(len(h.shapes))]
+        device = u.compute_device
+        if all(x is not None for x in have):
+            # Cast like nn.Module.load_state_dict's copy_ does (an int64 tensor loads into a float parameter).
+            full = dp.flatten_padded([x[1].to(device, h.dtype) for x in have], h.world_size, h.dtype)
+        else:
+            # Partial load (strict=False, or a nested unit naming some of a sibling's parameters): start from the
+            # current values. Collective, like the full case is not: every rank must provide the same keys.
+            full = h.gather_full_precision(device)
+            views = h.split_full(full)
+            for i, x in enumerate(have):
+                if x is not None:
+                    views[i].copy_(x[1])
+        h.reshard()
+        h.flat.detach().copy_(h.shard_of(full))  # bumps the version: gathered copies are refreshed
     return missing, unexpected
 
 
@@ -199,6 +220,7 @@ def load_local_state_dict(
 def local_metadata_dict(root: nn.Module) -> dict[str, Any]:
     """FairScale's metadata for offline consolidation of :func:`local_state_dict` shards (see the wrapper)."""
     param_metadata = []
+    paths = {id(u): clean_key(path) for path, m in root.named_modules() if (u := unit_of(m)) is not None}
     for path, m in root.named_modules():
         u = unit_of(m)
         if u is None:
@@ -215,6 +237,9 @@ def local_metadata_dict(root: nn.Module) -> dict[str, Any]:
             }
         shared = [(clean_key(f"{path}.{first}" if path else first), clean_key(f"{path}.{s.fqn}" if path else s.fqn))
                   for h in u.handles for s, first in ((s, h.names[s.index]) for s in h.slots) if s.fqn != first]
+        # Borrowed from a sibling: consolidation copies the lender's value (a lender outside ``root`` has none).
+        shared += [(_join(paths[id(b.lender)], b.lender.handles[b.lender_hi].names[b.index]), _join(path, b.fqn))
+                   for b in u.borrowed if id(b.lender) in paths]
         param_metadata.append({
             "fsdp_path": clean_key(path),
             "params": params,
@@ -223,6 +248,10 @@ def local_metadata_dict(root: nn.Module) -> dict[str, Any]:
         })
     buffer_names = [clean_key(name) for name, _ in root.named_buffers()]
     return {"param_metadata": param_metadata, "buffer_names": buffer_names}
+
+
+def _join(path: str, name: str) -> str:
+    return clean_key(f"{path}.{name}" if path else name)
 
 
 def consolidate_shard_weights(

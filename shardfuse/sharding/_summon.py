@@ -16,6 +16,7 @@ from torch import nn
 
 from shardfuse._profiling import profiled
 from shardfuse._streams import wait_stream
+from shardfuse.sharding._flat_param import FlatParamHandle
 from shardfuse.sharding._runtime import Unit
 from shardfuse.sharding._state import TrainingState, check_state
 from shardfuse.sharding._tree import unit_of
@@ -28,14 +29,18 @@ def summon_full_params(wrappers: list[nn.Module], volatile: bool) -> Iterator[No
     for u in units:
         check_state(u.training_state, (TrainingState.IDLE,), "summon_full_params()", u.name,
                     "call it outside forward and backward")
+    inside = {id(u) for u in units}
     with contextlib.ExitStack() as stack:
         for w, u in zip(wrappers, units):
-            stack.enter_context(_summon_unit(w, u, volatile))
+            # A handle shows at every registration, borrowers' included; one borrowed from a sibling that is not
+            # summoned here is gathered (and written back) by the borrower.
+            lent = {id(b.handle): b.handle for b in u.borrowed if id(b.lender) not in inside}
+            stack.enter_context(_summon_unit(w, u, [*u.handles, *lent.values()], volatile))
         yield
 
 
 @contextlib.contextmanager
-def _summon_unit(wrapper: nn.Module, unit: Unit, volatile: bool) -> Iterator[None]:
+def _summon_unit(wrapper: nn.Module, unit: Unit, handles: list[FlatParamHandle], volatile: bool) -> Iterator[None]:
     with profiled("shardfuse.sharding:summon_full_params"):
         streams = unit.root_state.streams
         wait_stream(streams.current(), streams.post_backward)
@@ -44,36 +49,36 @@ def _summon_unit(wrapper: nn.Module, unit: Unit, volatile: bool) -> Iterator[Non
         fulls: list[torch.Tensor] = []
         inserted: list[list[nn.Parameter]] = []
         try:
-            for h in unit.handles:
+            for h in handles:
                 h.reshard()  # the compute buffer may go stale; it is gathered again after the block
                 full = h.gather_full_precision(unit.compute_device)
                 fulls.append(full)
                 params = [nn.Parameter(v, requires_grad=h.requires_grad) for v in h.split_full(full)]
                 inserted.append(params)
-                for s in h.slots:
+                for s in h.attr_slots:
                     s.module.__dict__.pop(s.attr, None)
                     s.module._parameters[s.attr] = params[s.index]
             for name in saved_params:
                 wrapper._parameters.pop(name)
         except BaseException:
-            _restore(wrapper, unit, saved_params)
+            _restore(wrapper, handles, saved_params)
             unit.training_state = TrainingState.IDLE
             raise
-        versions = [h.flat._version for h in unit.handles]
+        versions = [h.flat._version for h in handles]
         try:
             yield
         finally:
             try:
                 if not volatile:
-                    _check_shards_untouched(unit, versions)
-                    _write_back(unit, fulls, inserted)
+                    _check_shards_untouched(unit, handles, versions)
+                    _write_back(unit, handles, fulls, inserted)
             finally:
-                _restore(wrapper, unit, saved_params)
+                _restore(wrapper, handles, saved_params)
                 unit.training_state = TrainingState.IDLE
 
 
-def _check_shards_untouched(unit: Unit, versions: list[int]) -> None:
-    for h, v in zip(unit.handles, versions):
+def _check_shards_untouched(unit: Unit, handles: list[FlatParamHandle], versions: list[int]) -> None:
+    for h, v in zip(handles, versions):
         if h.flat._version != v:
             raise RuntimeError(
                 f"the sharded parameters of {unit.name} changed inside summon_full_params() (e.g. an "
@@ -84,10 +89,12 @@ def _check_shards_untouched(unit: Unit, versions: list[int]) -> None:
 
 
 @torch.no_grad()
-def _write_back(unit: Unit, fulls: list[torch.Tensor], inserted: list[list[nn.Parameter]]) -> None:
-    for h, full, params in zip(unit.handles, fulls, inserted):
+def _write_back(
+    unit: Unit, handles: list[FlatParamHandle], fulls: list[torch.Tensor], inserted: list[list[nn.Parameter]]
+) -> None:
+    for h, full, params in zip(handles, fulls, inserted):
         views = h.split_full(full)
-        for s in h.slots:
+        for s in h.attr_slots:
             cur = s.module._parameters.get(s.attr)
             if cur is params[s.index]:
                 continue
@@ -105,9 +112,9 @@ def _write_back(unit: Unit, fulls: list[torch.Tensor], inserted: list[list[nn.Pa
         h.flat.detach().copy_(h.shard_of(full))  # bumps the shard's version: gathered copies are refreshed
 
 
-def _restore(wrapper: nn.Module, unit: Unit, saved_params: dict[str, nn.Parameter]) -> None:
-    for h in unit.handles:
-        for s in h.slots:
+def _restore(wrapper: nn.Module, handles: list[FlatParamHandle], saved_params: dict[str, nn.Parameter]) -> None:
+    for h in handles:
+        for s in h.attr_slots:
             s.module._parameters.pop(s.attr, None)
             if h.orig_views is not None:
                 s.module._parameters[s.attr] = h.orig_views[s.index]

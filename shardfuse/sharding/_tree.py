@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from shardfuse._streams import wait_stream
-from shardfuse.sharding._flat_param import UNIT_ATTR
+from shardfuse.sharding._flat_param import UNIT_ATTR, FlatParamHandle
 from shardfuse.sharding._runtime import Unit
 from shardfuse.sharding._state import TrainingState, check_state
 
@@ -39,6 +39,18 @@ def units_in(module: nn.Module) -> list[Unit]:
 def units_below(unit: Unit) -> list[Unit]:
     """``unit`` and every unit nested in its module, in module order (``unit`` first)."""
     return [unit, *units_in(unit.module)]
+
+
+def lent_handles(units: list[Unit]) -> list[tuple[Unit, int, FlatParamHandle]]:
+    """``(lender, handle index, handle)`` of each handle that ``units`` borrow from units not among them (a
+    nested unit's state dict names parameters a sibling outside it holds), once each."""
+    inside = {id(u) for u in units}
+    out: dict[int, tuple[Unit, int, FlatParamHandle]] = {}
+    for u in units:
+        for b in u.borrowed:
+            if id(b.lender) not in inside:
+                out.setdefault(id(b.handle), (b.lender, b.lender_hi, b.handle))
+    return list(out.values())
 
 
 def check_idle(units: list[Unit], action: str) -> None:
@@ -75,7 +87,11 @@ def walk_entries(module: nn.Module, prefix: str = "", owner: Unit | None = None)
         module = unit.module
     if owner is not None:
         for attr, hi, idx in owner.param_table.get(id(module), ()):
-            yield Entry("param", prefix + attr, module, owner, hi, idx)
+            if hi < 0:  # borrowed from a sibling: the value lives in the lender's handle
+                b = owner.borrowed[-1 - hi]
+                yield Entry("param", prefix + attr, module, b.lender, b.lender_hi, idx)
+            else:
+                yield Entry("param", prefix + attr, module, owner, hi, idx)
     for name, b in module._buffers.items():
         if b is not None and name not in module._non_persistent_buffers_set:
             yield Entry("buffer", prefix + name, module, owner, attr=name)
