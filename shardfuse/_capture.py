@@ -105,7 +105,9 @@ class CapturedStep:
             torch.cuda.synchronize(device)
             gc.collect()
             # The allocator counts what the capture allocates and frees like an eager step (replays allocate
-            # nothing); the private pool the graph keeps is what memory_reserved grows by.
+            # nothing); the private pool the graph keeps is what memory_reserved grows by. torch.cuda.graph
+            # empties the cache before capturing: so do we first, or the growth comes out short (even < 0).
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
             reserved = torch.cuda.memory_reserved(device)
             self._graph = torch.cuda.CUDAGraph()

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardfuse.sharding import FullyShardedDataParallel as FSDP
+from shardfuse.sharding._flat_param import SHARD_MARK_KEY
 from tests.sharding._models import divide_factors
 
 WORLD = 2
@@ -622,7 +623,11 @@ def check_gpu_memory_and_devices(move_params_to_cpu: bool) -> bool:
     opt_c.load_state_dict(shard)
     # load_state_dict moves the CPU shards to the flat parameters' device.
     (want,) = {p.device for p in c.parameters()}
-    devices = {f"{k}: {v.device}" for s in opt_c.state.values() for k, v in s.items() if k != "step"}
+    devices = {f"{k}: {v.device}" for s in opt_c.state.values() for k, v in s.items()
+               if k != "step" and torch.is_tensor(v)}
+    marks = {s.get(SHARD_MARK_KEY) for s in opt_c.state.values()}
+    mine = (dist.get_rank(), dist.get_world_size())
+    assert mine in marks and marks <= {mine, None}, marks  # the loaded shards carry this rank's mark
     assert devices == {f"{k}: {want}" for k in ("exp_avg", "exp_avg_sq")}, devices
     for s in range(2, 4):
         la, lc = sharded_step(a, opt_a, s), sharded_step(c, opt_c, s)
