@@ -243,7 +243,8 @@ def _optim_slots(flats: list[FlatEntry], optim: torch.optim.Optimizer, action: s
 
 
 def _is_per_element(v: Any, slot: _Slot) -> bool:
-    return isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape[0] == slot.state_len
+    # The parameter's shape: 1-D pieces, or (one rank, use_orig_params) the original shape.
+    return isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape == slot.param.shape
 
 
 def _live_plan(optim: torch.optim.Optimizer, slot: _Slot) -> _SlotPlan | None:
@@ -284,7 +285,7 @@ def _stand_in_plans(optim: torch.optim.Optimizer, slots: list[_Slot], action: st
     plans = {}
     for pid, s in wanted.items():
         st = clone.state.get(stand_ins[pid]) or {}
-        per = {k: torch.zeros(s.state_len, dtype=v.dtype, device=v.device) for k, v in st.items()
+        per = {k: torch.zeros(s.param.shape, dtype=v.dtype, device=v.device) for k, v in st.items()
                if isinstance(v, torch.Tensor) and tuple(v.shape) == (_PROBE_NUMEL,)}
         other = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
                  for k, v in st.items() if k not in per}
@@ -415,7 +416,7 @@ def _save_optim(sd: dict[str, Any], unit: Unit, flats: list[FlatEntry], optim: t
                 for s in held:
                     v = plans[s.name].per_element.get(k)
                     if v is not None and s.length:
-                        padded.narrow(0, s.offset, s.length).copy_(v.detach())
+                        padded.narrow(0, s.offset, s.length).copy_(v.detach().reshape(-1))
             sd[f"{OPTIM_STATE}{f.key}.{k}"] = as_dtensor(padded, f)
     for s in order:
         for k, v in plans[s.name].other.items():
@@ -585,7 +586,8 @@ def _load_optim(state: Mapping[str, Any], meta: dict[str, Any], flats: list[Flat
             v = state[key]
             if per_element:
                 padded = padded_shard(check_dtensor(v, s.flat, key, action), s.flat)
-                entry[k] = padded if not s.flat.orig else padded.narrow(0, s.offset, s.length).clone()
+                entry[k] = (padded if not s.flat.orig
+                            else padded.narrow(0, s.offset, s.length).reshape(s.param.shape).clone())
             else:
                 entry[k] = v if isinstance(v, torch.Tensor) else _unpack(v, key)
         osd_state[index[s.name]] = entry

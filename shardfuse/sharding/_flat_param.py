@@ -231,7 +231,8 @@ class FlatParamHandle:
 
     def make_orig_views(self) -> list[nn.Parameter]:
         """The original parameters as 1-D views of this rank's piece of each in ``flat`` (they share its storage
-        and version counter, so optimizer steps on them are steps on the shard)."""
+        and version counter, so optimizer steps on them are steps on the shard); shaped like the parameters when
+        there is one rank."""
         start = self.rank * self.shard_numel
         end = start + self.shard_numel
         base = self.flat.detach()
@@ -241,8 +242,13 @@ class FlatParamHandle:
             lo, hi = max(offset, start), min(offset + n, end)
             self.view_ranges.append((lo - start, hi - lo) if hi > lo else (0, 0))
             offset += n
+        # With one rank nothing is split: each view keeps its parameter's shape, as FairScale leaves unsharded
+        # parameters (0-dim ones stay 1-D, so their per-element optimizer state never looks like a 0-dim "step").
+        whole = self.world_size == 1
         self.orig_views = [
-            nn.Parameter(base.narrow(0, a, n), requires_grad=self.requires_grad) for a, n in self.view_ranges
+            nn.Parameter(base.narrow(0, a, n).view(shape) if whole and len(shape) else base.narrow(0, a, n),
+                         requires_grad=self.requires_grad)
+            for (a, n), shape in zip(self.view_ranges, self.shapes)
         ]
         for v in self.orig_views:
             setattr(v, SHARD_MARK_ATTR, self.shard_mark)
@@ -263,7 +269,7 @@ class FlatParamHandle:
             if v.grad is None:
                 piece.zero_()
             elif v.grad.data_ptr() != piece.data_ptr():
-                piece.copy_(v.grad)
+                piece.copy_(v.grad.reshape(-1))
 
     def grads_to_views(self) -> None:
         """After a reduction: each trainable view's gradient is its piece of ``flat.grad``."""
@@ -271,7 +277,7 @@ class FlatParamHandle:
             return
         g = self.flat.grad
         for v, (a, n) in zip(self.orig_views, self.view_ranges):
-            v.grad = g.narrow(0, a, n) if g is not None and v.requires_grad else None
+            v.grad = g.narrow(0, a, n).view(v.shape) if g is not None and v.requires_grad else None
 
     def sync_requires_grad(self) -> None:
         """Follow ``flat.requires_grad`` (a user may freeze the shard after wrapping), or with original

@@ -4,11 +4,14 @@ against unsharded training of the same model (2 gloo ranks)."""
 from __future__ import annotations
 
 import copy
+import shutil
+import tempfile
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from shardfuse import FullyShardedDataParallel as FSDP
@@ -168,3 +171,53 @@ def _my_piece(view: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("zero", ["model", "set_none"])
 def test_no_sync_after_zero_grad_is_not_stale(pool, zero):
     assert pool.run(check_grads_after_zero_grad, zero) == [True] * WORLD
+
+
+def check_one_rank_keeps_shapes() -> bool:
+    """With a one-rank group nothing is split, so the original parameters keep their shapes, as FairScale leaves
+    unsharded parameters (its test_pre_backward_hook checks them); training, gradients and the sharded
+    optimizer state work on them as on 1-D pieces."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    solo = [dist.new_group([r]) for r in range(ws)][rank]
+    torch.manual_seed(0)
+    ref = _TwoPath()
+    model = FSDP(_TwoPath(process_group=solo, use_orig_params=True), process_group=solo, use_orig_params=True)
+    model.load_state_dict(ref.state_dict())
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    assert shapes == {n: p.shape for n, p in ref.named_parameters()}, shapes
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(7))
+    for step in range(3):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad(set_to_none=step % 2 == 0)
+            m(x, skip_b=step == 1).pow(2).mean().backward()
+        for n, p in model.named_parameters():
+            want = dict(ref.named_parameters())[n].grad
+            assert (p.grad is None) == (want is None), n
+            if want is not None:
+                assert p.grad.shape == p.shape, n
+                torch.testing.assert_close(p.grad, want, **TOL, msg=n)
+        opt.step()
+        ref_opt.step()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v, **TOL, msg=k)
+    # The sharded checkpoint layout reads and writes state of the parameters' shape.
+    path = tempfile.mkdtemp(prefix=f"one-rank-{rank}-")  # each rank's group saves on its own
+    dcp.save(model.sharded_state_dict(opt), checkpoint_id=path, process_group=solo)
+    fresh = FSDP(_TwoPath(process_group=solo, use_orig_params=True), process_group=solo, use_orig_params=True)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    sd = fresh.sharded_state_dict(fresh_opt)
+    dcp.load(sd, checkpoint_id=path, process_group=solo)
+    fresh.load_sharded_state_dict(sd, fresh_opt)  # a fresh optimizer: the state comes from the checkpoint
+    shutil.rmtree(path)
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        st, fst = opt.state[p], fresh_opt.state[q]
+        assert fst["exp_avg"].shape == p.shape
+        torch.testing.assert_close(fst["exp_avg"], st["exp_avg"], rtol=0, atol=0)
+        torch.testing.assert_close(fst["exp_avg_sq"], st["exp_avg_sq"], rtol=0, atol=0)
+    return True
+
+
+def test_one_rank_group_keeps_parameter_shapes(pool):
+    assert pool.run(check_one_rank_keeps_shapes) == [True] * WORLD
