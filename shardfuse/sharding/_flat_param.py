@@ -13,7 +13,9 @@ accumulator for ``full_param`` across several forward passes, and ``flat.grad`` 
 
 from __future__ import annotations
 
+import functools
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +73,15 @@ def flattened_into(p: torch.Tensor) -> tuple[FlatParamHandle, int] | None:
             if v is p:
                 return h, i
     return None
+
+
+def _reduce_orig_view(ref: weakref.ref[nn.Parameter], proto: int) -> tuple:
+    """How an original-parameter view pickles: a meta parameter of its shape with its requires_grad and
+    attributes, which the unpickled model replaces with a view of its unpickled shard."""
+    v = ref()
+    state = {k: x for k, x in v.__dict__.items() if k != "__reduce_ex__"}
+    meta = torch.empty(v.shape, dtype=v.dtype, device="meta")
+    return torch._utils._rebuild_parameter_with_state, (meta, v.requires_grad, OrderedDict(), state)
 
 
 # The instance attribute that makes a module (the public wrapper) a unit: it holds the unit's runtime state.
@@ -245,15 +256,41 @@ class FlatParamHandle:
         # With one rank nothing is split: each view keeps its parameter's shape, as FairScale leaves unsharded
         # parameters (0-dim ones stay 1-D, so their per-element optimizer state never looks like a 0-dim "step").
         whole = self.world_size == 1
+        # Views made again (after a move or cast, or unpickling) keep what was set on the old ones: a parameter
+        # frozen on its own, attributes a user marked it with.
+        old = self.orig_views if self.orig_views is not None and len(self.orig_views) == len(self.shapes) else None
         self.orig_views = [
             nn.Parameter(base.narrow(0, a, n).view(shape) if whole and len(shape) else base.narrow(0, a, n),
-                         requires_grad=self.requires_grad)
-            for (a, n), shape in zip(self.view_ranges, self.shapes)
+                         requires_grad=self.requires_grad if old is None else old[i].requires_grad)
+            for i, ((a, n), shape) in enumerate(zip(self.view_ranges, self.shapes))
         ]
-        for v in self.orig_views:
+        for i, v in enumerate(self.orig_views):
+            if old is not None:
+                v.__dict__.update((k, x) for k, x in old[i].__dict__.items() if k != "__reduce_ex__")
             setattr(v, SHARD_MARK_ATTR, self.shard_mark)
+            # Pickle cannot keep a view a view: it would write the whole shard's storage once per view, and load
+            # tensors of their own. A view pickles as a meta placeholder instead (its requires_grad and attributes
+            # kept), and the unpickled handle makes the views again from its shard (see __setstate__).
+            v.__reduce_ex__ = functools.partial(_reduce_orig_view, weakref.ref(v))
             _register_handle(v, self)
         return self.orig_views
+
+    def follow_shard_dtype(self) -> None:
+        """After ``.half()``/``.to(dtype)`` cast the shard (called resharded, with the runtime reset): the
+        parameters have the shard's dtype now, so the computation (without mixed precision), state dicts and the
+        placeholders follow it, as FairScale computes in the cast parameters' dtype."""
+        dtype = self.flat.dtype
+        if dtype == self.dtype:
+            return
+        self.dtype = dtype
+        self.placeholders = [torch.empty(s, dtype=dtype, device="meta") for s in self.shapes]
+        self.clear_views()
+
+    def register_orig_views(self) -> None:
+        """Register the original-parameter views where the parameters were (every registration, the borrowing
+        siblings' too), after :meth:`make_orig_views` made them again."""
+        for slot in self.attr_slots:
+            slot.module._parameters[slot.attr] = self.orig_views[slot.index]
 
     def grads_from_views(self) -> None:
         """Before a reduction accumulates into ``flat.grad``: take over what the optimizer did to the views'
@@ -321,14 +358,27 @@ class FlatParamHandle:
         return None
 
     def __getstate__(self) -> dict:
-        # Process groups do not pickle; the owner sets them again (FairScale's "MISSING" convention).
+        # Process groups do not pickle; the owner sets them again (FairScale's "MISSING" convention). The runtime
+        # (the full buffer and its post-backward hook, a pending gather) is dropped: lazy init makes it again.
         state = dict(self.__dict__)
         state["group"] = MISSING_GROUP
+        for key in ("_on_grad", "_hooked"):
+            state.pop(key, None)
+        state.update(full_param=None, full_data=None, is_full=False, gathered_version=-1, forward_version=None,
+                     ag_event=None, fired=False)
         return state
 
     def __setstate__(self, state: dict) -> None:
         state.setdefault("attr_slots", state["slots"])  # pickled before sharing across units: nothing lent
         self.__dict__.update(state)
+        # The registries are per process, keyed by object ids: enter the unpickled shard (clip_grad_norm_,
+        # optimizer-state and borrowing look it up there).
+        _register_handle(self.flat, self)
+        if self.orig_views is not None:
+            # Pickle copied each original-parameter view into a tensor of its own, no longer a view of the
+            # shard: make them again from it (the modules register them: FullyShardedDataParallel.__setstate__,
+            # once the modules themselves are unpickled).
+            self.make_orig_views()
 
     @property
     def nbytes(self) -> int:
@@ -424,7 +474,8 @@ class FlatParamHandle:
 
 
 ParamTable = dict[int, list[tuple[str, int, int]]]
-"""id(module) -> ``(attr, handle index, unique index)`` of each parameter the module registered, in its order."""
+"""id(module) -> ``(attr, handle index, unique index)`` of each parameter the module registered, in its order.
+Ids are of this process's objects: a pickled unit keys it by the modules themselves (see ``Unit.__getstate__``)."""
 
 
 def flatten_own_params(

@@ -311,11 +311,31 @@ class FullyShardedDataParallel(nn.Module):
             reset_root(u)
 
     def __getstate__(self) -> dict[str, Any]:
-        # Like FairScale: pickling drops the runtime (and the units drop their process groups).
-        for u in units_below(self._unit):
+        """Like FairScale: pickling drops the runtime (streams, full buffers, hooks; rebuilt on the next use, also
+        in this model) and the units drop their process groups: after unpickling, set ``process_group`` (and
+        ``process_group_reduce_scatter``) on every instance. The shards, the original-parameter views
+        (``use_orig_params``) and the state-dict layout come back; gradients and optimizer state do not (an
+        optimizer keys its state by parameter objects): build a new optimizer on the copy's ``parameters()``
+        (and load a state saved with :meth:`gather_full_optim_state_dict` or :meth:`sharded_state_dict`)."""
+        units = units_below(self._unit)
+        for u in units:
             check_state(u.training_state, (TrainingState.IDLE,), "pickling", u.name)
+            if any(h.full_param is not None and h.full_param.grad is not None for h in u.handles):
+                raise RuntimeError(
+                    f"cannot pickle {u.name} while it holds full-size gradients accumulated under no_sync(), which "
+                    f"are not part of the pickle (nor reduced yet): pickle it after a backward outside no_sync()"
+                )
         self._reset_lazy_init()
         return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        unit = self._unit
+        if unit.config.use_orig_params:
+            # The handles made their original-parameter views again from the unpickled shards; the modules (all
+            # unpickled by now) still register pickle's copies, which are no views of anything: replace them.
+            for h in unit.handles:
+                h.register_orig_views()
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """``nn.Module.named_parameters``; with ``use_orig_params`` and inside ``summon_full_params()`` the names
@@ -358,8 +378,17 @@ class FullyShardedDataParallel(nn.Module):
         units = units_below(self._unit)
         for u in units:
             check_state(u.training_state, (TrainingState.IDLE,), "moving or casting the model", u.name)
-        out = super()._apply(fn, recurse)
         unit = self._unit
+        # Buffers lazy init cast to buffer_dtype remember their dtype from before (state dicts give it back): a
+        # cast such as .half() changes that too.
+        cast = [(m, name, b) for _, m in iter_own_modules(unit.module) for name, b in m._buffers.items()
+                if b is not None and (id(m), name) in unit.buffer_dtypes]
+        out = super()._apply(fn, recurse)
+        for m, name, b in cast:
+            now = m._buffers.get(name)
+            if now is not None and now.dtype != b.dtype:
+                key = (id(m), name)
+                unit.buffer_dtypes[key] = fn(torch.empty(0, dtype=unit.buffer_dtypes[key], device=b.device)).dtype
         if unit.config.use_orig_params:
             # nn.Module._apply moved the registered views (copies now) but not the unregistered shards: move the
             # shards and make fresh views of them (build the optimizer after moving the model).
@@ -368,11 +397,12 @@ class FullyShardedDataParallel(nn.Module):
                     h.flat.data = fn(h.flat)
                     if h.flat.grad is not None:
                         h.flat.grad = fn(h.flat.grad)
-                    views = h.make_orig_views()
-                    for slot in h.attr_slots:  # borrowing siblings register the same views
-                        slot.module._parameters[slot.attr] = views[slot.index]
+                    h.make_orig_views()
+                    h.register_orig_views()  # borrowing siblings register the same views
                     h.grads_to_views()
         reset_root(unit)
+        for h in unit.handles:  # .half() and the like: the parameters now have the shard's new dtype
+            h.follow_shard_dtype()
         return out
 
     def _units(self) -> list[FullyShardedDataParallel]:

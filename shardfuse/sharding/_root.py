@@ -58,6 +58,7 @@ def _lazy_init(unit: Unit) -> None:
             )
     _check_ranks_agree(unit, units)
     _find_lenders(units)
+    _check_orig_views(units)
     for u in units:
         _init_unit(u)
     rs = RootState(unit, units, Streams(unit.compute_device))
@@ -85,6 +86,23 @@ def _find_lenders(units: list[Unit]) -> None:
                     f"FullyShardedDataParallel (the root), and run them through it"
                 )
             b.lender, b.lender_hi = found
+
+
+def _check_orig_views(units: list[Unit]) -> None:
+    """With ``use_orig_params`` the modules must register the views of the shards that are trained and gathered:
+    anything else (e.g. a copy a module kept from unpickling) would train silently apart from the model."""
+    for u in units:
+        for h in u.handles:
+            if h.orig_views is None:
+                continue
+            for s in h.attr_slots:
+                if s.module._parameters.get(s.attr) is not h.orig_views[s.index]:
+                    raise RuntimeError(
+                        f"parameter {s.fqn} of {u.name} is not the view of the sharded parameter that "
+                        f"use_orig_params registered (the module holds another tensor, e.g. a copy left by "
+                        f"unpickling the module without its FullyShardedDataParallel wrapper): an optimizer would "
+                        f"step a tensor the model never reads; pickle and unpickle the whole wrapped model"
+                    )
 
 
 def reset_root(unit: Unit) -> None:

@@ -28,7 +28,13 @@ from shardfuse._profiling import profiled
 from shardfuse._streams import Streams, wait_stream
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding._config import Groups, ShardingConfig
-from shardfuse.sharding._flat_param import MISSING_GROUP, BorrowedSlot, FlatParamHandle, ParamTable
+from shardfuse.sharding._flat_param import (
+    MISSING_GROUP,
+    BorrowedSlot,
+    FlatParamHandle,
+    ParamTable,
+    iter_own_modules,
+)
 from shardfuse.sharding._grad_reduce import PendingFrees, ReduceConfig, finish_host_grads, reduce_grad
 from shardfuse.sharding._state import TrainingState, check_state
 
@@ -156,12 +162,21 @@ class Unit:
         state["is_root"] = None if self.parent is None else False
         state["reduce_cfg"] = None
         state["groups"] = Groups(MISSING_GROUP, MISSING_GROUP, self.rank, self.world_size)
+        # The tables keyed by id(module) would name the old process's objects: key them by the modules (pickle
+        # restores those consistently) and by id again in __setstate__.
+        modules = {id(m): m for _, m in iter_own_modules(self.module)}
+        state["param_table"] = [(modules[k], v) for k, v in self.param_table.items() if k in modules]
+        state["buffer_dtypes"] = [(modules[k], name, d) for (k, name), d in self.buffer_dtypes.items() if k in modules]
         return state
 
     def __setstate__(self, state: dict) -> None:
         # Units pickled before parameters could be shared across units borrow nothing.
         state.setdefault("borrowed", [])
         state.setdefault("gather_handles", state["handles"])
+        if isinstance(state.get("param_table"), list):
+            state["param_table"] = {id(m): v for m, v in state["param_table"]}
+        if isinstance(state.get("buffer_dtypes"), list):
+            state["buffer_dtypes"] = {(id(m), name): d for m, name, d in state["buffer_dtypes"]}
         self.__dict__.update(state)
 
     def set_groups(self, process_group: Any | None = None, reduce_scatter_group: Any | None = None) -> None:

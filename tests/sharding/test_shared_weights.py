@@ -248,8 +248,7 @@ class _FlatPair(nn.Module):
 
 def check_flat_units(pickled: bool) -> bool:
     """Flat lender and flat borrower; optionally pickled before first use (FairScale's convention: set the process
-    groups again), after which both come back sharing one handle. The same seed builds both models (a pickled
-    model's state dict is not compared: it comes back empty, a limitation apart from sharing)."""
+    groups again), after which both come back sharing one handle. The same seed builds both models."""
     torch.manual_seed(0)
     ref = _FlatPair()
     torch.manual_seed(0)
@@ -264,8 +263,7 @@ def check_flat_units(pickled: bool) -> bool:
     _train(ref, x)
     _train(model, x)
     torch.testing.assert_close(model(x), ref(x), **TOL)
-    if not pickled:
-        _assert_same_state(model, ref)
+    _assert_same_state(model, ref)
     return True
 
 
