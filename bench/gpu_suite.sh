@@ -5,6 +5,7 @@
 #                                           train regress (default: all that fit), and by name only (slow):
 #                                           e2e-hf (Hugging Face LlamaForCausalLM, 853M, 1 x 1024 tokens per GPU)
 #                                           e2e-7b (the 7B-class decoder, 1 x 4096 tokens per GPU)
+#                                           host-profile (the eager 1K step's host time, cProfile of rank 0)
 #
 # Every step runs under `timeout` so a hang cannot eat the lease; a failed step is reported and the
 # suite goes on. Multi-GPU steps issue the same collectives on every rank (fixed step counts).
@@ -98,6 +99,10 @@ for stage in "${STAGES[@]}"; do
     train)
       # the README's main job on every local GPU (NCCL), with its parity check against unsharded training
       step train 300 torchrun --standalone --nproc_per_node "$NGPU" examples/train.py ;;
+    host-profile)
+      # host enqueue vs synchronised step and a cProfile per implementation; <impl>.pstats under $OUT
+      step host-profile 180 torchrun --standalone --nproc_per_node 2 -m bench.e2e.host_profile \
+        --impls "${HOST_PROFILE_IMPLS:-shardfuse,fairscale,fsdp2}" --out "$OUT" ;;
     overlap)
       step overlap 120 torchrun --standalone --nproc_per_node 2 -m bench.e2e.overlap ;;
     regress)

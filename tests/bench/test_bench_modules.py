@@ -12,6 +12,7 @@ import ast
 import json
 import math
 import os
+import pstats
 import re
 import socket
 import subprocess
@@ -130,6 +131,29 @@ def test_host_overhead_runs_as_module(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--steps", "0"])
     assert "--steps must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_host_profile_runs_as_module(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "bench.e2e.host_profile", "--device", "cpu", "--config", "tiny", "--impls", "shardfuse,fsdp2",
+        "--steps", "2", "--top", "5", "--out", str(tmp_path),
+    ]  # fmt: skip
+    proc = _run(cmd, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    for impl in ("shardfuse", "fsdp2"):
+        m = re.search(rf"{impl}: median host enqueue ([\d.]+) ms, synchronised step ([\d.]+) ms", proc.stdout)
+        assert m and 0 < float(m.group(1)) <= float(m.group(2)) + 0.05, proc.stdout
+        stats = pstats.Stats(str(tmp_path / f"{impl}.pstats"))
+        assert stats.total_calls > 0  # type: ignore[attr-defined]
+    from bench.e2e.host_profile import parse_args
+
+    for bad, message in ((["--impls", "baseline"], "unsupported --impls ['baseline']"),
+                         (["--steps", "0"], "--steps must be >= 1, got 0")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+        assert message in capsys.readouterr().err
 
 
 def test_e2e_bench_cpu_smoke(tmp_path: Path) -> None:
