@@ -969,6 +969,10 @@ HOW_MEASURED = """\
   FairScale's `OffloadModel` (when installed) and FSDP2 with `CPUOffloadPolicy`, against the same model
   resident on the GPU. Host<->device GB/s is bytes copied per step divided by the step time: counted by
   `OffloadModel.transfer_stats()` for shardfuse, estimated from the parameter traffic for the others.
+- `torchrun ... -m bench.e2e.host_profile` (gpu_suite stage `host-profile`): where an eager step's time goes on
+  the host, the decoder at 1K tokens per GPU: each implementation's host enqueue time against its synchronised
+  step (close together: the step is host-bound) and a cProfile of rank 0. Last run on 2xH200:
+  `bench/results/logs/h200x2-host-profile.log`.
 - `bash bench/gpu_suite.sh` runs the GPU tests and all three on one machine (results under
   `$OUT/work/results/<gpu>/`, packed in `$OUT/suite.tgz`). Run alone, each runner writes
   `bench/results/<gpu>/<name>.json`; this page is rendered from those files by `python -m bench.report`, and
