@@ -10,6 +10,7 @@ from shardfuse.offload import OffloadModel, checkpoint_wrapper, disable_checkpoi
 from shardfuse.sharding import (
     FullyShardedDataParallel,
     ModuleClassWrapPolicy,
+    OffloadOptimizer,
     TrainingState,
     auto_wrap,
     config_auto_wrap_policy,
@@ -29,6 +30,7 @@ __all__ = [
     "FullyShardedDataParallel",
     "ModuleClassWrapPolicy",
     "OffloadModel",
+    "OffloadOptimizer",
     "TrainingState",
     "auto_wrap",
     "capture_step",

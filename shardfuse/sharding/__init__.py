@@ -1,6 +1,7 @@
 """The sharding layer: ``FullyShardedDataParallel`` on flat shards, side streams and shardfuse kernels."""
 
 from shardfuse.sharding._fully_sharded import FullyShardedDataParallel
+from shardfuse.sharding._offload_optim import OffloadOptimizer
 from shardfuse.sharding._state import TrainingState
 from shardfuse.sharding._wrap import (
     ModuleClassWrapPolicy,
@@ -17,6 +18,7 @@ from shardfuse.sharding._wrap import (
 __all__ = [
     "FullyShardedDataParallel",
     "ModuleClassWrapPolicy",
+    "OffloadOptimizer",
     "TrainingState",
     "auto_wrap",
     "config_auto_wrap_policy",

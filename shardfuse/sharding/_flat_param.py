@@ -207,6 +207,8 @@ class FlatParamHandle:
         # A reduction wrote ``flat.grad`` in this backward: only then do the views' gradients follow it (after a
         # no_sync backward, or with the unit unused, ``flat.grad`` may be a stale one the user zeroed on the views).
         self.grad_reduced = False
+        # Host buffers of a shard stepped by an OffloadOptimizer (_host_shard.HostShard), else None.
+        self.host: Any = None
 
     # ----------------------------------------------------------------------------------------------
     # set-up
@@ -365,11 +367,12 @@ class FlatParamHandle:
         for key in ("_on_grad", "_hooked"):
             state.pop(key, None)
         state.update(full_param=None, full_data=None, is_full=False, gathered_version=-1, forward_version=None,
-                     ag_event=None, fired=False)
+                     ag_event=None, fired=False, host=None)
         return state
 
     def __setstate__(self, state: dict) -> None:
         state.setdefault("attr_slots", state["slots"])  # pickled before sharing across units: nothing lent
+        state.setdefault("host", None)
         self.__dict__.update(state)
         # The registries are per process, keyed by object ids: enter the unpickled shard (clip_grad_norm_,
         # optimizer-state and borrowing look it up there).
@@ -395,6 +398,9 @@ class FlatParamHandle:
         The shard is cast (or copied) straight into this rank's slice of the padded full buffer, which is
         then all-gathered in place. The compute stream must call :meth:`wait_full` before reading it.
         """
+        host = self.host
+        if host is not None:
+            host.wait_ready()  # an optimizer step of this shard may be in flight on the host
         if self.is_full and self.gathered_version == self.flat._version:
             return
         ag = streams.all_gather
@@ -407,10 +413,15 @@ class FlatParamHandle:
                 if storage.size() == 0:
                     storage.resize_(self.nbytes)
                 local = self.full_data.narrow(0, self.rank * self.shard_numel, self.shard_numel)
-                src = self.flat.detach()
-                if src.device != local.device:
-                    src = src.to(local.device, non_blocking=True)
-                dp.cast_into(src, local)
+                src = self.flat.detach() if host is None else host.source_for_gather(self.flat)
+                if src.device != local.device and src.dtype == local.dtype:
+                    local.copy_(src, non_blocking=True)  # the host copy is in the compute dtype already
+                else:
+                    if src.device != local.device:
+                        src = src.to(local.device, non_blocking=True)
+                    dp.cast_into(src, local)
+                if host is not None:
+                    host.note_h2d(ag)
                 coll.all_gather_into(self.full_data, local, self.group, self.world_size)
                 self.ag_event = record_event(ag)
         self.is_full = True

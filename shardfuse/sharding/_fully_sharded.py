@@ -29,6 +29,7 @@ from shardfuse.sharding._flat_param import (
     materialize_meta,
 )
 from shardfuse.sharding._grad_reduce import clip_grad_norm
+from shardfuse.sharding._offload_optim import engine_of, finish_host_steps
 from shardfuse.sharding._root import lazy_init, release_unit, reset_root
 from shardfuse.sharding._runtime import Unit
 from shardfuse.sharding._setup import (
@@ -374,6 +375,10 @@ class FullyShardedDataParallel(nn.Module):
         )
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        finish_host_steps(self._unit)  # an OffloadOptimizer step in flight writes the shards
+        engine = engine_of(self._unit)
+        if engine is not None:  # the host buffers belong to the old placement and dtype
+            engine.close()
         # .to()/.cuda()/.half() move the shards; the runtime (full buffers, streams) is rebuilt lazily.
         units = units_below(self._unit)
         for u in units:
@@ -530,6 +535,9 @@ class FullyShardedDataParallel(nn.Module):
             for u in units_below(unit):
                 check_state(u.training_state, (TrainingState.IDLE,), "clip_grad_norm_()", u.name,
                             "call it after backward has finished")
+            engine = engine_of(unit)
+            if engine is not None:
+                return engine.clip_grad_norm_(max_norm, norm_type)
             return clip_grad_norm([p.grad for p in self.parameters() if p.grad is not None], max_norm, norm_type,
                                   unit.compute_device, unit.groups.process_group, unit.world_size)
 
@@ -544,6 +552,7 @@ class FullyShardedDataParallel(nn.Module):
         exit, in-place changes are written back to the shards (each rank keeps its own slice) unless
         ``volatile``. Not allowed during forward/backward.
         """
+        finish_host_steps(self._unit)  # an OffloadOptimizer step in flight writes the shards
         lazy_init(self._unit)
         return summon_full_params(self._units() if recurse else [self], volatile)
 
@@ -566,6 +575,7 @@ class FullyShardedDataParallel(nn.Module):
 
         With ``state_dict_on_rank_0_only`` only rank 0 gets the tensors (others ``{}``); every rank must call.
         """
+        finish_host_steps(self._unit)  # an OffloadOptimizer step in flight writes the shards
         if args:  # legacy positional form state_dict(destination, prefix, keep_vars)
             destination = args[0]
             prefix = args[1] if len(args) > 1 else prefix
@@ -580,6 +590,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> NamedTuple:
         """Load a full state dict (original names, e.g. from an unwrapped model); every rank must call."""
+        finish_host_steps(self._unit)  # an OffloadOptimizer step in flight writes the shards
         if assign:
             raise NotImplementedError("load_state_dict(assign=True) is not supported: parameters are flat shards")
         with profiled("shardfuse.sharding:load_state_dict"):
@@ -590,6 +601,7 @@ class FullyShardedDataParallel(nn.Module):
     def local_state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """This rank's flat shards and the buffers, as FairScale names them: ``<unit path>.flat_param_<i>``
         and the buffers' own names, with no wrapper segment (see :meth:`local_metadata_dict`)."""
+        finish_host_steps(self._unit)  # an OffloadOptimizer step in flight writes the shards
         with profiled("shardfuse.sharding:local_state_dict"):
             lazy_init(self._unit)
             return _state_dict.local_state_dict(self)
@@ -607,6 +619,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def load_local_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> NamedTuple:
         """Load a dict from :meth:`local_state_dict` saved with the same world size and wrapping."""
+        finish_host_steps(self._unit)  # an OffloadOptimizer step in flight writes the shards
         with profiled("shardfuse.sharding:load_local_state_dict"):
             lazy_init(self._unit)
             missing, unexpected = _state_dict.load_local_state_dict(self, state_dict, strict)
@@ -624,6 +637,7 @@ class FullyShardedDataParallel(nn.Module):
         ``parameters()`` (module order), so the dict also loads into a plain optimizer of the unwrapped model;
         several param groups are kept.
         """
+        finish_host_steps(self._unit)  # an OffloadOptimizer step in flight writes the shards
         if ignored:
             raise TypeError(f"gather_full_optim_state_dict got unsupported arguments {sorted(ignored)}")
         with profiled("shardfuse.sharding:gather_full_optim_state_dict"):
@@ -634,6 +648,7 @@ class FullyShardedDataParallel(nn.Module):
         """This rank's optimizer state dict (for ``optim.load_state_dict``, also of a fresh optimizer that has
         not stepped yet) from a consolidated one, at any world size. As in FairScale, tensors are on the CPU
         (``load_state_dict`` moves them to the parameters' device) and the input dict is consumed."""
+        finish_host_steps(self._unit)  # an OffloadOptimizer step in flight writes the shards
         with profiled("shardfuse.sharding:get_shard_from_optim_state_dict"):
             lazy_init(self._unit)
             return _optim_state.get_shard_from_optim_state_dict(self, full_optim_state_dict)
@@ -647,6 +662,7 @@ class FullyShardedDataParallel(nn.Module):
         (``Shard(0)``) whose local tensor is a view of this rank's piece (no copy); buffers are plain tensors. A
         fresh optimizer's state is laid out without stepping it. Root only; every rank must call.
         """
+        finish_host_steps(self._unit)  # an OffloadOptimizer step in flight writes the shards
         with profiled("shardfuse.sharding:sharded_state_dict"):
             lazy_init(self._unit)
             return _dcp.sharded_state_dict(self, optim)
@@ -657,6 +673,7 @@ class FullyShardedDataParallel(nn.Module):
         state and hyper-parameters, also into a fresh optimizer. A checkpoint of another wrapping, a dict that was
         not filled, or optimizer groups that differ from the saved ones raise before anything is written. Root
         only; every rank must call."""
+        finish_host_steps(self._unit)  # an OffloadOptimizer step in flight writes the shards
         with profiled("shardfuse.sharding:load_sharded_state_dict"):
             lazy_init(self._unit)
             _dcp.load_sharded_state_dict(self, state_dict, optim)

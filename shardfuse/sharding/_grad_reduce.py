@@ -42,6 +42,22 @@ class PendingFrees:
     # Offloaded gradients: (flat parameter, host copy being written on the post-backward stream, its device
     # source, kept alive until the post-backward stream has finished with it).
     host_grads: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # Shards of an OffloadOptimizer whose gradient copy to the host is in flight (landed at the end of backward),
+    # and the device sources of those copies, each freed once the compute stream has waited for its copy.
+    landing: list[FlatParamHandle] = field(default_factory=list)
+    copies: list[tuple[torch.Tensor, torch.cuda.Event | None]] = field(default_factory=list)
+
+    def add_copy_source(self, tensor: torch.Tensor, event: torch.cuda.Event | None, streams: Streams,
+                        keep: int = 4) -> None:
+        """Hold the device source of a host copy until ``event``; at most ``keep`` in flight (older ones are
+        released after a device-side wait: memory against how far the copies may lag the backward)."""
+        if event is None:
+            return
+        while len(self.copies) >= keep:
+            old, old_event = self.copies.pop(0)
+            wait_event(streams.current(), old_event)
+            del old
+        self.copies.append((tensor, event))
 
     def add(self, tensor: torch.Tensor, event: torch.cuda.Event | None, streams: Streams, keep: int = 1) -> None:
         """Hold ``tensor`` until ``event``; release older entries beyond ``keep`` after a device-side wait."""
@@ -56,6 +72,7 @@ class PendingFrees:
     def release_all(self) -> None:
         """Drop every held tensor (the caller made the compute stream wait for the post-backward stream)."""
         self.items.clear()
+        self.copies.clear()
 
 
 def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pending: PendingFrees) -> None:
@@ -74,7 +91,7 @@ def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pe
     handle.grad_reduced = True
     offload = flat.device != grad.device
     current = streams.current()
-    if offload:
+    if offload or handle.host is not None:
         # The shard lives on the host: reduce into a device temporary, then copy it out.
         dest = torch.empty(handle.shard_numel, dtype=flat.dtype, device=grad.device)
         accumulate = False
@@ -106,20 +123,28 @@ def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pe
             rs_out = torch.empty(handle.shard_numel, dtype=cfg.reduce_dtype, device=g.device)
             coll.reduce_scatter_into(rs_out, rs_in, cfg.group, handle.world_size)
         dp.reduce_output(rs_out, dest, cfg.postdivide, accumulate)
-        if offload:
+        if handle.host is not None:
+            handle.host.send_grad(flat, dest, post_backward)
+            pending.landing.append(handle)
+        elif offload:
             host = torch.empty(dest.shape, dtype=dest.dtype, pin_memory=torch.cuda.is_available())
             host.copy_(dest, non_blocking=True)
             pending.host_grads.append((flat, host, dest))
         event = record_event(post_backward)
+    if handle.host is not None:
+        pending.add_copy_source(dest, event, streams)
     pending.add(grad, event, streams)
 
 
 def finish_host_grads(pending: PendingFrees, streams: Streams) -> None:
     """Land offloaded gradients in ``flat.grad`` on the host (waits for the copies: offload syncs by design)."""
-    if not pending.host_grads:
+    if not pending.host_grads and not pending.landing:
         return
     if streams.post_backward is not None:
         streams.post_backward.synchronize()
+    for handle in pending.landing:
+        handle.host.land_grad(handle.flat)
+    pending.landing.clear()
     for flat, host, _ in pending.host_grads:
         if flat.grad is None:
             flat.grad = host

@@ -214,6 +214,17 @@ class Unit:
         for h in self.gather_handles:
             h.reshard()
 
+    def keeps_full(self, handle: FlatParamHandle) -> bool:
+        """Under ``no_sync`` with ``OffloadOptimizer(accumulate_on_gpu=True)`` an offloaded shard's gathered
+        parameters stay on the GPU between micro-steps (no host round trip until the step's last backward)."""
+        host = handle.host
+        return host is not None and host.keep_full_in_no_sync and not self.require_backward_grad_sync
+
+    def reshard_unless_kept(self) -> None:
+        for h in self.gather_handles:
+            if not self.keeps_full(h):
+                h.reshard()
+
     # ----------------------------------------------------------------------------------------------
     # 1. forward
     # ----------------------------------------------------------------------------------------------
@@ -272,7 +283,7 @@ class Unit:
         rs = self.root_state
         try:
             if self.reshard_after_forward and not self._keep_full_for_backward():
-                self.reshard()
+                self.reshard_unless_kept()
             if torch.is_grad_enabled():
                 self._register_pre_backward_hooks(outputs)
         finally:
@@ -384,7 +395,8 @@ class Unit:
             if self.require_backward_grad_sync:
                 reduce_grad(handle, self.reduce_cfg, rs.streams, rs.pending)
             # Under no_sync the full gradient stays in full_param.grad and keeps accumulating.
-            handle.reshard()
+            if not self.keeps_full(handle):
+                handle.reshard()
 
     # ----------------------------------------------------------------------------------------------
     # 4. end of backward (root only)
@@ -414,7 +426,8 @@ class Unit:
         finish_host_grads(rs.pending, streams)
         for u in rs.units:
             for h in u.handles:
-                h.reshard()
+                if not u.keeps_full(h):
+                    h.reshard()
                 h.fired = False
                 h.forward_version = None
                 if h.grad_reduced:

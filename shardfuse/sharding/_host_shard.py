@@ -1,0 +1,150 @@
+"""The host side of one offloaded flat parameter under :class:`~shardfuse.OffloadOptimizer`.
+
+A :class:`HostShard` hangs on a :class:`FlatParamHandle` whose shard lives in host memory and keeps, next to the
+fp32 shard ``flat``:
+
+- ``grad_buf``: the pinned buffer the reduced gradient is copied into on the post-backward stream, reused every
+  step (``flat.grad`` is this buffer once the copy has landed); ``stage_buf`` takes a second gradient when
+  ``flat.grad`` already holds one (accumulation across backward passes);
+- ``compute_buf``: the parameters in the compute dtype (bf16), written by the optimizer step right after it
+  updated the shard, so only 2 bytes per parameter cross to the GPU when the unit is gathered again;
+- ``ready``: set while no optimizer step of this shard is in flight; a gather waits for it, so the next forward
+  of a unit waits for that unit's update alone.
+
+Lifetimes are held by events, never ``record_stream``: the optimizer step waits for the last host-to-device copy
+that read ``compute_buf``/``flat`` before it writes them again, and the end of backward waits for the gradient
+copies before ``flat.grad`` is read by anybody.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+from shardfuse._streams import record_event, use_stream
+
+# Pinned memory allocated by torch's caching host allocator is rounded up to a power of two (a 450 MB shard takes
+# 512 MiB, a 540 MB one 1 GiB); registering plain memory with the driver pins exactly what is asked for.
+
+
+def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """An uninitialised host tensor of ``numel`` elements, page-locked (registered, not rounded) when ``pin``."""
+    t = torch.empty(numel, dtype=dtype)
+    if pin and numel and torch.cuda.is_available():
+        nbytes = t.numel() * t.element_size()
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+        if int(err) != 0:  # e.g. the locked-memory limit: fall back to the caching allocator's pinned memory
+            return torch.empty(numel, dtype=dtype, pin_memory=True)
+        ptr = t.data_ptr()
+        weakref.finalize(t.untyped_storage(), torch.cuda.cudart().cudaHostUnregister, ptr)
+    return t
+
+
+class HostShard:
+    """Host buffers, gradient landing and the compute-dtype copy of one offloaded flat parameter."""
+
+    def __init__(self, flat: torch.Tensor, compute_dtype: torch.dtype, pin: bool) -> None:
+        numel = flat.numel()
+        self.pin = pin
+        self.grad_buf = host_buffer(numel, flat.dtype, pin)
+        self.stage_buf: torch.Tensor | None = None  # made on the first accumulation only
+        # fp32 compute copies nothing: the shard itself crosses to the GPU.
+        self.compute_buf = None if compute_dtype == flat.dtype else host_buffer(numel, compute_dtype, pin)
+        self.copy_version = -1  # flat._version when compute_buf was last written
+        self.ready = threading.Event()
+        self.ready.set()
+        self.error: BaseException | None = None  # an optimizer step that raised on the worker thread
+        self.h2d_event: torch.cuda.Event | None = None  # the last host->device copy reading the host copy
+        self.landing: torch.Tensor | None = None  # the buffer the in-flight gradient copy writes
+        # Per reduction: the gradient's L2 norm on the device (invalid once accumulated on the host: that sum's
+        # norm is computed on the host when asked for).
+        self.grad_norm: torch.Tensor | None = None
+        self.norm_valid = False
+        # Set by OffloadOptimizer(accumulate_on_gpu=True): under no_sync the gathered compute-dtype parameters
+        # stay on the GPU between micro-steps, so the host round trip happens once per optimizer step.
+        self.keep_full_in_no_sync = False
+
+    # ----------------------------------------------------------------------------------------------
+    # gradients: device -> host on the post-backward stream, landed at the end of backward
+    # ----------------------------------------------------------------------------------------------
+
+    def send_grad(self, flat: torch.Tensor, dest: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+        """Queue the copy of the reduced shard gradient ``dest`` (on the device) to the host on ``stream``.
+
+        Runs on the post-backward stream right after the reduction; the squared norm for clipping is taken on
+        the device from the same tensor, so clipping never reads the host gradients.
+        """
+        self.wait_ready()  # the optimizer may still read grad_buf from the last step
+        if self.landing is not None:
+            # A second reduction in one backward (a unit whose hook fired twice): land the first one now.
+            if stream is not None:
+                stream.synchronize()
+            self.land_grad(flat)
+        target = self.grad_buf if flat.grad is None else self._stage()
+        with use_stream(stream):
+            target.copy_(dest, non_blocking=True)
+            # Clipping's per-shard norm, taken on the device as torch.nn.utils' foreach path takes it on the
+            # host; an accumulated gradient's norm is not this one's, so it is computed on the host if asked.
+            self.norm_valid = flat.grad is None and dest.numel() > 0
+            self.grad_norm = torch._foreach_norm([dest], 2.0)[0] if self.norm_valid else None
+        self.landing = target
+
+    def _stage(self) -> torch.Tensor:
+        if self.stage_buf is None:
+            self.stage_buf = host_buffer(self.grad_buf.numel(), self.grad_buf.dtype, self.pin)
+        return self.stage_buf
+
+    def land_grad(self, flat: torch.Tensor) -> None:
+        """After the copies finished (the caller synchronised the post-backward stream): ``flat.grad`` holds the
+        gradient, accumulated on the host when it already held one (as the plain offload path does)."""
+        target, self.landing = self.landing, None
+        if target is None:
+            return
+        if target is self.grad_buf:
+            flat.grad = self.grad_buf
+        else:
+            flat.grad.add_(target)
+
+    # ----------------------------------------------------------------------------------------------
+    # parameters: host -> device when the unit is gathered
+    # ----------------------------------------------------------------------------------------------
+
+    def wait_ready(self) -> None:
+        """Block until no optimizer step of this shard is in flight; re-raise what such a step raised."""
+        if not self.ready.is_set():
+            self.ready.wait()
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise RuntimeError(f"the overlapped optimizer step of an offloaded shard failed: {err}") from err
+
+    def source_for_gather(self, flat: torch.Tensor) -> torch.Tensor:
+        """What crosses to the device when the unit is gathered: the compute-dtype copy (refreshed if the shard
+        was changed outside an optimizer step, e.g. by ``load_state_dict`` or ``summon_full_params``)."""
+        self.wait_ready()
+        if self.compute_buf is None:
+            return flat.detach()
+        if self.copy_version != flat._version:
+            self.sync_h2d()
+            with torch.no_grad():
+                self.compute_buf.copy_(flat.detach())
+            self.copy_version = flat._version
+        return self.compute_buf
+
+    def note_h2d(self, stream: torch.cuda.Stream | None) -> None:
+        """Record the host->device copy just queued on ``stream`` (the next optimizer step waits for it)."""
+        self.h2d_event = record_event(stream)
+
+    def sync_h2d(self) -> None:
+        """Block until the last host->device copy from this shard's host buffers has finished."""
+        event, self.h2d_event = self.h2d_event, None
+        if event is not None:
+            event.synchronize()
+
+    def write_compute_copy(self, flat: torch.Tensor) -> None:
+        """After an optimizer step updated ``flat``: the compute-dtype copy follows it (worker thread)."""
+        if self.compute_buf is not None:
+            with torch.no_grad():
+                self.compute_buf.copy_(flat.detach())
+        self.copy_version = flat._version

@@ -1,0 +1,138 @@
+"""The overlapped host optimizer step: one worker thread steps offloaded shards one unit at a time.
+
+``OffloadOptimizer.step()`` returns at once. Each offloaded flat parameter is stepped on the worker thread in
+the recorded forward order (its gradient scaled by the clipping coefficient first, then the user's optimizer
+class over that shard alone, sharing the user's optimizer state, then the compute-dtype copy written), and its
+:class:`HostShard`'s ``ready`` event is set: the next forward of that unit waits for it and nothing else, so the
+CPU update of later units runs while the GPU computes earlier ones. torch's CPU kernels release the GIL, so the
+main thread keeps launching GPU work while the worker steps.
+
+Per-element optimizers (Adam, AdamW, SGD) give the same values stepped per shard as stepped all at once, so the
+parameters equal the non-overlapped path's bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from shardfuse.sharding._flat_param import FlatParamHandle
+from shardfuse.sharding._host_shard import HostShard
+
+logger = logging.getLogger(__name__)
+
+# Optimizers whose update of one parameter reads only that parameter's gradient and state: stepping each shard on
+# its own equals one step over all of them.
+PER_ELEMENT_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+class StepWorker:
+    """One daemon thread that runs queued callables in order."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="shardfuse-host-step", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            task = self._queue.get()
+            if task is None:
+                return
+            task()  # tasks catch their own errors (HostShard.error) and always set their event
+
+    def submit(self, task: Callable[[], None]) -> None:
+        self._queue.put(task)
+
+    def close(self) -> None:
+        """Finish the queued tasks and end the thread (idempotent)."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+
+@dataclass
+class ShardPlan:
+    """What one optimizer step does for one flat parameter: the user's parameters that are views of it (the flat
+    parameter itself, or the original parameters with ``use_orig_params``), per user param group, and the
+    single-shard optimizers that step them (sharing the user's optimizer state)."""
+
+    handle: FlatParamHandle | None  # None: parameters that are no shard (stepped on the caller's thread)
+    groups: list[tuple[int, list[torch.Tensor]]]  # (user group index, parameters)
+    subs: list[torch.optim.Optimizer] = field(default_factory=list)
+    deferred_zero: bool | None = None  # zero_grad(set_to_none=...) came while the step was queued
+
+    @property
+    def host(self) -> HostShard | None:
+        return self.handle.host if self.handle is not None else None
+
+
+def make_sub_optimizers(optimizer: torch.optim.Optimizer, plan: ShardPlan) -> None:
+    """One optimizer of the user's class per (shard, user group), with the group's settings and the user's
+    ``state`` dict itself, so its step updates the user's optimizer state."""
+    plan.subs = []
+    for gi, params in plan.groups:
+        settings = {k: v for k, v in optimizer.param_groups[gi].items() if k != "params"}
+        sub = type(optimizer)([{"params": params, **settings}])
+        sub.state = optimizer.state
+        plan.subs.append(sub)
+
+
+def step_plan(optimizer: torch.optim.Optimizer, plan: ShardPlan, coef: torch.Tensor | None) -> None:
+    """Scale the plan's gradients by ``coef`` (clipping) and step them with the user's current settings."""
+    with torch.no_grad():
+        for (gi, params), sub in zip(plan.groups, plan.subs):
+            if coef is not None:
+                grads = [p.grad for p in params if p.grad is not None]
+                if grads:
+                    torch._foreach_mul_(grads, coef.to(grads[0].device))
+            # The user (or an LR scheduler) may change settings between steps: follow them.
+            target = sub.param_groups[0]
+            for k, v in optimizer.param_groups[gi].items():
+                if k != "params":
+                    target[k] = v
+            sub.step()
+
+
+def host_task(optimizer: torch.optim.Optimizer, plan: ShardPlan, coef: torch.Tensor | None,
+              lock: threading.Lock) -> Callable[[], None]:
+    """The worker's job for one offloaded shard: wait for the last copy that read its host buffers, step it,
+    refresh the compute-dtype copy, apply a ``zero_grad`` that came meanwhile, then release the unit's next
+    gather. Runs under ``lock`` so ``zero_grad`` sees each shard either queued (and defers) or done."""
+    host = plan.host
+    flat = plan.handle.flat
+
+    def run() -> None:
+        with lock:
+            try:
+                host.sync_h2d()
+                step_plan(optimizer, plan, coef)
+                host.write_compute_copy(flat)
+                apply_zero_grad(plan, plan.deferred_zero)
+            except BaseException as err:  # noqa: BLE001 - handed to the main thread, raised at the next wait
+                host.error = err
+                logger.error("overlapped optimizer step failed: %s", err)
+            finally:
+                plan.deferred_zero = None
+                host.ready.set()
+
+    return run
+
+
+def apply_zero_grad(plan: ShardPlan, set_to_none: bool | None) -> None:
+    """``zero_grad`` for the plan's parameters (``None``: nothing to do)."""
+    if set_to_none is None:
+        return
+    for _, params in plan.groups:
+        for p in params:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.zero_()

@@ -1,0 +1,376 @@
+"""``OffloadOptimizer``: the user's optimizer over a model wrapped with ``move_params_to_cpu=True``, stepped
+per unit on a host thread and overlapped with the next forward (see ``_host_step.py``), with partial offload
+under a GPU memory budget and host round trips amortised over ``no_sync`` accumulation."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardfuse.sharding import _collectives as coll
+from shardfuse.sharding._flat_param import FlatParamHandle, handle_of
+from shardfuse.sharding._grad_reduce import clip_grad_norm
+from shardfuse.sharding._host_shard import HostShard
+from shardfuse.sharding._host_step import (
+    PER_ELEMENT_OPTIMIZERS,
+    ShardPlan,
+    StepWorker,
+    apply_zero_grad,
+    host_task,
+    make_sub_optimizers,
+    step_plan,
+)
+from shardfuse.sharding._runtime import Unit
+from shardfuse.sharding._tree import units_below
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+# Root unit -> its OffloadOptimizer: clip_grad_norm_ and the state-dict paths find it here.
+_ENGINES: weakref.WeakKeyDictionary[Unit, OffloadOptimizer] = weakref.WeakKeyDictionary()
+
+
+def engine_of(unit: Unit) -> OffloadOptimizer | None:
+    """The OffloadOptimizer attached to the tree of ``unit`` (None when there is none)."""
+    top = unit
+    while top.parent is not None:
+        top = top.parent
+    return _ENGINES.get(top)
+
+
+def finish_host_steps(unit: Unit) -> None:
+    """Wait for the optimizer steps in flight on the tree of ``unit`` (before its shards are read or written)."""
+    engine = engine_of(unit)
+    if engine is not None:
+        engine.synchronize()
+
+
+def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of per-element optimizer state per fp32 parameter element (for the residency budget)."""
+    group = optimizer.param_groups[0]
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return 12 if group.get("amsgrad") else 8
+    return 4 if group.get("momentum", 0) else 0
+
+
+def choose_resident(sizes: list[int], budget_bytes: float, bytes_per_element: int) -> int:
+    """How many handles, counted from the END of the forward order, stay resident on the GPU within
+    ``budget_bytes``: the last units of the forward order are the last the host would step, so keeping them
+    resident shortens the host's step where the next forward waits longest."""
+    used = 0.0
+    count = 0
+    for numel in reversed(sizes):
+        cost = numel * bytes_per_element
+        if used + cost > budget_bytes:
+            break
+        used += cost
+        count += 1
+    return count
+
+
+class OffloadOptimizer(torch.optim.Optimizer):
+    """Step ``optimizer`` over a ``move_params_to_cpu=True`` model unit by unit on a host thread, overlapped with
+    the GPU: gradients leave the GPU as each unit is reduced (into reused pinned buffers), the step returns at
+    once, each unit's update runs on the host in forward order and writes a compute-dtype (bf16) copy, and the
+    next forward of a unit waits only for that unit's update. Parameters after N steps equal those of stepping
+    ``optimizer`` itself (Adam, AdamW, SGD are per-element).
+
+    Args:
+        model: the root ``FullyShardedDataParallel`` (wrapped with ``move_params_to_cpu=True``).
+        optimizer: a ``torch.optim.Adam``/``AdamW``/``SGD`` over ``model.parameters()`` (``fused=True`` is the
+            fastest on the CPU).
+        gpu_budget_gib: GPU memory (GiB) the run may use; the units that fit (counted from the end of the forward
+            order) keep parameters, gradients and optimizer state on the GPU and are stepped there. ``None``: what
+            the device had free at the peak of the first step; ``0``: offload everything.
+        accumulate_on_gpu: under ``no_sync()`` keep the gathered compute-dtype parameters on the GPU between
+            micro-steps, so parameters cross to the GPU once per optimizer step (costs the full compute-dtype
+            parameters of every unit on the GPU while accumulating; gradients accumulate on the GPU either way).
+
+    ``clip_grad_norm_`` on the model takes the norm from per-unit norms computed on the GPU as gradients are
+    reduced and scales each unit's gradient just before its update: reading ``.grad`` between the clip and the
+    step shows unscaled values. ``state_dict()``, ``load_state_dict()`` and the model's state-dict and summon
+    paths first finish a step in flight.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, gpu_budget_gib: float | None = None,
+                 accumulate_on_gpu: bool = False) -> None:
+        _check_arguments(model, optimizer, gpu_budget_gib)
+        # Not Optimizer.__init__: param_groups, state and defaults are the user's optimizer's (properties below).
+        self.optimizer = optimizer
+        self.model = model
+        self.root: Unit = model._unit
+        self.gpu_budget_gib = gpu_budget_gib
+        self.accumulate_on_gpu = accumulate_on_gpu
+        self._lock = threading.Lock()
+        self._worker = StepWorker()
+        self._finalizer = weakref.finalize(self, self._worker.close)
+        self._plans: list[ShardPlan] = []
+        self._signature: tuple = ()
+        self._coef: torch.Tensor | None = None
+        self._placed = False
+        self._optimizer_step_pre_hooks: dict = {}
+        self._optimizer_step_post_hooks: dict = {}
+        self._optimizer_state_dict_pre_hooks: dict = {}
+        self._optimizer_state_dict_post_hooks: dict = {}
+        self._optimizer_load_state_dict_pre_hooks: dict = {}
+        self._optimizer_load_state_dict_post_hooks: dict = {}
+        self._attach()
+        _ENGINES[self.root] = self
+
+    # ----------------------------------------------------------------------------------------------
+    # the user's optimizer, seen through this one
+    # ----------------------------------------------------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def __repr__(self) -> str:
+        return f"OffloadOptimizer({self.optimizer!r}, gpu_budget_gib={self.gpu_budget_gib})"
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        self.synchronize()
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        self.synchronize()
+        self.optimizer.load_state_dict(state_dict)
+        self._signature = ()  # the user's optimizer has a new state dict: share it again
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.synchronize()
+        self.optimizer.add_param_group(param_group)
+        self._signature = ()
+
+    # ----------------------------------------------------------------------------------------------
+    # the step
+    # ----------------------------------------------------------------------------------------------
+
+    def _attach(self) -> None:
+        """A HostShard on every handle whose shard lives on the host (made once)."""
+        for u in units_below(self.root):
+            compute = u.config.compute_dtype if u.config.mixed_precision else None
+            for h in u.handles:
+                if h.host is None and h.flat.device.type == "cpu":
+                    h.host = HostShard(h.flat, compute or h.dtype, pin=torch.cuda.is_available())
+                    h.host.keep_full_in_no_sync = self.accumulate_on_gpu
+
+    def _handles_in_order(self) -> list[FlatParamHandle]:
+        rs = self.root.root_state
+        units = list(rs.fwd_order) if rs is not None and rs.order_recorded else []
+        units += [u for u in units_below(self.root) if u not in units]
+        seen: set[int] = set()
+        out = []
+        for u in units:
+            for h in u.handles:
+                if id(h) not in seen:
+                    seen.add(id(h))
+                    out.append(h)
+        return out
+
+    def _refresh_plans(self) -> None:
+        signature = (id(self.optimizer.state), tuple(tuple(map(id, g["params"])) for g in self.param_groups),
+                     bool(self.root.root_state and self.root.root_state.order_recorded))
+        if signature == self._signature:
+            return
+        by_handle: dict[int, dict[int, list[torch.Tensor]]] = {}
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                h = handle_of(p)
+                by_handle.setdefault(id(h) if h is not None else 0, {}).setdefault(gi, []).append(p)
+        plans = [ShardPlan(h, sorted(by_handle[id(h)].items())) for h in self._handles_in_order()
+                 if id(h) in by_handle]
+        if 0 in by_handle:
+            plans.append(ShardPlan(None, sorted(by_handle[0].items())))
+        for plan in plans:
+            make_sub_optimizers(self.optimizer, plan)
+        self._plans = plans
+        self._signature = signature
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """Queue this step's updates (returns at once; the next forward of each unit waits for its own)."""
+        if closure is not None:
+            raise ValueError("OffloadOptimizer.step() takes no closure: compute the loss and backward before step()")
+        self.synchronize()
+        if not self._placed:
+            self._place_by_budget()
+        self._refresh_plans()
+        coef, self._coef = self._coef, None
+        for plan in self._plans:
+            if plan.host is None:
+                step_plan(self.optimizer, plan, coef)  # on the GPU (or not a shard): queued there, in order
+        host_coef = coef.to("cpu") if coef is not None else None
+        for plan in self._plans:
+            if plan.host is not None:
+                plan.host.ready.clear()
+                self._worker.submit(host_task(self.optimizer, plan, host_coef, self._lock))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop (or zero) the gradients; a shard whose step is still queued gets it right after that step."""
+        if not self._plans:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+            return
+        with self._lock:
+            for plan in self._plans:
+                if plan.host is not None and not plan.host.ready.is_set():
+                    plan.deferred_zero = set_to_none
+                else:
+                    apply_zero_grad(plan, set_to_none)
+
+    def synchronize(self) -> None:
+        """Block until every queued host step has finished; re-raise the first error one raised."""
+        for u in units_below(self.root):
+            for h in u.handles:
+                if h.host is not None:
+                    h.host.wait_ready()
+
+    def close(self) -> None:
+        """Finish the steps in flight, end the worker thread (also done when this object is collected) and detach
+        from the model, whose shards then train with a plain optimizer again."""
+        self.synchronize()
+        self._finalizer()
+        if _ENGINES.get(self.root) is self:
+            del _ENGINES[self.root]
+        for u in units_below(self.root):
+            for h in u.handles:
+                h.host = None
+
+    # ----------------------------------------------------------------------------------------------
+    # clipping
+    # ----------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """The model's ``clip_grad_norm_``: the global norm from the per-unit norms taken on the GPU (one
+        all-reduce), the scaling deferred to each unit's update (host shards) or applied now (the others)."""
+        unit = self.root
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if float(norm_type) != 2.0:
+            return self._plain_clip(grads, max_norm, norm_type)
+        norms = []
+        for p in self.model.parameters():
+            g = p.grad
+            if g is None or not g.numel():
+                continue
+            h = handle_of(p)
+            host = h.host if h is not None and h.flat is p else None
+            norm = host.grad_norm if host is not None and host.norm_valid and g is host.grad_buf else None
+            norms.append(norm if norm is not None else torch._foreach_norm([g], 2.0)[0])
+        device = unit.compute_device
+        if norms:
+            local = torch.stack([n.float().to(device) for n in norms]).pow(2.0).sum()
+        else:
+            local = torch.zeros((), dtype=torch.float32, device=device)
+        total = coll.all_reduce_(local, unit.groups.process_group, unit.world_size).pow(0.5)
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        self._scale_now(coef)
+        return total
+
+    def _scale_now(self, coef: torch.Tensor) -> None:
+        """Scale the gradients not stepped on the host now; keep ``coef`` for the host shards' updates."""
+        self._refresh_plans()
+        for plan in self._plans:
+            if plan.host is not None:
+                continue
+            grads = [p.grad for _, params in plan.groups for p in params if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, coef.to(grads[0].device))
+        self._coef = coef if self._coef is None else self._coef * coef
+
+    def _plain_clip(self, grads: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
+        unit = self.root
+        self.synchronize()
+        return clip_grad_norm(grads, max_norm, norm_type, unit.compute_device, unit.groups.process_group,
+                              unit.world_size)
+
+    # ----------------------------------------------------------------------------------------------
+    # partial offload
+    # ----------------------------------------------------------------------------------------------
+
+    def _place_by_budget(self) -> None:
+        """Once, at the first step: keep the units that fit the budget resident on the GPU."""
+        self._placed = True
+        device = self.root.compute_device
+        if device.type != "cuda" or self.gpu_budget_gib == 0:
+            return
+        if self.gpu_budget_gib is None:
+            total = torch.cuda.get_device_properties(device).total_memory
+            allowed = 0.92 * total - torch.cuda.max_memory_reserved(device)
+        else:
+            allowed = self.gpu_budget_gib * GIB - torch.cuda.max_memory_allocated(device)
+        handles = [h for h in self._handles_in_order() if h.host is not None and h.orig_views is None]
+        per_element = 4 + 4 + _state_bytes_per_element(self.optimizer)  # shard, gradient, optimizer state
+        count = choose_resident([h.flat.numel() for h in handles], allowed, per_element)
+        moved = handles[len(handles) - count:] if count else []
+        for h in moved:
+            _make_resident(h, self.optimizer, device)
+        if moved:
+            logger.info("OffloadOptimizer: %d of %d offloaded shards (%.2f GiB with gradients and state) stay on "
+                        "%s", len(moved), len(handles), sum(h.flat.numel() for h in moved) * per_element / GIB,
+                        device)
+        self._signature = ()
+
+
+def _make_resident(handle: FlatParamHandle, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Move a host shard, its gradient and its optimizer state to ``device``; it is stepped there from now on."""
+    flat = handle.flat
+    flat.data = flat.data.to(device)
+    if flat.grad is not None:
+        flat.grad = flat.grad.to(device)
+    state = optimizer.state.get(flat)
+    if state:
+        for k, v in list(state.items()):
+            if isinstance(v, torch.Tensor) and (v.dim() or any(g.get("fused") or g.get("capturable")
+                                                               for g in optimizer.param_groups)):
+                state[k] = v.to(device)
+    handle.host = None
+
+
+def _check_arguments(model: nn.Module, optimizer: torch.optim.Optimizer, gpu_budget_gib: float | None) -> None:
+    unit = getattr(model, "_unit", None)
+    if not isinstance(unit, Unit):
+        raise TypeError(f"OffloadOptimizer needs the root FullyShardedDataParallel model, got {type(model).__name__}")
+    if unit.parent is not None:
+        raise ValueError(f"OffloadOptimizer needs the root (outermost) FullyShardedDataParallel, not the nested "
+                         f"{unit.name}: pass the outermost wrapper")
+    if not unit.config.move_params_to_cpu:
+        raise ValueError(f"OffloadOptimizer needs a model wrapped with move_params_to_cpu=True; {unit.name} keeps its "
+                         f"parameters on {unit.compute_device}: wrap with move_params_to_cpu=True, or step the plain "
+                         f"optimizer")
+    if isinstance(optimizer, OffloadOptimizer) or not isinstance(optimizer, PER_ELEMENT_OPTIMIZERS):
+        raise TypeError(
+            f"OffloadOptimizer steps each unit's shard on its own, which equals one step of the whole model only for "
+            f"per-element optimizers (torch.optim.Adam, AdamW, SGD); got {type(optimizer).__name__}: use one of "
+            f"those, or step {type(optimizer).__name__} itself (no overlap)"
+        )
+    if gpu_budget_gib is not None and not gpu_budget_gib >= 0:
+        raise ValueError(f"gpu_budget_gib must be >= 0 (GiB) or None, got {gpu_budget_gib!r}")
+    old = engine_of(unit)
+    if old is not None:  # a new optimizer for the same model (e.g. rebuilt to resume): the old one stops here
+        old.close()

@@ -1,0 +1,216 @@
+"""OffloadOptimizer (overlapped host optimizer steps) against the non-overlapped path, in a 2-process gloo group.
+
+The reference is the same wrapped model (``move_params_to_cpu=True``) stepped by the plain optimizer: parameters,
+losses and optimizer state after several steps must be equal bit for bit in fp32 (the per-shard step of a
+per-element optimizer is the same arithmetic), with clipping, accumulation across backward passes, ``no_sync``
+micro-steps (with and without ``accumulate_on_gpu``), ``zero_grad(set_to_none=False)`` and SGD with momentum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardfuse import OffloadOptimizer
+from shardfuse.sharding import FullyShardedDataParallel as FSDP
+from tests.sharding._models import batch, build, loss_fn, make_optim, wrap_model
+
+WORLD = 2
+STEPS = 4
+
+
+def _train(cfg: dict[str, Any], overlapped: bool) -> tuple[FSDP, Any, list[float]]:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    model = wrap_model(build(cfg), {**cfg, "move_params_to_cpu": True})
+    if cfg.get("fused"):
+        opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    else:
+        opt = make_optim(model.parameters(), cfg)
+    if overlapped:
+        opt = OffloadOptimizer(model, opt, gpu_budget_gib=0, accumulate_on_gpu=cfg.get("accumulate_on_gpu", False))
+    micro = cfg.get("no_sync_micro", 1)
+    losses = []
+    for step in range(STEPS):
+        for m in range(micro):
+            ctx = model.no_sync() if m < micro - 1 else contextlib.nullcontext()
+            with ctx:
+                ids, target = batch(step * micro + m, rank, ws)
+                loss = loss_fn(model, ids, target, step, cfg)
+                loss.backward()
+                losses.append(loss.item())
+        if cfg.get("clip"):
+            losses.append(model.clip_grad_norm_(cfg["clip"]).item())
+        opt.step()
+        if not cfg.get("keep_grads"):
+            opt.zero_grad(set_to_none=cfg.get("set_to_none", True))
+    return model, opt, losses
+
+
+def check_same_as_plain(cfg: dict[str, Any]) -> bool:
+    model, opt, losses = _train(cfg, overlapped=True)
+    ref, ref_opt, ref_losses = _train(cfg, overlapped=False)
+    assert losses == ref_losses, f"losses (and clip norms) differ: {losses} vs {ref_losses}"
+    sd, ref_sd = model.state_dict(), ref.state_dict()  # state_dict finishes the step in flight first
+    for k in ref_sd:
+        assert torch.equal(sd[k], ref_sd[k]), f"{k}: max |diff| {(sd[k] - ref_sd[k]).abs().max().item():.3e}"
+    got, want = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    assert got.keys() == want.keys()
+    for i in want:
+        for key, value in want[i].items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(got[i][key], value), f"optimizer state {i}.{key} differs"
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad), "gradients left after the last step differ"
+    opt.close()
+    return True
+
+
+CASES = {
+    "adamw": dict(),
+    "adamw-fused": dict(fused=True),
+    "sgd-momentum": dict(optim="sgd"),
+    "clip": dict(clip=0.05),
+    "clip-sgd": dict(clip=0.05, optim="sgd"),
+    "keep-grads": dict(keep_grads=True, optim="sgd"),
+    "zero-not-none": dict(set_to_none=False),
+    "no-sync": dict(no_sync_micro=3, clip=0.05),
+    "no-sync-accumulate-on-gpu": dict(no_sync_micro=3, accumulate_on_gpu=True, clip=0.05),
+    "root-only": dict(nested=False, clip=0.05),
+    "no-reshard": dict(reshard_after_forward=False),
+    "unused-unit": dict(extra=True, clip=0.05),
+    "tied": dict(tied=True),
+    "checkpoint": dict(ckpt=True),
+}
+
+
+@pytest.mark.parametrize("cfg", list(CASES.values()), ids=list(CASES))
+def test_bit_exact_against_plain_offload(pool, cfg):
+    assert pool.run(check_same_as_plain, cfg) == [True] * WORLD
+
+
+def check_mixed_precision(cfg: dict[str, Any]) -> bool:
+    """bf16 compute: the compute-dtype host copy is cast by torch on the host, the plain path by the shard cast
+    kernel (which the Triton interpreter does not round to nearest-even): equal within bf16 rounding."""
+    model, _, losses = _train({**cfg, "mixed_precision": True, "compute_dtype": torch.bfloat16}, overlapped=True)
+    ref, _, ref_losses = _train({**cfg, "mixed_precision": True, "compute_dtype": torch.bfloat16},
+                                overlapped=False)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=2e-2)
+    sd, ref_sd = model.state_dict(), ref.state_dict()
+    for k in ref_sd:
+        torch.testing.assert_close(sd[k], ref_sd[k], rtol=2e-2, atol=2e-2, msg=k)
+    assert model.module.head.weight.dtype == torch.float32  # resharded: the placeholder has the shard dtype
+    return True
+
+
+def test_mixed_precision_close(pool):
+    assert pool.run(check_mixed_precision, dict(optim="sgd", clip=0.05)) == [True] * WORLD
+
+
+def check_consistent_reads_after_step() -> bool:
+    """Right after step() (updates possibly in flight) state dicts and summon see the updated values."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    outs = []
+    for overlapped in (True, False):
+        model = wrap_model(build({}), {"move_params_to_cpu": True})
+        opt = make_optim(model.parameters(), {})
+        if overlapped:
+            opt = OffloadOptimizer(model, opt, gpu_budget_gib=0)
+        ids, target = batch(0, rank, ws)
+        loss_fn(model, ids, target, 0, {}).backward()
+        opt.step()
+        with model.summon_full_params():
+            summoned = {n: p.detach().clone() for n, p in model.named_parameters()}
+        outs.append((model.state_dict(), summoned, opt.state_dict()))
+    (sd, summ, osd), (ref_sd, ref_summ, ref_osd) = outs
+    assert all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
+    assert all(torch.equal(summ[k], ref_summ[k]) for k in ref_summ)
+    assert all(torch.equal(osd["state"][i]["exp_avg"], ref_osd["state"][i]["exp_avg"]) for i in ref_osd["state"])
+    return True
+
+
+def test_reads_after_step_see_the_update(pool):
+    assert pool.run(check_consistent_reads_after_step) == [True] * WORLD
+
+
+def check_load_state_dict_resumes() -> bool:
+    """A resumed OffloadOptimizer (state loaded into a fresh optimizer) continues exactly as the plain one."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    model, opt, _ = _train({}, overlapped=True)
+    saved_model, saved_opt = model.state_dict(), opt.state_dict()
+    opt.close()
+    results = []
+    for overlapped in (True, False):
+        fresh = wrap_model(build({}), {"move_params_to_cpu": True})
+        fresh.load_state_dict(saved_model)
+        o = make_optim(fresh.parameters(), {})
+        if overlapped:
+            o = OffloadOptimizer(fresh, o, gpu_budget_gib=0)
+        o.load_state_dict(copy.deepcopy(saved_opt))  # torch's load shares the tensors: no run may see another's
+        for step in range(2):
+            ids, target = batch(10 + step, rank, ws)
+            loss_fn(fresh, ids, target, step, {}).backward()
+            fresh.clip_grad_norm_(0.05)
+            o.step()
+            o.zero_grad()
+        results.append(fresh.state_dict())
+    assert all(torch.equal(results[0][k], results[1][k]) for k in results[1])
+    return True
+
+
+def test_load_state_dict_resumes(pool):
+    assert pool.run(check_load_state_dict_resumes) == [True] * WORLD
+
+
+def check_worker_error_surfaces() -> bool:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    model = wrap_model(build({}), {"move_params_to_cpu": True})
+    opt = OffloadOptimizer(model, make_optim(model.parameters(), {}), gpu_budget_gib=0)
+    ids, target = batch(0, rank, ws)
+    loss_fn(model, ids, target, 0, {}).backward()
+    opt.param_groups[0]["lr"] = "not a number"  # the host step raises on the worker thread
+    opt.step()
+    with pytest.raises(RuntimeError, match="overlapped optimizer step"):
+        model(ids)
+    return True
+
+
+def test_worker_error_is_raised_at_the_next_forward(pool):
+    assert pool.run(check_worker_error_surfaces) == [True] * WORLD
+
+
+def check_bad_arguments() -> bool:
+    plain = wrap_model(build({}), {})
+    with pytest.raises(ValueError, match="move_params_to_cpu=True"):
+        OffloadOptimizer(plain, make_optim(plain.parameters(), {}))
+    model = wrap_model(build({}), {"move_params_to_cpu": True})
+    with pytest.raises(TypeError, match="Adagrad"):
+        OffloadOptimizer(model, torch.optim.Adagrad(model.parameters()))
+    with pytest.raises(ValueError, match="gpu_budget_gib"):
+        OffloadOptimizer(model, make_optim(model.parameters(), {}), gpu_budget_gib=-1)
+    with pytest.raises(ValueError, match="nested"):
+        OffloadOptimizer(model.module.blocks[0], make_optim(model.parameters(), {}))
+    with pytest.raises(ValueError, match="closure"):
+        OffloadOptimizer(model, make_optim(model.parameters(), {})).step(lambda: 0.0)
+    return True
+
+
+def test_bad_arguments(pool):
+    assert pool.run(check_bad_arguments) == [True] * WORLD
+
+
+def test_choose_resident_counts_from_the_end():
+    from shardfuse.sharding._offload_optim import choose_resident
+
+    sizes = [10, 20, 30, 40]
+    assert choose_resident(sizes, budget_bytes=0, bytes_per_element=16) == 0
+    assert choose_resident(sizes, budget_bytes=40 * 16, bytes_per_element=16) == 1
+    assert choose_resident(sizes, budget_bytes=70 * 16, bytes_per_element=16) == 2
+    assert choose_resident(sizes, budget_bytes=69 * 16, bytes_per_element=16) == 1
+    assert choose_resident(sizes, budget_bytes=1e18, bytes_per_element=16) == 4
