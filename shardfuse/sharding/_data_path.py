@@ -81,17 +81,3 @@ def check_plan(
                 f"finite factors to gradient_predivide_factor or set_gradient_divide_factors"
             )
 
-
-# The names the call sites used before they took the kernels' own; removed with the call-site commit.
-def flatten_padded(tensors: list[torch.Tensor], world_size: int, dtype: torch.dtype) -> torch.Tensor:
-    return flatten_pad(list(tensors), world_size, dtype=dtype)
-
-
-def reduce_output(src: torch.Tensor, out: torch.Tensor, postdivide: float, accumulate: bool) -> torch.Tensor:
-    return post_divide(src, out, postdivide, accumulate=accumulate)
-
-
-cast_into = cast_shard
-unflatten = unflatten_into
-default_divide_factors = gradient_divide_factors
-reduce_input = pre_divide_pad
