@@ -13,6 +13,11 @@ over to ``torch._foreach_copy_``: each row is also timed with the Triton path fo
 the dispatch rule saves on each side. The flat form has no such switch; its rows time it against the
 ``_foreach_copy_`` into split views of the buffer that FSDP2 runs.
 
+Which path each row times, in its name: ``[runtime]`` rows call ``cast_shard_unchecked``, the trusted launch
+the sharding runtime runs before every all-gather (the same kernel as the public ``cast_shard``, without its
+argument checks); ``[public API]`` rows call ``cast_shards`` (shardfuse.kernels._cast_multi), which users call
+directly and the runtime never does.
+
 GPU only: every tensor is built on "cuda" inside ``cases``. The runner is ``python -m bench.kernels.run``.
 """
 
@@ -23,8 +28,9 @@ from collections.abc import Sequence
 import torch
 
 from bench.kernels.cases import KernelCase, forced
-from shardfuse.kernels import _cast
-from shardfuse.kernels._cast import cast_shard, cast_shards
+from shardfuse.kernels import _cast_multi
+from shardfuse.kernels._cast import cast_shard_unchecked
+from shardfuse.kernels._cast_multi import cast_shards
 
 FAMILY = "shard_cast"
 DISPATCH_FAMILY = "shard_cast_dispatch"
@@ -74,15 +80,15 @@ def _shard_cases(n: int) -> list[KernelCase]:
     return [
         KernelCase(
             family=FAMILY,
-            name=f"fp32->bf16 flat shard n={n}",
+            name=f"fp32->bf16 flat shard [runtime] n={n}",
             numel=n,
             bytes_moved=nbytes,
-            shardfuse=lambda: cast_shard(shard, ag_in),
+            shardfuse=lambda: cast_shard_unchecked(shard, ag_in),
             baselines={"copy_": lambda: ag_in.copy_(shard), **baselines},
         ),
         KernelCase(
             family=FAMILY,
-            name=f"fp32->bf16 {len(params)} params n={n}",
+            name=f"fp32->bf16 {len(params)} params [public API] n={n}",
             numel=n,
             bytes_moved=nbytes,
             shardfuse=lambda: cast_shards(params, ag_in),
@@ -99,7 +105,7 @@ def _multi_case(n: int) -> KernelCase:
     outs = [torch.empty(k, dtype=torch.bfloat16, device=dev) for k in sizes]
     return KernelCase(
         family=FAMILY,
-        name=f"fp32->bf16 {len(sizes)} tensors n={n}",
+        name=f"fp32->bf16 {len(sizes)} tensors [public API] n={n}",
         numel=n,
         bytes_moved=n * (4 + 2),
         shardfuse=lambda: cast_shards(srcs, outs),
@@ -121,7 +127,7 @@ def _list_case(num: int, per_tensor: int) -> KernelCase:
     sizes = split_sizes(num * per_tensor, num, seed=2)
     srcs = [torch.randn(k, device="cuda") for k in sizes]
     outs = [torch.empty(k, dtype=torch.bfloat16, device="cuda") for k in sizes]
-    side = "foreach" if num >= _cast.FOREACH_MIN_TENSORS else "triton"
+    side = "foreach" if num >= _cast_multi.FOREACH_MIN_TENSORS else "triton"
     return KernelCase(
         family=DISPATCH_FAMILY,
         name=f"list fp32->bf16 {num} tensors x{per_tensor} ({side})",
@@ -130,7 +136,7 @@ def _list_case(num: int, per_tensor: int) -> KernelCase:
         shardfuse=lambda: cast_shards(srcs, outs),
         baselines={
             "foreach_copy_": lambda: torch._foreach_copy_(outs, srcs),
-            "triton path": forced(_cast, "FOREACH_MIN_TENSORS", 1 << 62, lambda: cast_shards(srcs, outs)),
+            "triton path": forced(_cast_multi, "FOREACH_MIN_TENSORS", 1 << 62, lambda: cast_shards(srcs, outs)),
         },
         num_tensors=num,
     )
@@ -153,7 +159,7 @@ def _flat_case(num: int, per_tensor: int) -> KernelCase:
 
 def crossover_cases() -> list[KernelCase]:
     """The list form at tensor counts around FOREACH_MIN_TENSORS (and 1000), and the flat form beside it."""
-    t = _cast.FOREACH_MIN_TENSORS
+    t = _cast_multi.FOREACH_MIN_TENSORS
     counts = sorted({t // 4, t // 2, t - 1, t, 2 * t, 256, 1000})
     out = [_list_case(num, k) for k in CROSSOVER_NUMELS for num in counts]
     out += [_flat_case(num, k) for k in CROSSOVER_NUMELS for num in (16, t, 1000)]

@@ -4,6 +4,10 @@ Pre-division (before reduce-scatter, world size 8, FairScale predivide 4): shard
 ``F.pad(g.div(f), ...).to(reduce_dtype)`` (allocating), the preallocated ``div`` + ``copy_`` (cast) + padding
 ``zero_``, and FSDP2's ``foreach_reduce`` sequence (``.to(reduce_dtype)``, ``div_``, ``_chunk_cat``).
 Post-division (after reduce-scatter, postdivide 2): shardfuse versus ``div`` + ``.to`` + ``copy_``/``add_``.
+Every row times what the sharding runtime runs after each backward, marked ``[runtime]``: the trusted launches
+``pre_divide_pad_unchecked`` (one flat gradient) and ``post_divide_unchecked``, the same kernels as the public
+``pre_divide_pad`` / ``post_divide`` without their argument checks. The public list form of ``pre_divide_pad``
+is not timed here (the runtime never uses it).
 GPU only; tensors are built on "cuda" inside :func:`cases`.
 """
 
@@ -15,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.kernels.cases import KernelCase
-from shardfuse.kernels._grad_divide import gradient_divide_factors, post_divide, pre_divide_pad
+from shardfuse.kernels._grad_divide import gradient_divide_factors, post_divide_unchecked, pre_divide_pad_unchecked
 
 WORLD_SIZE = 8
 PRE, POST = gradient_divide_factors(WORLD_SIZE)
@@ -52,10 +56,10 @@ def _pre_case(n: int, gd: torch.dtype, rd: torch.dtype) -> KernelCase:
 
     return KernelCase(
         family="pre_divide",
-        name=f"{SHORT[gd]}->{SHORT[rd]} n={grad_numel} ws={WORLD_SIZE}",
+        name=f"{SHORT[gd]}->{SHORT[rd]} [runtime] n={grad_numel} ws={WORLD_SIZE}",
         numel=total,
         bytes_moved=grad_numel * g.element_size() + total * out.element_size(),
-        shardfuse=lambda: pre_divide_pad(g, out, PRE),
+        shardfuse=lambda: pre_divide_pad_unchecked(g, out, PRE),
         baselines={
             "F.pad(div).to": lambda: F.pad(g.div(PRE), (0, pad)).to(rd),
             "div+copy_+zero_": div_copy_zero,
@@ -74,10 +78,10 @@ def _post_case(n: int, sd: torch.dtype, od: torch.dtype, accumulate: bool) -> Ke
         baseline = {"div.to+copy_": lambda: out.copy_(src.div(POST).to(od))}
     return KernelCase(
         family="post_divide",
-        name=f"{SHORT[sd]}->{SHORT[od]} {'+=' if accumulate else '='} n={n}",
+        name=f"{SHORT[sd]}->{SHORT[od]} {'+=' if accumulate else '='} [runtime] n={n}",
         numel=n,
         bytes_moved=n * src.element_size() + n * out.element_size() * (2 if accumulate else 1),
-        shardfuse=lambda: post_divide(src, out, POST, accumulate=accumulate),
+        shardfuse=lambda: post_divide_unchecked(src, out, POST, accumulate=accumulate),
         baselines=baseline,
     )
 

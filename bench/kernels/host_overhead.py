@@ -1,4 +1,5 @@
-"""Host (Python) time per call of every public kernel launcher, at 16 and 1000 tensors.
+"""Host (Python) time per call of every public kernel launcher, at 16 and 1000 tensors, and of the trusted
+launches the sharding runtime calls (``[runtime]``: the same kernels without argument checks).
 
     python -m bench.kernels.host_overhead [--min-run-time 0.2]
 
@@ -28,17 +29,19 @@ from torch.utils import benchmark  # noqa: E402
 from bench.kernels.cases import forced  # noqa: E402
 
 # By module path: ``shardfuse.kernels._chunk_cat`` the attribute is the function, not the module.
-cast, chunk_cat, concat, flatten, grad_divide = (
+cast, cast_multi, chunk_cat, concat, flatten, grad_divide, grad_divide_multi = (
     importlib.import_module(f"shardfuse.kernels._{m}")
-    for m in ("cast", "chunk_cat", "concat", "flatten", "grad_divide")
+    for m in ("cast", "cast_multi", "chunk_cat", "concat", "flatten", "grad_divide", "grad_divide_multi")
 )
 
 KERNELS = {
-    cast: ("_cast_shard_kernel", "_cast_shards_kernel"),
+    cast: ("_cast_shard_kernel",),
+    cast_multi: ("_cast_shards_kernel",),
     flatten: ("_flat_segments_kernel",),
     chunk_cat: ("_chunk_cat_kernel",),
     concat: ("_concat_kernel",),
-    grad_divide: ("_pre_divide_pad_kernel", "_pre_divide_pad_multi_kernel", "_post_divide_kernel"),
+    grad_divide: ("_pre_divide_pad_kernel", "_post_divide_kernel"),
+    grad_divide_multi: ("_pre_divide_pad_multi_kernel",),
 }
 
 
@@ -74,18 +77,18 @@ def launchers(num: int, device: str) -> dict[str, Callable[[], object]]:
     cat_out = torch.empty(sum(r.shape[0] for r in rows), 16, device=device)
     cc_out = chunk_cat.chunk_cat(rows, 8, factor=4.0)
     pre_out = torch.empty(flatten.padded_numel(total, 8), device=device)
-    list_cast = lambda: cast.cast_shards(srcs, outs_bf16)
+    list_cast = lambda: cast_multi.cast_shards(srcs, outs_bf16)
     cc = lambda: chunk_cat.chunk_cat(rows, 8, factor=4.0, out=cc_out)
     return {
-        f"cast_shards flat ({num})": lambda: cast.cast_shards(srcs, flat_bf16),
+        f"cast_shards flat ({num})": lambda: cast_multi.cast_shards(srcs, flat_bf16),
         f"cast_shards list ({num})": list_cast,
-        f"cast_shards list, triton path ({num})": forced(cast, "FOREACH_MIN_TENSORS", 1 << 62, list_cast),
+        f"cast_shards list, triton path ({num})": forced(cast_multi, "FOREACH_MIN_TENSORS", 1 << 62, list_cast),
         f"flatten_pad ({num})": lambda: flatten.flatten_pad(params, 8, out=flat32),
         f"unflatten_into ({num})": lambda: flatten.unflatten_into(flat32, p_outs),
         f"chunk_cat ({num})": cc,
         f"chunk_cat, triton path ({num})": forced(chunk_cat, "TORCH_MIN_TENSORS", 1 << 62, cc),
         f"concat_microbatches ({num})": lambda: concat.concat_microbatches(rows, out=cat_out),
-        f"pre_divide_pad ({num})": lambda: grad_divide.pre_divide_pad(srcs, pre_out, 4.0),
+        f"pre_divide_pad ({num})": lambda: grad_divide_multi.pre_divide_pad(srcs, pre_out, 4.0),
         # The PyTorch ops of the same calls, for scale (real copies on CPU).
         f"torch._foreach_copy_ list ({num})": lambda: torch._foreach_copy_(outs_bf16, srcs),
         f"torch._chunk_cat + div_ ({num})": lambda: torch._chunk_cat(rows, 0, 8, out=cc_out).div_(4.0),
@@ -99,8 +102,11 @@ def single_launchers(device: str) -> dict[str, Callable[[], object]]:
     pad_out = torch.empty(4104, device=device)
     return {
         "cast_shard (1)": lambda: cast.cast_shard(src, out16),
-        "pre_divide_pad (1)": lambda: grad_divide.pre_divide_pad(src, pad_out, 4.0),
+        "cast_shard_unchecked (1) [runtime]": lambda: cast.cast_shard_unchecked(src, out16),
+        "pre_divide_pad (1)": lambda: grad_divide_multi.pre_divide_pad(src, pad_out, 4.0),
+        "pre_divide_pad_unchecked (1) [runtime]": lambda: grad_divide.pre_divide_pad_unchecked(src, pad_out, 4.0),
         "post_divide (1)": lambda: grad_divide.post_divide(src, pad_out[:4099], 2.0),
+        "post_divide_unchecked (1) [runtime]": lambda: grad_divide.post_divide_unchecked(src, pad_out[:4099], 2.0),
     }
 
 

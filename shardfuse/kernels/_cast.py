@@ -1,23 +1,17 @@
-"""Shard cast: cast flat parameter shards between fp32 and the compute dtype in one pass.
+"""Shard cast: cast a flat parameter shard between fp32 and the compute dtype in one pass.
 
 Before every all-gather the local fp32 shard is cast to bf16/fp16 directly into the all-gather input
 buffer (FSDP2 makes two passes here: a per-parameter ``.to()`` and a ``_foreach_copy_`` into the buffer).
-The multi-tensor form does all flat shards of a group, or thousands of small tensors, in one launch per
-(source dtype, destination dtype) pair: a host-built owner column maps each program to its tensor in one
-load, so the launch count does not grow with the tensor count and nothing waits on the host. The launch
-plans (device tables included) are cached per set of tensors, so a repeat call costs little more than
-the launch itself, plus reading each tensor's address and layout for the plan key. From
-``FOREACH_MIN_TENSORS`` tensors on, that per-tensor Python work costs more than PyTorch's C++
-``torch._foreach_copy_``, so the list form hands over to it (docs/kernels.md, "Dispatch").
 
-Layout: ``@triton.jit`` kernels, launchers (``cast_shard``, ``cast_shards``), references (``*_ref``).
+Two forms of one launch: :func:`cast_shard` validates its arguments and is the public kernel;
+:func:`cast_shard_unchecked` is the trusted launch the sharding runtime calls at every gather, whose
+arguments :func:`check_cast_shard` (or the runtime's own plan-time checks) validated once, where the buffers
+were made. The multi-tensor form, ``cast_shards``, lives in :mod:`shardfuse.kernels._cast_multi`.
+
+Layout: ``@triton.jit`` kernels, checks, launchers (``cast_shard_unchecked``, ``cast_shard``), reference.
 """
 
 from __future__ import annotations
-
-import operator
-from collections.abc import Iterable, Sequence
-from typing import NamedTuple
 
 import torch
 import triton
@@ -27,17 +21,9 @@ from shardfuse._profiling import profiled
 from shardfuse.kernels import _common as common
 from shardfuse.kernels._overlap import check_no_overlap, meets
 
-__all__ = ["cast_shard", "cast_shards", "cast_shard_ref", "cast_shards_ref"]
-
-# From this many tensors on, the list form of cast_shards on CUDA runs torch._foreach_copy_: the measured
-# crossover (bench/results, bench/kernels/bench_cast.py "crossover" cases; docs/kernels.md, "Dispatch").
-FOREACH_MIN_TENSORS = 32
+__all__ = ["cast_shard", "cast_shard_ref", "cast_shard_unchecked", "check_cast_shard"]
 
 _IN_PLACE_FIX = "pass separate buffers (the same tensor as src and out, in place, is fine)"
-_LIST_FIX = (
-    "give every source a destination of its own that no other source or destination shares "
-    "(a source may be its own destination, in place)"
-)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -46,7 +32,7 @@ _LIST_FIX = (
 
 
 @triton.jit
-def _cast_block(src, dst, offs, n, MASKED: tl.constexpr):
+def cast_block(src, dst, offs, n, MASKED: tl.constexpr):
     # One block: masked only for the tail block, so full blocks keep 16-byte vector accesses even when
     # n is odd (a mask that depends on an unaligned n would force scalar accesses everywhere).
     if MASKED:
@@ -65,60 +51,18 @@ def _cast_shard_kernel(src_ptr, out_ptr, n, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     if (pid + 1) * BLOCK <= n:
-        _cast_block(src_ptr, out_ptr, offs, n, False)
+        cast_block(src_ptr, out_ptr, offs, n, False)
     else:
-        _cast_block(src_ptr, out_ptr, offs, n, True)
-
-
-@triton.jit
-def _cast_shards_kernel(table, num_tensors, src_like, dst_like, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    """Multi-tensor cast. ``table`` (int64) holds, for T tensors, one after the other: block starts [T],
-    numels [T], source addresses [T], destination addresses [T], then the owning tensor of every program.
-    ``src_like``/``dst_like`` are only there for their element types.
-    """
-    pid = tl.program_id(0).to(tl.int64)
-    t = tl.load(table + 4 * num_tensors + pid)  # one load, not a search: the host built the owner column
-    block = pid - tl.load(table + t)
-    n = tl.load(table + num_tensors + t)
-    src = tl.load(table + 2 * num_tensors + t).to(src_like.dtype)
-    dst = tl.load(table + 3 * num_tensors + t).to(dst_like.dtype)
-    if ALIGNED:
-        # The host checked every address is 16-byte aligned: let the compiler emit vector accesses.
-        src = tl.multiple_of(src, 16)
-        dst = tl.multiple_of(dst, 16)
-    offs = block * BLOCK + tl.arange(0, BLOCK)
-    if (block + 1) * BLOCK <= n:
-        _cast_block(src, dst, offs, n, False)
-    else:
-        _cast_block(src, dst, offs, n, True)
+        cast_block(src_ptr, out_ptr, offs, n, True)
 
 
 # --------------------------------------------------------------------------------------------------
-# Launchers
+# Checks
 # --------------------------------------------------------------------------------------------------
 
-_PLANS = common.PlanCache()
 
-
-class _Launch(NamedTuple):
-    """One ``_cast_shards_kernel`` launch: tensors sharing (source dtype, destination dtype)."""
-
-    grid: int
-    table: torch.Tensor
-    num_tensors: int
-    src_like: int  # index of a source of this group (types the source addresses)
-    dst_like: int  # index of a destination of this group; -1: the flat ``out``
-    aligned: bool
-    block: int
-    num_warps: int
-
-
-class _Plan(NamedTuple):
-    device: torch.device
-    launches: tuple[_Launch, ...]
-
-
-def _check_src(src: torch.Tensor, name: str) -> None:
+def check_src(src: torch.Tensor, name: str) -> None:
+    """A cast source: a contiguous float tensor."""
     common.check_float(src, name)
     if not src.is_contiguous():
         raise ValueError(
@@ -127,9 +71,10 @@ def _check_src(src: torch.Tensor, name: str) -> None:
         )
 
 
-def _check_cast_shard(src: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor:
-    """Validate and return ``out`` (allocated when None)."""
-    _check_src(src, "src")
+def check_cast_shard(src: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Validate the arguments of :func:`cast_shard` and return ``out`` (allocated when None): what
+    :func:`cast_shard_unchecked` takes for granted."""
+    check_src(src, "src")
     common.check_dtype_arg(dtype)
     if out is None:
         out = torch.empty(src.shape, dtype=src.dtype if dtype is None else dtype, device=src.device)
@@ -151,6 +96,36 @@ def _check_cast_shard(src: torch.Tensor, out: torch.Tensor | None, dtype: torch.
     return out
 
 
+# --------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------
+
+
+def _launch(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    if not common.use_triton(src, out):
+        out.view(-1).copy_(src.view(-1))  # the reference's copy
+        return out
+    n = src.numel()
+    if n == 0:
+        return out
+    with common.device_guard(src.device):
+        grid = (-(-n // common.BLOCK_SIZE),)
+        _cast_shard_kernel[grid](src, out, n, BLOCK=common.BLOCK_SIZE, num_warps=common.NUM_WARPS)
+    return out
+
+
+def cast_shard_unchecked(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The trusted launch of :func:`cast_shard`: the same result, no argument checks.
+
+    For callers that validated ``(src, out)`` once where the buffers were made (with :func:`check_cast_shard`
+    or equivalent) and call again with tensors of the same kind: ``src`` and ``out`` contiguous float tensors
+    on one device with ``out.numel() == src.numel()``, not overlapping unless ``out is src``. Arguments
+    that break this are not detected: on CUDA they read or write the wrong memory. Returns ``out``.
+    """
+    with profiled("shardfuse.kernels:cast_shard"):
+        return _launch(src, out)
+
+
 def cast_shard(src: torch.Tensor, out: torch.Tensor | None = None, *, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Cast ``src`` elementwise into ``out`` in one pass (round to nearest even, as ``Tensor.to``).
 
@@ -166,182 +141,7 @@ def cast_shard(src: torch.Tensor, out: torch.Tensor | None = None, *, dtype: tor
         ``out``. Works fp32 -> bf16/fp16 (before all-gather), bf16/fp16 -> fp32 (loading) and same dtype (copy).
     """
     with profiled("shardfuse.kernels:cast_shard"):
-        out = _check_cast_shard(src, out, dtype)
-        if not common.use_triton(src, out):
-            return cast_shard_ref(src, out)
-        n = src.numel()
-        if n == 0:
-            return out
-        with common.device_guard(src.device):
-            grid = (-(-n // common.BLOCK_SIZE),)
-            _cast_shard_kernel[grid](src, out, n, BLOCK=common.BLOCK_SIZE, num_warps=common.NUM_WARPS)
-        return out
-
-
-def _check_offsets(offsets: Sequence[int], numels: list[int]) -> list[int]:
-    try:
-        offsets = [operator.index(o) for o in offsets]
-    except TypeError:
-        raise TypeError(f"offsets must be ints (element offsets into out), got {list(offsets)[:8]}") from None
-    if len(offsets) != len(numels):
-        raise ValueError(f"len(offsets)={len(offsets)} != len(srcs)={len(numels)}: give one offset per source")
-    if any(o < 0 for o in offsets):
-        raise ValueError(f"offsets must be >= 0, got {[o for o in offsets if o < 0][:8]}")
-    # Overlapping destination ranges would make the result depend on program order.
-    ranges = sorted((o, o + k, i) for i, (o, k) in enumerate(zip(offsets, numels)) if k)
-    for (_, e0, i0), (b1, _, i1) in zip(ranges, ranges[1:]):
-        if b1 < e0:
-            raise ValueError(
-                f"destination ranges overlap: srcs[{i0}] ends at {e0} but srcs[{i1}] starts at {b1}; "
-                f"fix offsets so that each range [offset, offset + numel) is disjoint"
-            )
-    return offsets
-
-
-def _validate_cast_shards(
-    srcs: list[torch.Tensor], out: torch.Tensor | list[torch.Tensor], offsets: Sequence[int] | None
-) -> list[torch.Tensor]:
-    """Validate; return the destination of every source (views of ``out`` when it is one flat tensor)."""
-    srcs = common.check_tensors(srcs, "srcs")
-    for i, s in enumerate(srcs):
-        _check_src(s, f"srcs[{i}]")
-    src_names = [f"srcs[{i}]" for i in range(len(srcs))]
-    if isinstance(out, torch.Tensor):
-        common.check_same_device([*srcs, out], [*src_names, "out"])
-        numels = [s.numel() for s in srcs]
-        # Default: back to back from element 0.
-        offsets = common.block_starts(numels) if offsets is None else _check_offsets(offsets, numels)
-        common.check_out(out, max((o + k for o, k in zip(offsets, numels)), default=0))
-        flat = out.view(-1)
-        dsts = [flat[o : o + k] for o, k in zip(offsets, numels)]
-        dst_names = [f"out[{o}:{o + k}]" for o, k in zip(offsets, numels)]
-    else:
-        if offsets is not None:
-            raise ValueError("offsets only apply when out is one flat tensor; drop offsets or pass a flat out")
-        dsts = common.check_tensors(out, "out")
-        if len(dsts) != len(srcs):
-            raise ValueError(f"len(out)={len(dsts)} != len(srcs)={len(srcs)}: give one destination per source")
-        dst_names = [f"out[{i}]" for i in range(len(dsts))]
-        if srcs:
-            common.check_same_device([*srcs, *dsts], [*src_names, *dst_names])
-        for i, (s, o) in enumerate(zip(srcs, dsts)):
-            common.check_out(o, s.numel(), f"out[{i}]")
-            if o.numel() != s.numel():
-                raise ValueError(
-                    f"out[{i}].numel()={o.numel()} != srcs[{i}].numel()={s.numel()}: "
-                    f"destinations must match their sources"
-                )
-    check_no_overlap("cast_shards", list(zip(src_names, srcs)), list(zip(dst_names, dsts)), _LIST_FIX, in_place=True)
-    return dsts
-
-
-@common.plan_key
-def _key(srcs: list[torch.Tensor], out: torch.Tensor | list[torch.Tensor], offsets: Sequence[int] | None):
-    if isinstance(out, torch.Tensor):
-        # The destination addresses in the table are out's address plus the offsets: both are in the key.
-        placement = None if offsets is None else tuple(map(operator.index, offsets))
-        return out.device, (common.tensors_key(srcs, "flat"), common.tensor_key(out), placement)
-    if offsets is not None:
-        raise ValueError("offsets with a list out")  # no key: the validating path explains
-    return out[0].device, (common.tensors_key(srcs, "flat"), common.tensors_key(out, "flat"))
-
-
-def _build_plan(
-    srcs: list[torch.Tensor], out: torch.Tensor | list[torch.Tensor], offsets: Sequence[int] | None
-) -> _Plan | None:
-    """Validate and build the launches; None when the reference path should run (CPU tensors)."""
-    dsts = _validate_cast_shards(srcs, out, offsets)
-    flat = isinstance(out, torch.Tensor)
-    if not common.use_triton(*srcs, *dsts, *([out] if flat else [])):
-        return None
-    device = out.device if flat else (srcs[0].device if srcs else torch.device("cpu"))
-    groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
-    for i, (s, d) in enumerate(zip(srcs, dsts)):
-        if s.numel():
-            groups.setdefault((s.dtype, d.dtype), []).append(i)
-    dst_addrs = [d.data_ptr() for d in dsts]
-    return _Plan(device, tuple(_plan_group(srcs, idx, dst_addrs, device, flat) for idx in groups.values()))
-
-
-def _plan_group(
-    srcs: list[torch.Tensor], idx: list[int], dst_addrs: list[int], device: torch.device, flat: bool
-) -> _Launch:
-    """One launch for tensors sharing (source dtype, destination dtype); all have numel > 0."""
-    numels = [srcs[i].numel() for i in idx]
-    block, num_warps = common.multi_block(numels)
-    counts = [-(-k // block) for k in numels]
-    src_addrs = [srcs[i].data_ptr() for i in idx]
-    dst = [dst_addrs[i] for i in idx]
-    aligned = all(a % 16 == 0 for a in src_addrs) and all(a % 16 == 0 for a in dst)
-    # One table, one host->device copy: starts, numels, source and destination addresses, owners.
-    table = common.block_table([common.block_starts(counts), numels, src_addrs, dst], counts, device)
-    return _Launch(sum(counts), table, len(idx), idx[0], -1 if flat else idx[0], aligned, block, num_warps)
-
-
-def _run_plan(plan: _Plan, srcs: list[torch.Tensor], out: torch.Tensor | list[torch.Tensor]) -> None:
-    with common.device_guard(plan.device):
-        for la in plan.launches:
-            dst_like = out if la.dst_like < 0 else out[la.dst_like]
-            _cast_shards_kernel[(la.grid,)](
-                la.table, la.num_tensors, srcs[la.src_like], dst_like, ALIGNED=la.aligned, BLOCK=la.block,
-                num_warps=la.num_warps,
-            )
-
-
-def use_foreach(srcs: Sequence[torch.Tensor]) -> bool:
-    """Whether the list form of :func:`cast_shards` runs ``torch._foreach_copy_`` (decided from the first
-    tensor and the count alone: reading every tensor's layout is the cost being avoided)."""
-    return len(srcs) >= FOREACH_MIN_TENSORS and isinstance(srcs[0], torch.Tensor) and common.triton_device(srcs[0])
-
-
-def cast_shards(
-    srcs: Sequence[torch.Tensor],
-    out: torch.Tensor | Sequence[torch.Tensor],
-    *,
-    offsets: Sequence[int] | None = None,
-) -> torch.Tensor | list[torch.Tensor]:
-    """Cast many tensors in one launch per (source dtype, destination dtype) pair.
-
-    Args:
-        srcs: contiguous float tensors of any shapes and sizes (thousands are fine).
-        out: either one contiguous float tensor, where ``srcs[i]`` goes to
-            ``out.view(-1)[offsets[i] : offsets[i] + srcs[i].numel()]``, or a list of contiguous float tensors
-            with ``out[i].numel() == srcs[i].numel()`` (dtypes may differ per entry).
-        offsets: element offsets into a flat ``out`` (default: back to back from 0); ranges must not overlap.
-
-    No destination may share memory with another destination or with another source (a source may be its
-    own destination). Returns ``out`` as given (the tensor, or the list of tensors).
-
-    A repeat call with the same tensors (same addresses, sizes, dtypes, layouts and device, on the same
-    stream) reuses the cached launch plan: no validation, no table building, no host->device copy. With a
-    list ``out`` of at least ``FOREACH_MIN_TENSORS`` CUDA tensors, the call is ``torch._foreach_copy_(out,
-    srcs)`` (same bits; PyTorch's own argument checks apply, see docs/kernels.md, "Dispatch").
-    """
-    with profiled("shardfuse.kernels:cast_shards"):
-        srcs = common.as_list(srcs)
-        if isinstance(out, torch.Tensor):
-            dests = out
-        elif isinstance(out, Iterable):
-            dests = list(out)
-            if offsets is None and use_foreach(srcs):
-                try:
-                    torch._foreach_copy_(dests, srcs)
-                    return dests
-                except (RuntimeError, TypeError):
-                    pass  # PyTorch refused the arguments: the validating path says why, or handles them
-        else:
-            raise TypeError(f"out must be a tensor or a list of tensors, got a {type(out).__name__}")
-        key = _key(srcs, dests, offsets)
-        plan = _PLANS.get(key)
-        if plan is None:
-            plan = _build_plan(srcs, dests, offsets)
-            if plan is not None:
-                _PLANS.put(key, plan)
-        if plan is None:
-            _copy_all(srcs, _validate_cast_shards(srcs, dests, offsets))  # the reference's copies
-        else:
-            _run_plan(plan, srcs, dests)
-        return dests
+        return _launch(src, check_cast_shard(src, out, dtype))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -353,23 +153,6 @@ def cast_shard_ref(
     src: torch.Tensor, out: torch.Tensor | None = None, *, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """Reference for :func:`cast_shard`: ``out.copy_(src)`` on flat views."""
-    out = _check_cast_shard(src, out, dtype)
+    out = check_cast_shard(src, out, dtype)
     out.view(-1).copy_(src.view(-1))
     return out
-
-
-def cast_shards_ref(
-    srcs: Sequence[torch.Tensor],
-    out: torch.Tensor | Sequence[torch.Tensor],
-    *,
-    offsets: Sequence[int] | None = None,
-) -> torch.Tensor | list[torch.Tensor]:
-    """Reference for :func:`cast_shards`: one ``copy_`` per tensor."""
-    srcs = list(srcs)
-    _copy_all(srcs, _validate_cast_shards(srcs, out, offsets))
-    return out if isinstance(out, torch.Tensor) else list(out)
-
-
-def _copy_all(srcs: list[torch.Tensor], dsts: list[torch.Tensor]) -> None:
-    for s, d in zip(srcs, dsts):
-        d.view(-1).copy_(s.view(-1))

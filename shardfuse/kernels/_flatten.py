@@ -41,9 +41,10 @@ _MIN_TILE_SIDE = 16  # thinner transposed matrices keep the flat-order path: a t
 
 # Segment kinds in the table.
 _CONTIGUOUS, _STRIDED, _ZERO, _TILED = 0, 1, 2, 3
-# Table columns after the T + 1 block starts, each T long.
+# Table columns after the T + 1 block starts, each T long. _flat_segments_kernel reads them by position
+# (column c at c * num_segs past the starts, the owner column at 12 * num_segs): a change here is a change
+# there (tests/kernels/test_flatten.py::test_table_columns_match_the_kernel holds the two together).
 _COLUMNS = ("numel", "kind", "addr", "flat_off", "size1", "size2", "size3", "stride0", "stride1", "stride2", "stride3")
-assert len(_COLUMNS) == 11, "_flat_segments_kernel finds the owner column at 12 * num_segs"
 
 
 # --------------------------------------------------------------------------------------------------

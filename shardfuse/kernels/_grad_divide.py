@@ -14,12 +14,16 @@ Division is IEEE round-to-nearest in fp32 (``div_rn``), or a multiply by the rec
 same (power-of-two factors, the usual ones: see ``scale_args``). Note that PyTorch on CUDA computes
 ``tensor / python_scalar`` as ``tensor * (1 / scalar)``, which can differ from true division by one ulp for
 factors that are not powers of two; the references here divide by a device tensor, which is true division.
+
+Each kernel has two forms of one launch: the trusted launch the sharding runtime calls after every
+backward (``pre_divide_pad_unchecked`` for one flat gradient, ``post_divide_unchecked``), whose arguments
+were validated once where the buffers were made, and the public validated form (``post_divide`` here;
+``pre_divide_pad``, which also takes a list of gradients in one launch, in :mod:`_grad_divide_multi`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 import triton
@@ -30,15 +34,17 @@ from shardfuse.kernels import _common as common
 from shardfuse.kernels._common import apply_scale
 from shardfuse.kernels._overlap import check_no_overlap, meets
 
-_PLANS = common.PlanCache()
 _IN_PLACE_FIX = "use separate buffers (a tensor written in place, src is out, is fine)"
 
 __all__ = [
+    "check_post_divide",
+    "check_pre_divide_pad",
     "gradient_divide_factors",
-    "pre_divide_pad",
     "post_divide",
-    "pre_divide_pad_ref",
     "post_divide_ref",
+    "post_divide_unchecked",
+    "pre_divide_pad_ref",
+    "pre_divide_pad_unchecked",
 ]
 
 
@@ -48,7 +54,7 @@ __all__ = [
 
 
 @triton.jit
-def _scale_block(src, dst, start, n, limit, factor, DIVIDE: tl.constexpr, MULTIPLY: tl.constexpr,
+def scale_block(src, dst, start, n, limit, factor, DIVIDE: tl.constexpr, MULTIPLY: tl.constexpr,
                  BLOCK: tl.constexpr):
     """dst[i] = cast(src[i] / factor) in fp32 for the BLOCK elements from ``start``; elements in [n, limit)
     are the padding and come out zero (masked-off loads read 0, and 0 / factor == +0)."""
@@ -71,54 +77,7 @@ def _pre_divide_pad_kernel(
     """One tensor: out[:n] = cast(src / factor), out[n:total] = 0."""
     # int64 before multiplying: a flat gradient can pass 2^31 elements.
     start = tl.program_id(0).to(tl.int64) * BLOCK
-    _scale_block(src_ptr, out_ptr, start, n, total, factor, DIVIDE, MULTIPLY, BLOCK)
-
-
-@triton.jit
-def _pre_divide_pad_multi_kernel(
-    meta_ptr,
-    like_ptr,
-    out_ptr,
-    num_tensors,
-    n_total,
-    total,
-    factor,
-    DIVIDE: tl.constexpr,
-    MULTIPLY: tl.constexpr,
-    ALIGNED: tl.constexpr,
-    OUT_VEC: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Many tensors in one launch. meta (int64) = [src pointers | numels | out offsets | block starts (T+1) |
-    owner of every tensor block].
-
-    Program ids map to (tensor, block) through the per-tensor block-start prefix table; programs past the
-    last tensor block zero the padding out[n_total:total].
-    """
-    pid = tl.program_id(0).to(tl.int64)
-    numel_tab = meta_ptr + num_tensors
-    offset_tab = meta_ptr + 2 * num_tensors
-    start_tab = meta_ptr + 3 * num_tensors
-    pad_start = tl.load(start_tab + num_tensors)
-    if pid >= pad_start:
-        offs = n_total + (pid - pad_start) * BLOCK + tl.arange(0, BLOCK)
-        zero = tl.zeros([BLOCK], dtype=tl.float32)
-        tl.store(out_ptr + offs, zero.to(out_ptr.dtype.element_ty), mask=offs < total)
-    else:
-        # One load finds the tensor (the host built the owner column); empty tensors own no program.
-        lo = tl.load(start_tab + num_tensors + 1 + pid)
-        n = tl.load(numel_tab + lo)
-        src_addr = tl.load(meta_ptr + lo)
-        dst_off = tl.load(offset_tab + lo)
-        if ALIGNED:
-            # The host checked: every source is 16-byte aligned and every destination offset is a
-            # multiple of 16 bytes, which lets the full blocks use 16-byte accesses.
-            src_addr = tl.multiple_of(src_addr, 16)
-            dst_off = tl.multiple_of(dst_off, OUT_VEC)
-        src = src_addr.to(tl.pointer_type(like_ptr.dtype.element_ty))
-        dst = out_ptr + dst_off
-        start = (pid - tl.load(start_tab + lo)) * BLOCK
-        _scale_block(src, dst, start, n, n, factor, DIVIDE, MULTIPLY, BLOCK)
+    scale_block(src_ptr, out_ptr, start, n, total, factor, DIVIDE, MULTIPLY, BLOCK)
 
 
 @triton.jit
@@ -145,7 +104,7 @@ def _post_divide_kernel(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Launchers (public API)
+# Checks
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -164,7 +123,7 @@ def gradient_divide_factors(world_size: int) -> tuple[float, float]:
     return float(factor), world_size / factor
 
 
-def _as_list(grads: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def as_grad_list(grads: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
     if isinstance(grads, torch.Tensor):
         return [grads]
     grads = common.check_tensors(grads, "grads")
@@ -173,7 +132,12 @@ def _as_list(grads: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]
     return grads
 
 
-def _validate_pre_divide(grads: list[torch.Tensor], out: torch.Tensor, factor: float) -> tuple[int, float]:
+def check_pre_divide_pad(
+    grads: torch.Tensor | Sequence[torch.Tensor], out: torch.Tensor, factor: float
+) -> tuple[list[torch.Tensor], int, float]:
+    """Validate the arguments of ``pre_divide_pad``; return (the gradients as a list, their total number of
+    elements, the factor as a float): what :func:`pre_divide_pad_unchecked` takes for granted."""
+    grads = as_grad_list(grads)
     names = [f"grads[{i}]" for i in range(len(grads))]
     for g, name in zip(grads, names):
         common.check_float(g, name)
@@ -199,99 +163,12 @@ def _validate_pre_divide(grads: list[torch.Tensor], out: torch.Tensor, factor: f
         writes = [(f"out[{o}:{o + g.numel()}]", out_flat[o : o + g.numel()]) for o, g in zip(offsets, grads)]
         writes.append((f"out[{n}:]", out_flat[n:]))
         check_no_overlap("pre_divide_pad", list(zip(names, grads)), writes, _IN_PLACE_FIX, in_place=True)
-    return n, factor
+    return grads, n, factor
 
 
-def pre_divide_pad(grads: torch.Tensor | Sequence[torch.Tensor], out: torch.Tensor, factor: float) -> torch.Tensor:
-    """Scale, cast and pad gradients into the reduce-scatter input, in one pass.
-
-    ``out[:n] = (cat([g.flatten() for g in grads]).float() / factor).to(out.dtype)`` and ``out[n:] = 0``,
-    where ``n`` is the total number of gradient elements. ``out`` must be contiguous with
-    ``out.numel() >= n`` (typically ``n`` rounded up to a multiple of the world size), and must not overlap
-    the gradients (a gradient that is exactly its own slice of ``out`` is scaled in place). A list of
-    gradients (one dtype, each contiguous) is handled in a single launch through a pointer table.
-    ``factor == 1`` skips the division but still casts and pads. Returns ``out``.
-    """
-    with profiled("shardfuse.kernels:pre_divide_pad"):
-        grads = [grads] if isinstance(grads, torch.Tensor) else common.as_list(grads)
-        key = _multi_key(grads, out) if isinstance(grads, list) and len(grads) > 1 else None
-        plan = _PLANS.get(key)
-        if plan is not None:
-            _run_multi(plan, grads, out.view(-1), common.check_factor(factor))
-            return out
-        grads = _as_list(grads)
-        n, factor = _validate_pre_divide(grads, out, factor)
-        if not common.use_triton(*grads, out):
-            return pre_divide_pad_ref(grads, out, factor)
-        total = out.numel()
-        if total == 0:
-            return out
-        out_flat = out.view(-1)
-        if len(grads) == 1:
-            # An empty CUDA tensor has a null data pointer, which Triton may refuse; its loads are all
-            # masked off anyway, so any valid pointer will do.
-            src = grads[0] if n else out_flat
-            kernel_factor, divide, multiply = common.scale_args(factor)
-            with common.device_guard(out.device):
-                _pre_divide_pad_kernel[(-(-total // common.BLOCK_SIZE),)](
-                    src, out_flat, n, total, kernel_factor, DIVIDE=divide, MULTIPLY=multiply, BLOCK=common.BLOCK_SIZE,
-                    num_warps=common.NUM_WARPS,
-                )
-            return out
-        plan = _plan_multi(grads, out_flat, n)
-        _PLANS.put(key, plan)
-        _run_multi(plan, grads, out_flat, factor)
-        return out
-
-
-class _Plan(NamedTuple):
-    device: torch.device
-    grid: int
-    table: torch.Tensor
-    num_tensors: int
-    n: int  # gradient elements; out[n:] is padding
-    total: int  # out.numel()
-    like: int  # index of a non-empty gradient (types the source addresses); -1: none
-    aligned: bool  # given a 16-byte aligned out
-    out_vec: int
-
-
-@common.plan_key
-def _multi_key(grads: list[torch.Tensor], out: torch.Tensor):
-    return out.device, (common.tensor_key(out), common.tensors_key(grads, "flat"))
-
-
-def _plan_multi(grads: list[torch.Tensor], out_flat: torch.Tensor, n: int) -> _Plan:
-    numels = [g.numel() for g in grads]
-    offsets = common.block_starts(numels)
-    counts = [-(-k // common.BLOCK_SIZE) for k in numels]
-    total = out_flat.numel()
-    pad_blocks = -(-(total - n) // common.BLOCK_SIZE)
-    ptrs = [g.data_ptr() for g in grads]
-    out_vec = 16 // out_flat.element_size()
-    aligned = all(p % 16 == 0 for p in ptrs) and all(o % out_vec == 0 for o in offsets)
-    starts = [*common.block_starts(counts), sum(counts)]  # T + 1: the last is the first padding program
-    meta = common.block_table([ptrs, numels, offsets, starts], counts, out_flat.device)
-    # `like` only types the source pointers: a non-empty tensor (empty CUDA tensors have null pointers).
-    like = next((i for i, k in enumerate(numels) if k), -1)
-    return _Plan(out_flat.device, sum(counts) + pad_blocks, meta, len(grads), n, total, like, aligned, out_vec)
-
-
-def _run_multi(plan: _Plan, grads: list[torch.Tensor], out_flat: torch.Tensor, factor: float) -> None:
-    if not plan.total:
-        return
-    kernel_factor, divide, multiply = common.scale_args(factor)
-    aligned = plan.aligned and out_flat.data_ptr() % 16 == 0
-    src_like = out_flat if plan.like < 0 else grads[plan.like]
-    with common.device_guard(plan.device):
-        _pre_divide_pad_multi_kernel[(plan.grid,)](
-            plan.table, src_like, out_flat, plan.num_tensors, plan.n, plan.total, kernel_factor, DIVIDE=divide,
-            MULTIPLY=multiply, ALIGNED=aligned, OUT_VEC=plan.out_vec, BLOCK=common.BLOCK_SIZE,
-            num_warps=common.NUM_WARPS,
-        )
-
-
-def _validate_post_divide(src: torch.Tensor, out: torch.Tensor, factor: float) -> float:
+def check_post_divide(src: torch.Tensor, out: torch.Tensor, factor: float) -> float:
+    """Validate the arguments of :func:`post_divide`; return the factor as a float: what
+    :func:`post_divide_unchecked` takes for granted."""
     common.check_float(src, "src")
     common.check_tensor(out, "out")
     common.check_same_device([src, out], ["src", "out"])
@@ -312,6 +189,75 @@ def _validate_post_divide(src: torch.Tensor, out: torch.Tensor, factor: float) -
     return common.check_factor(factor)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _launch_pre(grad: torch.Tensor, out: torch.Tensor, factor: float) -> torch.Tensor:
+    if not common.use_triton(grad, out):
+        return _pre_divide_pad_torch([grad], out, grad.numel(), factor)
+    total = out.numel()
+    if total == 0:
+        return out
+    n = grad.numel()
+    out_flat = out.view(-1)
+    # An empty CUDA tensor has a null data pointer, which Triton may refuse; its loads are all masked off
+    # anyway, so any valid pointer will do.
+    src = grad if n else out_flat
+    kernel_factor, divide, multiply = common.scale_args(factor)
+    with common.device_guard(out.device):
+        _pre_divide_pad_kernel[(-(-total // common.BLOCK_SIZE),)](
+            src, out_flat, n, total, kernel_factor, DIVIDE=divide, MULTIPLY=multiply, BLOCK=common.BLOCK_SIZE,
+            num_warps=common.NUM_WARPS,
+        )
+    return out
+
+
+def pre_divide_pad_unchecked(grad: torch.Tensor, out: torch.Tensor, factor: float) -> torch.Tensor:
+    """The trusted launch of ``pre_divide_pad`` for one gradient: the same result, no argument checks.
+
+    ``out[:n] = (grad.float() / factor).to(out.dtype)``, ``out[n:] = 0`` with ``n = grad.numel()``. For callers
+    that validated the arguments once where the buffers were made (with :func:`check_pre_divide_pad` or
+    equivalent): ``grad`` and ``out`` contiguous float tensors on one device, ``out.numel() >= n``, no overlap
+    unless ``grad`` is exactly ``out[:n]``, and ``factor`` a finite float > 0. Arguments that break this are
+    not detected: on CUDA they read or write the wrong memory. Returns ``out``.
+    """
+    with profiled("shardfuse.kernels:pre_divide_pad"):
+        return _launch_pre(grad, out, factor)
+
+
+def _launch_post(src: torch.Tensor, out: torch.Tensor, factor: float, accumulate: bool) -> torch.Tensor:
+    if not common.use_triton(src, out):
+        return _post_divide_torch(src, out, factor, accumulate)
+    n = src.numel()
+    if n == 0:
+        return out
+    kernel_factor, divide, multiply = common.scale_args(factor)
+    with common.device_guard(out.device):
+        # No FMA contraction: out + x * (1 / factor) must round twice, as out + x / factor does (an FMA
+        # rounds once: seen differing on H200 in the subnormal range and where x * (1 / factor) overflows).
+        _post_divide_kernel[(-(-n // common.BLOCK_SIZE),)](
+            src, out, n, kernel_factor, DIVIDE=divide, MULTIPLY=multiply, ACCUMULATE=bool(accumulate),
+            BLOCK=common.BLOCK_SIZE, num_warps=common.NUM_WARPS, enable_fp_fusion=False,
+        )
+    return out
+
+
+def post_divide_unchecked(
+    src: torch.Tensor, out: torch.Tensor, factor: float, *, accumulate: bool = False
+) -> torch.Tensor:
+    """The trusted launch of :func:`post_divide`: the same result, no argument checks.
+
+    For callers that validated the arguments once where the buffers were made (with :func:`check_post_divide`
+    or equivalent): ``src`` and ``out`` contiguous float tensors on one device with the same number of
+    elements, not overlapping unless ``src is out``, and ``factor`` a finite float > 0. Arguments that break
+    this are not detected: on CUDA they read or write the wrong memory. Returns ``out``.
+    """
+    with profiled("shardfuse.kernels:post_divide"):
+        return _launch_post(src, out, factor, accumulate)
+
+
 def post_divide(src: torch.Tensor, out: torch.Tensor, factor: float, *, accumulate: bool = False) -> torch.Tensor:
     """Scale the reduce-scatter output by ``1/factor`` and cast (or accumulate) it into ``out``, in one pass.
 
@@ -322,21 +268,7 @@ def post_divide(src: torch.Tensor, out: torch.Tensor, factor: float, *, accumula
     not. Returns ``out``.
     """
     with profiled("shardfuse.kernels:post_divide"):
-        factor = _validate_post_divide(src, out, factor)
-        if not common.use_triton(src, out):
-            return post_divide_ref(src, out, factor, accumulate=accumulate)
-        n = src.numel()
-        if n == 0:
-            return out
-        kernel_factor, divide, multiply = common.scale_args(factor)
-        with common.device_guard(out.device):
-            # No FMA contraction: out + x * (1 / factor) must round twice, as out + x / factor does (an FMA
-            # rounds once: seen differing on H200 in the subnormal range and where x * (1 / factor) overflows).
-            _post_divide_kernel[(-(-n // common.BLOCK_SIZE),)](
-                src, out, n, kernel_factor, DIVIDE=divide, MULTIPLY=multiply, ACCUMULATE=bool(accumulate),
-                BLOCK=common.BLOCK_SIZE, num_warps=common.NUM_WARPS, enable_fp_fusion=False,
-            )
-        return out
+        return _launch_post(src, out, check_post_divide(src, out, factor), accumulate)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -349,10 +281,7 @@ def _true_div(x: torch.Tensor, factor: float) -> torch.Tensor:
     return x / torch.tensor(factor, dtype=torch.float32, device=x.device)
 
 
-def pre_divide_pad_ref(grads: torch.Tensor | Sequence[torch.Tensor], out: torch.Tensor, factor: float) -> torch.Tensor:
-    """Plain-PyTorch :func:`pre_divide_pad`."""
-    grads = _as_list(grads)
-    n, factor = _validate_pre_divide(grads, out, factor)
+def _pre_divide_pad_torch(grads: list[torch.Tensor], out: torch.Tensor, n: int, factor: float) -> torch.Tensor:
     out_flat = out.view(-1)
     offset = 0
     for g in grads:
@@ -365,9 +294,7 @@ def pre_divide_pad_ref(grads: torch.Tensor | Sequence[torch.Tensor], out: torch.
     return out
 
 
-def post_divide_ref(src: torch.Tensor, out: torch.Tensor, factor: float, *, accumulate: bool = False) -> torch.Tensor:
-    """Plain-PyTorch :func:`post_divide`."""
-    factor = _validate_post_divide(src, out, factor)
+def _post_divide_torch(src: torch.Tensor, out: torch.Tensor, factor: float, accumulate: bool) -> torch.Tensor:
     x = src.reshape(-1).float()
     if factor != 1.0:
         x = _true_div(x, factor)
@@ -375,3 +302,14 @@ def post_divide_ref(src: torch.Tensor, out: torch.Tensor, factor: float, *, accu
         x = out.reshape(-1).float() + x
     out.view(-1).copy_(x)
     return out
+
+
+def pre_divide_pad_ref(grads: torch.Tensor | Sequence[torch.Tensor], out: torch.Tensor, factor: float) -> torch.Tensor:
+    """Plain-PyTorch ``pre_divide_pad``."""
+    grads, n, factor = check_pre_divide_pad(grads, out, factor)
+    return _pre_divide_pad_torch(grads, out, n, factor)
+
+
+def post_divide_ref(src: torch.Tensor, out: torch.Tensor, factor: float, *, accumulate: bool = False) -> torch.Tensor:
+    """Plain-PyTorch :func:`post_divide`."""
+    return _post_divide_torch(src, out, check_post_divide(src, out, factor), accumulate)

@@ -138,7 +138,7 @@ def make_config(
                 "reduces in fp32): pass mixed_precision=True or drop fp32_reduce_scatter"
             )
     if gradient_predivide_factor is None:
-        predivide, postdivide = dp.default_divide_factors(world_size)
+        predivide, postdivide = dp.gradient_divide_factors(world_size)
     else:
         if isinstance(gradient_predivide_factor, bool) or not isinstance(gradient_predivide_factor, (int, float)):
             raise TypeError(

@@ -1,61 +1,83 @@
-"""The single doorway from the sharding layer to the shardfuse kernels.
+"""The one doorway from the sharding layer to the shardfuse kernels, under the kernels' own names.
 
-Every byte the wrapper moves through a kernel goes through one of these functions, so the kernels can be
-swapped, instrumented or checked in one place.
+Two kinds of kernel call pass through it (docs/kernels.md, "Validated forms and trusted launches"):
+
+- **trusted launches**, on every step: :func:`cast_shard` before every all-gather, :func:`pre_divide_pad` and
+  :func:`post_divide` around every reduce-scatter. They check no argument. :func:`check_plan` checked, once
+  per flat parameter at lazy init (where the full buffer is made), everything they take for granted; the
+  runtime then makes each step's buffers (this rank's slice of the full buffer, the reduce-scatter input and
+  output, a new sharded gradient) in the sizes and dtypes that check covered.
+- **validated kernels**, at wrap, load and state-dict time: :func:`flatten_pad`, :func:`unflatten_into` and
+  :func:`gradient_divide_factors` read the user's tensors and settings, so they check every argument: these
+  calls are the wrap-time checks (a float64 parameter is refused here).
+
+The multi-tensor kernels (``cast_shards``, ``chunk_cat``, the list form of ``pre_divide_pad``) are not here:
+each flat parameter is one tensor, so the runtime has no list to hand them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
 
 import torch
 
-from shardfuse.kernels import (
-    cast_shard,
-    flatten_pad,
-    gradient_divide_factors,
-    post_divide,
-    pre_divide_pad,
-    unflatten_into,
-)
+from shardfuse.kernels._cast import cast_shard_unchecked as cast_shard
+from shardfuse.kernels._common import FLOAT_DTYPES
+from shardfuse.kernels._flatten import flatten_pad, unflatten_into
+from shardfuse.kernels._grad_divide import gradient_divide_factors
+from shardfuse.kernels._grad_divide import post_divide_unchecked as post_divide
+from shardfuse.kernels._grad_divide import pre_divide_pad_unchecked as pre_divide_pad
 
 __all__ = [
-    "cast_into",
-    "default_divide_factors",
-    "flatten_padded",
-    "reduce_input",
-    "reduce_output",
-    "unflatten",
+    "cast_shard",
+    "check_plan",
+    "flatten_pad",
+    "gradient_divide_factors",
+    "post_divide",
+    "pre_divide_pad",
+    "unflatten_into",
 ]
 
 
-def flatten_padded(tensors: Sequence[torch.Tensor], world_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """One new flat ``dtype`` buffer holding ``tensors`` back to back, zero-padded to a multiple of ``world_size``."""
-    if not tensors:
-        return torch.empty(0, dtype=dtype)
-    return flatten_pad(list(tensors), world_size, dtype=dtype)
+def check_plan(
+    shard: torch.Tensor,
+    full: torch.Tensor,
+    world_size: int,
+    reduce_dtype: torch.dtype,
+    predivide: float,
+    postdivide: float,
+    name: str = "",
+) -> None:
+    """Check once, where a flat parameter's full buffer is made, what the trusted launches take for granted.
 
+    ``shard`` is this rank's flat shard, ``full`` the (possibly unallocated) padded full buffer in the
+    compute dtype; each step the runtime casts the shard into ``full``'s slice of this rank, pre-divides
+    the full gradient (``full``'s dtype) into a ``reduce_dtype`` buffer of ``full``'s length, and post-divides
+    this rank's reduced slice into a gradient of the shard's dtype and size. ``name`` (a parameter name)
+    goes into the errors.
+    """
+    what = f" of {name}" if name else ""
+    for role, dtype in (("flat shard", shard.dtype), ("compute dtype", full.dtype), ("reduce dtype", reduce_dtype)):
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(
+                f"the {role}{what} is {dtype}, but the shardfuse data path moves only {list(FLOAT_DTYPES)}: "
+                f"keep the parameters in fp32, bf16 or fp16 (e.g. module.float() before the first forward)"
+            )
+    if not shard.is_contiguous():
+        raise ValueError(
+            f"the flat shard{what} is not contiguous (shape={tuple(shard.shape)} stride={shard.stride()}): "
+            f"give the flat parameter contiguous data (load values with load_state_dict)"
+        )
+    if not full.is_contiguous() or full.numel() != shard.numel() * world_size:
+        raise ValueError(
+            f"the full buffer{what} holds {full.numel()} elements, but {world_size=} shards of {shard.numel()} "
+            f"need {shard.numel() * world_size}: the flat parameter was replaced by one of another size; "
+            f"load values with load_state_dict instead"
+        )
+    for factor_name, factor in (("predivide", predivide), ("postdivide", postdivide)):
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
+            raise ValueError(
+                f"the gradient {factor_name} factor{what} must be a finite number > 0, got {factor!r}: pass "
+                f"finite factors to gradient_predivide_factor or set_gradient_divide_factors"
+            )
 
-def cast_into(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Cast (or copy) ``src`` into ``out`` in one pass; ``out`` may be a slice of the all-gather buffer."""
-    return cast_shard(src, out=out)
-
-
-def unflatten(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Copy consecutive slices of ``flat`` into ``outs`` (casting to each one's dtype)."""
-    return unflatten_into(flat, list(outs))
-
-
-def default_divide_factors(world_size: int) -> tuple[float, float]:
-    """FairScale's default ``(predivide, postdivide)`` for ``world_size`` ranks."""
-    return gradient_divide_factors(world_size)
-
-
-def reduce_input(grad: torch.Tensor, out: torch.Tensor, predivide: float) -> torch.Tensor:
-    """``out[:n] = (grad / predivide).to(out.dtype)``, padding zeroed: the reduce-scatter input."""
-    return pre_divide_pad(grad, out, predivide)
-
-
-def reduce_output(src: torch.Tensor, out: torch.Tensor, postdivide: float, accumulate: bool) -> torch.Tensor:
-    """``out (+)= (src / postdivide).to(out.dtype)``: the reduce-scatter output into the sharded gradient."""
-    return post_divide(src, out, postdivide, accumulate=accumulate)

@@ -168,7 +168,7 @@ class FlatParamHandle:
         self.dtype = params[0].dtype
         self.numel = sum(self.numels)
         with torch.no_grad():
-            full = dp.flatten_padded([p.detach() for p in params], world_size, self.dtype)
+            full = dp.flatten_pad([p.detach() for p in params], world_size, dtype=self.dtype)
         self.padded_numel = full.numel()
         self.shard_numel = self.padded_numel // world_size
         # A fresh contiguous tensor: the full flattened buffer is released when this returns.
@@ -419,7 +419,7 @@ class FlatParamHandle:
                 else:
                     if src.device != local.device:
                         src = src.to(local.device, non_blocking=True)
-                    dp.cast_into(src, local)
+                    dp.cast_shard(src, local)
                 if host is not None:
                     host.note_h2d(ag)
                 coll.all_gather_into(self.full_data, local, self.group, self.world_size)

@@ -102,9 +102,10 @@ def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pe
         accumulate = False
     else:
         dest = flat.grad
-        if dest.shape != flat.shape:
+        if dest.shape != flat.shape or not dest.is_contiguous():  # set outside the runtime: checked here
             raise RuntimeError(
-                f"flat parameter gradient has shape {tuple(dest.shape)} but the shard has {tuple(flat.shape)}: "
+                f"flat parameter gradient has shape {tuple(dest.shape)} stride {dest.stride()} but the shard is "
+                f"contiguous of shape {tuple(flat.shape)}: "
                 f"do not assign .grad of FullyShardedDataParallel parameters by hand"
             )
         accumulate = True
@@ -116,13 +117,13 @@ def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pe
             rs_in = g  # padding of the full gradient is already zero (SplitBackward fills it)
         else:
             rs_in = torch.empty(handle.padded_numel, dtype=cfg.reduce_dtype, device=g.device)
-            dp.reduce_input(g.narrow(0, 0, handle.numel), rs_in, cfg.predivide)
+            dp.pre_divide_pad(g.narrow(0, 0, handle.numel), rs_in, cfg.predivide)
         if handle.world_size == 1:
             rs_out = rs_in
         else:
             rs_out = torch.empty(handle.shard_numel, dtype=cfg.reduce_dtype, device=g.device)
             coll.reduce_scatter_into(rs_out, rs_in, cfg.group, handle.world_size)
-        dp.reduce_output(rs_out, dest, cfg.postdivide, accumulate)
+        dp.post_divide(rs_out, dest, cfg.postdivide, accumulate=accumulate)
         if handle.host is not None:
             handle.host.send_grad(flat, dest, post_backward)
             pending.landing.append(handle)

@@ -16,6 +16,7 @@ from torch import nn
 
 from shardfuse._streams import Streams
 from shardfuse.sharding import _collectives as coll
+from shardfuse.sharding import _data_path as dp
 from shardfuse.sharding._flat_param import MISSING_GROUP, OWNED_MARK, FlatParamHandle, iter_own_modules
 from shardfuse.sharding._grad_reduce import ReduceConfig
 from shardfuse.sharding._runtime import RootState, Unit
@@ -179,6 +180,9 @@ def _init_unit(unit: Unit) -> None:
         postdivide=unit.gradient_postdivide_factor,
         group=unit.groups.reduce_scatter_group,
     )
+    for h in unit.handles:  # once, here: the per-step kernel launches (_data_path) check nothing
+        dp.check_plan(h.flat, h.full_param, h.world_size, reduce_dtype, unit.reduce_cfg.predivide,
+                      unit.reduce_cfg.postdivide, h.names[0])
     _cast_buffers(unit)
 
 

@@ -67,7 +67,7 @@ def full_state_dict(root: nn.Module) -> OrderedDict[str, Any]:
         full = h.gather_full_precision(u.compute_device)
         if materialize:
             outs = [torch.empty(s, dtype=h.dtype, device=full.device) for s in h.shapes]
-            dp.unflatten(full, outs)
+            dp.unflatten_into(full, outs)
             values[(id(u), hi)] = [o.to(device) for o in outs]
         del full
     sd: OrderedDict[str, Any] = OrderedDict()
@@ -152,7 +152,7 @@ def load_full_state_dict(root: nn.Module, state_dict: dict[str, Any], strict: bo
         device = u.compute_device
         if all(x is not None for x in have):
             # Cast like nn.Module.load_state_dict's copy_ does (an int64 tensor loads into a float parameter).
-            full = dp.flatten_padded([x[1].to(device, h.dtype) for x in have], h.world_size, h.dtype)
+            full = dp.flatten_pad([x[1].to(device, h.dtype) for x in have], h.world_size, dtype=h.dtype)
         else:
             # Partial load (strict=False, or a nested unit naming some of a sibling's parameters): start from the
             # current values. Collective, like the full case is not: every rank must provide the same keys.

@@ -530,3 +530,19 @@ def test_gpu_flatten_pad_past_2_pow_31():
     assert torch.equal(flat[n:2 * n], b), "the second tensor, past 2^31 bytes/elements, differs"
     assert torch.equal(flat[:n], a)
     assert_positive_zero(flat[2 * n:])
+
+
+def test_table_columns_match_the_kernel():
+    # The kernel reads the table by position: block starts, then the columns of _COLUMNS in order, then the
+    # owner of every program. A column added or moved on the host side must move in the kernel too.
+    import inspect
+
+    from shardfuse.kernels import _flatten
+
+    src = inspect.getsource(_flatten._flat_segments_kernel.fn)
+    assert f"table + {1 + len(_flatten._COLUMNS)} * num_segs + pid" in src, "owner column offset"
+    expected = ["n = tl.load(col)", "kind = tl.load(col + num_segs)"]
+    expected += [f"col + {c} * num_segs" for c in range(2, len(_flatten._COLUMNS))]
+    assert _flatten._COLUMNS[:4] == ("numel", "kind", "addr", "flat_off")
+    for c, text in enumerate(expected):
+        assert text in src, f"column {c} ({_flatten._COLUMNS[c]}) is not read where the host writes it"

@@ -1,4 +1,5 @@
-"""Gradient pre-/post-division kernels against their references and plain PyTorch.
+"""Gradient pre-/post-division kernels (the public forms, and the trusted launches the sharding runtime calls)
+against their references and plain PyTorch.
 
 On CPU the Triton kernels run under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1).
 """
@@ -11,12 +12,16 @@ import torch
 import torch.nn.functional as F
 
 from shardfuse.kernels._grad_divide import (
+    check_post_divide,
+    check_pre_divide_pad,
     gradient_divide_factors,
     post_divide,
     post_divide_ref,
-    pre_divide_pad,
+    post_divide_unchecked,
     pre_divide_pad_ref,
+    pre_divide_pad_unchecked,
 )
+from shardfuse.kernels._grad_divide_multi import pre_divide_pad
 from tests.conftest import assert_same, cuda_kernels, kernel_device, poisoned
 
 DEVICE = kernel_device()
@@ -92,32 +97,6 @@ def test_pre_divide_pad_single(pair, factor, n):
     expected = F.pad(true_div(g, factor).to(od), (0, pad))
     assert_same(out, expected)
     assert_same(out, pre_divide_pad_ref(g, poisoned((n + pad,), od, DEVICE), factor))
-    assert_positive_zero(out[n:])
-
-
-@pytest.mark.parametrize("factor", [1.0, 3.0], ids=lambda f: f"f{f:g}")
-@pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=lambda p: f"{p[0]}->{p[1]}")
-@pytest.mark.parametrize(
-    "shapes",
-    [
-        [(7,), (131,), (0,), (4099,), (1,)],
-        [(3, 5), (2, 2, 2), (1,)],
-        [(8,), (128,), (4096,), (16,)],
-        [(0,), (0, 3), (5,)],
-        [(0,), (0,)],
-    ],
-    ids=["odd", "nd", "aligned", "empty-first", "all-empty"],
-)
-def test_pre_divide_pad_multi(shapes, pair, factor):
-    gd, od = DTYPES[pair[0]], DTYPES[pair[1]]
-    grads = [randn(s, gd) for s in shapes]
-    n = sum(g.numel() for g in grads)
-    pad = (-n) % 5 + 4100  # padding spanning more than one block
-    out = poisoned((n + pad,), od, DEVICE)
-    pre_divide_pad(grads, out, factor)
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    assert_same(out, F.pad(true_div(flat, factor).to(od), (0, pad)))
-    assert_same(out, pre_divide_pad_ref(grads, poisoned((n + pad,), od, DEVICE), factor))
     assert_positive_zero(out[n:])
 
 
@@ -324,18 +303,6 @@ def test_gpu_pre_divide_pad_exact_one_launch(pair):
 
 
 @pytest.mark.gpu
-def test_gpu_pre_divide_pad_thousands_of_tensors_one_launch():
-    gen = torch.Generator().manual_seed(0)
-    sizes = torch.randint(0, 3000, (3000,), generator=gen).tolist() + [1 << 20, 4099, 0, 1]
-    grads = [torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in sizes]
-    n = sum(sizes)
-    out = poisoned((n + 8191,), torch.float32, "cuda")
-    pre_divide_pad(grads, out, 3.0)
-    torch.testing.assert_close(out, pre_divide_pad_ref(grads, torch.empty_like(out), 3.0), rtol=0, atol=0)
-    assert len(cuda_kernels(lambda: pre_divide_pad(grads, out, 3.0))) == 1
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
 @pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=lambda p: f"{p[0]}->{p[1]}")
 def test_gpu_post_divide_exact_one_launch(pair, accumulate):
@@ -408,3 +375,44 @@ def test_divide_edge_values_exact(factor):
 @pytest.mark.parametrize("factor", EDGE_FACTORS, ids=lambda f: f"f{f:g}")
 def test_gpu_divide_edge_values_exact(factor):
     _check_divide_edges_exact("cuda", (1 << 20) + 3, factor)
+
+
+# ------------------------------------------------------------------ the trusted launches
+
+
+@pytest.mark.parametrize("n", SIZES, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("factor", [1.0, 3.0, 0.5], ids=lambda f: f"f{f:g}")
+@pytest.mark.parametrize("pair", [("bf16", "fp32"), ("fp32", "fp32"), ("fp16", "bf16")], ids="->".join)
+def test_unchecked_reduce_path_matches_reference(pair, factor, n):
+    # The runtime's sequence: pre-divide one flat gradient into a padded buffer, then post-divide a slice of it
+    # into the sharded gradient, writing then accumulating; checked once, launched unchecked.
+    gd, rd = DTYPES[pair[0]], DTYPES[pair[1]]
+    pad = (-n) % 4 + 3
+    grad = randn(n, gd)
+    rs_in = poisoned((n + pad,), rd, DEVICE)
+    check_pre_divide_pad(grad, rs_in, factor)
+    assert pre_divide_pad_unchecked(grad, rs_in, factor) is rs_in
+    assert_same(rs_in, pre_divide_pad_ref(grad, poisoned((n + pad,), rd, DEVICE), factor))
+    assert_positive_zero(rs_in[n:])
+    shard = rs_in[: (n + pad) // 2]
+    dest = poisoned(shard.shape, torch.float32, DEVICE)
+    check_post_divide(shard, dest, factor)
+    post_divide_unchecked(shard, dest, factor)
+    assert_same(dest, post_divide_ref(shard, poisoned(shard.shape, torch.float32, DEVICE), factor))
+    before = dest.clone()
+    post_divide_unchecked(shard, dest, factor, accumulate=True)
+    assert_same(dest, post_divide_ref(shard, before, factor, accumulate=True))
+
+
+def test_checks_are_the_public_forms_checks():
+    g = randn(10, torch.float32)
+    with pytest.raises(ValueError, match=r"out.numel\(\)=9 < required 10"):
+        check_pre_divide_pad(g, torch.empty(9, device=DEVICE), 2.0)
+    with pytest.raises(ValueError, match="divide factor must be a finite number > 0"):
+        check_pre_divide_pad(g, torch.empty(12, device=DEVICE), float("inf"))
+    with pytest.raises(ValueError, match="same size"):
+        check_post_divide(g, torch.empty(11, device=DEVICE), 2.0)
+    with pytest.raises(ValueError, match="not contiguous"):
+        check_post_divide(randn(20, torch.float32)[::2], torch.empty(10, device=DEVICE), 2.0)
+    assert check_pre_divide_pad(g, torch.empty(12, device=DEVICE), 2) == ([g], 10, 2.0)
+

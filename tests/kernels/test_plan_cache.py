@@ -21,8 +21,9 @@ from tests.conftest import kernel_device, poisoned
 
 DEVICE = kernel_device()
 # By module path: shardfuse.kernels._chunk_cat the attribute is the function, not the module.
-MODULES = {m: importlib.import_module(f"shardfuse.kernels._{m}") for m in ("cast", "chunk_cat", "concat", "flatten",
-                                                                          "grad_divide")}
+# The multi-tensor forms are the ones with plans: cast_shards and the list form of pre_divide_pad.
+MODULES = {m: importlib.import_module(f"shardfuse.kernels._{m}") for m in ("cast_multi", "chunk_cat", "concat",
+                                                                          "flatten", "grad_divide_multi")}
 cast, chunk_cat, concat, flatten, grad_divide = MODULES.values()
 
 

@@ -1,0 +1,172 @@
+"""The public ``pre_divide_pad``: one gradient, or a list of gradients in one launch through a pointer table.
+
+The list form serves the public API only: the sharding runtime's gradient is already one flat buffer, which
+it hands to ``_grad_divide.pre_divide_pad_unchecked`` directly, so the multi-tensor kernel, its launch plans
+and their cache live here, in a module the runtime's path never reaches. A list's plan (the metadata table
+and launch arguments) is cached per set of tensors and stream: a repeat call skips validation, table
+building and the host-to-device copy.
+
+Layout: ``@triton.jit`` kernel, plan, launcher (``pre_divide_pad``); the reference is
+``_grad_divide.pre_divide_pad_ref``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from shardfuse._profiling import profiled
+from shardfuse.kernels import _common as common
+from shardfuse.kernels._grad_divide import (
+    _pre_divide_pad_torch,
+    check_pre_divide_pad,
+    pre_divide_pad_unchecked,
+    scale_block,
+)
+
+__all__ = ["pre_divide_pad"]
+
+_PLANS = common.PlanCache()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _pre_divide_pad_multi_kernel(
+    meta_ptr,
+    like_ptr,
+    out_ptr,
+    num_tensors,
+    n_total,
+    total,
+    factor,
+    DIVIDE: tl.constexpr,
+    MULTIPLY: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    OUT_VEC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Many tensors in one launch. meta (int64) = [src pointers | numels | out offsets | block starts (T+1) |
+    owner of every tensor block].
+
+    Program ids map to (tensor, block) through the per-tensor block-start prefix table; programs past the
+    last tensor block zero the padding out[n_total:total].
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    numel_tab = meta_ptr + num_tensors
+    offset_tab = meta_ptr + 2 * num_tensors
+    start_tab = meta_ptr + 3 * num_tensors
+    pad_start = tl.load(start_tab + num_tensors)
+    if pid >= pad_start:
+        offs = n_total + (pid - pad_start) * BLOCK + tl.arange(0, BLOCK)
+        zero = tl.zeros([BLOCK], dtype=tl.float32)
+        tl.store(out_ptr + offs, zero.to(out_ptr.dtype.element_ty), mask=offs < total)
+    else:
+        # One load finds the tensor (the host built the owner column); empty tensors own no program.
+        lo = tl.load(start_tab + num_tensors + 1 + pid)
+        n = tl.load(numel_tab + lo)
+        src_addr = tl.load(meta_ptr + lo)
+        dst_off = tl.load(offset_tab + lo)
+        if ALIGNED:
+            # The host checked: every source is 16-byte aligned and every destination offset is a
+            # multiple of 16 bytes, which lets the full blocks use 16-byte accesses.
+            src_addr = tl.multiple_of(src_addr, 16)
+            dst_off = tl.multiple_of(dst_off, OUT_VEC)
+        src = src_addr.to(tl.pointer_type(like_ptr.dtype.element_ty))
+        dst = out_ptr + dst_off
+        start = (pid - tl.load(start_tab + lo)) * BLOCK
+        scale_block(src, dst, start, n, n, factor, DIVIDE, MULTIPLY, BLOCK)
+
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Plans and launchers
+# ----------------------------------------------------------------------------------------------------------
+
+
+class _Plan(NamedTuple):
+    device: torch.device
+    grid: int
+    table: torch.Tensor
+    num_tensors: int
+    n: int  # gradient elements; out[n:] is padding
+    total: int  # out.numel()
+    like: int  # index of a non-empty gradient (types the source addresses); -1: none
+    aligned: bool  # given a 16-byte aligned out
+    out_vec: int
+
+
+@common.plan_key
+def _multi_key(grads: list[torch.Tensor], out: torch.Tensor):
+    return out.device, (common.tensor_key(out), common.tensors_key(grads, "flat"))
+
+
+def _plan_multi(grads: list[torch.Tensor], out_flat: torch.Tensor, n: int) -> _Plan:
+    numels = [g.numel() for g in grads]
+    offsets = common.block_starts(numels)
+    counts = [-(-k // common.BLOCK_SIZE) for k in numels]
+    total = out_flat.numel()
+    pad_blocks = -(-(total - n) // common.BLOCK_SIZE)
+    ptrs = [g.data_ptr() for g in grads]
+    out_vec = 16 // out_flat.element_size()
+    aligned = all(p % 16 == 0 for p in ptrs) and all(o % out_vec == 0 for o in offsets)
+    starts = [*common.block_starts(counts), sum(counts)]  # T + 1: the last is the first padding program
+    meta = common.block_table([ptrs, numels, offsets, starts], counts, out_flat.device)
+    # `like` only types the source pointers: a non-empty tensor (empty CUDA tensors have null pointers).
+    like = next((i for i, k in enumerate(numels) if k), -1)
+    return _Plan(out_flat.device, sum(counts) + pad_blocks, meta, len(grads), n, total, like, aligned, out_vec)
+
+
+def _run_multi(plan: _Plan, grads: list[torch.Tensor], out_flat: torch.Tensor, factor: float) -> None:
+    if not plan.total:
+        return
+    kernel_factor, divide, multiply = common.scale_args(factor)
+    aligned = plan.aligned and out_flat.data_ptr() % 16 == 0
+    src_like = out_flat if plan.like < 0 else grads[plan.like]
+    with common.device_guard(plan.device):
+        _pre_divide_pad_multi_kernel[(plan.grid,)](
+            plan.table, src_like, out_flat, plan.num_tensors, plan.n, plan.total, kernel_factor, DIVIDE=divide,
+            MULTIPLY=multiply, ALIGNED=aligned, OUT_VEC=plan.out_vec, BLOCK=common.BLOCK_SIZE,
+            num_warps=common.NUM_WARPS,
+        )
+
+def pre_divide_pad(grads: torch.Tensor | Sequence[torch.Tensor], out: torch.Tensor, factor: float) -> torch.Tensor:
+    """Scale, cast and pad gradients into the reduce-scatter input, in one pass.
+
+    ``out[:n] = (cat([g.flatten() for g in grads]).float() / factor).to(out.dtype)`` and ``out[n:] = 0``,
+    where ``n`` is the total number of gradient elements. ``out`` must be contiguous with
+    ``out.numel() >= n`` (typically ``n`` rounded up to a multiple of the world size), and must not overlap
+    the gradients (a gradient that is exactly its own slice of ``out`` is scaled in place). A list of
+    gradients (one dtype, each contiguous) is handled in a single launch through a pointer table.
+    ``factor == 1`` skips the division but still casts and pads. Returns ``out``.
+    """
+    grads = [grads] if isinstance(grads, torch.Tensor) else common.as_list(grads)
+    if isinstance(grads, list) and len(grads) > 1:
+        return _pre_divide_pad_list(grads, out, factor)
+    grads, _, factor = check_pre_divide_pad(grads, out, factor)
+    return pre_divide_pad_unchecked(grads[0], out, factor)
+
+
+def _pre_divide_pad_list(grads: list[torch.Tensor], out: torch.Tensor, factor: float) -> torch.Tensor:
+    with profiled("shardfuse.kernels:pre_divide_pad"):
+        key = _multi_key(grads, out)
+        plan = _PLANS.get(key)
+        if plan is not None:
+            _run_multi(plan, grads, out.view(-1), common.check_factor(factor))
+            return out
+        grads, n, factor = check_pre_divide_pad(grads, out, factor)
+        if not common.use_triton(*grads, out):
+            return _pre_divide_pad_torch(grads, out, n, factor)
+        if out.numel() == 0:
+            return out
+        out_flat = out.view(-1)
+        plan = _plan_multi(grads, out_flat, n)
+        _PLANS.put(key, plan)
+        _run_multi(plan, grads, out_flat, factor)
+        return out
