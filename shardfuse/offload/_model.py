@@ -146,7 +146,12 @@ class _SliceCall(BlockCall):
                 return _ParamRef(t)
             if self.offload_acts and storage is not None and self._offloadable(t):
                 return self._park(t)
-            return t
+            # Never the tensor itself: a tensor saved as the output of its own node (ReLU saves its result)
+            # would hold that node through its grad_fn, a cycle through autograd's C++ graph that Python's
+            # garbage collector cannot see. Only a non-retained backward, which frees each node's saved
+            # tensors as it goes, broke it; a retained graph (the last slice's, retain_graph=True) leaked its
+            # activations every step. A detached alias shares the memory and holds no graph.
+            return t.detach()
 
         def unpack(x: Any) -> torch.Tensor:
             if isinstance(x, _ParamRef):
