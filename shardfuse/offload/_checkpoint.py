@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardfuse.offload._function import BlockCall, Packed, apply_block
+from shardfuse.offload._function import BlockCall, apply_block
+from shardfuse.offload._microbatch import Packed
 
 _ATTR = "_shardfuse_checkpoint"
 _FAIRSCALE_CHECKPOINT = "fairscale.nn.checkpoint.checkpoint_activations"

@@ -21,7 +21,8 @@ from torch.utils._pytree import tree_map
 from shardfuse._graph_guard import refuse_in_capture
 from shardfuse._profiling import profiled
 from shardfuse.offload._engine import Engine, GradBuffers, Loaded, Stashed, Step, make_optimizers
-from shardfuse.offload._function import BlockCall, Packed, apply_block
+from shardfuse.offload._function import BlockCall, apply_block
+from shardfuse.offload._microbatch import Packed
 from shardfuse.offload._slices import Slice, partition
 
 logger = logging.getLogger(__name__)
