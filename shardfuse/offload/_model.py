@@ -288,58 +288,12 @@ class OffloadModel(nn.Module):
         offload_activations: bool = False,
     ) -> None:
         super().__init__()
-        if not isinstance(model, nn.Sequential):
-            raise TypeError(
-                f"OffloadModel needs an nn.Sequential, got {type(model).__name__}: express the model as "
-                "nn.Sequential(*layers), each layer taking the previous layer's output"
-            )
-        if len(model) == 0:
-            raise ValueError("OffloadModel got an empty nn.Sequential: give it at least one layer")
-        device = _check_device(device)
-        offload_device = torch.device(offload_device)
-        if offload_device.type != "cpu":
-            raise ValueError(
-                f"offload_device={offload_device} is not supported: weights are offloaded to host memory, "
-                "pass offload_device=torch.device('cpu')"
-            )
-        if not isinstance(num_microbatches, int) or num_microbatches < 1:
-            raise ValueError(f"num_microbatches={num_microbatches!r} must be an int >= 1")
-        if not isinstance(num_slices, int):
-            raise TypeError(f"num_slices={num_slices!r} must be an int")
-        if compute_dtype is not None and compute_dtype not in _COMPUTE_DTYPES:
-            raise ValueError(f"compute_dtype={compute_dtype} is not supported: use one of {list(_COMPUTE_DTYPES)}")
-        if not isinstance(offload_activations, bool):
-            raise TypeError(f"offload_activations={offload_activations!r} must be a bool")
-        if offload_activations and checkpoint_activation:
-            raise ValueError(
-                "offload_activations=True needs checkpoint_activation=False: checkpointing already keeps only "
-                "the slice-boundary activations (in host memory) and recomputes the rest; pick one of the two"
-            )
-        if optimizer_in_backward is not None and not callable(optimizer_in_backward):
-            raise TypeError(
-                f"optimizer_in_backward must be a callable params -> Optimizer, got "
-                f"{type(optimizer_in_backward).__name__}: e.g. lambda ps: torch.optim.SGD(ps, lr=0.1)"
-            )
-        params = list(model.parameters())
-        dtypes = sorted({str(p.dtype) for p in params})
-        if len(dtypes) > 1 or any(not p.is_floating_point() for p in params):
-            raise TypeError(
-                f"OffloadModel needs all parameters in one floating dtype, got {dtypes}: convert the model "
-                "first (e.g. model.float()) and use compute_dtype= for low-precision compute"
-            )
-        master_dtype = params[0].dtype if params else torch.float32
-
+        device, offload_device = _check_placement(model, device, offload_device)
+        _check_options(num_slices, checkpoint_activation, num_microbatches, compute_dtype, optimizer_in_backward,
+                       offload_activations)  # fmt: skip
+        master_dtype = _master_dtype(model)
         layers = list(model.named_children())
-        ranges = partition([sum(p.numel() for p in m.parameters()) for _, m in layers], num_slices)
-        owner: dict[int, int] = {}
-        for i, (a, b) in enumerate(ranges):
-            for _, m in layers[a:b]:
-                for p in m.parameters():
-                    if owner.setdefault(id(p), i) != i:
-                        raise ValueError(
-                            f"a parameter of shape {tuple(p.shape)} is shared by slices {owner[id(p)]} and {i}: "
-                            "tied weights must fall into one slice; change num_slices or untie them"
-                        )
+        ranges = _slice_ranges(layers, num_slices)
 
         self.device = device
         self.offload_device = offload_device
@@ -357,14 +311,13 @@ class OffloadModel(nn.Module):
                         m._buffers[k] = b.to(device)
         pin = device.type == "cuda"
         self._slices: list[Slice] = [Slice(i, a, layers[a:b], pin) for i, (a, b) in enumerate(ranges)]
-        lp = compute_dtype is not None and compute_dtype != master_dtype
-        if lp:
+        # a compute dtype other than the master's: a host shadow in that dtype is what crosses the bus
+        lp_dtype = compute_dtype if compute_dtype is not None and compute_dtype != master_dtype else None
+        if lp_dtype is not None:
             for s in self._slices:
-                s.make_shadow(compute_dtype, pin)
+                s.make_shadow(lp_dtype, pin)
         self._optimizers = make_optimizers(self._slices, optimizer_in_backward) if optimizer_in_backward else None
-        self._engine = Engine(
-            self._slices, device, compute_dtype if lp else master_dtype, master_dtype, self._optimizers
-        )
+        self._engine = Engine(self._slices, device, lp_dtype or master_dtype, master_dtype, self._optimizers)
         logger.info(
             "OffloadModel: %d layers in %d slices %s, device=%s, checkpoint=%s, microbatches=%d, compute=%s",
             len(layers), num_slices, ranges, device, checkpoint_activation, num_microbatches, compute_dtype,
@@ -480,3 +433,79 @@ def _check_device(device: torch.device | str) -> torch.device:
     if device.type != "cpu":
         raise ValueError(f"device={device} is not supported: OffloadModel computes on a CUDA device (or the CPU)")
     return device
+
+
+def _check_placement(
+    model: nn.Module, device: torch.device | str, offload_device: torch.device | str
+) -> tuple[torch.device, torch.device]:
+    """The model is a non-empty ``nn.Sequential``; the compute and offload devices are supported ones."""
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(
+            f"OffloadModel needs an nn.Sequential, got {type(model).__name__}: express the model as "
+            "nn.Sequential(*layers), each layer taking the previous layer's output"
+        )
+    if len(model) == 0:
+        raise ValueError("OffloadModel got an empty nn.Sequential: give it at least one layer")
+    offload_device = torch.device(offload_device)
+    if offload_device.type != "cpu":
+        raise ValueError(
+            f"offload_device={offload_device} is not supported: weights are offloaded to host memory, "
+            "pass offload_device=torch.device('cpu')"
+        )
+    return _check_device(device), offload_device
+
+
+def _check_options(
+    num_slices: Any,
+    checkpoint_activation: bool,
+    num_microbatches: Any,
+    compute_dtype: torch.dtype | None,
+    optimizer_in_backward: Any,
+    offload_activations: Any,
+) -> None:
+    """Refuse option values OffloadModel cannot honour, naming the value and what to pass instead."""
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches={num_microbatches!r} must be an int >= 1")
+    if not isinstance(num_slices, int):
+        raise TypeError(f"num_slices={num_slices!r} must be an int")
+    if compute_dtype is not None and compute_dtype not in _COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype={compute_dtype} is not supported: use one of {list(_COMPUTE_DTYPES)}")
+    if not isinstance(offload_activations, bool):
+        raise TypeError(f"offload_activations={offload_activations!r} must be a bool")
+    if offload_activations and checkpoint_activation:
+        raise ValueError(
+            "offload_activations=True needs checkpoint_activation=False: checkpointing already keeps only "
+            "the slice-boundary activations (in host memory) and recomputes the rest; pick one of the two"
+        )
+    if optimizer_in_backward is not None and not callable(optimizer_in_backward):
+        raise TypeError(
+            f"optimizer_in_backward must be a callable params -> Optimizer, got "
+            f"{type(optimizer_in_backward).__name__}: e.g. lambda ps: torch.optim.SGD(ps, lr=0.1)"
+        )
+
+
+def _master_dtype(model: nn.Module) -> torch.dtype:
+    """The one floating dtype of every parameter (fp32 for a model without parameters)."""
+    params = list(model.parameters())
+    dtypes = sorted({str(p.dtype) for p in params})
+    if len(dtypes) > 1 or any(not p.is_floating_point() for p in params):
+        raise TypeError(
+            f"OffloadModel needs all parameters in one floating dtype, got {dtypes}: convert the model "
+            "first (e.g. model.float()) and use compute_dtype= for low-precision compute"
+        )
+    return params[0].dtype if params else torch.float32
+
+
+def _slice_ranges(layers: Sequence[tuple[str, nn.Module]], num_slices: int) -> list[tuple[int, int]]:
+    """Layer ranges of balanced parameter count; a parameter shared by two slices is refused."""
+    ranges = partition([sum(p.numel() for p in m.parameters()) for _, m in layers], num_slices)
+    owner: dict[int, int] = {}
+    for i, (a, b) in enumerate(ranges):
+        for _, m in layers[a:b]:
+            for p in m.parameters():
+                if owner.setdefault(id(p), i) != i:
+                    raise ValueError(
+                        f"a parameter of shape {tuple(p.shape)} is shared by slices {owner[id(p)]} and {i}: "
+                        "tied weights must fall into one slice; change num_slices or untie them"
+                    )
+    return ranges
