@@ -446,13 +446,14 @@ def _check_placement(
         )
     if len(model) == 0:
         raise ValueError("OffloadModel got an empty nn.Sequential: give it at least one layer")
+    device = _check_device(device)
     offload_device = torch.device(offload_device)
     if offload_device.type != "cpu":
         raise ValueError(
             f"offload_device={offload_device} is not supported: weights are offloaded to host memory, "
             "pass offload_device=torch.device('cpu')"
         )
-    return _check_device(device), offload_device
+    return device, offload_device
 
 
 def _check_options(
