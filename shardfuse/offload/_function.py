@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -65,7 +65,7 @@ class Kept:
         self.saved: list[Any] = []  # stashed inputs for the recompute (recompute=True)
         self.inner: list[tuple[_GradSink, list[Any]]] = []  # per-microbatch graph and roots (recompute=False)
         self.acts: list[Any] = []  # activations parked in host memory by a subclass
-        self.leaves: list[torch.Tensor] | None = None  # the kept graph's parameter leaves, for a subclass
+        self.leaves: list[torch.Tensor] = []  # the kept graph's parameter leaves, for a subclass
 
 
 class BlockCall:
@@ -79,7 +79,6 @@ class BlockCall:
 
     def __init__(
         self,
-        fn: Callable[..., Any] | None,
         args: Packed,
         *,
         recompute: bool,
@@ -88,7 +87,6 @@ class BlockCall:
         rng_device: torch.device | None = None,
         stats_module: nn.Module | None = None,
     ) -> None:
-        self.fn = fn
         self.args = args
         self.recompute = recompute
         self.num_microbatches = num_microbatches
@@ -98,7 +96,7 @@ class BlockCall:
         self.sizes: list[int] = [0]
         self.split_in: list[bool] = []
         self.grad_in: list[bool] = []
-        self.out: Packed | None = None
+        self.out = Packed(None)  # the output's structure, taken from the first microbatch
         self.out_split: list[bool] = []
         self._rng: list[RngState] = []
         self._autocast: list[tuple[str, bool, torch.dtype]] = []
@@ -137,8 +135,7 @@ class BlockCall:
     # ---- hooks for subclasses
     def run(self, *args: Any) -> Any:
         """Compute the block on one microbatch (the positional arguments of the block)."""
-        assert self.fn is not None
-        return self.fn(*args)
+        raise NotImplementedError(f"{type(self).__name__} must define run(): how its block computes one microbatch")
 
     def forward_enter(self) -> None:
         """Called before the forward computes (make parameters resident)."""
@@ -207,14 +204,14 @@ class BlockCall:
                 self._autocast = capture_autocast()
                 rng_devs = cuda_devices_of(tensors, self.rng_device)
                 with torch.no_grad():
-                    for mb in mbs:
+                    for j, mb in enumerate(mbs):
                         self._rng.append(RngState.capture(rng_devs))
-                        outs.append(self._flatten_out(self.run(*self.args.rebuild(mb))))
+                        outs.append(self._flatten_out(self.run(*self.args.rebuild(mb)), j))
             else:
                 with torch.enable_grad(), self.saved_tensors_hooks():
-                    for mb in mbs:
+                    for j, mb in enumerate(mbs):
                         sink = _GradSink(mb, self.grad_in)
-                        flat = self._flatten_out(self.run(*self.args.rebuild(sink.inputs)))
+                        flat = self._flatten_out(self.run(*self.args.rebuild(sink.inputs)), j)
                         outs.append([o.detach() for o in flat])
                         # neither the microbatch inputs nor the outputs are kept: only the graph, its roots
                         # as gradient edges where torch can start backward from them
@@ -228,13 +225,12 @@ class BlockCall:
         # The call lives until backward (in ctx): holding the inputs or the first microbatch's outputs here
         # would keep every block's activations on the device, which is what recompute exists to avoid.
         self.args.drop_tensors()
-        assert self.out is not None
         self.out.drop_tensors()
         return tuple(joined)
 
-    def _flatten_out(self, out: Any) -> list[torch.Tensor]:
+    def _flatten_out(self, out: Any, index: int) -> list[torch.Tensor]:
         packed = Packed(out)
-        if self.out is None:
+        if index == 0:
             self.out = packed
         return packed.tensors
 
@@ -330,7 +326,7 @@ def _has_graph(o: Any) -> bool:
 
 
 # torch >= 2.7 starts backward from gradient edges, so a kept graph need not pin its output tensors
-_EDGE_ROOTS = torch.torch_version.TorchVersion(torch.__version__) >= (2, 7)
+_EDGE_ROOTS = torch.torch_version.TorchVersion(torch.__version__) >= "2.7"
 
 
 def _graph_roots(outs: list[torch.Tensor]) -> list[Any]:
@@ -437,5 +433,4 @@ def apply_block(call: BlockCall, tensors: Sequence[torch.Tensor]) -> Any:
         call.kept = None
     else:
         call._one_shot = True
-    assert call.out is not None
     return call.out.rebuild(flat)

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_map
 
 from shardfuse._graph_guard import refuse_in_capture
 from shardfuse._profiling import profiled
-from shardfuse.offload._engine import Engine, GradBuffers, Loaded, Stashed, Step, make_optimizers
+from shardfuse.offload._engine import Engine, GradBuffers, Loaded, Phase, Stashed, Step, make_optimizers
 from shardfuse.offload._function import BlockCall, apply_block
 from shardfuse.offload._microbatch import Packed
 from shardfuse.offload._slices import Slice, partition
@@ -66,7 +66,6 @@ class _SliceCall(BlockCall):
         keep_after_forward: bool,
     ) -> None:
         super().__init__(
-            None,
             args,
             recompute=model.checkpoint_activation,
             num_microbatches=model.num_microbatches,
@@ -87,7 +86,7 @@ class _SliceCall(BlockCall):
         self.offload_acts = model.offload_activations and not keep_after_forward
         self._act_index: dict[tuple[Any, ...], tuple[int, weakref.ref]] = {}
         self.current: Loaded | None = None
-        self.leaves: list[torch.Tensor] | None = None
+        self.leaves: list[torch.Tensor] = []  # the parameters as leaves viewing ``current``'s slot
         self.grads: GradBuffers | None = None
         self._fwd_storage: int | None = None
         self._fwd_stamp: tuple[int, int] | None = None
@@ -101,8 +100,17 @@ class _SliceCall(BlockCall):
         nxt = self.next() if self.next is not None else None
         return nxt is None or nxt.peek() is not None
 
+    def _resident(self) -> Loaded:
+        """The slice's device copy; only there between ``*_enter`` and ``*_exit``."""
+        if self.current is None:
+            raise RuntimeError(
+                f"{self.describe()} is not resident on {self.engine.device}: its parameters and restored "
+                "activations exist only during its forward and backward (shardfuse internal error; please report)"
+            )
+        return self.current
+
     def run(self, *args: Any) -> Any:
-        assert self.leaves is not None
+        self._resident()
         return functional_call(self.slice.chain, dict(zip(self.slice.names, self.leaves)), args)
 
     def forward_enter(self) -> None:
@@ -110,29 +118,27 @@ class _SliceCall(BlockCall):
             # Bound the activations on the device to about three slices' worth: the device copies are
             # freed only once their device->host copy is done, and the host would run ahead of the bus.
             self.prev.prev.wait_parked()
-        self.current = self.engine.acquire(self.slice, "forward")
+        self.current = self.engine.acquire(self.slice, Phase.FORWARD)
         self._fwd_stamp = self.current.stamp
         if self.slice.index + 1 < len(self.slices):
-            self.engine.prefetch(self.slices[self.slice.index + 1], "forward")
+            self.engine.prefetch(self.slices[self.slice.index + 1], Phase.FORWARD)
         # recompute=False builds the graph now, so the parameters must be leaves that require grad
         self.leaves = self.current.leaves(requires_grad=not self.recompute)
         self._fwd_storage = self.current.slot.buf.untyped_storage().data_ptr()
 
     def forward_exit(self) -> None:
-        assert self.current is not None
-        self.engine.release(self.current, keep=self.keep)
+        self.engine.release(self._resident(), keep=self.keep)
         self.current = None
         self._act_index = {}
         if not self.recompute:
             self.held().leaves = self.leaves  # the kept graph's leaves: alive exactly as long as that graph
-        self.leaves = None
+        self.leaves = []
 
     def stash(self, t: torch.Tensor) -> Any:
         return self.engine.stash(t)
 
     def unstash(self) -> list[torch.Tensor]:
-        assert self.current is not None and self.current.inputs is not None
-        return self.current.inputs
+        return self._resident().inputs
 
     def saved_tensors_hooks(self) -> contextlib.AbstractContextManager:
         # The graph kept by recompute=False must not pin the parameter slot: saved views of it become
@@ -156,13 +162,9 @@ class _SliceCall(BlockCall):
 
         def unpack(x: Any) -> torch.Tensor:
             if isinstance(x, _ParamRef):
-                assert self.current is not None, "parameter needed outside the slice's backward"
-                return self.current.slot.buf.as_strided(x.size, x.stride, x.offset)
+                return self._resident().slot.buf.as_strided(x.size, x.stride, x.offset)
             if isinstance(x, _ActRef):
-                assert self.current is not None and self.current.inputs is not None, (
-                    "activation needed outside the slice's backward"
-                )
-                return self.current.inputs[x.index]
+                return self._resident().inputs[x.index]
             return x
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
@@ -210,15 +212,14 @@ class _SliceCall(BlockCall):
                 "the weights, so backpropagate through each forward only once"
             )
         self.engine.begin_backward(self.step)
-        self.current = self.engine.acquire(self.slice, "backward", self.backward_stash())
+        self.current = self.engine.acquire(self.slice, Phase.BACKWARD, self.backward_stash())
         prev = self.prev
         if prev is not None and prev.peek() is not None:
-            self.engine.prefetch(prev.slice, "backward", prev.backward_stash())
+            self.engine.prefetch(prev.slice, Phase.BACKWARD, prev.backward_stash())
         if self.recompute:
             self.leaves = self.current.leaves(requires_grad=True)
         else:
             self.leaves = self.held().leaves
-        assert self.leaves is not None
         if self.slice.trainable:
             self.grads = self.engine.grad_buffers(self.slice)
             # autograd accumulates in place into a .grad that already exists: the gradients of every
@@ -232,12 +233,11 @@ class _SliceCall(BlockCall):
             self.engine.accumulate_microbatch(self.grads)
 
     def backward_exit(self) -> None:
-        assert self.current is not None
-        if self.leaves is not None:
-            for leaf in self.leaves:
-                leaf.grad = None
-        self.engine.finish_slice(self.current, self.grads, self.step)
-        self.current, self.leaves, self.grads = None, None, None
+        ld = self._resident()
+        for leaf in self.leaves:
+            leaf.grad = None
+        self.engine.finish_slice(ld, self.grads, self.step)
+        self.current, self.leaves, self.grads = None, [], None
 
 
 class OffloadModel(nn.Module):
@@ -339,7 +339,8 @@ class OffloadModel(nn.Module):
 
     def __getitem__(self, idx: int) -> nn.Module:
         """The layer at position ``idx``, as in the original ``nn.Sequential``."""
-        return list(self._modules.values())[idx]
+        # not children(): a layer that appears twice (a shared activation module) keeps both positions
+        return cast(nn.Module, list(self._modules.values())[idx])
 
     def transfer_stats(self, reset: bool = False) -> dict[str, int]:
         """Bytes copied host->device (``"h2d"``) and device->host (``"d2h"``) so far; ``reset`` zeroes them."""
@@ -390,9 +391,9 @@ class OffloadModel(nn.Module):
         return out
 
     def _run_streamed(self, s: Slice, args: Sequence[Any]) -> Any:
-        ld = self._engine.acquire(s, "forward")
+        ld = self._engine.acquire(s, Phase.FORWARD)
         if s.index + 1 < len(self._slices):
-            self._engine.prefetch(self._slices[s.index + 1], "forward")
+            self._engine.prefetch(self._slices[s.index + 1], Phase.FORWARD)
         with profiled("shardfuse.offload:forward_compute"):
             out = functional_call(s.chain, dict(zip(s.names, ld.leaves(False))), tuple(args))
         with profiled("shardfuse.offload:forward_drop"):
