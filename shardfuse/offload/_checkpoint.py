@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardfuse.offload._function import BlockCall, Packed, apply_block
+from shardfuse.offload._function import BlockCall, apply_block
+from shardfuse.offload._microbatch import Packed
 
 _ATTR = "_shardfuse_checkpoint"
 _FAIRSCALE_CHECKPOINT = "fairscale.nn.checkpoint.checkpoint_activations"
@@ -83,12 +84,15 @@ def _needs_graph(module: nn.Module, inputs: Sequence[torch.Tensor]) -> bool:
 class _CheckpointCall(BlockCall):
     profile_prefix = "shardfuse.checkpoint"
 
+    def __init__(self, fn: Callable[..., Any], args: Packed, **kwargs: Any) -> None:
+        super().__init__(args, **kwargs)
+        self.fn = fn
+
     def describe(self) -> str:
         module = self.stats_module
         return f"checkpoint_wrapper({type(module).__name__})"
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:  # type: ignore[override]
-        assert self.fn is not None
         return self.fn(*args, **kwargs)
 
 
@@ -100,21 +104,22 @@ class _CheckpointedForward:
         self._inner = inner  # an instance-level forward that was already there, else the class's
         self.offload_to_cpu = offload_to_cpu
 
-    def _forward_fn(self) -> Callable[..., Any]:
+    def _forward_fn(self) -> tuple[nn.Module, Callable[..., Any]]:
         module = self._module()
         if module is None:
-            raise RuntimeError("checkpoint_wrapper: the wrapped module no longer exists")
+            raise RuntimeError(
+                "checkpoint_wrapper: the wrapped module no longer exists, but its forward was called through a "
+                "reference that outlived it; call the module itself (keep a reference to it)"
+            )
         if self._inner is not None:
-            return self._inner
-        return lambda *a, **k: type(module).forward(module, *a, **k)
+            return module, self._inner
+        return module, lambda *a, **k: type(module).forward(module, *a, **k)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        fn = self._forward_fn()
+        module, fn = self._forward_fn()
         if not torch.is_grad_enabled() or _checkpointing_disabled():
             return fn(*args, **kwargs)
         packed = Packed((args, kwargs))
-        module = self._module()
-        assert module is not None
         if not _needs_graph(module, packed.tensors):
             return fn(*args, **kwargs)  # nothing to differentiate: no graph, nothing to recompute
         rng_device = None

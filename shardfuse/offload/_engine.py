@@ -11,12 +11,18 @@ Stream discipline (CUDA; on the CPU every stream and event is a no-op and copies
   writer waits on; host buffers are never read on the host before ``d2h`` is synchronised at the end of
   backward.
 
+Lifetimes without ``record_stream``: a device tensor made on the compute stream and read by ``d2h`` (a
+parked activation, optimizer state going home) is held with the copy's event in :class:`PendingFrees` and
+dropped once that event has completed, or after the compute stream waited for it; the end of backward
+synchronises ``d2h`` and drops them all.
+
 Parameter slots: two device buffers of the largest slice, reused (one computes while the other is being
 filled). Gradient slots: two fp32 buffers (one is accumulated while the other drains to the host).
 """
 
 from __future__ import annotations
 
+import enum
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,6 +33,43 @@ from torch import nn
 from shardfuse._profiling import profiled
 from shardfuse._streams import current_stream, new_stream, record_event, use_stream, wait_event, wait_stream
 from shardfuse.offload._slices import Slice
+
+
+class Phase(enum.Enum):
+    """What a slice is made resident for; its value names the profiler range (``shardfuse.offload:forward_load``)."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class PendingFrees:
+    """Device tensors read by the ``d2h`` stream, held until that read is over (instead of ``record_stream``).
+
+    Each entry is a tensor and the event recorded after its last read. :meth:`collect` drops the entries whose
+    event has completed (a query, no wait); :meth:`release_all` makes the compute stream wait for every event
+    first, so that memory the caching allocator hands out again is never written under a running copy.
+    """
+
+    def __init__(self) -> None:
+        self._items: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+
+    def hold(self, tensor: torch.Tensor, event: torch.cuda.Event | None) -> None:
+        """Keep ``tensor`` alive until ``event`` (None: the read already happened, on the CPU)."""
+        if event is not None:
+            self._items.append((tensor, event))
+
+    def collect(self) -> None:
+        """Drop the tensors whose read has finished."""
+        self._items = [(t, ev) for t, ev in self._items if not ev.query()]
+
+    def release_all(self, compute: torch.cuda.Stream | None) -> None:
+        """Drop every tensor after a device-side wait of ``compute`` for its read."""
+        for _, ev in self._items:
+            wait_event(compute, ev)
+        self._items.clear()
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 class _Slot:
@@ -86,7 +129,7 @@ class Loaded:
         self.master = master  # fp32 master copy on the device (optimizer in backward), may be ``slot``
         self.stamp = stamp
         self.ready: torch.cuda.Event | None = None
-        self.inputs: list[torch.Tensor] | None = None
+        self.inputs: list[torch.Tensor] = []  # restored activations (``stash`` brought back), on the device
         self.stash: Sequence[Any] | None = None  # whose stashed activations ``inputs`` are
         self.inputs_ready: torch.cuda.Event | None = None
         self.waited = False
@@ -143,9 +186,11 @@ class Engine:
         self.optimizers = list(optimizers) if optimizers is not None else None
         numel = max(s.numel for s in slices)
         self.param_pool = SlotPool(numel, compute_dtype, device, 2)
-        self.master_pool = SlotPool(numel, master_dtype, device, 2) if self.lp else None
+        # the low-precision pools get no slot at all in a full-precision run
+        self.master_pool = SlotPool(numel, master_dtype, device, 2 if self.lp else 0)
         self.grad_pool = SlotPool(numel, master_dtype, device, 2)
-        self.lp_grad_pool = SlotPool(numel, compute_dtype, device, 1) if self.lp else None
+        self.lp_grad_pool = SlotPool(numel, compute_dtype, device, 1 if self.lp else 0)
+        self.pending = PendingFrees()
         self._prefetched: dict[int, Loaded] = {}
         self._h2d: torch.cuda.Stream | None = None
         self._d2h: torch.cuda.Stream | None = None
@@ -186,10 +231,10 @@ class Engine:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self.finish(step))
 
     # ------------------------------------------------------------------ loading
-    def _needs_master(self, s: Slice, phase: str) -> bool:
-        return self.optimizers is not None and phase == "backward" and s.trainable
+    def _needs_master(self, s: Slice, phase: Phase) -> bool:
+        return self.optimizers is not None and phase is Phase.BACKWARD and s.trainable
 
-    def _issue(self, s: Slice, phase: str, stash: Sequence[Any] | None) -> Loaded:
+    def _issue(self, s: Slice, phase: Phase, stash: Sequence[Any] | None) -> Loaded:
         need_master = self._needs_master(s, phase)
         compute, h2d = self.compute_stream(), self.h2d
         slot = self.param_pool.acquire()
@@ -204,7 +249,6 @@ class Engine:
                 self._count("h2d", s.flat)
                 ld.master = slot if need_master else None
             elif need_master or not s.shadow_fresh():
-                assert self.master_pool is not None and s.shadow is not None
                 ms = self.master_pool.acquire()
                 wait_event(h2d, ms.event)
                 mdst = ms.buf[:n]
@@ -216,13 +260,13 @@ class Engine:
                 else:
                     # refresh the low-precision host shadow so that later loads move half the bytes
                     self.master_pool.release(ms)
-                    slot.event = s.shadow_event = self._copy_out(s.shadow, dst, record_event(h2d))
+                    slot.event = s.shadow_event = self._copy_out(s.lp_shadow(), dst, record_event(h2d))
                     s.mark_shadow_fresh()
             else:
-                assert s.shadow is not None
+                shadow = s.lp_shadow()
                 wait_event(h2d, s.shadow_event)  # the shadow may still be landing from its refresh
-                dst.copy_(s.shadow, non_blocking=True)
-                self._count("h2d", s.shadow)
+                dst.copy_(shadow, non_blocking=True)
+                self._count("h2d", shadow)
             ld.ready = record_event(h2d)
         if stash is not None:
             ld.inputs, ld.inputs_ready = self._restore(stash)
@@ -265,7 +309,7 @@ class Engine:
                 out.append(t)
         return out, record_event(h2d)
 
-    def _compatible(self, ld: Loaded, phase: str) -> bool:
+    def _compatible(self, ld: Loaded, phase: Phase) -> bool:
         if ld.stamp != ld.slice.stamp():
             return False  # the master changed since (an optimizer step): reload
         return not (self._needs_master(ld.slice, phase) and ld.master is None)
@@ -289,15 +333,16 @@ class Engine:
         for idx in [i for i in self._prefetched if i != keep]:
             self._drop(self._prefetched.pop(idx))
 
-    def _make_room(self, s: Slice, phase: str) -> None:
+    def _make_room(self, s: Slice, phase: Phase) -> None:
         if not self.param_pool.has_free() or (
-            self.master_pool is not None and self._needs_master(s, phase) and not self.master_pool.has_free()
+            self.lp and self._needs_master(s, phase) and not self.master_pool.has_free()
         ):
             self.drop_prefetched(keep=s.index)
 
-    def acquire(self, s: Slice, phase: str, stash: Sequence[Any] | None = None) -> Loaded:
-        """Make ``s`` resident for ``phase`` ('forward' or 'backward'); the compute stream may use it now."""
-        with profiled(f"shardfuse.offload:{phase}_load"):
+    def acquire(self, s: Slice, phase: Phase, stash: Sequence[Any] | None = None) -> Loaded:
+        """Make ``s`` resident for ``phase``; the compute stream may use it now."""
+        self.pending.collect()
+        with profiled(f"shardfuse.offload:{phase.value}_load"):
             ld = self._prefetched.pop(s.index, None)
             if ld is not None and not self._compatible(ld, phase):
                 self._drop(ld)
@@ -312,27 +357,27 @@ class Engine:
             self._wait(ld)
             return ld
 
-    def prefetch(self, s: Slice, phase: str, stash: Sequence[Any] | None = None) -> None:
+    def prefetch(self, s: Slice, phase: Phase, stash: Sequence[Any] | None = None) -> None:
         """Start loading ``s`` on the side stream, if a slot is free; :meth:`acquire` picks it up."""
-        with profiled(f"shardfuse.offload:{phase}_load"):
+        with profiled(f"shardfuse.offload:{phase.value}_load"):
             if s.index in self._prefetched:
                 return
             if not self.param_pool.has_free():
                 return
-            if self._needs_master(s, phase) and self.master_pool is not None and not self.master_pool.has_free():
+            if self._needs_master(s, phase) and self.lp and not self.master_pool.has_free():
                 return
             self._prefetched[s.index] = self._issue(s, phase, stash)
 
     def release(self, ld: Loaded, keep: bool = False) -> None:
         """Done computing with ``ld``; ``keep`` parks it for the backward that follows the forward."""
+        self.pending.collect()
         if keep:
             self._prefetched[ld.slice.index] = ld
             return
         self.param_pool.release(ld.slot)
         if ld.master is not None and ld.master is not ld.slot:
-            assert self.master_pool is not None
             self.master_pool.release(ld.master)
-        ld.inputs = ld.stash = None
+        ld.inputs, ld.stash = [], None
 
     # ------------------------------------------------------------------ activations
     def stash(self, t: torch.Tensor) -> Any:
@@ -345,15 +390,18 @@ class Engine:
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             host.copy_(t, non_blocking=True)
         self._count("d2h", t)
-        t.record_stream(d2h)  # the activation was made on the compute stream and may be freed there
-        return Stashed(host, t.device, record_event(d2h))
+        event = record_event(d2h)
+        # made on the compute stream, which may free it at once: hold it until the copy has read it
+        self.pending.collect()
+        self.pending.hold(t, event)
+        return Stashed(host, t.device, event)
 
     # ------------------------------------------------------------------ gradients
     def grad_buffers(self, s: Slice) -> GradBuffers:
         """Zeroed device gradient buffers for ``s``'s backward."""
         slot = self.grad_pool.acquire()
         wait_event(self.compute_stream(), slot.event)  # its previous contents are still draining to the host
-        lp_slot = self.lp_grad_pool.acquire() if self.lp_grad_pool is not None else None
+        lp_slot = self.lp_grad_pool.acquire() if self.lp else None
         gb = GradBuffers(slot, lp_slot, s.numel)
         gb.flat.zero_()
         if gb.lp_flat is not None:
@@ -380,7 +428,6 @@ class Engine:
                     step.grads.append((s, host))
                 self.grad_pool.release(gb.slot)
                 if gb.lp_slot is not None:
-                    assert self.lp_grad_pool is not None
                     self.lp_grad_pool.release(gb.lp_slot)
             self.release(ld)
 
@@ -389,7 +436,11 @@ class Engine:
         opt = self.optimizers[s.index] if self.optimizers is not None else None
         if opt is None:
             return
-        assert ld.master is not None
+        if ld.master is None:
+            raise RuntimeError(
+                f"shardfuse.offload internal error: slice {s.index} was loaded for backward without its fp32 "
+                "master copy, which optimizer_in_backward steps; please report this with the OffloadModel options"
+            )
         n = s.numel
         master = ld.master.buf[:n]
         with profiled("shardfuse.offload:optimizer_step"), torch.no_grad():
@@ -408,10 +459,9 @@ class Engine:
             ev = self._copy_out(s.flat, master, None)
             ld.master.event = ev
             if self.lp:
-                assert s.shadow is not None
                 dst = ld.slot.buf[:n]
                 dst.copy_(master)
-                ld.slot.event = s.shadow_event = self._copy_out(s.shadow, dst, None)
+                ld.slot.event = s.shadow_event = self._copy_out(s.lp_shadow(), dst, None)
                 s.mark_shadow_fresh()
 
     def _state_to(self, opt: torch.optim.Optimizer, s: Slice, device: bool) -> None:
@@ -421,7 +471,9 @@ class Engine:
         if device:
             for p in s.params:
                 st = opt.state.get(p)
-                for k in self._opt_moved.get(p, []) if st else []:
+                if not st:
+                    continue
+                for k in self._opt_moved.get(p, []):
                     if k in st:
                         st[k] = st[k].to(self.device, non_blocking=True)
                         self._count("h2d", st[k])
@@ -439,7 +491,7 @@ class Engine:
                         host = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
                         host.copy_(v, non_blocking=True)
                     self._count("d2h", v)
-                    v.record_stream(d2h)
+                    self.pending.hold(v, record_event(d2h))  # instead of record_stream: until the copy read it
                     st[k] = host
                     moved.append(k)
             self._opt_moved[p] = moved
@@ -448,6 +500,7 @@ class Engine:
         """End of backward: wait for every device->host copy, then hand gradients to the master params."""
         if self._d2h is not None:
             self._d2h.synchronize()
+        self.pending.release_all(self.compute_stream())  # every copy has finished: nothing to wait for
         with torch.no_grad():
             for s, host in step.grads:
                 for p, g in zip(s.params, s.views(host)):
@@ -472,8 +525,7 @@ class Engine:
 
     def clear(self) -> None:
         for pool in (self.param_pool, self.master_pool, self.grad_pool, self.lp_grad_pool):
-            if pool is not None:
-                pool.clear()
+            pool.clear()
 
 
 def make_optimizers(

@@ -25,16 +25,22 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shardfuse._profiling import profiled
-from shardfuse.kernels._concat import concat_microbatches, split_microbatches
+from shardfuse.offload._microbatch import Packed, batch_size_of, join_batch, microbatch_sizes, split_batch
+from shardfuse.offload._replay import (
+    RngState,
+    autocast_replay,
+    capture_autocast,
+    cuda_devices_of,
+    rng_replay,
+    running_stats_frozen,
+)
 
 CHECKPOINT_GRAD_ERROR = (
     "Checkpointing is not compatible with .grad() or backward(inputs=...): the block is recomputed inside "
@@ -45,178 +51,6 @@ SECOND_BACKWARD_ERROR = (
     "Trying to backward through {what} a second time, but what it saved for backward was freed by the first "
     "backward: pass retain_graph=True to the first backward() to backpropagate through the graph twice"
 )
-
-
-# ----------------------------------------------------------------------------------------- RNG and autocast
-
-
-class RngState:
-    """CPU generator state plus the CUDA generator states of some devices, captured at one moment."""
-
-    __slots__ = ("cpu", "cuda")
-
-    def __init__(self, cpu: torch.Tensor, cuda: dict[int, torch.Tensor]) -> None:
-        self.cpu = cpu
-        self.cuda = cuda
-
-    @classmethod
-    def capture(cls, cuda_devices: Sequence[int]) -> RngState:
-        """Snapshot the CPU generator and the CUDA generators of ``cuda_devices``."""
-        return cls(torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in cuda_devices})
-
-    def restore(self) -> None:
-        """Put the generators back into this state."""
-        torch.set_rng_state(self.cpu)
-        for dev, state in self.cuda.items():
-            torch.cuda.set_rng_state(state, dev)
-
-
-@contextlib.contextmanager
-def rng_replay(state: RngState) -> Iterator[None]:
-    """Run a block with the RNG as it was in ``state``, then restore the RNG as it is now.
-
-    The restore keeps the caller's random stream untouched by the recompute, so a checkpointed model draws
-    the same random numbers in later steps as the plain model does.
-    """
-    now = RngState.capture(list(state.cuda))
-    state.restore()
-    try:
-        yield
-    finally:
-        now.restore()
-
-
-def _autocast_devices() -> list[str]:
-    return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
-
-
-def capture_autocast() -> list[tuple[str, bool, torch.dtype]]:
-    """The autocast state of the forward, so that the recompute in backward casts exactly the same way."""
-    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _autocast_devices()]
-
-
-@contextlib.contextmanager
-def autocast_replay(state: list[tuple[str, bool, torch.dtype]]) -> Iterator[None]:
-    """Re-enter the autocast state captured by :func:`capture_autocast`."""
-    with contextlib.ExitStack() as stack:
-        for dev, enabled, dtype in state:
-            stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
-        yield
-
-
-_STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
-
-
-@contextlib.contextmanager
-def running_stats_frozen(module: nn.Module | None) -> Iterator[None]:
-    """Keep a recompute from updating the running statistics of ``module``'s norm layers a second time.
-
-    The forward already updated them once, as the plain module does. Batch norm stops tracking for the
-    recompute (in training it normalises by the batch statistics either way, so the output is the same);
-    other norm layers with running statistics (instance norm) update clones, which are dropped.
-    """
-    toggled: list[_BatchNorm] = []
-    swapped: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
-    for m in module.modules() if module is not None else ():
-        if not (isinstance(m, _NormBase) and m.training and m.track_running_stats):
-            continue
-        if isinstance(m, _BatchNorm):
-            m.track_running_stats = False
-            toggled.append(m)
-            continue
-        for name in _STAT_BUFFERS:
-            buf = m._buffers.get(name)
-            if buf is not None:
-                m._buffers[name] = clone = buf.clone()
-                swapped.append((m, name, buf, clone))
-    try:
-        yield
-    finally:
-        for bn in toggled:
-            bn.track_running_stats = True
-        for m, name, buf, clone in swapped:
-            if m._buffers.get(name) is clone:  # unless the forward re-assigned it on purpose
-                m._buffers[name] = buf
-
-
-def cuda_devices_of(tensors: Sequence[torch.Tensor], extra: torch.device | None = None) -> list[int]:
-    """CUDA device indices whose RNG a block may use: those of its tensors, plus ``extra``."""
-    devs = {t.device.index for t in tensors if t.is_cuda}
-    if extra is not None and extra.type == "cuda":
-        devs.add(extra.index if extra.index is not None else torch.cuda.current_device())
-    return sorted(d for d in devs if d is not None)
-
-
-# ----------------------------------------------------------------------------------------- pytrees
-
-
-class Packed:
-    """A pytree split into its tensor leaves (what autograd sees) and everything else (kept as is)."""
-
-    def __init__(self, tree: Any) -> None:
-        leaves, self.spec = tree_flatten(tree)
-        self.tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        self.tensors: list[torch.Tensor] = [leaves[i] for i in self.tensor_pos]
-        self._leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
-
-    def drop_tensors(self) -> None:
-        """Forget the tensor leaves, keeping the structure: a call kept for backward must not pin them."""
-        self.tensors = []
-
-    def rebuild(self, tensors: Sequence[torch.Tensor]) -> Any:
-        """The same pytree with its tensor leaves replaced by ``tensors`` (in order)."""
-        leaves = list(self._leaves)
-        for pos, t in zip(self.tensor_pos, tensors):
-            leaves[pos] = t
-        return tree_unflatten(leaves, self.spec)
-
-
-# ----------------------------------------------------------------------------------------- microbatches
-
-
-def microbatch_sizes(batch: int, num_microbatches: int) -> list[int]:
-    """Balanced microbatch sizes (the first ``batch % n`` get one more row), like ``torch.tensor_split``."""
-    if batch < num_microbatches:
-        raise ValueError(
-            f"batch size {batch} is smaller than num_microbatches={num_microbatches}: "
-            f"use a batch of at least {num_microbatches} rows or lower num_microbatches"
-        )
-    base, rem = divmod(batch, num_microbatches)
-    return [base + (1 if i < rem else 0) for i in range(num_microbatches)]
-
-
-def batch_size_of(tensors: Sequence[torch.Tensor], what: str) -> int | None:
-    """The common dim-0 size of the batched tensors (``ndim >= 1``); None when there are none."""
-    sizes = {t.shape[0] for t in tensors if t.dim() >= 1}
-    if len(sizes) > 1:
-        shapes = [tuple(t.shape) for t in tensors]
-        raise ValueError(
-            f"{what}: every batched tensor must have the same size along dim 0 to be split into microbatches, "
-            f"got shapes {shapes}; use num_microbatches=1 or give all inputs the batch as dim 0"
-        )
-    return sizes.pop() if sizes else None
-
-
-def split_batch(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    """Views of ``t`` per microbatch along dim 0; a 0-dim tensor is shared by every microbatch."""
-    if len(sizes) == 1 or t.dim() == 0:
-        return [t] * len(sizes)
-    return split_microbatches(t, sizes)
-
-
-def join_batch(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Join per-microbatch tensors along dim 0 with the chunked concat kernel (one launch, any dtype).
-
-    Not differentiable: only called where autograd is not recording (inside the Function).
-    """
-    if len(parts) == 1:
-        return parts[0]
-    if parts[0].dim() == 0:
-        raise ValueError(
-            f"cannot join {len(parts)} microbatch results that are 0-dim tensors (shape ()): a block that reduces "
-            "the batch (e.g. returns a loss) cannot be split into microbatches; use num_microbatches=1"
-        )
-    return concat_microbatches(parts)
 
 
 # ----------------------------------------------------------------------------------------- the block call
@@ -231,7 +65,7 @@ class Kept:
         self.saved: list[Any] = []  # stashed inputs for the recompute (recompute=True)
         self.inner: list[tuple[_GradSink, list[Any]]] = []  # per-microbatch graph and roots (recompute=False)
         self.acts: list[Any] = []  # activations parked in host memory by a subclass
-        self.leaves: list[torch.Tensor] | None = None  # the kept graph's parameter leaves, for a subclass
+        self.leaves: list[torch.Tensor] = []  # the kept graph's parameter leaves, for a subclass
 
 
 class BlockCall:
@@ -245,7 +79,6 @@ class BlockCall:
 
     def __init__(
         self,
-        fn: Callable[..., Any] | None,
         args: Packed,
         *,
         recompute: bool,
@@ -254,7 +87,6 @@ class BlockCall:
         rng_device: torch.device | None = None,
         stats_module: nn.Module | None = None,
     ) -> None:
-        self.fn = fn
         self.args = args
         self.recompute = recompute
         self.num_microbatches = num_microbatches
@@ -264,7 +96,7 @@ class BlockCall:
         self.sizes: list[int] = [0]
         self.split_in: list[bool] = []
         self.grad_in: list[bool] = []
-        self.out: Packed | None = None
+        self.out = Packed(None)  # the output's structure, taken from the first microbatch
         self.out_split: list[bool] = []
         self._rng: list[RngState] = []
         self._autocast: list[tuple[str, bool, torch.dtype]] = []
@@ -303,8 +135,7 @@ class BlockCall:
     # ---- hooks for subclasses
     def run(self, *args: Any) -> Any:
         """Compute the block on one microbatch (the positional arguments of the block)."""
-        assert self.fn is not None
-        return self.fn(*args)
+        raise NotImplementedError(f"{type(self).__name__} must define run(): how its block computes one microbatch")
 
     def forward_enter(self) -> None:
         """Called before the forward computes (make parameters resident)."""
@@ -373,14 +204,14 @@ class BlockCall:
                 self._autocast = capture_autocast()
                 rng_devs = cuda_devices_of(tensors, self.rng_device)
                 with torch.no_grad():
-                    for mb in mbs:
+                    for j, mb in enumerate(mbs):
                         self._rng.append(RngState.capture(rng_devs))
-                        outs.append(self._flatten_out(self.run(*self.args.rebuild(mb))))
+                        outs.append(self._flatten_out(self.run(*self.args.rebuild(mb)), j))
             else:
                 with torch.enable_grad(), self.saved_tensors_hooks():
-                    for mb in mbs:
+                    for j, mb in enumerate(mbs):
                         sink = _GradSink(mb, self.grad_in)
-                        flat = self._flatten_out(self.run(*self.args.rebuild(sink.inputs)))
+                        flat = self._flatten_out(self.run(*self.args.rebuild(sink.inputs)), j)
                         outs.append([o.detach() for o in flat])
                         # neither the microbatch inputs nor the outputs are kept: only the graph, its roots
                         # as gradient edges where torch can start backward from them
@@ -394,13 +225,12 @@ class BlockCall:
         # The call lives until backward (in ctx): holding the inputs or the first microbatch's outputs here
         # would keep every block's activations on the device, which is what recompute exists to avoid.
         self.args.drop_tensors()
-        assert self.out is not None
         self.out.drop_tensors()
         return tuple(joined)
 
-    def _flatten_out(self, out: Any) -> list[torch.Tensor]:
+    def _flatten_out(self, out: Any, index: int) -> list[torch.Tensor]:
         packed = Packed(out)
-        if self.out is None:
+        if index == 0:
             self.out = packed
         return packed.tensors
 
@@ -496,7 +326,7 @@ def _has_graph(o: Any) -> bool:
 
 
 # torch >= 2.7 starts backward from gradient edges, so a kept graph need not pin its output tensors
-_EDGE_ROOTS = torch.torch_version.TorchVersion(torch.__version__) >= (2, 7)
+_EDGE_ROOTS = torch.torch_version.TorchVersion(torch.__version__) >= "2.7"
 
 
 def _graph_roots(outs: list[torch.Tensor]) -> list[Any]:
@@ -603,5 +433,4 @@ def apply_block(call: BlockCall, tensors: Sequence[torch.Tensor]) -> Any:
         call.kept = None
     else:
         call._one_shot = True
-    assert call.out is not None
     return call.out.rebuild(flat)

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -20,8 +20,9 @@ from torch.utils._pytree import tree_map
 
 from shardfuse._graph_guard import refuse_in_capture
 from shardfuse._profiling import profiled
-from shardfuse.offload._engine import Engine, GradBuffers, Loaded, Stashed, Step, make_optimizers
-from shardfuse.offload._function import BlockCall, Packed, apply_block
+from shardfuse.offload._engine import Engine, GradBuffers, Loaded, Phase, Stashed, Step, make_optimizers
+from shardfuse.offload._function import BlockCall, apply_block
+from shardfuse.offload._microbatch import Packed
 from shardfuse.offload._slices import Slice, partition
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,6 @@ class _SliceCall(BlockCall):
         keep_after_forward: bool,
     ) -> None:
         super().__init__(
-            None,
             args,
             recompute=model.checkpoint_activation,
             num_microbatches=model.num_microbatches,
@@ -86,7 +86,7 @@ class _SliceCall(BlockCall):
         self.offload_acts = model.offload_activations and not keep_after_forward
         self._act_index: dict[tuple[Any, ...], tuple[int, weakref.ref]] = {}
         self.current: Loaded | None = None
-        self.leaves: list[torch.Tensor] | None = None
+        self.leaves: list[torch.Tensor] = []  # the parameters as leaves viewing ``current``'s slot
         self.grads: GradBuffers | None = None
         self._fwd_storage: int | None = None
         self._fwd_stamp: tuple[int, int] | None = None
@@ -100,8 +100,17 @@ class _SliceCall(BlockCall):
         nxt = self.next() if self.next is not None else None
         return nxt is None or nxt.peek() is not None
 
+    def _resident(self) -> Loaded:
+        """The slice's device copy; only there between ``*_enter`` and ``*_exit``."""
+        if self.current is None:
+            raise RuntimeError(
+                f"{self.describe()} is not resident on {self.engine.device}: its parameters and restored "
+                "activations exist only during its forward and backward (shardfuse internal error; please report)"
+            )
+        return self.current
+
     def run(self, *args: Any) -> Any:
-        assert self.leaves is not None
+        self._resident()
         return functional_call(self.slice.chain, dict(zip(self.slice.names, self.leaves)), args)
 
     def forward_enter(self) -> None:
@@ -109,29 +118,27 @@ class _SliceCall(BlockCall):
             # Bound the activations on the device to about three slices' worth: the device copies are
             # freed only once their device->host copy is done, and the host would run ahead of the bus.
             self.prev.prev.wait_parked()
-        self.current = self.engine.acquire(self.slice, "forward")
+        self.current = self.engine.acquire(self.slice, Phase.FORWARD)
         self._fwd_stamp = self.current.stamp
         if self.slice.index + 1 < len(self.slices):
-            self.engine.prefetch(self.slices[self.slice.index + 1], "forward")
+            self.engine.prefetch(self.slices[self.slice.index + 1], Phase.FORWARD)
         # recompute=False builds the graph now, so the parameters must be leaves that require grad
         self.leaves = self.current.leaves(requires_grad=not self.recompute)
         self._fwd_storage = self.current.slot.buf.untyped_storage().data_ptr()
 
     def forward_exit(self) -> None:
-        assert self.current is not None
-        self.engine.release(self.current, keep=self.keep)
+        self.engine.release(self._resident(), keep=self.keep)
         self.current = None
         self._act_index = {}
         if not self.recompute:
             self.held().leaves = self.leaves  # the kept graph's leaves: alive exactly as long as that graph
-        self.leaves = None
+        self.leaves = []
 
     def stash(self, t: torch.Tensor) -> Any:
         return self.engine.stash(t)
 
     def unstash(self) -> list[torch.Tensor]:
-        assert self.current is not None and self.current.inputs is not None
-        return self.current.inputs
+        return self._resident().inputs
 
     def saved_tensors_hooks(self) -> contextlib.AbstractContextManager:
         # The graph kept by recompute=False must not pin the parameter slot: saved views of it become
@@ -146,17 +153,18 @@ class _SliceCall(BlockCall):
                 return _ParamRef(t)
             if self.offload_acts and storage is not None and self._offloadable(t):
                 return self._park(t)
-            return t
+            # Never the tensor itself: a tensor saved as the output of its own node (ReLU saves its result)
+            # would hold that node through its grad_fn, a cycle through autograd's C++ graph that Python's
+            # garbage collector cannot see. Only a non-retained backward, which frees each node's saved
+            # tensors as it goes, broke it; a retained graph (the last slice's, retain_graph=True) leaked its
+            # activations every step. A detached alias shares the memory and holds no graph.
+            return t.detach()
 
         def unpack(x: Any) -> torch.Tensor:
             if isinstance(x, _ParamRef):
-                assert self.current is not None, "parameter needed outside the slice's backward"
-                return self.current.slot.buf.as_strided(x.size, x.stride, x.offset)
+                return self._resident().slot.buf.as_strided(x.size, x.stride, x.offset)
             if isinstance(x, _ActRef):
-                assert self.current is not None and self.current.inputs is not None, (
-                    "activation needed outside the slice's backward"
-                )
-                return self.current.inputs[x.index]
+                return self._resident().inputs[x.index]
             return x
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
@@ -204,15 +212,14 @@ class _SliceCall(BlockCall):
                 "the weights, so backpropagate through each forward only once"
             )
         self.engine.begin_backward(self.step)
-        self.current = self.engine.acquire(self.slice, "backward", self.backward_stash())
+        self.current = self.engine.acquire(self.slice, Phase.BACKWARD, self.backward_stash())
         prev = self.prev
         if prev is not None and prev.peek() is not None:
-            self.engine.prefetch(prev.slice, "backward", prev.backward_stash())
+            self.engine.prefetch(prev.slice, Phase.BACKWARD, prev.backward_stash())
         if self.recompute:
             self.leaves = self.current.leaves(requires_grad=True)
         else:
             self.leaves = self.held().leaves
-        assert self.leaves is not None
         if self.slice.trainable:
             self.grads = self.engine.grad_buffers(self.slice)
             # autograd accumulates in place into a .grad that already exists: the gradients of every
@@ -226,12 +233,11 @@ class _SliceCall(BlockCall):
             self.engine.accumulate_microbatch(self.grads)
 
     def backward_exit(self) -> None:
-        assert self.current is not None
-        if self.leaves is not None:
-            for leaf in self.leaves:
-                leaf.grad = None
-        self.engine.finish_slice(self.current, self.grads, self.step)
-        self.current, self.leaves, self.grads = None, None, None
+        ld = self._resident()
+        for leaf in self.leaves:
+            leaf.grad = None
+        self.engine.finish_slice(ld, self.grads, self.step)
+        self.current, self.leaves, self.grads = None, [], None
 
 
 class OffloadModel(nn.Module):
@@ -282,58 +288,12 @@ class OffloadModel(nn.Module):
         offload_activations: bool = False,
     ) -> None:
         super().__init__()
-        if not isinstance(model, nn.Sequential):
-            raise TypeError(
-                f"OffloadModel needs an nn.Sequential, got {type(model).__name__}: express the model as "
-                "nn.Sequential(*layers), each layer taking the previous layer's output"
-            )
-        if len(model) == 0:
-            raise ValueError("OffloadModel got an empty nn.Sequential: give it at least one layer")
-        device = _check_device(device)
-        offload_device = torch.device(offload_device)
-        if offload_device.type != "cpu":
-            raise ValueError(
-                f"offload_device={offload_device} is not supported: weights are offloaded to host memory, "
-                "pass offload_device=torch.device('cpu')"
-            )
-        if not isinstance(num_microbatches, int) or num_microbatches < 1:
-            raise ValueError(f"num_microbatches={num_microbatches!r} must be an int >= 1")
-        if not isinstance(num_slices, int):
-            raise TypeError(f"num_slices={num_slices!r} must be an int")
-        if compute_dtype is not None and compute_dtype not in _COMPUTE_DTYPES:
-            raise ValueError(f"compute_dtype={compute_dtype} is not supported: use one of {list(_COMPUTE_DTYPES)}")
-        if not isinstance(offload_activations, bool):
-            raise TypeError(f"offload_activations={offload_activations!r} must be a bool")
-        if offload_activations and checkpoint_activation:
-            raise ValueError(
-                "offload_activations=True needs checkpoint_activation=False: checkpointing already keeps only "
-                "the slice-boundary activations (in host memory) and recomputes the rest; pick one of the two"
-            )
-        if optimizer_in_backward is not None and not callable(optimizer_in_backward):
-            raise TypeError(
-                f"optimizer_in_backward must be a callable params -> Optimizer, got "
-                f"{type(optimizer_in_backward).__name__}: e.g. lambda ps: torch.optim.SGD(ps, lr=0.1)"
-            )
-        params = list(model.parameters())
-        dtypes = sorted({str(p.dtype) for p in params})
-        if len(dtypes) > 1 or any(not p.is_floating_point() for p in params):
-            raise TypeError(
-                f"OffloadModel needs all parameters in one floating dtype, got {dtypes}: convert the model "
-                "first (e.g. model.float()) and use compute_dtype= for low-precision compute"
-            )
-        master_dtype = params[0].dtype if params else torch.float32
-
+        device, offload_device = _check_placement(model, device, offload_device)
+        _check_options(num_slices, checkpoint_activation, num_microbatches, compute_dtype, optimizer_in_backward,
+                       offload_activations)  # fmt: skip
+        master_dtype = _master_dtype(model)
         layers = list(model.named_children())
-        ranges = partition([sum(p.numel() for p in m.parameters()) for _, m in layers], num_slices)
-        owner: dict[int, int] = {}
-        for i, (a, b) in enumerate(ranges):
-            for _, m in layers[a:b]:
-                for p in m.parameters():
-                    if owner.setdefault(id(p), i) != i:
-                        raise ValueError(
-                            f"a parameter of shape {tuple(p.shape)} is shared by slices {owner[id(p)]} and {i}: "
-                            "tied weights must fall into one slice; change num_slices or untie them"
-                        )
+        ranges = _slice_ranges(layers, num_slices)
 
         self.device = device
         self.offload_device = offload_device
@@ -351,14 +311,13 @@ class OffloadModel(nn.Module):
                         m._buffers[k] = b.to(device)
         pin = device.type == "cuda"
         self._slices: list[Slice] = [Slice(i, a, layers[a:b], pin) for i, (a, b) in enumerate(ranges)]
-        lp = compute_dtype is not None and compute_dtype != master_dtype
-        if lp:
+        # a compute dtype other than the master's: a host shadow in that dtype is what crosses the bus
+        lp_dtype = compute_dtype if compute_dtype is not None and compute_dtype != master_dtype else None
+        if lp_dtype is not None:
             for s in self._slices:
-                s.make_shadow(compute_dtype, pin)
+                s.make_shadow(lp_dtype, pin)
         self._optimizers = make_optimizers(self._slices, optimizer_in_backward) if optimizer_in_backward else None
-        self._engine = Engine(
-            self._slices, device, compute_dtype if lp else master_dtype, master_dtype, self._optimizers
-        )
+        self._engine = Engine(self._slices, device, lp_dtype or master_dtype, master_dtype, self._optimizers)
         logger.info(
             "OffloadModel: %d layers in %d slices %s, device=%s, checkpoint=%s, microbatches=%d, compute=%s",
             len(layers), num_slices, ranges, device, checkpoint_activation, num_microbatches, compute_dtype,
@@ -380,7 +339,8 @@ class OffloadModel(nn.Module):
 
     def __getitem__(self, idx: int) -> nn.Module:
         """The layer at position ``idx``, as in the original ``nn.Sequential``."""
-        return list(self._modules.values())[idx]
+        # not children(): a layer that appears twice (a shared activation module) keeps both positions
+        return cast(nn.Module, list(self._modules.values())[idx])
 
     def transfer_stats(self, reset: bool = False) -> dict[str, int]:
         """Bytes copied host->device (``"h2d"``) and device->host (``"d2h"``) so far; ``reset`` zeroes them."""
@@ -431,9 +391,9 @@ class OffloadModel(nn.Module):
         return out
 
     def _run_streamed(self, s: Slice, args: Sequence[Any]) -> Any:
-        ld = self._engine.acquire(s, "forward")
+        ld = self._engine.acquire(s, Phase.FORWARD)
         if s.index + 1 < len(self._slices):
-            self._engine.prefetch(self._slices[s.index + 1], "forward")
+            self._engine.prefetch(self._slices[s.index + 1], Phase.FORWARD)
         with profiled("shardfuse.offload:forward_compute"):
             out = functional_call(s.chain, dict(zip(s.names, ld.leaves(False))), tuple(args))
         with profiled("shardfuse.offload:forward_drop"):
@@ -474,3 +434,80 @@ def _check_device(device: torch.device | str) -> torch.device:
     if device.type != "cpu":
         raise ValueError(f"device={device} is not supported: OffloadModel computes on a CUDA device (or the CPU)")
     return device
+
+
+def _check_placement(
+    model: nn.Module, device: torch.device | str, offload_device: torch.device | str
+) -> tuple[torch.device, torch.device]:
+    """The model is a non-empty ``nn.Sequential``; the compute and offload devices are supported ones."""
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(
+            f"OffloadModel needs an nn.Sequential, got {type(model).__name__}: express the model as "
+            "nn.Sequential(*layers), each layer taking the previous layer's output"
+        )
+    if len(model) == 0:
+        raise ValueError("OffloadModel got an empty nn.Sequential: give it at least one layer")
+    device = _check_device(device)
+    offload_device = torch.device(offload_device)
+    if offload_device.type != "cpu":
+        raise ValueError(
+            f"offload_device={offload_device} is not supported: weights are offloaded to host memory, "
+            "pass offload_device=torch.device('cpu')"
+        )
+    return device, offload_device
+
+
+def _check_options(
+    num_slices: Any,
+    checkpoint_activation: bool,
+    num_microbatches: Any,
+    compute_dtype: torch.dtype | None,
+    optimizer_in_backward: Any,
+    offload_activations: Any,
+) -> None:
+    """Refuse option values OffloadModel cannot honour, naming the value and what to pass instead."""
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches={num_microbatches!r} must be an int >= 1")
+    if not isinstance(num_slices, int):
+        raise TypeError(f"num_slices={num_slices!r} must be an int")
+    if compute_dtype is not None and compute_dtype not in _COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype={compute_dtype} is not supported: use one of {list(_COMPUTE_DTYPES)}")
+    if not isinstance(offload_activations, bool):
+        raise TypeError(f"offload_activations={offload_activations!r} must be a bool")
+    if offload_activations and checkpoint_activation:
+        raise ValueError(
+            "offload_activations=True needs checkpoint_activation=False: checkpointing already keeps only "
+            "the slice-boundary activations (in host memory) and recomputes the rest; pick one of the two"
+        )
+    if optimizer_in_backward is not None and not callable(optimizer_in_backward):
+        raise TypeError(
+            f"optimizer_in_backward must be a callable params -> Optimizer, got "
+            f"{type(optimizer_in_backward).__name__}: e.g. lambda ps: torch.optim.SGD(ps, lr=0.1)"
+        )
+
+
+def _master_dtype(model: nn.Module) -> torch.dtype:
+    """The one floating dtype of every parameter (fp32 for a model without parameters)."""
+    params = list(model.parameters())
+    dtypes = sorted({str(p.dtype) for p in params})
+    if len(dtypes) > 1 or any(not p.is_floating_point() for p in params):
+        raise TypeError(
+            f"OffloadModel needs all parameters in one floating dtype, got {dtypes}: convert the model "
+            "first (e.g. model.float()) and use compute_dtype= for low-precision compute"
+        )
+    return params[0].dtype if params else torch.float32
+
+
+def _slice_ranges(layers: Sequence[tuple[str, nn.Module]], num_slices: int) -> list[tuple[int, int]]:
+    """Layer ranges of balanced parameter count; a parameter shared by two slices is refused."""
+    ranges = partition([sum(p.numel() for p in m.parameters()) for _, m in layers], num_slices)
+    owner: dict[int, int] = {}
+    for i, (a, b) in enumerate(ranges):
+        for _, m in layers[a:b]:
+            for p in m.parameters():
+                if owner.setdefault(id(p), i) != i:
+                    raise ValueError(
+                        f"a parameter of shape {tuple(p.shape)} is shared by slices {owner[id(p)]} and {i}: "
+                        "tied weights must fall into one slice; change num_slices or untie them"
+                    )
+    return ranges

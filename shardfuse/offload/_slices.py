@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -49,7 +49,8 @@ class Chain(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         """Run the layers in order."""
-        mods = iter(self._modules.values())
+        # every position, as nn.Sequential runs them (children() would skip a layer's second appearance)
+        mods = iter(cast(list[nn.Module], list(self._modules.values())))
         x = next(mods)(*args)
         for m in mods:
             x = m(x)
@@ -113,6 +114,15 @@ class Slice:
         """Allocate the host copy in the compute dtype (what crosses the bus in a low-precision forward)."""
         self.shadow = torch.empty(self.numel, dtype=dtype, pin_memory=pin)
         self._shadow_stamp = None
+
+    def lp_shadow(self) -> torch.Tensor:
+        """The host copy in the compute dtype (only a low-precision OffloadModel has one)."""
+        if self.shadow is None:
+            raise RuntimeError(
+                f"shardfuse.offload internal error: slice {self.index} has no compute-dtype shadow, which only "
+                "exists with a compute_dtype other than the parameters' dtype; please report this"
+            )
+        return self.shadow
 
     def shadow_fresh(self) -> bool:
         """True when the low-precision shadow matches the master parameters."""

@@ -23,7 +23,7 @@ from torch import nn
 
 from shardfuse.offload import OffloadModel, _engine
 from shardfuse.offload import _model as offload_model
-from shardfuse.offload._function import microbatch_sizes
+from shardfuse.offload._microbatch import microbatch_sizes
 from tests.offload._models import mlp
 
 pytestmark = pytest.mark.usefixtures("poisoned_slots")
