@@ -17,7 +17,8 @@ from shardfuse.kernels._grad_divide import (
     pre_divide_pad,
     pre_divide_pad_ref,
 )
-from tests.conftest import assert_same, cuda_kernels, kernel_device, poisoned
+from tests._asserts import assert_same
+from tests.conftest import cuda_kernels, kernel_device, poisoned
 
 DEVICE = kernel_device()
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
