@@ -9,16 +9,20 @@ example from ``$OUT/work/results/<gpu>/`` after ``bench/gpu_suite.sh``). The GPU
 ``env.gpu_key`` (else ``--gpu``, else the name of the folder it lies in); the stored result is the file of the
 same name under ``--results/<gpu>/``.
 
-Compared times (lower is better):
+Compared, lower is better, for every row: its time and its peak GPU memory.
 
-- e2e: ``step_ms`` of every (implementation, regime) row;
-- offload: ``step_ms`` of every variant, and of the capped run.
+- e2e: ``step_ms`` and ``peak_gib`` of every (implementation, regime); in a file of interleaved rounds the
+  median step time over the rounds and the lowest peak over them (the report's numbers);
+- offload: ``step_ms`` and ``peak_gib`` of every variant, and of the capped run.
 
-A shardfuse time that grew by more than the noise band (``new > old * (1 + noise)``) is a regression; so is a
-shardfuse row that was measured before and now failed or is missing. Times of the other implementations
-(FSDP2, FSDP1, FairScale, the plain model) are shown for context only: if they slowed down by the same amount,
-the machine changed rather than shardfuse. Exit status: 0 no regression (or nothing stored to compare with),
-1 regression, 2 bad input.
+A shardfuse row (``shardfuse`` and ``shardfuse-graph`` in e2e files, the ``shardfuse*`` variants and the capped
+run in offload files) regresses when its time grew by more than the noise band (``new > old * (1 + noise)``,
+``--noise``, default 5%), when its peak memory grew by 10% or more (``new >= old * (1 + mem_growth)``,
+``--mem-growth``, default 0.10: memory is not noisy, so a fixed band), or when it was measured before and now
+failed or is missing. Rows of the other implementations (FSDP2, FSDP1, FairScale, the plain model, shardfuse at
+a reference commit) are shown for context only: if they slowed down by the same amount, the machine changed
+rather than shardfuse. Both files' commits (``env.commit``, which every runner records) head the report.
+Exit status: 0 no regression (or nothing stored to compare with), 1 regression, 2 bad input.
 
 Kernel results (``kernels.json``) are not compared here: kernel regressions go through pytest-benchmark's own
 ``--benchmark-autosave`` / ``--benchmark-compare`` on ``bench/kernels/test_bench_kernels.py`` (the ``kernels-pb``
@@ -28,55 +32,76 @@ stage of ``bench/gpu_suite.sh``).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from bench.results_io import DEFAULT_RESULTS, Result, load_file
+from bench.results_io import DEFAULT_RESULTS, Env, Result, load_file
 
 DEFAULT_NOISE = 0.05
+DEFAULT_MEM_GROWTH = 0.10
 KINDS = ("e2e", "offload")  # what this check compares; kernels go through pytest-benchmark
 KERNELS_HINT = (
     "kernel results are compared by pytest-benchmark, not here: run bench/kernels/test_bench_kernels.py with "
     "--benchmark-autosave / --benchmark-compare (bash bench/gpu_suite.sh kernels-pb)"
 )
+E2E_OURS = ("shardfuse", "shardfuse-graph")  # shardfuse at HEAD, eager and captured (not shardfuse-ref)
+TIME, MEMORY = "step ms", "peak GiB"
 
 
 @dataclass(frozen=True)
 class Metric:
-    """One comparable time: ``value`` in ms (None when the row failed), and whether it is shardfuse's own."""
+    """One comparable number: ``value`` (None when the row failed), its unit (TIME or MEMORY), and whether it is
+    shardfuse's own."""
 
     value: float | None
     ours: bool
+    unit: str = TIME
 
 
-def _ms(v: Any) -> float | None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or math.isinf(v) or v <= 0:
-        return None
-    return float(v)
+def _pos(v: float | None) -> float | None:
+    return v if v is not None and v > 0 else None
+
+
+def _e2e_metrics(res: Result) -> dict[str, Metric]:
+    f = res.e2e()
+    out: dict[str, Metric] = {}
+    medians = {(e.impl, e.regime): e for e in f.summary}
+    for r in f.rows:
+        if r.skipped is not None:
+            continue  # not runnable in that environment (e.g. FairScale not installed): nothing measured
+        ours, key = r.impl in E2E_OURS, f"{r.impl} {r.regime}"
+        e = medians.get((r.impl, r.regime))
+        step = _pos(e.step_ms_median) if e is not None else _pos(r.step_ms)
+        peaks = [p for x in f.rows if (x.impl, x.regime) == (r.impl, r.regime) and (p := _pos(x.peak_gib))]
+        peak = (min(peaks) if peaks else None) if e is not None else _pos(r.peak_gib)
+        if key not in out or step is not None:  # rounds: the medians; a failed round leaves them standing
+            out[key] = Metric(step, ours)
+            out[f"{key} {MEMORY}"] = Metric(peak, ours, MEMORY)
+    return out
+
+
+def _offload_metrics(res: Result) -> dict[str, Metric]:
+    f = res.offload()
+    out: dict[str, Metric] = {}
+    for name, v in f.variants.items():
+        if v.skipped is None:
+            ours = name.startswith("shardfuse")
+            out[name] = Metric(_pos(v.step_ms), ours)
+            out[f"{name} {MEMORY}"] = Metric(_pos(v.peak_gib), ours, MEMORY)
+    if f.capped is not None:
+        out["capped (shardfuse)"] = Metric(_pos(f.capped.step_ms), True)
+        out[f"capped (shardfuse) {MEMORY}"] = Metric(_pos(f.capped.peak_gib), True, MEMORY)
+    return out
 
 
 def metrics(res: Result) -> dict[str, Metric]:
-    """Every comparable time of one result file, keyed by a readable name."""
-    out: dict[str, Metric] = {}
-    data = res.data
+    """Every comparable time and peak memory of one result file, keyed by a readable name."""
     if res.kind == "e2e":
-        for r in data.get("results") or []:
-            if not isinstance(r, dict) or "skipped" in r:
-                continue  # not runnable in that environment (e.g. FairScale not installed): nothing measured
-            impl = r.get("impl")
-            out[f"{impl} {r.get('regime')}"] = Metric(_ms(r.get("step_ms")), impl == "shardfuse")
-    elif res.kind == "offload":
-        variants = data.get("variants") if isinstance(data.get("variants"), dict) else {}
-        for name, v in variants.items():
-            if isinstance(v, dict) and "skipped" not in v:
-                out[name] = Metric(_ms(v.get("step_ms")), str(name).startswith("shardfuse"))
-        capped = data.get("capped")
-        if isinstance(capped, dict) and capped:
-            out["capped (shardfuse)"] = Metric(_ms(capped.get("step_ms")), True)
-    return out
+        return _e2e_metrics(res)
+    if res.kind == "offload":
+        return _offload_metrics(res)
+    return {}
 
 
 @dataclass
@@ -85,39 +110,45 @@ class Row:
     old: float | None
     new: float | None
     ours: bool
-    status: str  # "REGRESSION", "faster", "ok", "new", "failed", "missing", "context"
+    status: str  # "REGRESSION", "faster", "smaller", "ok", "new", "failed", "missing", "context"
+    unit: str = TIME
 
     @property
     def change(self) -> float | None:
         return None if self.old is None or self.new is None else self.new / self.old - 1.0
 
 
-def compare(old: Result, new: Result, noise: float = DEFAULT_NOISE, min_ms: float = 0.0) -> list[Row]:
+def _status(o: float | None, n: float | None, m: Metric, failed: bool, bands: tuple[float, float, float]) -> str:
+    noise, min_ms, mem_growth = bands
+    if o is None and n is None:
+        return "context" if not m.ours else "not measured"
+    if o is None:
+        return "new"
+    if n is None:
+        return ("failed" if failed else "missing") if m.ours else "context"
+    if not m.ours:
+        return "context"
+    if m.unit == MEMORY:
+        return "REGRESSION" if n >= o * (1.0 + mem_growth) else "smaller" if n < o * (1.0 - mem_growth) else "ok"
+    if o < min_ms:
+        return "ok"  # too short to time reliably (launch-bound); see --min-ms
+    return "REGRESSION" if n > o * (1.0 + noise) else "faster" if n < o * (1.0 - noise) else "ok"
+
+
+def compare(
+    old: Result, new: Result, noise: float = DEFAULT_NOISE, min_ms: float = 0.0, mem_growth: float = DEFAULT_MEM_GROWTH
+) -> list[Row]:
     """Row by row comparison of two results of the same kind; see the module docstring for the rules."""
     a, b = metrics(old), metrics(new)
     rows = []
     for key in list(dict.fromkeys([*a, *b])):
         ma, mb = a.get(key), b.get(key)
-        ours = (mb or ma).ours
+        m = mb if mb is not None else ma
+        if m is None:  # cannot happen: the key came from one of them
+            continue
         o = ma.value if ma else None
         n = mb.value if mb else None
-        if o is None and n is None:
-            status = "context" if not ours else "not measured"
-        elif o is None:
-            status = "new"
-        elif n is None:
-            status = ("failed" if mb is not None else "missing") if ours else "context"
-        elif not ours:
-            status = "context"
-        elif o < min_ms:
-            status = "ok"  # too short to time reliably (launch-bound); see --min-ms
-        elif n > o * (1.0 + noise):
-            status = "REGRESSION"
-        elif n < o * (1.0 - noise):
-            status = "faster"
-        else:
-            status = "ok"
-        rows.append(Row(key, o, n, ours, status))
+        rows.append(Row(key, o, n, m.ours, _status(o, n, m, mb is not None, (noise, min_ms, mem_growth)), m.unit))
     return rows
 
 
@@ -126,29 +157,32 @@ def is_regression(rows: list[Row]) -> bool:
     return any(r.ours and r.status in ("REGRESSION", "failed", "missing") for r in rows)
 
 
-def _env_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+def _env_diff(old: Env, new: Env) -> list[str]:
     keys = ("gpu_name", "gpu_count", "torch", "triton", "cuda", "nccl")
     return [f"{k}: {old.get(k)} -> {new.get(k)}" for k in keys if old.get(k) != new.get(k)]
 
 
-def format_report(old: Result, new: Result, rows: list[Row], noise: float) -> str:
+def format_report(
+    old: Result, new: Result, rows: list[Row], noise: float, mem_growth: float = DEFAULT_MEM_GROWTH
+) -> str:
     width = max([len(r.key) for r in rows] + [10])
     lines = [
-        f"regression check: {new.path} against {old.path} (noise band {100 * noise:.1f}%)",
-        f"  stored: commit {old.env.get('commit', '?')} on {old.env.get('date', '?')}; "
-        f"new: commit {new.env.get('commit', '?')} on {new.env.get('date', '?')}",
+        f"regression check: {new.path} against {old.path} (time noise band {100 * noise:.1f}%, "
+        f"memory growth band {100 * mem_growth:.1f}%)",
+        f"  stored: commit {old.env.commit or '?'} on {old.env.date or '?'}; "
+        f"new: commit {new.env.commit or '?'} on {new.env.date or '?'}",
     ]
     diff = _env_diff(old.env, new.env)
     if diff:
         lines.append("  environment differs, compare with care: " + "; ".join(diff))
-    lines.append(f"  {'time (ms)':<{width}} {'stored':>10} {'new':>10} {'change':>8}  status")
+    lines.append(f"  {'row':<{width}} {'stored':>10} {'new':>10} {'change':>8}  status")
     for r in rows:
         ch = f"{100 * r.change:+.1f}%" if r.change is not None else "-"
         o = f"{r.old:.4g}" if r.old is not None else "-"
         n = f"{r.new:.4g}" if r.new is not None else "-"
         status = r.status if r.ours else f"{r.status} (not shardfuse)" if r.status != "context" else "context"
         lines.append(f"  {r.key:<{width}} {o:>10} {n:>10} {ch:>8}  {status}")
-    drift = sorted(r.change for r in rows if not r.ours and r.change is not None)
+    drift = sorted(r.change for r in rows if not r.ours and r.unit == TIME and r.change is not None)
     if drift and abs(drift[len(drift) // 2]) > noise:
         lines.append(
             f"  note: the other implementations changed by {100 * drift[len(drift) // 2]:+.1f}% (median) as well: "
@@ -157,11 +191,14 @@ def format_report(old: Result, new: Result, rows: list[Row], noise: float) -> st
     bad = [r for r in rows if r.ours and r.status in ("REGRESSION", "failed", "missing")]
     if bad:
         lines.append(
-            f"FAIL: {len(bad)} shardfuse time(s) regressed beyond {100 * noise:.1f}% or failed: "
-            + ", ".join(r.key for r in bad)
+            f"FAIL: {len(bad)} shardfuse number(s) regressed (time beyond {100 * noise:.1f}%, peak memory by "
+            f"{100 * mem_growth:.1f}% or more) or failed: " + ", ".join(r.key for r in bad)
         )
     else:
-        lines.append(f"PASS: no shardfuse time slower than the stored one by more than {100 * noise:.1f}%")
+        lines.append(
+            f"PASS: no shardfuse time slower than the stored one by more than {100 * noise:.1f}%, no peak memory "
+            f"{100 * mem_growth:.1f}% or more above it"
+        )
     return "\n".join(lines)
 
 
@@ -172,6 +209,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="folder of stored <gpu>/*.json results")
     p.add_argument("--gpu", default=None, help="GPU folder to compare with (default: the new file's env.gpu_key)")
     p.add_argument("--noise", type=float, default=DEFAULT_NOISE, help="allowed slowdown, a fraction (default 0.05)")
+    p.add_argument(
+        "--mem-growth",
+        type=float,
+        default=DEFAULT_MEM_GROWTH,
+        help="peak memory growth that fails, a fraction (default 0.10)",
+    )
     p.add_argument(
         "--min-ms",
         type=float,
@@ -186,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.noise >= 0:
         print(f"--noise must be >= 0, got {args.noise}", file=sys.stderr)
         return 2
+    if not args.mem_growth >= 0:
+        print(f"--mem-growth must be >= 0, got {args.mem_growth}", file=sys.stderr)
+        return 2
     new = load_file(args.new)
     if new.kind in ("unknown", "unreadable"):
         print(f"{args.new}: not a benchmark result ({new.problem or 'unknown format'})", file=sys.stderr)
@@ -196,9 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline is not None:
         baseline_path = args.baseline
     else:
-        gpu = new.env.get("gpu_key") or args.gpu or args.new.resolve().parent.name
-        if args.gpu and new.env.get("gpu_key") and args.gpu != new.env["gpu_key"]:
-            print(f"note: --gpu {args.gpu} overrides the new file's gpu_key {new.env['gpu_key']}")
+        gpu = new.env.gpu_key or args.gpu or args.new.resolve().parent.name
+        if args.gpu and new.env.gpu_key and args.gpu != new.env.gpu_key:
+            print(f"note: --gpu {args.gpu} overrides the new file's gpu_key {new.env.gpu_key}")
             gpu = args.gpu
         baseline_path = args.results / str(gpu) / args.new.name
     if not baseline_path.is_file():
@@ -211,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     if old.kind != new.kind:
         print(f"{baseline_path} is a {old.kind} result but {args.new} is a {new.kind} result", file=sys.stderr)
         return 2
-    rows = compare(old, new, args.noise, args.min_ms)
-    print(format_report(old, new, rows, args.noise))
+    rows = compare(old, new, args.noise, args.min_ms, args.mem_growth)
+    print(format_report(old, new, rows, args.noise, args.mem_growth))
     return 1 if is_regression(rows) else 0
 
 

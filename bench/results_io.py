@@ -13,7 +13,7 @@ import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = REPO / "bench" / "results"
@@ -22,6 +22,18 @@ __all__ = [
     "DEFAULT_RESULTS",
     "E2E_RATIO_IMPLS",
     "REPO",
+    "CappedRun",
+    "E2EConfig",
+    "E2EFile",
+    "E2ERow",
+    "E2ESummary",
+    "Env",
+    "KernelBaseline",
+    "KernelRow",
+    "KernelsFile",
+    "OffloadConfig",
+    "OffloadFile",
+    "OffloadVariant",
     "Result",
     "detect_kind",
     "e2e_summary",
@@ -45,9 +57,25 @@ class Result:
     problem: str | None = None
 
     @property
-    def env(self) -> dict[str, Any]:
-        env = self.data.get("env")
-        return env if isinstance(env, dict) else {}
+    def env(self) -> Env:
+        return Env.parse(self.data.get("env"))
+
+    @property
+    def is_gpu(self) -> bool:
+        """False for a run on the CPU (a smoke test of a runner, not a measurement): ``env.gpu_key`` "cpu", or
+        an e2e file whose ``config.device`` is not "cuda"."""
+        if self.env.gpu_key == "cpu":
+            return False
+        return not (self.kind == "e2e" and self.e2e().config.device not in (None, "cuda"))
+
+    def e2e(self) -> E2EFile:
+        return E2EFile.parse(self.data)
+
+    def kernels(self) -> KernelsFile:
+        return KernelsFile.parse(self.data)
+
+    def offload(self) -> OffloadFile:
+        return OffloadFile.parse(self.data)
 
 
 def detect_kind(name: str, data: Any) -> str:
@@ -159,3 +187,304 @@ def e2e_summary(data: dict[str, Any]) -> list[dict[str, Any]]:
             if other != e["impl"] and theirs is not None and _pos(e.get(f"vs_{other}")) is None:
                 e[f"vs_{other}"] = theirs / float(e["step_ms_median"])
     return entries
+
+
+# ------------------------------------------------------------------------------------------------ typed layouts
+#
+# The JSON layouts of the runners, parsed into typed records: the report and the regression check read these and
+# nothing else of a file. Numbers are finite floats or None (missing, non-numeric, NaN, infinite); texts are str or
+# None; a field of the wrong JSON type reads as missing, so a damaged file renders with dashes instead of failing.
+
+T = TypeVar("T")
+
+
+def num(v: Any) -> float | None:
+    """A finite number as float, else None (bools are not numbers here)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return None if math.isnan(v) or math.isinf(v) else float(v)
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _text(v: Any) -> str | None:
+    """A value to print as text: None when missing or empty (as the runners leave optional fields)."""
+    return str(v) if v not in (None, "") else None
+
+
+def _obj(v: Any) -> dict[str, Any]:
+    return v if isinstance(v, dict) else {}
+
+
+def _objs(v: Any) -> list[dict[str, Any]]:
+    return [x for x in v if isinstance(x, dict)] if isinstance(v, list) else []
+
+
+@dataclass(frozen=True)
+class Env:
+    """``env``: where and when a file was measured (``bench.common.env_info``)."""
+
+    date: str | None = None
+    commit: str | None = None
+    python: str | None = None
+    torch: str | None = None
+    triton: str | None = None
+    gpu_key: str | None = None
+    gpu_name: str | None = None
+    gpu_count: int | None = None
+    cuda: str | None = None
+    nccl: str | None = None
+    recorded: bool = False  # False when the file has no (or an empty) ``env``
+
+    @classmethod
+    def parse(cls, v: Any) -> Env:
+        d = _obj(v)
+        texts = {k: _text(d.get(k)) for k in ("date", "commit", "python", "torch", "triton", "gpu_key", "gpu_name")}
+        return cls(**texts, gpu_count=_int(d.get("gpu_count")), cuda=_text(d.get("cuda")),
+                   nccl=_text(d.get("nccl")), recorded=bool(d))  # fmt: skip
+
+    def get(self, key: str) -> str | int | None:
+        """A field by its JSON name (for listing several at once)."""
+        value: str | int | None = getattr(self, key)
+        return value
+
+
+@dataclass(frozen=True)
+class E2ERow:
+    """One run of one implementation in one regime (a row of ``results``)."""
+
+    impl: str
+    regime: str
+    round: int | None = None  # None: a file of one run without rounds (the older layout)
+    batch: int | None = None
+    seq: int | None = None
+    step_ms: float | None = None
+    tok_s_gpu: float | None = None
+    mfu: float | None = None
+    peak_gib: float | None = None
+    mem_after_wrap_gib_rank0: float | None = None
+    graph_pool_gib_rank0: float | None = None
+    step_ms_list_rank0: tuple[float | None, ...] | None = None
+    error: str | None = None
+    skipped: str | None = None  # set (to the reason) when the implementation could not run there
+    note: str | None = None
+
+    @classmethod
+    def parse(cls, r: dict[str, Any]) -> E2ERow:
+        steps = r.get("step_ms_list_rank0")
+        floats = ("step_ms", "tok_s_gpu", "mfu", "peak_gib", "mem_after_wrap_gib_rank0", "graph_pool_gib_rank0")
+        return cls(
+            impl=str(r["impl"]), regime=str(r["regime"]), round=_int(r.get("round")),
+            batch=_int(r.get("batch")), seq=_int(r.get("seq")), **{k: num(r.get(k)) for k in floats},
+            step_ms_list_rank0=tuple(num(x) for x in steps) if isinstance(steps, list) else None,
+            error=_text(r.get("error")), skipped=_text(r.get("skipped")) if "skipped" in r else None,
+            note=_text(r.get("note")),
+        )  # fmt: skip
+
+    @property
+    def why(self) -> str:
+        """Why this row has no step time."""
+        return self.error or self.skipped or "no measurement"
+
+
+@dataclass(frozen=True)
+class E2ESummary:
+    """Medians over the rounds of one (implementation, regime), see ``e2e_summary``."""
+
+    impl: str
+    regime: str
+    rounds: int
+    step_ms_median: float | None
+    step_ms_min: float | None
+    step_ms_max: float | None
+    tok_s_gpu_median: float | None
+    peak_gib_max: float | None
+    vs: dict[str, float | None]  # other implementation -> its median step time / this one's
+
+    @classmethod
+    def parse(cls, e: dict[str, Any]) -> E2ESummary:
+        vs = {k[3:]: num(v) for k, v in e.items() if k.startswith("vs_")}
+        return cls(
+            impl=str(e["impl"]), regime=str(e["regime"]), rounds=int(num(e.get("rounds")) or 0),
+            step_ms_median=num(e.get("step_ms_median")), step_ms_min=num(e.get("step_ms_min")),
+            step_ms_max=num(e.get("step_ms_max")), tok_s_gpu_median=num(e.get("tok_s_gpu_median")),
+            peak_gib_max=num(e.get("peak_gib_max")), vs=vs,
+        )  # fmt: skip
+
+
+# The decoder's shape keys in an e2e ``config`` (and the HF model's, as bench/e2e/run.py's ModelSpec writes them).
+E2E_SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+
+
+@dataclass(frozen=True)
+class E2EConfig:
+    """``config`` of an e2e file: the model trained and how it was measured."""
+
+    present: bool = False  # False when the file has no (or an empty) config
+    model_kind: str | None = None
+    model: str | None = None  # the config name: "bench", "7b", ...
+    params: float | None = None
+    shape: dict[str, Any] = field(default_factory=dict)  # E2E_SHAPE_KEYS the file has, as written
+    hf_class: str | None = None
+    hf_config: dict[str, Any] = field(default_factory=dict)
+    transformers: str | None = None
+    world_size: int | None = None
+    device: str | None = None
+    steps: int | None = None
+    warmup: int | None = None
+    optimizer: str | None = None
+    compute_dtype: str | None = None
+    reduce_dtype: str | None = None
+    peak_tflops: float | None = None
+    regimes: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # regime -> (batch, seq)
+    shardfuse_ref_commit: str | None = None
+
+    @classmethod
+    def parse(cls, v: Any) -> E2EConfig:
+        c = _obj(v)
+        regimes = {str(k): (s[0], s[1]) for k, s in _obj(c.get("regimes")).items()
+                   if isinstance(s, (list, tuple)) and len(s) == 2}  # fmt: skip
+        texts = ("model_kind", "model", "hf_class", "transformers", "device", "optimizer", "compute_dtype",
+                 "reduce_dtype", "shardfuse_ref_commit")  # fmt: skip
+        return cls(
+            present=bool(c), params=num(c.get("params")), shape={k: c[k] for k in E2E_SHAPE_KEYS if k in c},
+            hf_config=_obj(c.get("hf_config")), world_size=_int(c.get("world_size")),
+            steps=_int(c.get("steps")), warmup=_int(c.get("warmup")), peak_tflops=num(c.get("peak_tflops")),
+            regimes=regimes, **{k: _text(c.get(k)) for k in texts},
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class E2EFile:
+    """An ``e2e_*.json`` of ``bench.e2e.run``: its rows, in file order, and the medians over its rounds."""
+
+    config: E2EConfig
+    rows: list[E2ERow]  # rows with an implementation and a regime
+    summary: list[E2ESummary]  # empty for a file of one run without rounds
+
+    @classmethod
+    def parse(cls, data: dict[str, Any]) -> E2EFile:
+        rows = [E2ERow.parse(r) for r in _objs(data.get("results")) if r.get("impl") and r.get("regime")]
+        return cls(E2EConfig.parse(data.get("config")), rows, [E2ESummary.parse(e) for e in e2e_summary(data)])
+
+
+@dataclass(frozen=True)
+class KernelBaseline:
+    ms: float | None
+    speedup: float | None
+
+
+@dataclass(frozen=True)
+class KernelRow:
+    """One case of ``bench.kernels.run``: a kernel at one size, with the PyTorch sequences it replaces."""
+
+    family: str
+    name: str | None
+    bytes: float | None
+    shardfuse_ms: float | None
+    shardfuse_gbps: float | None
+    pct_copy_bw: float | None
+    baselines: dict[str, KernelBaseline]  # label -> its time and shardfuse's speedup over it
+
+    @classmethod
+    def parse(cls, r: dict[str, Any]) -> KernelRow:
+        base = _obj(r.get("baselines"))
+        baselines = {str(k): KernelBaseline(num(_obj(b).get("ms")), num(_obj(b).get("speedup")))
+                     for k, b in base.items()}  # fmt: skip
+        return cls(str(r["family"]), str(r["name"]) if "name" in r else None, num(r.get("bytes")),
+                   num(r.get("shardfuse_ms")), num(r.get("shardfuse_gbps")), num(r.get("pct_copy_bw")),
+                   baselines)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class KernelsFile:
+    copy_bandwidth_gbps: float | None
+    families: dict[str, list[KernelRow]]  # in file order
+
+    @classmethod
+    def parse(cls, data: dict[str, Any]) -> KernelsFile:
+        fams: dict[str, list[KernelRow]] = {}
+        for r in _objs(data.get("rows")):
+            if r.get("family"):
+                fams.setdefault(str(r["family"]), []).append(KernelRow.parse(r))
+        return cls(num(data.get("copy_bandwidth_gbps")), fams)
+
+
+@dataclass(frozen=True)
+class OffloadVariant:
+    """One variant of ``bench.offload.run`` (a value of ``variants``)."""
+
+    step_ms: float | None = None
+    peak_gib: float | None = None
+    vs_plain: float | None = None
+    h2d_gbps: float | None = None
+    d2h_gbps: float | None = None
+    estimated_traffic: bool = False  # the GB/s are estimated from the parameter traffic, not counted
+    error: str | None = None
+    skipped: str | None = None
+
+    @classmethod
+    def parse(cls, v: dict[str, Any]) -> OffloadVariant:
+        return cls(
+            **{k: num(v.get(k)) for k in ("step_ms", "peak_gib", "vs_plain", "h2d_gbps", "d2h_gbps")},
+            estimated_traffic=v.get("traffic") == "estimated", error=_text(v.get("error")),
+            skipped=_text(v.get("skipped")) if "skipped" in v else None,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CappedRun:
+    """``capped``: shardfuse training a model larger than the GPU memory it is allowed."""
+
+    model: str | None = None
+    model_gib: float | None = None
+    budget_gib: float | None = None
+    model_over_budget: float | None = None
+    step_ms: float | None = None
+    samples_per_s: float | None = None
+    peak_gib: float | None = None
+    error: str | None = None
+
+    @classmethod
+    def parse(cls, c: dict[str, Any]) -> CappedRun:
+        keys = ("model_gib", "budget_gib", "model_over_budget", "step_ms", "samples_per_s", "peak_gib")
+        model, error = c.get("model"), c.get("error")
+        return cls(str(model) if model is not None else None, **{k: num(c.get(k)) for k in keys},
+                   error=str(error) if error is not None else None)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    present: bool = False
+    layers: int | None = None
+    width: int | None = None
+    batch: int | None = None
+    slices: int | None = None
+    microbatches: int | None = None
+    steps: int | None = None
+    warmup: int | None = None
+    params_m: float | None = None
+    model_gib: float | None = None
+
+    @classmethod
+    def parse(cls, v: Any) -> OffloadConfig:
+        c = _obj(v)
+        ints = ("layers", "width", "batch", "slices", "microbatches", "steps", "warmup")
+        return cls(bool(c), **{k: _int(c.get(k)) for k in ints}, params_m=num(c.get("params_m")),
+                   model_gib=num(c.get("model_gib")))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class OffloadFile:
+    config: OffloadConfig
+    variants: dict[str, OffloadVariant]  # in file order
+    capped: CappedRun | None  # None when the file has no capped run
+
+    @classmethod
+    def parse(cls, data: dict[str, Any]) -> OffloadFile:
+        raw = _obj(data.get("variants"))
+        variants = {str(k): OffloadVariant.parse(v) for k, v in raw.items() if isinstance(v, dict)}
+        capped = _obj(data.get("capped"))
+        return cls(OffloadConfig.parse(data.get("config")), variants, CappedRun.parse(capped) if capped else None)

@@ -92,22 +92,3 @@ def cuda_kernels(fn) -> list[str]:
         e.name for e in prof.events()
         if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
     ]
-
-
-def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """Exact equality (NaN where NaN), except bf16 under the interpreter: 1 ulp.
-
-    Triton's CPU interpreter truncates fp32 -> bf16 instead of rounding to nearest-even, so a bf16 output
-    can sit one step of the bit pattern away from PyTorch's there; on the GPU the cast is exact.
-    """
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    from shardfuse.kernels._common import interpreting
-
-    if actual.dtype == torch.bfloat16 and interpreting():
-        assert torch.equal(actual.isnan(), expected.isnan()), "NaN positions differ"
-        a = actual.view(torch.int16).int()
-        e = expected.view(torch.int16).int()
-        close = ((a - e).abs() <= 1) | (actual == expected) | actual.isnan()
-        assert close.all(), f"{(~close).sum()} bf16 elements more than 1 ulp off, e.g. {actual[~close][:4]}"
-    else:
-        torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)

@@ -184,3 +184,38 @@ def test_troubleshooting_quotes_real_messages() -> None:
     stale = [q for q in quoted if not any(q in s for s in strings)]
     assert not stale, f"troubleshooting.md quotes messages that shardfuse no longer raises: {stale}"
 
+
+
+# ------------------------------------------------------------------------------------------------ drift between pages
+
+INSTALL = re.compile(r"^(python3? -m pip install [^&#\n]*?)\s*(?:&&|#|$)", re.MULTILINE)
+
+
+def _install_commands(path: Path) -> set[str]:
+    return {" ".join(m.group(1).split()) for m in INSTALL.finditer(path.read_text())}
+
+
+def test_install_lines_agree() -> None:
+    """Every page that tells a newcomer how to install says what README says (the torch pin included)."""
+    readme = _install_commands(REPO / "README.md")
+    assert len(readme) == 1, readme
+    for path in [REPO / "docs" / "index.md"]:
+        found = _install_commands(path)
+        assert found == readme, f"{path.name} installs with {sorted(found)}, README with {sorted(readme)}"
+
+
+def _api_arguments() -> set[str]:
+    """The constructor arguments docs/api.md documents in its argument tables (``| `name` | ... |``)."""
+    return set(re.findall(r"^\| `([a-z_]+)` \|", (DOCS / "api.md").read_text(), re.MULTILINE))
+
+
+def test_migration_claims_no_missing_argument_that_exists() -> None:
+    """migration.md must not call an argument that shardfuse documents (and accepts) 'no equivalent'."""
+    missing = []
+    for line in (DOCS / "migration.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[1].startswith("no equivalent"):
+            missing += re.findall(r"`([a-z_]+)=", cells[0])
+    wrong = sorted(set(missing) & _api_arguments())
+    assert not wrong, f"migration.md says these have no equivalent, api.md documents them: {wrong}"
+    assert "use_orig_params" in _api_arguments()  # the check sees the tables

@@ -54,7 +54,10 @@ alike (e.g. at wrap time) is recorded as an error and the job goes on; one that 
 desynchronise the collectives, so the process-group timeout (``--pg-timeout``) then ends the job with a log.
 Rank 0 writes ``e2e_<N>gpu.json`` (``e2e_hf_<N>gpu.json`` for ``hf-llama``, ``e2e_7b_<N>gpu.json`` for the 7b
 decoder; the model kind and its config are in the file's ``config``) through ``bench.common.write_result`` after
-every implementation (so a crash keeps what was measured) and prints a table at the end.
+every implementation (so a crash keeps what was measured) and prints a table at the end: under
+``bench/results/<gpu>/`` (or ``$BENCH_OUT/<gpu>/``) for a GPU run; a CPU (gloo) run is a smoke test of the script,
+not a measurement, so without ``$BENCH_OUT`` it writes under ``out/bench/cpu/`` (ignored by git), never where the
+report and ``bench.regress`` read.
 """
 
 from __future__ import annotations
@@ -86,6 +89,8 @@ from torch import nn  # noqa: E402
 from bench.common import free_port, write_result  # noqa: E402
 from examples.llama import DecoderLayer, Llama, LlamaConfig, count_params, next_token_loss  # noqa: E402
 
+# Where a CPU smoke run writes when $BENCH_OUT is not set (the repository's out/, which .gitignore has).
+SMOKE_OUT = Path(__file__).resolve().parents[2] / "out" / "bench"
 REGIMES: dict[str, tuple[int, int]] = {"8k": (4, 2048), "1k": (1, 1024), "4k": (1, 4096)}  # (batch, seq) per GPU
 REGIME_SETS = {"both": ("8k", "1k")}
 MODELS = ("decoder", "hf-llama")
@@ -632,11 +637,18 @@ def _init_distributed(args: argparse.Namespace) -> tuple[int, int, int]:
     return rank, world, local_rank
 
 
+def default_output(device: torch.device) -> None:
+    """A CPU (gloo) smoke run writes under ``SMOKE_OUT`` unless $BENCH_OUT says where: never into bench/results/."""
+    if device.type != "cuda" and not os.environ.get("BENCH_OUT"):
+        os.environ["BENCH_OUT"] = str(SMOKE_OUT)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run every requested (regime, impl) and write the result JSON."""
     args = parse_args(argv)
     rank, world, local_rank = _init_distributed(args)
     device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
+    default_output(device)
     # Host-side bookkeeping goes through gloo, so waiting ranks never spin on a GPU collective.
     host_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
     spec = model_spec(args.model, args.config)

@@ -176,6 +176,23 @@ def test_e2e_bench_cpu_smoke(tmp_path: Path) -> None:
     assert list((tmp_path / "prof").glob("shardfuse_1k_*.json")), "no profiler trace written"
 
 
+def test_e2e_cpu_run_writes_outside_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU smoke run must not land in bench/results/, where the report would show it as a GPU row."""
+    from bench.common import RESULTS_DIR
+    from bench.e2e.run import SMOKE_OUT, default_output
+
+    monkeypatch.delenv("BENCH_OUT", raising=False)
+    default_output(torch.device("cpu"))
+    assert os.environ["BENCH_OUT"] == str(SMOKE_OUT) and not SMOKE_OUT.is_relative_to(RESULTS_DIR)
+    assert SMOKE_OUT.relative_to(Path(__file__).resolve().parents[2]).parts[0] == "out"  # /out/ is git-ignored
+    monkeypatch.setenv("BENCH_OUT", "/elsewhere")
+    default_output(torch.device("cpu"))
+    assert os.environ["BENCH_OUT"] == "/elsewhere"  # an explicit $BENCH_OUT wins
+    monkeypatch.delenv("BENCH_OUT")
+    default_output(torch.device("cuda", 0))
+    assert "BENCH_OUT" not in os.environ  # a GPU run writes bench/results/<gpu>/ as before
+
+
 def test_e2e_bench_argument_errors(capsys: pytest.CaptureFixture) -> None:
     from bench.e2e.run import parse_args
 

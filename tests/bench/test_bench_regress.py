@@ -1,5 +1,6 @@
-"""``bench.regress``: flags a 20% slowdown of an e2e or offload result and passes a 1% one; kernel results go
-to pytest-benchmark instead; ``bench.report --compare`` runs the same check."""
+"""``bench.regress``: flags a 20% slowdown of an e2e or offload result and passes a 1% one, flags 11% more peak
+memory of a shardfuse row and passes 5%; kernel results go to pytest-benchmark instead; ``bench.report --compare``
+runs the same check."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 
 from bench import regress, report
-from tests.bench._payloads import e2e_payload, kernels_payload, offload_payload, write_results
+from tests.bench._payloads import e2e_payload, e2e_rounds_payload, kernels_payload, offload_payload, write_results
 
 
 def _regress(tmp_path: Path, name: str, old: dict[str, Any], new: dict[str, Any], *extra: str) -> int:
@@ -40,6 +41,54 @@ def test_regression_check(tmp_path: Path, capsys: pytest.CaptureFixture, name: s
     assert "PASS" in capsys.readouterr().out
     assert _regress(tmp_path, name, old, make(0.80)) == 0  # faster is fine
     assert _regress(tmp_path, name, old, make(1.20), "--noise", "0.25") == 0  # a wider band
+
+
+def _grow_peaks(payload: dict[str, Any], factor: float, impls: tuple[str, ...] = ("shardfuse",)) -> dict[str, Any]:
+    """``payload`` with the peak memory of ``impls`` (e2e rows; offload: variants starting with them) scaled."""
+    out = copy.deepcopy(payload)
+    for row in out.get("results", []):
+        if row["impl"] in impls and "peak_gib" in row:
+            row["peak_gib"] *= factor
+    for name, v in out.get("variants", {}).items():
+        if name.startswith(impls) and "peak_gib" in v:
+            v["peak_gib"] *= factor
+    return out
+
+
+@pytest.mark.parametrize(
+    ("name", "make"),
+    [("e2e_2gpu", e2e_payload), ("e2e_2gpu", e2e_rounds_payload), ("offload", offload_payload)],
+    ids=["e2e", "e2e-rounds", "offload"],
+)
+def test_memory_growth_fails(tmp_path: Path, capsys: pytest.CaptureFixture, name: str, make: Any) -> None:
+    old = make()
+    assert _regress(tmp_path, name, old, _grow_peaks(old, 1.11)) == 1  # same times, 11% more memory
+    out = capsys.readouterr().out
+    assert "peak GiB" in out and "+11.0%" in out and "REGRESSION" in out and "FAIL" in out, out
+    assert _regress(tmp_path, name, old, _grow_peaks(old, 1.05)) == 0
+    assert "PASS" in capsys.readouterr().out
+    assert _regress(tmp_path, name, old, _grow_peaks(old, 0.5)) == 0  # less memory is fine
+    assert _regress(tmp_path, name, old, _grow_peaks(old, 1.11), "--mem-growth", "0.2") == 0
+    # Another implementation's memory is context only.
+    other = "fsdp2_cpu_offload" if name == "offload" else "fsdp2"
+    assert _regress(tmp_path, name, old, _grow_peaks(old, 1.5, (other,))) == 0
+
+
+def test_memory_of_capped_and_captured_rows_is_checked(tmp_path: Path) -> None:
+    old = offload_payload()
+    new = copy.deepcopy(old)
+    new["capped"]["peak_gib"] *= 1.11
+    assert _regress(tmp_path, "offload", old, new) == 1
+    old = e2e_rounds_payload(captured=True)
+    assert _regress(tmp_path, "e2e_2gpu", old, _grow_peaks(old, 1.11, ("shardfuse-graph",))) == 1
+
+
+def test_the_report_names_both_commits(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    old, new = e2e_payload(), e2e_payload()
+    old["env"] = dict(old["env"], commit="aaaaaaa")
+    new["env"] = dict(new["env"], commit="bbbbbbb")
+    assert _regress(tmp_path, "e2e_2gpu", old, new) == 0
+    assert "stored: commit aaaaaaa" in (out := capsys.readouterr().out) and "new: commit bbbbbbb" in out
 
 
 def test_kernel_results_are_left_to_pytest_benchmark(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

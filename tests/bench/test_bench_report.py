@@ -103,3 +103,24 @@ def test_readme_table_is_rewritten(results_dir: Path, tmp_path: Path) -> None:
     assert readme.read_text() == first  # idempotent: the markers are found the second time
     with pytest.raises(ValueError, match="RESULTS_TABLE"):
         report.update_readme("no table here\n", ["x"])
+
+
+def test_report_leaves_out_cpu_smoke_runs(results_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A CPU (gloo) run of bench.e2e.run is a smoke test: it must not become a "CPU, 2 GPUs" row or section."""
+    smoke = e2e_payload()
+    smoke["env"] = {"gpu_key": "cpu", "commit": "abc1234"}
+    smoke["config"]["device"] = "cpu"
+    write_results(results_dir, "cpu", e2e_2gpu=smoke)
+    mislabelled = e2e_payload()  # a GPU folder, but the file says the run was on the CPU
+    mislabelled["config"]["device"] = "cpu"
+    write_results(results_dir, "a100", e2e_2gpu=mislabelled)
+    out = tmp_path / "benchmarks.md"
+    assert report.main(["--results", str(results_dir), "--out", str(out), "--no-plots"]) == 0
+    printed = capsys.readouterr().out
+    assert "left out 2 result file(s) measured without a GPU" in printed
+    text = out.read_text()
+    assert "| CPU |" not in text and "## CPU" not in text and "smoke run" not in text
+    assert "| A100 |" not in text and "## A100" not in text
+    assert "| H200 |" in text  # the GPU results stay
+    assert report.main(["--results", str(results_dir), "--summary"]) == 0
+    assert "| CPU |" not in capsys.readouterr().out

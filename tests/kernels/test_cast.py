@@ -10,8 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+<<<<<<< HEAD
 from shardfuse.kernels._cast import cast_shard, cast_shard_ref, cast_shard_unchecked, check_cast_shard
 from shardfuse.kernels._common import interpreting
+=======
+from shardfuse.kernels import _cast
+from shardfuse.kernels._cast import cast_shard, cast_shard_ref, cast_shards, cast_shards_ref, use_foreach
+from shardfuse.kernels._common import clear_plan_caches, interpreting
+from tests._asserts import assert_bits, max_ulp
+>>>>>>> benchinfra
 from tests.conftest import cuda_kernels, kernel_device, poisoned
 
 DEVICE = kernel_device()
@@ -22,34 +29,6 @@ SIZES = [0, 1, 7, 131, 4099]  # 4099 > one 4096-element block
 
 def pair_id(pair: tuple[str, str]) -> str:
     return f"{pair[0]}->{pair[1]}"
-
-
-def max_ulp(src_dtype: torch.dtype, dst_dtype: torch.dtype) -> int:
-    """Allowed distance in bit patterns between our result and ``Tensor.to``.
-
-    Triton's CPU interpreter truncates a down-cast to bf16 instead of rounding to nearest-even, so under
-    the interpreter a bf16 result may sit 1 ulp from PyTorch's. Everything else (and everything on the
-    GPU) must be bit-exact.
-    """
-    return 1 if interpreting() and dst_dtype == torch.bfloat16 and src_dtype != torch.bfloat16 else 0
-
-
-def assert_bits(actual: torch.Tensor, expected: torch.Tensor, ulp: int = 0) -> None:
-    """Bitwise equality (NaN where NaN, whatever the payload), or within ``ulp`` steps of the bit pattern."""
-    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    a, e = actual.reshape(-1), expected.reshape(-1)
-    nan_a, nan_e = a.isnan(), e.isnan()
-    assert torch.equal(nan_a, nan_e), f"NaN positions differ at {(nan_a != nan_e).nonzero()[:4].tolist()}"
-    bits = {4: torch.int32, 2: torch.int16}[a.element_size()]
-    ab, eb = a[~nan_a].view(bits).long(), e[~nan_e].view(bits).long()
-    diff = (ab - eb).abs()
-    if diff.numel():
-        worst = int(diff.argmax())
-        assert diff[worst] <= ulp, (
-            f"{int((diff > ulp).sum())} elements differ by more than {ulp} ulp, e.g. got {a[~nan_a][worst]} "
-            f"expected {e[~nan_e][worst]}"
-        )
 
 
 def fresh(n: int, dtype: torch.dtype, device: str = DEVICE) -> torch.Tensor:

@@ -10,7 +10,8 @@ import torch
 
 from shardfuse.kernels import _chunk_cat
 from shardfuse.kernels._chunk_cat import chunk_cat, chunk_cat_ref
-from tests.conftest import assert_same, cuda_kernels, kernel_device, poisoned
+from tests._asserts import assert_same
+from tests.conftest import cuda_kernels, kernel_device, poisoned
 
 DEVICE = kernel_device()
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

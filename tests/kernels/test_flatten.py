@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardfuse.kernels._common import interpreting
 from shardfuse.kernels._flatten import (
     _coalesce,
     _is_transposed,
@@ -21,35 +20,12 @@ from shardfuse.kernels._flatten import (
     unflatten_into,
     unflatten_into_ref,
 )
-from tests.conftest import assert_same, cuda_kernels, kernel_device, poisoned
+from tests._asserts import assert_bits, assert_same, max_ulp
+from tests.conftest import cuda_kernels, kernel_device, poisoned
 
 DEVICE = kernel_device()
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WORLD_SIZES = [1, 2, 3, 4, 8]
-
-
-def max_ulp(src_dtypes, dst_dtype: torch.dtype) -> int:
-    """Triton's CPU interpreter truncates a down-cast to bf16 instead of rounding to nearest-even, so a bf16
-    result may sit 1 ulp from PyTorch's there; everything else (and everything on the GPU) is bit-exact."""
-    down = any(d != torch.bfloat16 for d in src_dtypes)
-    return 1 if interpreting() and dst_dtype == torch.bfloat16 and down else 0
-
-
-def assert_bits(actual: torch.Tensor, expected: torch.Tensor, ulp: int = 0) -> None:
-    """Bitwise equality (NaN where NaN, whatever the payload), or within ``ulp`` steps of the bit pattern."""
-    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    a, e = actual.reshape(-1), expected.reshape(-1)
-    nan_a, nan_e = a.isnan(), e.isnan()
-    assert torch.equal(nan_a, nan_e), f"NaN positions differ at {(nan_a != nan_e).nonzero()[:4].tolist()}"
-    bits = {4: torch.int32, 2: torch.int16}[a.element_size()]
-    diff = (a[~nan_a].view(bits).long() - e[~nan_e].view(bits).long()).abs()
-    if diff.numel():
-        worst = int(diff.argmax())
-        assert diff[worst] <= ulp, (
-            f"{int((diff > ulp).sum())} elements differ by more than {ulp} ulp, e.g. got {a[~nan_a][worst]} "
-            f"expected {e[~nan_e][worst]}"
-        )
 
 
 def assert_positive_zero(t: torch.Tensor) -> None:

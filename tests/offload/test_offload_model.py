@@ -16,6 +16,7 @@ any real mistake (a wrong microbatch, a missed accumulation, a stale weight) is 
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from torch import nn
 from shardfuse.offload import OffloadModel, _engine
 from shardfuse.offload import _model as offload_model
 from shardfuse.offload._microbatch import microbatch_sizes
+from tests._asserts import assert_near
 from tests.offload._models import mlp
 
 pytestmark = pytest.mark.usefixtures("poisoned_slots")
@@ -32,8 +34,7 @@ pytestmark = pytest.mark.usefixtures("poisoned_slots")
 EXACT = {"rtol": 1e-5, "atol": 1e-6}
 
 
-def assert_same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    torch.testing.assert_close(a, b, **EXACT, msg=lambda m: f"{what}: {m}")
+assert_same = partial(assert_near, **EXACT)
 
 
 def run_layers(model: nn.Sequential, start: int, stop: int, args: tuple) -> object:
