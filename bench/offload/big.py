@@ -83,6 +83,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fp32 parameters the CPU AdamW floor is measured on (scaled linearly to each model)",
     )
     p.add_argument("--estimate", action="store_true", help="print the time plan and exit")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="merge the result files of several calls on the same GPU into --out (no measurement)",
+    )
     args = p.parse_args(argv)
     args.config_list = [c.strip() for c in args.configs.split(",") if c.strip()]
     args.impl_list = [i.strip() for i in args.impls.split(",") if i.strip()]
@@ -361,8 +368,34 @@ def run_all(args: argparse.Namespace, payload: dict[str, Any], hw: dict[str, Any
         write(payload, args)
 
 
+def merge(paths: list[str], args: argparse.Namespace) -> None:
+    """One result from the files of several calls on the same GPU model (split to fit a command's time limit).
+
+    Each configuration's rows keep the floor of the call that measured them (the resident run is in every call);
+    a (config, impl, variant) measured twice keeps the later file's row.
+    """
+    files = [json.loads(Path(p).read_text()) for p in paths]
+    gpus = {f.get("env", {}).get("gpu_name") for f in files}
+    if len(gpus) > 1:
+        sys.exit(f"--merge: the files come from different GPUs {sorted(map(str, gpus))}: merge only one GPU's runs")
+    rows: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for f in files:
+        for r in f.get("results", []):
+            rows[(r["config"], r["impl"], r.get("variant", ""))] = r
+    payload = dict(files[0])
+    payload.update(results=list(rows.values()), merged_from=[{"path": p, "commit": f.get("env", {}).get("commit"),
+                   "hardware_floor": f.get("hardware_floor")} for p, f in zip(paths, files)])  # fmt: skip
+    payload["floors"] = {k: v for f in files for k, v in f.get("floors", {}).items()}
+    written = write(payload, args)
+    print_table(payload["results"])
+    print(f"merged {len(paths)} files into {', '.join(map(str, written))}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.merge:
+        merge(args.merge, args)
+        return
     todo = plan(args)
     print_plan(todo, args)
     if args.estimate:

@@ -139,8 +139,8 @@ def loss_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return next_token_loss(logits, tokens[:, 1:])
 
 
-def init_world_of_one(device: torch.device) -> None:
-    """A process group of one rank (gloo for CPU tensors, NCCL for CUDA ones), from environment variables."""
+def init_world_of_one(device: torch.device, backend: str | None = None) -> None:
+    """A process group of one rank (gloo for CPU tensors, NCCL for CUDA ones, or ``backend``)."""
     import torch.distributed as dist
 
     from bench.common import free_port
@@ -150,7 +150,7 @@ def init_world_of_one(device: torch.device) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    backend = backend or ("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
     dist.init_process_group(backend, rank=0, world_size=1)
 
 
@@ -331,7 +331,7 @@ def make_deepspeed(job: Job, device: torch.device) -> Trainer:
     os.environ.setdefault("DS_ACCELERATOR", "cuda")
     import deepspeed
 
-    init_world_of_one(device)
+    init_world_of_one(device, backend="nccl")  # DeepSpeed's usual setup; it adopts the initialised group
     stage = 3 if job.impl == "deepspeed-zero3" else 2
     model = build_model(job.cfg, device, job.seed)
     config = deepspeed_config(job, stage)
