@@ -409,6 +409,7 @@ def main(argv: list[str] | None = None) -> None:
     hw = measure_hardware(args)
     print_hw_floor(hw)
     payload: dict[str, Any] = {
+        "kind": "offload_big",
         "env": hw.get("env", {}),
         "host": hw.get("host", {}),
         "hardware_floor": {k: v for k, v in hw.items() if k not in ("env", "host")},
