@@ -193,9 +193,9 @@ def config_floor(config: str, hw: dict[str, Any], resident: dict[str, Any]) -> d
     n = MODELS[CONFIGS[config].model].num_params()
     terms: dict[str, float | None] = {"compute_ms": resident.get("fwd_bwd_ms"), "pcie_ms": None, "cpu_opt_ms": None}
     if hw.get("h2d_gbps") and hw.get("d2h_gbps"):
-        terms["h2d_ms"] = 2 * n / (hw["h2d_gbps"] * 1e9) * 1e3
-        terms["d2h_ms"] = 4 * n / (hw["d2h_gbps"] * 1e9) * 1e3
-        terms["pcie_ms"] = max(terms["h2d_ms"], terms["d2h_ms"])
+        h2d_ms = 2 * n / (hw["h2d_gbps"] * 1e9) * 1e3
+        d2h_ms = 4 * n / (hw["d2h_gbps"] * 1e9) * 1e3
+        terms.update(h2d_ms=h2d_ms, d2h_ms=d2h_ms, pcie_ms=max(h2d_ms, d2h_ms))
     if hw.get("opt_s_per_param"):
         terms["cpu_opt_ms"] = hw["opt_s_per_param"] * n * 1e3
     known = [v for k, v in terms.items() if k in ("compute_ms", "pcie_ms", "cpu_opt_ms") and v]

@@ -19,6 +19,7 @@ object to ``--result`` (also on failure: ``status`` is ``ok``, ``skipped``, ``oo
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import statistics
@@ -100,6 +101,11 @@ def measure_floor(job: Job) -> dict[str, Any]:
     from bench.common import env_info
 
     out: dict[str, Any] = {"status": "ok", "env": env_info()}
+    for pkg in ("fairscale", "deepspeed", "transformers"):  # versions without importing them
+        try:
+            out["env"][pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out["env"][pkg] = None
     out["host"] = {"cpu_count": os.cpu_count(), "affinity_cores": len(os.sched_getaffinity(0)),
                    "torch_threads": torch.get_num_threads()}  # fmt: skip
     if job.device == "cuda":

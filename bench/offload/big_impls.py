@@ -160,8 +160,10 @@ def init_world_of_one(device: torch.device, backend: str | None = None) -> None:
 class Trainer:
     """One implementation's training step, split where the child times it."""
 
-    def __init__(self, model: nn.Module, opt: Any, accum: int, info: dict[str, Any] | None = None):
-        self.model, self.opt, self.accum = model, opt, accum
+    def __init__(self, model: Any, opt: Any, accum: int, info: dict[str, Any] | None = None):
+        # Any: a wrapper (FSDP, a DeepSpeed engine) whose own methods (no_sync, backward) the trainers call
+        self.model: Any = model
+        self.opt, self.accum = opt, accum
         self.info: dict[str, Any] = info or {}  # recorded in the row (what was really run)
 
     def sync_context(self, last: bool) -> contextlib.AbstractContextManager[Any]:
@@ -244,10 +246,11 @@ def make_resident(job: Job, device: torch.device) -> Trainer:
 def _wrap_shardfuse(model: nn.Module, device: torch.device) -> nn.Module:
     import shardfuse
 
-    kwargs = dict(mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True,
-                  move_params_to_cpu=True, compute_device=device)  # fmt: skip
+    kwargs: dict[str, Any] = dict(mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True,
+                                  move_params_to_cpu=True, compute_device=device)  # fmt: skip
+    policy = shardfuse.ModuleClassWrapPolicy(frozenset({DecoderLayer}))
     with shardfuse.enable_wrap(wrapper_cls=shardfuse.FullyShardedDataParallel, **kwargs):
-        model = shardfuse.auto_wrap(model, auto_wrap_policy=shardfuse.ModuleClassWrapPolicy({DecoderLayer}))
+        model = shardfuse.auto_wrap(model, auto_wrap_policy=policy)
         return shardfuse.wrap(model)
 
 
@@ -269,7 +272,8 @@ def make_shardfuse(job: Job, device: torch.device) -> Trainer:
         on_gpu = job.accumulate_on_gpu if job.accumulate_on_gpu is not None else job.cfg.accum > 1
         if job.impl == "shardfuse-host-accum":
             on_gpu = False
-        opt = shardfuse.OffloadOptimizer(model, opt, gpu_budget_gib=budget, accumulate_on_gpu=on_gpu)
+        offload_optimizer = getattr(shardfuse, "OffloadOptimizer")  # noqa: B009 (absent from older shardfuse)
+        opt = offload_optimizer(model, opt, gpu_budget_gib=budget, accumulate_on_gpu=on_gpu)
         info.update(gpu_budget_gib=budget, accumulate_on_gpu=on_gpu)
     return FairScaleStyleTrainer(model, opt, job.cfg.accum, info)
 
@@ -329,6 +333,7 @@ def deepspeed_config(job: Job, stage: int) -> dict[str, Any]:
 
 def make_deepspeed(job: Job, device: torch.device) -> Trainer:
     os.environ.setdefault("DS_ACCELERATOR", "cuda")
+    os.environ.setdefault("DS_SKIP_CUDA_CHECK", "1")  # a minor CUDA version apart from torch's must not stop it
     import deepspeed
 
     init_world_of_one(device, backend="nccl")  # DeepSpeed's usual setup; it adopts the initialised group
