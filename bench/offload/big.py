@@ -171,9 +171,12 @@ def run_child(job: Job, timeout: float) -> dict[str, Any]:
             time.sleep(0.2)
         proc.returncode = os.waitstatus_to_exitcode(status)
         wall = time.perf_counter() - t0
-        result: dict[str, Any]
+        result: dict[str, Any] = {}
         if result_path.exists():
-            result = json.loads(result_path.read_text())
+            try:
+                result = json.loads(result_path.read_text())
+            except ValueError as exc:  # cut off while writing
+                result = {"status": "error", "reason": f"unreadable result ({exc}); {describe_status(status)}"}
         elif timed_out:
             result = {"status": "error", "reason": f"timed out after {timeout:.0f} s"}
         else:
