@@ -140,3 +140,12 @@ def test_killed_measurement_is_a_row_not_a_crash() -> None:
 
 def test_gpu_only_impls_are_marked() -> None:
     assert {"fairscale", "fsdp2", "deepspeed-zero2", "deepspeed-zero3"} == set(GPU_ONLY)
+
+
+def test_gpu_suite_stage_by_name_only() -> None:
+    text = (REPO / "bench" / "gpu_suite.sh").read_text().replace("\\\n", " ")
+    stage = text[text.index("    offload-big)") : text.index(";;", text.index("    offload-big)"))]
+    assert "-m bench.offload.big" in stage and '"${BIG_CONFIGS:-2.9b-4k}"' in stage and "--save" in stage
+    assert "--target /tmp/site" in stage and ".whl/*.whl" in stage and "step offload-big" in stage
+    defaults = " ".join(ln for ln in text.splitlines() if "STAGES=(" in ln or "STAGES+=(" in ln)
+    assert "offload-big" not in defaults  # slow: asked for by name, one configuration per 10-minute command
