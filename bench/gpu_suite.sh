@@ -6,6 +6,8 @@
 #                                           e2e-hf (Hugging Face LlamaForCausalLM, 853M, 1 x 1024 tokens per GPU)
 #                                           e2e-7b (the 7B-class decoder, 1 x 4096 tokens per GPU)
 #                                           host-profile (the eager 1K step's host time, cProfile of rank 0)
+#                                           offload-big (models that outgrow the GPU, one GPU, against the floor;
+#                                           BIG_CONFIGS / BIG_IMPLS pick one 10-minute piece, see below)
 #
 # Every step runs under `timeout` so a hang cannot eat the lease; a failed step is reported and the
 # suite goes on. Multi-GPU steps issue the same collectives on every rank (fixed step counts).
@@ -82,6 +84,21 @@ for stage in "${STAGES[@]}"; do
       step tile-sweep 120 python3 -m bench.kernels.sweep_flatten_tile ;;
     offload)
       step offload 300 python3 -m bench.offload.run ${OFFLOAD_ARGS:-} ;;
+    offload-big)
+      # Issue 20: the 2.9B / 6.7B decoder with every implementation in its own process against the measured floor
+      # -> offload_big.json (here, in $FINAL and under results/<gpu>/). One configuration per command fits the
+      # 10 minutes (`python3 -m bench.offload.big --estimate --configs C` prints the plan); split calls are joined
+      # with `python3 -m bench.offload.big --merge A.json B.json --save`. FairScale and DeepSpeed (+ its pure
+      # dependencies) come as wheels in .whl/ (carry it); without them their rows are skipped.
+      if compgen -G ".whl/*.whl" >/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+          .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+        command -v ninja >/dev/null || export PATH="$PATH:/tmp/site/bin"  # DeepSpeed compiles its CPUAdam with it
+      fi
+      step offload-big "${BIG_TIMEOUT:-540}" python3 -m bench.offload.big --configs "${BIG_CONFIGS:-2.9b-4k}" \
+        --impls "${BIG_IMPLS:-shardfuse,shardfuse-budget,shardfuse-host-accum,fairscale,fsdp2,deepspeed-zero2,deepspeed-zero3}" \
+        --steps "${BIG_STEPS:-3}" --warmup 1 --out "$OUT/offload_big.json" --save ${BIG_ARGS:-}
+      cp "$OUT/offload_big.json" "$FINAL/" 2>/dev/null ;;
     e2e)
       step e2e 540 torchrun --standalone --nproc_per_node "$NGPU" -m bench.e2e.run --regime both \
         --impls "${E2E_IMPLS:-shardfuse,fsdp2,fsdp1}" --steps "${E2E_STEPS:-15}" --warmup 3 ${E2E_ARGS:-} ;;

@@ -1,0 +1,435 @@
+"""Offload of a model that outgrows the GPU: every implementation side by side on one GPU, against the floor.
+
+    python -m bench.offload.big [--configs 2.9b-4k,2.9b-32k,6.7b-2k] [--impls resident,shardfuse,...]
+                                [--steps 3] [--warmup 1] [--budget-gib 40] [--save] [--estimate]
+    python -m bench.offload.big --device cpu --configs tiny,tiny-acc --steps 1 --warmup 0   # CPU plumbing only
+
+Configurations (``big_impls.CONFIGS``): ``2.9b-4k`` = the Llama-style decoder of 2.9B parameters (dim 3072, 24
+layers, 24 heads, ffn 8192, vocab 32000) at 2 x 2048 tokens per optimizer step; ``2.9b-32k`` = the same at
+8 micro-batches of 2 x 2048 accumulated (32768 tokens per optimizer step); ``6.7b-2k`` = the shape of Llama-2-7B
+(dim 4096, 32 layers, 32 heads, ffn 11008) at 1 x 2048. Implementations: see ``bench/offload/big_impls.py``
+(``resident``, ``shardfuse``, ``shardfuse-budget``, ``shardfuse-host-accum`` (accumulating configurations
+only), ``fairscale``, ``fsdp2``, ``deepspeed-zero2``, ``deepspeed-zero3``); one not installed is a skipped row.
+
+Each measurement runs in its own process (``bench.offload.big_child``) under a timeout, so GPU peak memory and
+host peak RSS are its own and an out-of-memory kill ends only it. First a process measures the hardware floor
+(pinned host->device / device->host bandwidth, torch's fused CPU AdamW time per parameter); then per
+configuration the resident run comes first (always: its forward + backward is the floor's GPU compute term; for
+a model whose fp32 weights, gradients and AdamW state do not fit, forward + backward on bf16 parameters only).
+The floor of a configuration is max(GPU compute, PCIe, CPU optimizer): PCIe = the larger of 2 bytes/parameter
+(bf16 parameters) host->device and 4 bytes/parameter (fp32 gradients) device->host, once per optimizer step,
+the two directions overlapped; CPU optimizer = the measured fused-AdamW seconds per parameter x parameters.
+
+Writes ``$OUT/offload_big.json`` (``--out``; ./out/offload_big.json without $OUT) after every measurement, and
+with ``--save`` ``bench/results/<gpu>/offload_big.json`` (under $BENCH_OUT when set). A table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.offload.big_impls import CONFIGS, DEFAULT_CONFIGS, IMPLS, MODELS, Job, unavailable_reason
+
+REPO = Path(__file__).resolve().parents[2]
+GIB = 2**30
+DEFAULT_IMPLS = IMPLS
+FLOOR_BYTES = ("bf16 parameters host->device (2 B/param) and fp32 gradients device->host (4 B/param), once per "
+               "optimizer step, the two directions overlapped")  # fmt: skip
+# Rough seconds for the time plan (one H100, 16 cores): per child start, setup per billion parameters, and per
+# billion parameters the optimizer part and the per-micro-batch part of a step (from issue 20's measurements).
+ESTIMATE: dict[str, tuple[float, float, float, float]] = {
+    "resident": (10, 3, 0.006, 0.06),
+    "shardfuse": (12, 5, 0.17, 0.2),
+    "shardfuse-budget": (12, 5, 0.1, 0.1),
+    "shardfuse-host-accum": (12, 5, 0.17, 0.2),
+    "fairscale": (12, 8, 0.17, 0.2),
+    "fsdp2": (12, 6, 0.2, 0.22),
+    "deepspeed-zero2": (70, 10, 0.25, 0.32),  # the first one compiles DeepSpeedCPUAdam (~50 s)
+    "deepspeed-zero3": (20, 12, 0.25, 0.36),
+}
+FLOOR_ESTIMATE_S = 30.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"from {', '.join(CONFIGS)}")
+    p.add_argument("--impls", default=",".join(DEFAULT_IMPLS), help=f"from {', '.join(IMPLS)} (resident always)")
+    p.add_argument("--steps", type=int, default=3, help="timed optimizer steps (median and spread over them)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps before them")
+    p.add_argument("--budget-gib", type=float, default=40.0, help="shardfuse-budget's gpu_budget_gib")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: plumbing on the tiny configs")
+    p.add_argument("--out", default=None, help="result JSON (default $OUT/offload_big.json or out/offload_big.json)")
+    p.add_argument("--save", action="store_true", help="also write bench/results/<gpu>/offload_big.json")
+    p.add_argument(
+        "--child-timeout",
+        type=float,
+        default=None,
+        help="seconds per measurement (default: 3 x its estimate, at least 150)",
+    )
+    p.add_argument(
+        "--opt-params",
+        type=float,
+        default=1e9,
+        help="fp32 parameters the CPU AdamW floor is measured on (scaled linearly to each model)",
+    )
+    p.add_argument("--estimate", action="store_true", help="print the time plan and exit")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="merge the result files of several calls on the same GPU into --out (no measurement)",
+    )
+    args = p.parse_args(argv)
+    args.config_list = [c.strip() for c in args.configs.split(",") if c.strip()]
+    args.impl_list = [i.strip() for i in args.impls.split(",") if i.strip()]
+    bad = [c for c in args.config_list if c not in CONFIGS] + [i for i in args.impl_list if i not in IMPLS]
+    if bad or not args.config_list:
+        p.error(f"unknown configs/impls {bad}: configs from {', '.join(CONFIGS)}; impls from {', '.join(IMPLS)}")
+    if args.steps < 1 or args.warmup < 0:
+        p.error(f"need --steps >= 1 and --warmup >= 0, got {args.steps=} {args.warmup=}")
+    if args.device == "cpu" and any(CONFIGS[c].model != "tiny" for c in args.config_list):
+        p.error(f"--device cpu runs only the tiny configs (plumbing), not {args.configs}")
+    return args
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(config, impl) in run order: per configuration the resident run first."""
+    out = []
+    for c in args.config_list:
+        for impl in ["resident"] + [i for i in args.impl_list if i != "resident"]:
+            if impl == "shardfuse-host-accum" and CONFIGS[c].accum == 1:
+                continue  # the same run as the shardfuse row without accumulation
+            out.append((c, impl))
+    return out
+
+
+def estimate_s(config: str, impl: str, args: argparse.Namespace) -> float:
+    cfg = CONFIGS[config]
+    n_b = MODELS[cfg.model].num_params() / 1e9
+    start, setup_per_b, opt_per_b, micro_per_b = ESTIMATE[impl]
+    micro_tokens = cfg.batch * cfg.seq / 4096
+    step = n_b * (opt_per_b + cfg.accum * micro_per_b * max(micro_tokens, 0.5))
+    return start + setup_per_b * n_b + (args.warmup + args.steps) * step
+
+
+def print_plan(todo: list[tuple[str, str]], args: argparse.Namespace) -> float:
+    """The time plan; returns the total estimate in seconds (with --estimate, also of what is not installed here)."""
+    total = FLOOR_ESTIMATE_S
+    print(f"offload_big plan ({args.warmup} warm-up + {args.steps} timed steps; rough seconds on one H100):")
+    print(f"  {'floor':<10} {'-':<22} ~{FLOOR_ESTIMATE_S:.0f} s")
+    for config, impl in todo:
+        reason = unavailable_reason(impl, args.device)
+        est = estimate_s(config, impl, args)
+        counted = reason is None or args.estimate
+        total += est if counted else 0.0
+        note = f" [skipped here: {reason}]" if reason else ""
+        print(f"  {config:<10} {impl:<22} ~{est:.0f} s{note}" if counted else f"  {config:<10} {impl:<22}{note}")
+    print(f"  total ~{total:.0f} s ({total / 60:.1f} min)", flush=True)
+    return total
+
+
+# ------------------------------------------------------------------------------------------------ children
+
+
+def describe_status(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        hint = " (SIGKILL: the host's memory limit or the timeout)" if sig == signal.SIGKILL else ""
+        return f"killed by signal {sig}{hint}"
+    return f"exited with code {os.WEXITSTATUS(status)}"
+
+
+def run_child(job: Job, timeout: float) -> dict[str, Any]:
+    """Run one measurement in its own process; its result, or what became of it. Output goes to ours."""
+    with tempfile.TemporaryDirectory(prefix="offload_big_") as tmp:
+        result_path = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "bench.offload.big_child", "--job", json.dumps(job.to_dict()),
+               "--result", str(result_path)]  # fmt: skip
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=REPO, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+        pid, timed_out = proc.pid, False
+        while True:
+            done, status, usage = os.wait4(pid, os.WNOHANG)
+            if done:
+                break
+            if time.perf_counter() - t0 > timeout:
+                os.kill(pid, signal.SIGKILL)
+                _, status, usage = os.wait4(pid, 0)
+                timed_out = True
+                break
+            time.sleep(0.2)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.perf_counter() - t0
+        result: dict[str, Any] = {}
+        if result_path.exists():
+            try:
+                result = json.loads(result_path.read_text())
+            except ValueError as exc:  # cut off while writing
+                result = {"status": "error", "reason": f"unreadable result ({exc}); {describe_status(status)}"}
+        elif timed_out:
+            result = {"status": "error", "reason": f"timed out after {timeout:.0f} s"}
+        else:
+            result = {"status": "error", "reason": describe_status(status)}
+    result["wall_s"] = wall
+    result["host_rss_tree_gib"] = usage.ru_maxrss * 1024 / GIB  # KiB on Linux: the child and its children
+    if result.get("host_rss_gib") is None:
+        result["host_rss_gib"] = result["host_rss_tree_gib"]
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ floors and rows
+
+
+def config_floor(config: str, hw: dict[str, Any], resident: dict[str, Any]) -> dict[str, Any]:
+    """The floor of ``config``: max(GPU compute, PCIe, CPU optimizer), each term in ms (None: not measured)."""
+    n = MODELS[CONFIGS[config].model].num_params()
+    terms: dict[str, float | None] = {"compute_ms": resident.get("fwd_bwd_ms"), "pcie_ms": None, "cpu_opt_ms": None}
+    if hw.get("h2d_gbps") and hw.get("d2h_gbps"):
+        h2d_ms = 2 * n / (hw["h2d_gbps"] * 1e9) * 1e3
+        d2h_ms = 4 * n / (hw["d2h_gbps"] * 1e9) * 1e3
+        terms.update(h2d_ms=h2d_ms, d2h_ms=d2h_ms, pcie_ms=max(h2d_ms, d2h_ms))
+    if hw.get("opt_s_per_param"):
+        terms["cpu_opt_ms"] = hw["opt_s_per_param"] * n * 1e3
+    known = [v for k, v in terms.items() if k in ("compute_ms", "pcie_ms", "cpu_opt_ms") and v]
+    return {"config": config, "params": n, **terms, "floor_ms": max(known) if known else None,
+            "bound": max(("compute_ms", "pcie_ms", "cpu_opt_ms"), key=lambda k: terms[k] or 0.0) if known else None,
+            "bytes": FLOOR_BYTES}  # fmt: skip
+
+
+def make_row(config: str, impl: str, job: Job, result: dict[str, Any]) -> dict[str, Any]:
+    """A ``results`` row: the fixed keys first (None where not measured), then the rest of the child's result."""
+    cfg = CONFIGS[config]
+    row: dict[str, Any] = {
+        "impl": "shardfuse" if impl == "shardfuse-host-accum" else impl,
+        "config": config,
+        "tokens_per_step": cfg.tokens_per_step,
+        "params": MODELS[cfg.model].num_params(),
+        "step_ms": result.get("step_ms"),
+        "floor_ms": None,
+        "gpu_peak_gib": result.get("gpu_peak_gib"),
+        "host_rss_gib": result.get("host_rss_gib"),
+        "status": result.get("status", "error"),
+        "micro_batches": cfg.accum,
+        "batch": cfg.batch,
+        "seq": cfg.seq,
+    }
+    if impl == "shardfuse-host-accum":
+        row["variant"] = "host-accum"
+    if impl == "shardfuse-budget":
+        row["gpu_budget_gib"] = result.get("gpu_budget_gib", job.budget_gib)
+    for k, v in result.items():
+        row.setdefault(k, v)
+    if row["step_ms"]:
+        row["tokens_per_s"] = cfg.tokens_per_step / (row["step_ms"] / 1e3)
+    return row
+
+
+def add_ratios(rows: list[dict[str, Any]], floor: dict[str, Any]) -> None:
+    """floor_ms, vs_floor and vs_resident on the rows of ``floor``'s configuration."""
+    mine = [r for r in rows if r["config"] == floor["config"]]
+    resident = next((r["step_ms"] for r in mine if r["impl"] == "resident" and r["step_ms"]), None)
+    for r in mine:
+        r["floor_ms"] = floor["floor_ms"]
+        if r["step_ms"] and floor["floor_ms"]:
+            r["vs_floor"] = r["step_ms"] / floor["floor_ms"]
+        if r["step_ms"] and resident:
+            r["vs_resident"] = r["step_ms"] / resident
+
+
+def print_hw_floor(hw: dict[str, Any]) -> None:
+    env = hw.get("env", {})
+    print(f"\n== hardware floor on {env.get('gpu_name', 'no GPU')} ({hw.get('host', {}).get('cpu_count')} host cores, "
+          f"torch {env.get('torch')}, commit {env.get('commit')})")  # fmt: skip
+    if hw.get("h2d_gbps"):
+        print(f"   pinned host->device {hw['h2d_gbps']:.1f} GB/s, device->host {hw['d2h_gbps']:.1f} GB/s "
+              f"({hw['bw_bytes'] / GIB:.1f} GiB buffer, CUDA events, median of 10)")  # fmt: skip
+    if hw.get("opt_s"):
+        print(
+            f"   fused CPU AdamW: {hw['opt_s'] * 1e3:.0f} ms over {hw['opt_params_measured'] / 1e9:.2f}B fp32 params "
+            f"on {hw['opt_threads']} threads = {hw['opt_s_per_param'] * 1e12:.0f} ms per billion parameters"
+        )
+    print(f"   bytes assumed per optimizer step: {FLOOR_BYTES}", flush=True)
+
+
+def print_config_floor(f: dict[str, Any]) -> None:
+    def ms(k: str) -> str:
+        return f"{f[k]:.0f}" if f.get(k) else "-"
+
+    print(f"== floor {f['config']} ({f['params'] / 1e9:.2f}B params): GPU compute {ms('compute_ms')} ms, PCIe "
+          f"{ms('pcie_ms')} ms (in {ms('h2d_ms')}, out {ms('d2h_ms')}), CPU optimizer {ms('cpu_opt_ms')} ms -> "
+          f"floor {ms('floor_ms')} ms ({f['bound']})", flush=True)  # fmt: skip
+
+
+def print_row(r: dict[str, Any]) -> None:
+    if r["step_ms"]:
+        vs = f", {r['vs_floor']:.2f}x floor" if r.get("vs_floor") else ""
+        vs += f", {r['vs_resident']:.2f}x resident" if r.get("vs_resident") else ""
+        print(
+            f"   {r['step_ms']:.0f} ms/step ({r['step_ms_min']:.0f}-{r['step_ms_max']:.0f}){vs}, GPU peak "
+            f"{r['gpu_peak_gib'] or 0:.1f} GiB, host RSS {r['host_rss_gib'] or 0:.1f} GiB",
+            flush=True,
+        )
+    else:
+        extra = f" (forward+backward {r['fwd_bwd_ms']:.0f} ms)" if r.get("fwd_bwd_ms") else ""
+        print(f"   {r['status']}: {r.get('reason', '')}{extra}", flush=True)
+
+
+def fmt_key(r: dict[str, Any], k: str, fmt: str) -> str:
+    return format(r[k], fmt) if r.get(k) else "-"
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(f"\n{'config':<9} {'impl':<17} {'tok/step':>8} {'step ms':>8} {'spread':>11} {'tok/s':>7} "
+          f"{'floor':>6} {'x floor':>7} {'x resid':>7} {'GPU GiB':>7} {'host GiB':>8}")  # fmt: skip
+    for r in rows:
+        name = r["impl"] + ("*" if r.get("variant") else "")
+        if not r["step_ms"]:
+            print(f"{r['config']:<9} {name:<17} {r['tokens_per_step']:>8} {r['status']}: {r.get('reason', '')[:70]}")
+            continue
+
+        spread = f"{r['step_ms_min']:.0f}-{r['step_ms_max']:.0f}"
+        print(
+            f"{r['config']:<9} {name:<17} {r['tokens_per_step']:>8} {r['step_ms']:>8.0f} {spread:>11} "
+            f"{r['tokens_per_s']:>7.0f} {fmt_key(r, 'floor_ms', '6.0f'):>6} {fmt_key(r, 'vs_floor', '6.2f'):>6}x "
+            f"{fmt_key(r, 'vs_resident', '6.2f'):>6}x {fmt_key(r, 'gpu_peak_gib', '7.1f'):>7} "
+            f"{fmt_key(r, 'host_rss_gib', '8.1f'):>8}"
+        )
+    print("(* shardfuse with accumulate_on_gpu=False; x floor / x resident: step time over the floor / resident step)")
+
+
+# ------------------------------------------------------------------------------------------------ driver
+
+
+def out_path(args: argparse.Namespace) -> Path:
+    if args.out:
+        return Path(args.out)
+    return Path(os.environ["OUT"]) / "offload_big.json" if os.environ.get("OUT") else Path("out/offload_big.json")
+
+
+def write(payload: dict[str, Any], args: argparse.Namespace) -> list[Path]:
+    paths = [out_path(args)]
+    if args.save:
+        from bench.common import results_path
+
+        paths.append(results_path("offload_big", payload["env"].get("gpu_key") or "unknown"))
+    for p in paths:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    return paths
+
+
+def measure_hardware(args: argparse.Namespace) -> dict[str, Any]:
+    cfgs = [MODELS[CONFIGS[c].model] for c in args.config_list]
+    n = min(int(args.opt_params), max(m.num_params() for m in cfgs))
+    chunk = max(4 * m.dim * m.dim + 3 * m.dim * m.ffn_dim for m in cfgs)  # one decoder block's flat parameter
+    job = Job(impl="floor", config=args.config_list[0], device=args.device,
+              extra={"opt_params": n, "chunk": chunk})  # fmt: skip
+    print("== floor: copy bandwidth and CPU optimizer ...", flush=True)
+    return run_child(job, timeout=args.child_timeout or 300)
+
+
+def resident_extra(config: str, hw: dict[str, Any]) -> dict[str, Any]:
+    """Forward + backward only when fp32 weights, gradients and AdamW state (16 B/param) cannot fit the GPU."""
+    n = MODELS[CONFIGS[config].model].num_params()
+    total = hw.get("gpu_total_gib")
+    return {"compute_only": True} if total and 16 * n / GIB + 4 > total else {}
+
+
+def run_all(args: argparse.Namespace, payload: dict[str, Any], hw: dict[str, Any]) -> None:
+    rows: list[dict[str, Any]] = payload["results"]
+    for config, impl in plan(args):
+        job = Job(impl=impl, config=config, steps=args.steps, warmup=args.warmup, lr=args.lr, device=args.device,
+                  budget_gib=args.budget_gib if impl == "shardfuse-budget" else None,
+                  extra=resident_extra(config, hw) if impl == "resident" else {})  # fmt: skip
+        reason = unavailable_reason(impl, args.device)
+        print(f"-- {config} {impl} ...", flush=True)
+        if reason is not None:
+            result: dict[str, Any] = {"status": "skipped", "reason": reason}
+        else:
+            timeout = args.child_timeout or max(150.0, 3 * estimate_s(config, impl, args))
+            result = run_child(job, timeout)
+        rows.append(make_row(config, impl, job, result))
+        if impl == "resident":
+            floor = config_floor(config, hw, result)
+            payload["floors"][config] = floor
+            print_row(rows[-1])
+            print_config_floor(floor)
+        add_ratios(rows, payload["floors"][config])
+        if impl != "resident":
+            print_row(rows[-1])
+        write(payload, args)
+
+
+def merge(paths: list[str], args: argparse.Namespace) -> None:
+    """One result from the files of several calls on the same GPU model (split to fit a command's time limit).
+
+    Each configuration's rows keep the floor of the call that measured them (the resident run is in every call);
+    a (config, impl, variant) measured twice keeps the later file's row.
+    """
+    files = [json.loads(Path(p).read_text()) for p in paths]
+    gpus = {f.get("env", {}).get("gpu_name") for f in files}
+    if len(gpus) > 1:
+        sys.exit(f"--merge: the files come from different GPUs {sorted(map(str, gpus))}: merge only one GPU's runs")
+    rows: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for f in files:
+        for r in f.get("results", []):
+            rows[(r["config"], r["impl"], r.get("variant", ""))] = r
+    payload = dict(files[0])
+    payload.update(results=list(rows.values()), merged_from=[{"path": p, "commit": f.get("env", {}).get("commit"),
+                   "hardware_floor": f.get("hardware_floor")} for p, f in zip(paths, files)])  # fmt: skip
+    payload["floors"] = {k: v for f in files for k, v in f.get("floors", {}).items()}
+    written = write(payload, args)
+    print_table(payload["results"])
+    print(f"merged {len(paths)} files into {', '.join(map(str, written))}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.merge:
+        merge(args.merge, args)
+        return
+    todo = plan(args)
+    print_plan(todo, args)
+    if args.estimate:
+        return
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench.offload.big needs a CUDA GPU for the real run, and none is visible here; "
+                 "`--device cpu --configs tiny,tiny-acc` runs the plumbing on a tiny model")  # fmt: skip
+    t0 = time.perf_counter()
+    hw = measure_hardware(args)
+    print_hw_floor(hw)
+    payload: dict[str, Any] = {
+        "kind": "offload_big",
+        "env": hw.get("env", {}),
+        "host": hw.get("host", {}),
+        "hardware_floor": {k: v for k, v in hw.items() if k not in ("env", "host")},
+        "config": {"configs": {c: vars(CONFIGS[c]) for c in args.config_list}, "impls": args.impl_list,
+                   "steps": args.steps, "warmup": args.warmup, "lr": args.lr, "budget_gib": args.budget_gib,
+                   "device": args.device, "step_ms": "median of the timed optimizer steps",
+                   "gpu_peak": "max_memory_allocated from after setup to the last step",
+                   "host_rss": "the measurement process's peak RSS (VmHWM)", "floor_bytes": FLOOR_BYTES},
+        "floors": {},
+        "results": [],
+    }  # fmt: skip
+    run_all(args, payload, hw)
+    payload["wall_s"] = time.perf_counter() - t0
+    paths = write(payload, args)
+    print_table(payload["results"])
+    print(f"wrote {', '.join(map(str, paths))} ({payload['wall_s']:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""One measurement of ``bench.offload.big`` in its own process: the hardware floor, or one implementation.
+
+    python -m bench.offload.big_child --job '{"impl": "shardfuse", "config": "2.9b-4k", ...}' --result PATH
+
+Started by the driver (``bench.offload.big``), one process per measurement, so that GPU peak memory and host
+peak RSS are this measurement's own and a crash or an out-of-memory kill ends only this process. Writes one JSON
+object to ``--result`` (also on failure: ``status`` is ``ok``, ``skipped``, ``oom`` or ``error``).
+
+* ``impl == "floor"``: pinned host->device and device->host copy bandwidth (CUDA events, a large buffer), and
+  torch's fused CPU AdamW over ``extra.opt_params`` fp32 parameters in tensors of ``extra.chunk`` elements (the
+  size of one decoder block's flat parameter), with the thread count used; also the environment.
+* any implementation: build, wrap, ``warmup`` untimed then ``steps`` timed optimizer steps (each one
+  ``accum`` micro-batches, synchronised before and after); the median, the spread, GPU peak memory
+  (``max_memory_allocated`` from after setup to the end) and this process's peak RSS. ``resident`` also times
+  forward + backward apart (the floor's compute term); with ``extra.compute_only`` it runs only those, on bf16
+  parameters, for a model whose fp32 weights, gradients and AdamW state do not fit on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.offload.big_impls import Job, ResidentTrainer, Skip, Trainer, build_model, make_batches, make_trainer
+
+GIB = 2**30
+
+
+def peak_rss_gib() -> float | None:
+    """This process's peak resident set size (VmHWM), from /proc; None where there is no /proc."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / GIB
+    except OSError:
+        return None
+    return None
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------------------------------ floor
+
+
+def copy_gbps(nbytes: int, to_device: bool, reps: int = 10) -> float:
+    """Pinned host <-> device copy bandwidth in GB/s (one direction), median over ``reps`` CUDA-event timings."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host.fill_(1)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src, dst = (host, dev) if to_device else (dev, host)
+    for _ in range(2):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    ms = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        ms.append(start.elapsed_time(end))
+    del host, dev
+    return nbytes / (statistics.median(ms) * 1e-3) / 1e9
+
+
+def cpu_adamw_seconds(numel: int, chunk: int, steps: int = 3) -> dict[str, Any]:
+    """torch's fused CPU AdamW over ``numel`` fp32 parameters (tensors of ``chunk``): median seconds per step."""
+    chunk = max(1, min(chunk, numel))
+    base = torch.randn(chunk)
+    sizes = [chunk] * (numel // chunk) + ([numel % chunk] if numel % chunk else [])
+    params = [torch.nn.Parameter(base[:n].clone()) for n in sizes]
+    for p in params:
+        p.grad = base[: p.numel()] * 1e-3
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    opt.step()  # allocates the state
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    return {"opt_params_measured": numel, "opt_tensor_numel": chunk, "opt_s": med, "opt_s_list": times,
+            "opt_s_per_param": med / numel, "opt_threads": torch.get_num_threads(),
+            "opt_impl": "torch.optim.AdamW(fused=True) on the CPU, fp32"}  # fmt: skip
+
+
+def measure_floor(job: Job) -> dict[str, Any]:
+    from bench.common import env_info
+
+    out: dict[str, Any] = {"status": "ok", "env": env_info()}
+    for pkg in ("fairscale", "deepspeed", "transformers"):  # versions without importing them
+        try:
+            out["env"][pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out["env"][pkg] = None
+    out["host"] = {"cpu_count": os.cpu_count(), "affinity_cores": len(os.sched_getaffinity(0)),
+                   "torch_threads": torch.get_num_threads()}  # fmt: skip
+    if job.device == "cuda":
+        torch.cuda.set_device(0)
+        nbytes = int(job.extra.get("bw_bytes", 1 << 30))
+        props = torch.cuda.get_device_properties(0)
+        out["gpu_total_gib"] = props.total_memory / GIB
+        out["h2d_gbps"] = copy_gbps(nbytes, to_device=True)
+        out["d2h_gbps"] = copy_gbps(nbytes, to_device=False)
+        out["bw_bytes"] = nbytes
+    out.update(cpu_adamw_seconds(int(job.extra["opt_params"]), int(job.extra.get("chunk", 1 << 27))))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ one implementation
+
+
+class ComputeOnly(ResidentTrainer):
+    """Forward + backward of the resident model on bf16 parameters, no optimizer (the floor's compute term when
+    the fp32 model and its AdamW state do not fit on the GPU)."""
+
+    def forward_loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        from bench.offload.big_impls import loss_of
+
+        return loss_of(self.model(tokens[:, :-1]), tokens)
+
+    def finish(self) -> None:
+        for p in self.model.parameters():
+            p.grad = None
+
+
+def setup(job: Job, device: torch.device) -> Trainer:
+    if job.impl == "resident" and job.extra.get("compute_only"):
+        model = build_model(job.cfg, device, job.seed).to(torch.bfloat16)
+        return ComputeOnly(model, None, job.cfg.accum, {"compute_only": True, "params_dtype": "bf16"})
+    return make_trainer(job, device)
+
+
+def timed_steps(trainer: Trainer, job: Job, device: torch.device, split: bool) -> dict[str, Any]:
+    """``warmup`` + ``steps`` optimizer steps; times of the timed ones (and of their forward + backward)."""
+    data = make_batches(job.cfg, device, job.seed)
+    accum = job.cfg.accum
+    times, fwd_bwd, losses = [], [], []
+    for i in range(job.warmup + job.steps):
+        sync(device)
+        t0 = time.perf_counter()
+        loss = None
+        for m in range(accum):
+            loss = trainer.micro(data[(i * accum + m) % len(data)], last=m == accum - 1)
+        if split:
+            sync(device)
+        t1 = time.perf_counter()
+        trainer.finish()
+        sync(device)
+        t2 = time.perf_counter()
+        assert loss is not None
+        losses.append(float(loss))
+        if i >= job.warmup:
+            times.append(1e3 * (t2 - t0))
+            fwd_bwd.append(1e3 * (t1 - t0))
+    out: dict[str, Any] = {"step_ms": statistics.median(times), "step_ms_min": min(times),
+                           "step_ms_max": max(times), "step_ms_list": times, "losses": losses}  # fmt: skip
+    if split:
+        out["fwd_bwd_ms"] = statistics.median(fwd_bwd)
+        out["fwd_bwd_ms_list"] = fwd_bwd
+    return out
+
+
+def measure_impl(job: Job) -> dict[str, Any]:
+    device = torch.device(job.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+    t0 = time.perf_counter()
+    try:
+        trainer = setup(job, device)
+    except Skip as exc:
+        return {"status": "skipped", "reason": str(exc)}
+    out: dict[str, Any] = {"status": "ok", "setup_s": time.perf_counter() - t0, **trainer.info}
+    if device.type == "cuda":
+        out["gpu_peak_setup_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        torch.cuda.reset_peak_memory_stats(device)
+    out.update(timed_steps(trainer, job, device, split=job.impl == "resident"))
+    if trainer.info.get("compute_only"):
+        out["status"] = "compute-only"
+        out["reason"] = "fp32 weights, gradients and AdamW state do not fit on this GPU: forward+backward only"
+        out.pop("step_ms", None)
+    if device.type == "cuda":
+        out["gpu_peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        out["gpu_reserved_peak_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+        free, total = torch.cuda.mem_get_info(device)
+        out["gpu_used_end_gib"] = (total - free) / GIB
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--job", required=True, help="the Job as JSON")
+    ap.add_argument("--result", required=True, help="where to write the result JSON")
+    args = ap.parse_args(argv)
+    job = Job(**json.loads(args.job))
+    try:
+        result = measure_floor(job) if job.impl == "floor" else measure_impl(job)
+    except torch.cuda.OutOfMemoryError as exc:
+        traceback.print_exc()
+        result = {"status": "oom", "reason": f"GPU out of memory: {str(exc).splitlines()[0][:300]}"}
+    except Exception as exc:  # recorded in the row; the driver goes on with the next implementation
+        traceback.print_exc()
+        result = {"status": "error", "reason": f"{type(exc).__name__}: {str(exc)[:500]}"}
+    result["host_rss_gib"] = peak_rss_gib()
+    Path(args.result).write_text(json.dumps(result, default=str))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown (process groups, DeepSpeed's and FairScale's hooks): the result is written.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,366 @@
+"""The implementations of ``bench.offload.big``: each one builds the decoder, wraps it and returns a trainer.
+
+Runs inside the child process of one (configuration, implementation) measurement (``bench.offload.big_child``);
+nothing here starts processes. A trainer does one micro-batch's forward and backward (``micro``) and the end of
+an optimizer step (``finish``: gradient clipping at 1.0, the optimizer step, ``zero_grad``); the child times
+them. Every implementation sees the same model shape, the same seeded weights and the same token batches:
+
+* ``resident``: the fp32 model on the GPU under bf16 autocast, fused AdamW on the GPU;
+* ``shardfuse`` / ``shardfuse-budget``: ``FullyShardedDataParallel`` per decoder block + root, world size 1,
+  ``mixed_precision=True`` (bf16 compute, fp32 reduce), ``move_params_to_cpu=True``, torch's fused CPU AdamW,
+  wrapped in ``shardfuse.OffloadOptimizer`` where it exists (``gpu_budget_gib=0`` for full offload, the
+  budget for ``shardfuse-budget``; ``accumulate_on_gpu`` under accumulation unless told otherwise);
+* ``fairscale``: FairScale 0.4.13's FSDP with the same flags (its parameters must be on the CPU at wrap time);
+* ``fsdp2``: ``fully_shard`` per block + root, ``CPUOffloadPolicy(pin_memory=True)``, bf16 params / fp32 reduce,
+  fused CPU AdamW;
+* ``deepspeed-zero2`` / ``deepspeed-zero3``: ZeRO-2 with the optimizer offloaded (its DeepSpeedCPUAdam), ZeRO-3
+  with parameters and optimizer offloaded, bf16, gradient accumulation and clipping through its config.
+
+Accumulation: all micro-batches but the last under ``no_sync`` (shardfuse, FairScale), without gradient sync
+(FSDP2's ``set_requires_gradient_sync(False)``), DeepSpeed's own ``gradient_accumulation_steps``; the loss is
+divided by the number of micro-batches (DeepSpeed does that itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from examples.llama import DecoderLayer, Llama, LlamaConfig, next_token_loss
+
+IMPLS = ("resident", "shardfuse", "shardfuse-budget", "shardfuse-host-accum", "fairscale", "fsdp2",
+         "deepspeed-zero2", "deepspeed-zero3")  # fmt: skip
+# ``shardfuse-host-accum``: the shardfuse row of an accumulating configuration with ``accumulate_on_gpu=False``
+# (gradients go to the host every micro-batch); its row's impl is ``shardfuse`` with ``variant: host-accum``.
+GPU_ONLY = frozenset({"fairscale", "fsdp2", "deepspeed-zero2", "deepspeed-zero3"})
+MAX_NORM = 1.0
+BETAS = (0.9, 0.95)
+WEIGHT_DECAY = 0.1
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One configuration: a model shape and the tokens of one optimizer step (batch x seq x accum)."""
+
+    name: str
+    model: str  # a key of MODELS
+    batch: int
+    seq: int
+    accum: int = 1  # micro-batches per optimizer step
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch * self.seq * self.accum
+
+
+MODELS: dict[str, LlamaConfig] = {
+    "2.9b": LlamaConfig(dim=3072, n_layers=24, n_heads=24, ffn_dim=8192, vocab_size=32000, max_seq_len=2048),
+    "6.7b": LlamaConfig.llama_7b(),
+    "tiny": LlamaConfig.tiny(),
+}
+CONFIGS: dict[str, BenchConfig] = {
+    c.name: c
+    for c in (
+        BenchConfig("2.9b-4k", "2.9b", 2, 2048),
+        BenchConfig("2.9b-32k", "2.9b", 2, 2048, accum=8),
+        BenchConfig("6.7b-2k", "6.7b", 1, 2048),
+        # CPU plumbing only (tests/bench/test_offload_big.py)
+        BenchConfig("tiny", "tiny", 2, 32),
+        BenchConfig("tiny-acc", "tiny", 2, 32, accum=2),
+    )
+}
+DEFAULT_CONFIGS = ("2.9b-4k", "2.9b-32k", "6.7b-2k")
+
+
+@dataclass
+class Job:
+    """What the driver asks one child to measure (travels as JSON)."""
+
+    impl: str
+    config: str
+    steps: int = 3
+    warmup: int = 1
+    lr: float = 1e-4
+    seed: int = 0
+    device: str = "cuda"
+    budget_gib: float | None = None  # shardfuse-budget's gpu_budget_gib
+    accumulate_on_gpu: bool | None = None  # shardfuse rows; None: True when the configuration accumulates
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def cfg(self) -> BenchConfig:
+        return CONFIGS[self.config]
+
+
+class Skip(Exception):
+    """This implementation cannot run here (not installed, needs a GPU, no OffloadOptimizer): not an error."""
+
+
+def unavailable_reason(impl: str, device: str) -> str | None:
+    """Why ``impl`` is skipped in this environment, without importing it (the driver asks before spawning)."""
+    if impl in GPU_ONLY and device != "cuda":
+        return "needs a CUDA GPU"
+    module = {"fairscale": "fairscale", "deepspeed-zero2": "deepspeed", "deepspeed-zero3": "deepspeed",
+              "shardfuse": "shardfuse", "shardfuse-budget": "shardfuse",
+              "shardfuse-host-accum": "shardfuse"}.get(impl)  # fmt: skip
+    if module is not None and importlib.util.find_spec(module) is None:
+        return f"not installed (no module named {module!r})"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ model, data
+
+
+def build_model(cfg: BenchConfig, device: torch.device, seed: int) -> Llama:
+    """The decoder built and initialised on ``device`` in fp32 (fast on a GPU; move it after if needed)."""
+    with torch.device(device):
+        model = Llama(MODELS[cfg.model])
+    return model.init_weights(seed)
+
+
+def make_batches(cfg: BenchConfig, device: torch.device, seed: int, count: int = 4) -> list[torch.Tensor]:
+    """Seeded random token batches, (batch, seq + 1) each, cycled through the micro-batches."""
+    gen = torch.Generator().manual_seed(seed * 7919 + 1)
+    vocab = MODELS[cfg.model].vocab_size
+    return [torch.randint(0, vocab, (cfg.batch, cfg.seq + 1), generator=gen).to(device) for _ in range(count)]
+
+
+def loss_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return next_token_loss(logits, tokens[:, 1:])
+
+
+def init_world_of_one(device: torch.device, backend: str | None = None) -> None:
+    """A process group of one rank (gloo for CPU tensors, NCCL for CUDA ones, or ``backend``)."""
+    import torch.distributed as dist
+
+    from bench.common import free_port
+
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    backend = backend or ("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group(backend, rank=0, world_size=1)
+
+
+# ------------------------------------------------------------------------------------------------ trainers
+
+
+class Trainer:
+    """One implementation's training step, split where the child times it."""
+
+    def __init__(self, model: Any, opt: Any, accum: int, info: dict[str, Any] | None = None):
+        # Any: a wrapper (FSDP, a DeepSpeed engine) whose own methods (no_sync, backward) the trainers call
+        self.model: Any = model
+        self.opt, self.accum = opt, accum
+        self.info: dict[str, Any] = info or {}  # recorded in the row (what was really run)
+
+    def sync_context(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """The context of a micro-batch's forward and backward: no gradient sync but for the last one."""
+        return contextlib.nullcontext()
+
+    def forward_loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        return loss_of(self.model(tokens[:, :-1]), tokens)
+
+    def micro(self, tokens: torch.Tensor, last: bool) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns the detached loss."""
+        with self.sync_context(last):
+            loss = self.forward_loss(tokens)
+            (loss / self.accum if self.accum > 1 else loss).backward()
+        return loss.detach()
+
+    def clip(self) -> None:
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_NORM)
+
+    def finish(self) -> None:
+        """Clip, step, zero the gradients."""
+        self.clip()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+class ResidentTrainer(Trainer):
+    def forward_loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16):
+            logits = self.model(tokens[:, :-1])
+        return loss_of(logits, tokens)
+
+
+class FairScaleStyleTrainer(Trainer):
+    """shardfuse and FairScale: ``no_sync`` for the accumulating micro-batches, the wrapper's own clipping."""
+
+    def sync_context(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext() if last else self.model.no_sync()
+
+    def clip(self) -> None:
+        self.model.clip_grad_norm_(MAX_NORM)
+
+
+class Fsdp2Trainer(Trainer):
+    @contextlib.contextmanager
+    def _no_grad_sync(self) -> Any:
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def sync_context(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext() if last else self._no_grad_sync()
+
+
+class DeepSpeedTrainer(Trainer):
+    """The engine scales by its accumulation steps, clips and steps at the boundary by itself."""
+
+    def micro(self, tokens: torch.Tensor, last: bool) -> torch.Tensor:
+        loss = self.forward_loss(tokens)
+        self.model.backward(loss)
+        self.model.step()
+        return loss.detach()
+
+    def finish(self) -> None:
+        return None
+
+
+def fused_adamw(params: Any, job: Job, *, fused: bool = True) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=job.lr, betas=BETAS, weight_decay=WEIGHT_DECAY, fused=fused)
+
+
+def make_resident(job: Job, device: torch.device) -> Trainer:
+    model = build_model(job.cfg, device, job.seed)
+    return ResidentTrainer(model, fused_adamw(model.parameters(), job), job.cfg.accum,
+                           {"optimizer": f"AdamW fused on {device.type}", "autocast": "bf16"})  # fmt: skip
+
+
+def _wrap_shardfuse(model: nn.Module, device: torch.device) -> nn.Module:
+    import shardfuse
+
+    kwargs: dict[str, Any] = dict(mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True,
+                                  move_params_to_cpu=True, compute_device=device)  # fmt: skip
+    policy = shardfuse.ModuleClassWrapPolicy(frozenset({DecoderLayer}))
+    with shardfuse.enable_wrap(wrapper_cls=shardfuse.FullyShardedDataParallel, **kwargs):
+        model = shardfuse.auto_wrap(model, auto_wrap_policy=policy)
+        return shardfuse.wrap(model)
+
+
+def make_shardfuse(job: Job, device: torch.device) -> Trainer:
+    """Full offload (``gpu_budget_gib=0``), or the budget of ``shardfuse-budget``, through OffloadOptimizer."""
+    import shardfuse
+
+    init_world_of_one(device)
+    has_api = hasattr(shardfuse, "OffloadOptimizer")
+    if job.impl == "shardfuse-budget" and not has_api:
+        raise Skip("shardfuse.OffloadOptimizer is not in this shardfuse (no GPU budget without it)")
+    if job.impl == "shardfuse-host-accum" and not has_api:
+        raise Skip("shardfuse.OffloadOptimizer is not in this shardfuse (the shardfuse row is this path)")
+    model = _wrap_shardfuse(build_model(job.cfg, device, job.seed), device)
+    opt: Any = fused_adamw(model.parameters(), job)
+    info: dict[str, Any] = {"optimizer": "AdamW fused on cpu", "offload_optimizer": has_api}
+    if has_api:
+        budget = job.budget_gib if job.impl == "shardfuse-budget" else 0.0
+        on_gpu = job.accumulate_on_gpu if job.accumulate_on_gpu is not None else job.cfg.accum > 1
+        if job.impl == "shardfuse-host-accum":
+            on_gpu = False
+        offload_optimizer = getattr(shardfuse, "OffloadOptimizer")  # noqa: B009 (absent from older shardfuse)
+        opt = offload_optimizer(model, opt, gpu_budget_gib=budget, accumulate_on_gpu=on_gpu)
+        info.update(gpu_budget_gib=budget, accumulate_on_gpu=on_gpu)
+    return FairScaleStyleTrainer(model, opt, job.cfg.accum, info)
+
+
+def make_fairscale(job: Job, device: torch.device) -> Trainer:
+    from fairscale.nn.data_parallel import FullyShardedDataParallel as FairScaleFSDP
+
+    init_world_of_one(device)
+    model = build_model(job.cfg, device, job.seed).cpu()  # FairScale asserts the fp32 shards are on the CPU
+    kwargs = dict(mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True,
+                  move_params_to_cpu=True, compute_device=device)  # fmt: skip
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = FairScaleFSDP(layer, **kwargs)
+    wrapped = FairScaleFSDP(model, **kwargs)
+    return FairScaleStyleTrainer(wrapped, fused_adamw(wrapped.parameters(), job), job.cfg.accum,
+                                 {"optimizer": "AdamW fused on cpu"})  # fmt: skip
+
+
+def make_fsdp2(job: Job, device: torch.device) -> Trainer:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    init_world_of_one(device)
+    model = build_model(job.cfg, device, job.seed)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    policy = CPUOffloadPolicy(pin_memory=True)
+    for layer in model.layers:
+        fully_shard(layer, mp_policy=mp, offload_policy=policy)
+    fully_shard(model, mp_policy=mp, offload_policy=policy)
+    return Fsdp2Trainer(model, fused_adamw(model.parameters(), job), job.cfg.accum,
+                        {"optimizer": "AdamW fused on cpu"})  # fmt: skip
+
+
+def deepspeed_config(job: Job, stage: int) -> dict[str, Any]:
+    """ZeRO-2 with the optimizer on the CPU, or ZeRO-3 with parameters and optimizer there; bf16; clipping."""
+    zero: dict[str, Any] = {
+        "stage": stage,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "contiguous_gradients": True,
+        "overlap_comm": True,
+    }
+    if stage == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {
+        "train_micro_batch_size_per_gpu": job.cfg.batch,
+        "gradient_accumulation_steps": job.cfg.accum,
+        "gradient_clipping": MAX_NORM,
+        "bf16": {"enabled": True},
+        "zero_optimization": zero,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": job.lr, "betas": list(BETAS), "weight_decay": WEIGHT_DECAY},
+        },  # fmt: skip
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def make_deepspeed(job: Job, device: torch.device) -> Trainer:
+    os.environ.setdefault("DS_ACCELERATOR", "cuda")
+    os.environ.setdefault("DS_SKIP_CUDA_CHECK", "1")  # a minor CUDA version apart from torch's must not stop it
+    import deepspeed
+
+    init_world_of_one(device, backend="nccl")  # DeepSpeed's usual setup; it adopts the initialised group
+    stage = 3 if job.impl == "deepspeed-zero3" else 2
+    model = build_model(job.cfg, device, job.seed)
+    config = deepspeed_config(job, stage)
+    engine, _opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return DeepSpeedTrainer(engine, None, job.cfg.accum,
+                            {"optimizer": type(engine.optimizer).__name__, "deepspeed": deepspeed.__version__,
+                             "zero_stage": stage, "ds_config": config})  # fmt: skip
+
+
+MAKERS: dict[str, Callable[[Job, torch.device], Trainer]] = {
+    "resident": make_resident,
+    "shardfuse": make_shardfuse,
+    "shardfuse-budget": make_shardfuse,
+    "shardfuse-host-accum": make_shardfuse,
+    "fairscale": make_fairscale,
+    "fsdp2": make_fsdp2,
+    "deepspeed-zero2": make_deepspeed,
+    "deepspeed-zero3": make_deepspeed,
+}
+
+
+def make_trainer(job: Job, device: torch.device) -> Trainer:
+    """Build, wrap and set up ``job.impl``; raises :class:`Skip` when it cannot run here."""
+    reason = unavailable_reason(job.impl, device.type)
+    if reason is not None:
+        raise Skip(reason)
+    return MAKERS[job.impl](job, device)

@@ -1,0 +1,151 @@
+"""``bench.offload.big`` on the CPU: the plumbing on a tiny model (no GPU), the JSON schema, the time plan.
+
+One end-to-end run (``--device cpu --configs tiny-acc``: the floor process, the resident and shardfuse processes;
+the GPU-only implementations skipped), the refusal without CUDA, a killed measurement, and the floor arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardfuse
+from bench.offload import big
+from bench.offload.big_impls import CONFIGS, GPU_ONLY, MODELS, Job
+
+REPO = Path(__file__).resolve().parents[2]
+ROW_KEYS = {"impl": str, "tokens_per_step": int, "params": int, "status": str, "config": str}
+NUMBER_KEYS = ("step_ms", "floor_ms", "gpu_peak_gib", "host_rss_gib")
+
+
+def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OUT")}
+    env.update(TRITON_INTERPRET="0", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "bench.offload.big", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def _check_row(row: dict[str, Any]) -> None:
+    for k, t in ROW_KEYS.items():
+        assert isinstance(row[k], t), (k, row)
+    for k in NUMBER_KEYS:
+        assert k in row and (row[k] is None or isinstance(row[k], float)), (k, row)
+    assert row["impl"] in {"resident", "shardfuse", "shardfuse-budget", "fairscale", "fsdp2", "deepspeed-zero2",
+                           "deepspeed-zero3"}, row  # fmt: skip
+    assert row["status"] in {"ok", "skipped", "oom", "error", "compute-only"}, row
+    if row["status"] != "ok":
+        assert row["reason"], row
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    out = tmp_path_factory.mktemp("offload_big") / "offload_big.json"
+    proc = _run("--device", "cpu", "--configs", "tiny-acc", "--impls", "shardfuse,fsdp2,deepspeed-zero2",
+                "--steps", "1", "--warmup", "0", "--out", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads(out.read_text())
+
+
+def test_cpu_run_schema(cpu_run: tuple[subprocess.CompletedProcess[str], dict[str, Any]]) -> None:
+    proc, data = cpu_run
+    for key in ("env", "host", "hardware_floor", "config", "floors", "results"):
+        assert key in data, key
+    assert data["env"]["torch"] == torch.__version__ and data["env"]["commit"]
+    assert data["host"]["cpu_count"] >= 1
+    hw = data["hardware_floor"]
+    assert hw["opt_s_per_param"] > 0 and hw["opt_threads"] >= 1
+    floor = data["floors"]["tiny-acc"]
+    assert floor["params"] == MODELS["tiny"].num_params() and floor["floor_ms"] > 0
+    assert floor["floor_ms"] == max(v for k, v in floor.items() if k in ("compute_ms", "pcie_ms", "cpu_opt_ms") and v)
+    rows = {(r["impl"], r.get("variant")): r for r in data["results"]}
+    for r in data["results"]:
+        _check_row(r)
+        assert r["config"] == "tiny-acc" and r["tokens_per_step"] == CONFIGS["tiny-acc"].tokens_per_step
+    resident = rows[("resident", None)]
+    assert resident["status"] == "ok" and resident["step_ms"] > 0 and resident["fwd_bwd_ms"] > 0
+    assert resident["host_rss_gib"] > 0 and resident["floor_ms"] == floor["floor_ms"]
+    sf = rows[("shardfuse", None)]
+    if hasattr(shardfuse, "OffloadOptimizer"):  # the lead's API: on a CPU compute device it may refuse
+        assert sf["status"] in ("ok", "error"), sf
+    else:
+        assert sf["status"] == "ok" and sf["offload_optimizer"] is False, sf
+        assert ("shardfuse-budget", None) not in rows  # not asked for
+    if sf["status"] == "ok":
+        assert sf["vs_floor"] == pytest.approx(sf["step_ms"] / floor["floor_ms"])
+        assert sf["vs_resident"] == pytest.approx(sf["step_ms"] / resident["step_ms"])
+        assert len(sf["losses"]) == 1
+    for impl in ("fsdp2", "deepspeed-zero2"):
+        assert rows[(impl, None)]["status"] == "skipped" and "CUDA" in rows[(impl, None)]["reason"]
+    assert "config" in proc.stdout.splitlines()[-len(rows) - 3]  # the table comes last
+    assert "hardware floor" in proc.stdout
+
+
+def test_refuses_without_cuda() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the real run would start")
+    proc = _run("--configs", "2.9b-4k", timeout=120)
+    assert proc.returncode != 0 and "needs a CUDA GPU" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_estimate_plan_fits_split_calls() -> None:
+    args = big.parse_args(["--estimate"])
+    todo = big.plan(args)
+    assert todo[0] == ("2.9b-4k", "resident")
+    assert ("2.9b-4k", "shardfuse-host-accum") not in todo and ("2.9b-32k", "shardfuse-host-accum") in todo
+    for config in ("2.9b-4k", "2.9b-32k", "6.7b-2k"):  # each configuration alone fits one 10-minute command
+        total = big.FLOOR_ESTIMATE_S + sum(big.estimate_s(c, i, args) for c, i in todo if c == config)
+        assert total < 570, (config, total)
+
+
+def test_cpu_only_configs_on_cpu() -> None:
+    with pytest.raises(SystemExit):
+        big.parse_args(["--device", "cpu", "--configs", "2.9b-4k"])
+    with pytest.raises(SystemExit):
+        big.parse_args(["--impls", "nope"])
+
+
+def test_floor_arithmetic_and_rows() -> None:
+    n = MODELS["2.9b"].num_params()
+    hw = {"h2d_gbps": 50.0, "d2h_gbps": 25.0, "opt_s_per_param": 0.5 / n}
+    floor = big.config_floor("2.9b-4k", hw, {"fwd_bwd_ms": 100.0})
+    assert floor["h2d_ms"] == pytest.approx(2 * n / 50e9 * 1e3) and floor["d2h_ms"] == pytest.approx(4 * n / 25e9 * 1e3)
+    assert floor["cpu_opt_ms"] == pytest.approx(500.0)
+    assert floor["floor_ms"] == pytest.approx(max(100.0, floor["d2h_ms"], 500.0))
+    assert big.config_floor("tiny", {}, {})["floor_ms"] is None  # nothing measured: no floor, no crash
+    job = Job(impl="shardfuse-host-accum", config="2.9b-32k")
+    row = big.make_row("2.9b-32k", "shardfuse-host-accum", job, {"status": "ok", "step_ms": 1000.0})
+    assert row["impl"] == "shardfuse" and row["variant"] == "host-accum" and row["tokens_per_step"] == 32768
+    assert row["tokens_per_s"] == pytest.approx(32768.0)
+    budget_job = Job(impl="shardfuse-budget", config="2.9b-4k", budget_gib=40.0)
+    budget = big.make_row("2.9b-4k", "shardfuse-budget", budget_job, {"status": "skipped", "reason": "x"})
+    assert budget["gpu_budget_gib"] == 40.0 and budget["step_ms"] is None
+    floor32 = big.config_floor("2.9b-32k", hw, {"fwd_bwd_ms": 800.0})
+    big.add_ratios([row, budget], floor32)
+    assert row["floor_ms"] == floor32["floor_ms"] and row["vs_floor"] == pytest.approx(1000.0 / floor32["floor_ms"])
+    assert budget["floor_ms"] is None and "vs_floor" not in budget  # another configuration's row: untouched
+
+
+def test_killed_measurement_is_a_row_not_a_crash() -> None:
+    result = big.run_child(Job(impl="resident", config="tiny", device="cpu"), timeout=0.3)
+    assert result["status"] == "error" and "timed out" in result["reason"]
+    assert result["host_rss_gib"] is not None
+
+
+def test_gpu_only_impls_are_marked() -> None:
+    assert {"fairscale", "fsdp2", "deepspeed-zero2", "deepspeed-zero3"} == set(GPU_ONLY)
+
+
+def test_gpu_suite_stage_by_name_only() -> None:
+    text = (REPO / "bench" / "gpu_suite.sh").read_text().replace("\\\n", " ")
+    stage = text[text.index("    offload-big)") : text.index(";;", text.index("    offload-big)"))]
+    assert "-m bench.offload.big" in stage and '"${BIG_CONFIGS:-2.9b-4k}"' in stage and "--save" in stage
+    assert "--target /tmp/site" in stage and ".whl/*.whl" in stage and "step offload-big" in stage
+    defaults = " ".join(ln for ln in text.splitlines() if "STAGES=(" in ln or "STAGES+=(" in ln)
+    assert "offload-big" not in defaults  # slow: asked for by name, one configuration per 10-minute command
