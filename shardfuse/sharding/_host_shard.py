@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -65,6 +66,9 @@ class HostShard:
         # Set by OffloadOptimizer(accumulate_on_gpu=True): under no_sync the gathered compute-dtype parameters
         # stay on the GPU between micro-steps, so the host round trip happens once per optimizer step.
         self.keep_full_in_no_sync = False
+        # Set by OffloadOptimizer(step_in_backward=True): called with the copy's event once this shard's gradient
+        # copy is queued, to start its update while the rest of backward runs.
+        self.on_grad_sent: Callable[[HostShard, torch.cuda.Event | None], None] | None = None
 
     # ----------------------------------------------------------------------------------------------
     # gradients: device -> host on the post-backward stream, landed at the end of backward
@@ -82,6 +86,12 @@ class HostShard:
             if stream is not None:
                 stream.synchronize()
             self.land_grad(flat)
+        if self.on_grad_sent is not None and flat.grad is not None:
+            raise RuntimeError(
+                "OffloadOptimizer(step_in_backward=True) updates each unit as its gradient lands, so every synced "
+                "backward must start from no gradient: call zero_grad(set_to_none=True) after each step (and step "
+                "after each synced backward), or use step_in_backward=False to accumulate across backward passes"
+            )
         target = self.grad_buf if flat.grad is None else self._stage()
         with use_stream(stream):
             target.copy_(dest, non_blocking=True)
@@ -90,6 +100,8 @@ class HostShard:
             self.norm_valid = flat.grad is None and dest.numel() > 0
             self.grad_norm = torch._foreach_norm([dest], 2.0)[0] if self.norm_valid else None
         self.landing = target
+        if self.on_grad_sent is not None:
+            self.on_grad_sent(self, record_event(stream))
 
     def _stage(self) -> torch.Tensor:
         if self.stage_buf is None:

@@ -18,6 +18,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -83,36 +84,48 @@ def make_sub_optimizers(optimizer: torch.optim.Optimizer, plan: ShardPlan) -> No
         plan.subs.append(sub)
 
 
-def step_plan(optimizer: torch.optim.Optimizer, plan: ShardPlan, coef: torch.Tensor | None) -> None:
-    """Scale the plan's gradients by ``coef`` (clipping) and step them with the user's current settings."""
+def settings_of(optimizer: torch.optim.Optimizer, plan: ShardPlan) -> list[dict[str, Any]]:
+    """The user's settings (lr, betas, ...) of the plan's groups now: a step queued now uses these even if an LR
+    scheduler changes them before the worker gets to it."""
+    return [{k: v for k, v in optimizer.param_groups[gi].items() if k != "params"} for gi, _ in plan.groups]
+
+
+def step_plan(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tensor | None) -> None:
+    """Scale the plan's gradients by ``coef`` (clipping) and step them with ``settings`` (see settings_of)."""
     with torch.no_grad():
-        for (gi, params), sub in zip(plan.groups, plan.subs):
+        for (_, params), sub, group_settings in zip(plan.groups, plan.subs, settings):
             if coef is not None:
                 grads = [p.grad for p in params if p.grad is not None]
                 if grads:
                     torch._foreach_mul_(grads, coef.to(grads[0].device))
-            # The user (or an LR scheduler) may change settings between steps: follow them.
-            target = sub.param_groups[0]
-            for k, v in optimizer.param_groups[gi].items():
-                if k != "params":
-                    target[k] = v
+            sub.param_groups[0].update(group_settings)
             sub.step()
 
 
-def host_task(optimizer: torch.optim.Optimizer, plan: ShardPlan, coef: torch.Tensor | None,
-              lock: threading.Lock) -> Callable[[], None]:
+def host_task(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tensor | None,
+              lock: threading.Lock, copy_event: torch.cuda.Event | None = None,
+              in_backward: bool = False) -> Callable[[], None]:
     """The worker's job for one offloaded shard: wait for the last copy that read its host buffers, step it,
     refresh the compute-dtype copy, apply a ``zero_grad`` that came meanwhile, then release the unit's next
-    gather. Runs under ``lock`` so ``zero_grad`` sees each shard either queued (and defers) or done."""
+    gather. Runs under ``lock`` so ``zero_grad`` sees each shard either queued (and defers) or done.
+
+    ``in_backward``: started by the gradient copy itself (``step_in_backward=True``): wait for ``copy_event``
+    and land the gradient (the end of backward lands the same buffer again on the main thread).
+    """
     host = plan.host
-    flat = plan.handle.flat
+    handle = plan.handle
 
     def run() -> None:
+        if copy_event is not None:
+            copy_event.synchronize()  # outside the lock: zero_grad must not wait for a copy
         with lock:
             try:
+                if in_backward:
+                    handle.flat.grad = host.grad_buf
+                    handle.grads_to_views()  # use_orig_params: the optimizer steps the views
                 host.sync_h2d()
-                step_plan(optimizer, plan, coef)
-                host.write_compute_copy(flat)
+                step_plan(plan, settings, coef)
+                host.write_compute_copy(handle.flat)
                 apply_zero_grad(plan, plan.deferred_zero)
             except BaseException as err:  # noqa: BLE001 - handed to the main thread, raised at the next wait
                 host.error = err

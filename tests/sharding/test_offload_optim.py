@@ -32,7 +32,10 @@ def _train(cfg: dict[str, Any], overlapped: bool) -> tuple[FSDP, Any, list[float
     else:
         opt = make_optim(model.parameters(), cfg)
     if overlapped:
-        opt = OffloadOptimizer(model, opt, gpu_budget_gib=0, accumulate_on_gpu=cfg.get("accumulate_on_gpu", False))
+        opt = OffloadOptimizer(model, opt, gpu_budget_gib=0, accumulate_on_gpu=cfg.get("accumulate_on_gpu", False),
+                               step_in_backward=cfg.get("step_in_backward", False),
+                               host_compute_copy=cfg.get("host_compute_copy", False))
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5) if cfg.get("scheduler") else None
     micro = cfg.get("no_sync_micro", 1)
     losses = []
     for step in range(STEPS):
@@ -46,6 +49,8 @@ def _train(cfg: dict[str, Any], overlapped: bool) -> tuple[FSDP, Any, list[float
         if cfg.get("clip"):
             losses.append(model.clip_grad_norm_(cfg["clip"]).item())
         opt.step()
+        if sched is not None:  # changes the lr while the host may still be stepping: the queued steps keep theirs
+            sched.step()
         if not cfg.get("keep_grads"):
             opt.zero_grad(set_to_none=cfg.get("set_to_none", True))
     return model, opt, losses
@@ -100,6 +105,10 @@ CASES = {
     "unused-unit": dict(extra=True, clip=0.05),
     "tied": dict(tied=True),
     "checkpoint": dict(ckpt=True),
+    "scheduler-clip": dict(scheduler=True, clip=0.05),
+    "step-in-backward": dict(step_in_backward=True, scheduler=True),
+    "step-in-backward-no-sync": dict(step_in_backward=True, no_sync_micro=2, accumulate_on_gpu=True),
+    "step-in-backward-unused-unit": dict(step_in_backward=True, extra=True, optim="sgd"),
 }
 
 
@@ -122,8 +131,36 @@ def check_mixed_precision(cfg: dict[str, Any]) -> bool:
     return True
 
 
-def test_mixed_precision_close(pool):
-    assert pool.run(check_mixed_precision, dict(optim="sgd", clip=0.05)) == [True] * WORLD
+@pytest.mark.parametrize("cfg", [dict(optim="sgd", clip=0.05), dict(host_compute_copy=True, clip=0.05, optim="sgd")],
+                         ids=["device-cast", "host-compute-copy"])
+def test_mixed_precision_close(pool, cfg):
+    assert pool.run(check_mixed_precision, cfg) == [True] * WORLD
+
+
+def check_step_in_backward_misuse() -> bool:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    model = wrap_model(build({}), {"move_params_to_cpu": True})
+    opt = OffloadOptimizer(model, make_optim(model.parameters(), {}), gpu_budget_gib=0, step_in_backward=True)
+    ids, target = batch(0, rank, ws)
+    loss_fn(model, ids, target, 0, {}).backward()
+    with pytest.raises(RuntimeError, match="global norm"):
+        model.clip_grad_norm_(1.0)
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match="step\\(\\) after every synced backward"):
+        loss_fn(model, ids, target, 0, {}).backward()  # a second update before step()
+    opt.close()
+    model = wrap_model(build({}), {"move_params_to_cpu": True})
+    opt = OffloadOptimizer(model, make_optim(model.parameters(), {}), gpu_budget_gib=0, step_in_backward=True)
+    loss_fn(model, ids, target, 0, {}).backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="zero_grad\\(set_to_none=True\\)"):
+        loss_fn(model, ids, target, 0, {}).backward()  # gradients kept: they would be stepped twice
+    opt.close()
+    return True
+
+
+def test_step_in_backward_refuses_what_it_cannot_do(pool):
+    assert pool.run(check_step_in_backward_misuse) == [True] * WORLD
 
 
 def check_consistent_reads_after_step() -> bool:
