@@ -7,6 +7,8 @@ tests/sharding/test_capture_gpu.py runs the same checks with NCCL and real CUDA 
 from __future__ import annotations
 
 import copy
+import pickle
+import traceback
 from typing import Any
 
 import pytest
@@ -202,3 +204,15 @@ def test_warmup_steps_are_real_steps():
 def test_bad_arguments(args, kwargs, err, match):
     with pytest.raises(err, match=match):
         capture_step(*args, **kwargs)
+
+
+def test_capture_error_is_public_shardfuse_capture_error():
+    """Tracebacks, reprs and pickles name the public ``shardfuse.CaptureError``, not the private module."""
+    err = CaptureError("boom")
+    assert f"{type(err).__module__}.{type(err).__qualname__}" == "shardfuse.CaptureError"
+    assert shardfuse.CaptureError is CaptureError and "CaptureError" in shardfuse.__all__
+    assert traceback.format_exception_only(err) == ["shardfuse.CaptureError: boom\n"]
+    again = pickle.loads(pickle.dumps(err))
+    assert type(again) is CaptureError and again.args == ("boom",)
+    doc = CaptureError.__doc__ or ""
+    assert "_wrap" not in doc and "capture_step" in doc
