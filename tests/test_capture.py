@@ -216,3 +216,11 @@ def test_capture_error_is_public_shardfuse_capture_error():
     assert type(again) is CaptureError and again.args == ("boom",)
     doc = CaptureError.__doc__ or ""
     assert "_wrap" not in doc and "capture_step" in doc
+
+
+def test_fsdp_docstring_names_public_wrap_helpers_and_the_init_broadcast():
+    """The wrapper's docstring points to the public wrap helpers, and says what happens to ranks whose initial
+    values differ (they get the first rank's, with a warning), not that they must not differ."""
+    doc = " ".join((FSDP.__doc__ or "").split())
+    assert "sharding._wrap" not in doc and "shardfuse.auto_wrap" in doc
+    assert "must be initialised identically" not in doc and "first rank's values with a warning" in doc
