@@ -116,8 +116,11 @@ class CapturedStep:
                     self._outputs = self._step_fn(*args)
             except CaptureError:
                 raise
-            except Exception as err:
-                # A failed capture also fails at its end; the first error (the context) names the cause.
+            except (RuntimeError, AssertionError) as err:
+                # What torch raises for work a stream capture cannot record (CUDA errors such as "operation not
+                # permitted when stream is capturing", an optimizer's capturable assertion), re-raised with the
+                # fix; the step's own errors already surfaced in the eager warm-up. A failed capture also fails at
+                # its end: the first error (the context) names the cause.
                 first = err
                 while first.__context__ is not None and first.__context__ is not first:
                     first = first.__context__

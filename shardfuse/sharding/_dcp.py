@@ -276,7 +276,7 @@ def _stand_in_plans(optim: torch.optim.Optimizer, slots: list[_Slot], action: st
     try:
         clone = copy.deepcopy(optim, memo)
         clone.step()
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - not swallowed: any optimizer's failure, re-raised with the fix
         raise RuntimeError(
             f"{action} could not learn which state {type(optim).__name__} keeps for parameters that have none yet "
             f"(it steps a copy of the optimizer on tiny zero-gradient stand-ins, which failed: {err!r}): take one "

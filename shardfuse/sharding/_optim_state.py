@@ -295,13 +295,26 @@ def _shard_slice(vals: list[torch.Tensor], h: FlatParamHandle) -> torch.Tensor:
 
 
 def _same(a: Any, b: Any) -> bool:
+    """Whether two values of optimizer state are equal: tensors by value, lists, tuples and dicts item by item,
+    anything else by its ``==``; an error raised by a value's own ``==`` propagates."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
                 and bool(torch.equal(a.detach().cpu(), b.detach().cpu())))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    eq = a == b
+    if isinstance(eq, bool):
+        return eq
     try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - values without a usable ==: assume they match
-        return True
+        return bool(eq)
+    except ValueError:
+        # An element-wise result (a NumPy array's ==) has no single truth value: every element must agree.
+        every = getattr(eq, "all", None)
+        if not callable(every):
+            raise
+        return bool(every())
 
 
 @torch.no_grad()
