@@ -593,7 +593,8 @@ def _load_optim(state: Mapping[str, Any], meta: dict[str, Any], flats: list[Flat
         osd_state[index[s.name]] = entry
     osd_groups = []
     for sg, g in zip(saved_groups, groups):
-        osd_groups.append({**{k: v for k, v in sg.items() if k != "params"}, "params": [index[s.name] for s in g]})
+        # "params" first: a group loaded without state from here is no sign of a dropped checkpoint (_resume_guard)
+        osd_groups.append({"params": [index[s.name] for s in g], **{k: v for k, v in sg.items() if k != "params"}})
     return {"state": osd_state, "param_groups": osd_groups}
 
 

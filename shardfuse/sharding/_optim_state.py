@@ -416,11 +416,12 @@ def get_shard_from_optim_state_dict(root: nn.Module, full_osd: dict[str, Any]) -
                 f"whole flat parameters of this model (ids {list(pg['params'])[:8]}...): pass the dict "
                 f"gather_full_optim_state_dict() returned, unedited"
             )
-        new = {}
+        # "params" first: a group loaded without state from here is no sign of a dropped checkpoint (_resume_guard)
+        new = {"params": lis}
         for k, v in pg.items():
             if k == "params":
-                new[k] = lis
-            elif k == "param_names":
+                continue
+            if k == "param_names":
                 new[k] = [flat_names.get(id(li_flat[li].handle.flat), "") for li in lis]
             else:
                 new[k] = copy.deepcopy(v)

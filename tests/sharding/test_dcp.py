@@ -473,6 +473,46 @@ def test_raw_optimizer_state_dict_through_dcp_is_refused(pool, tmp_path):
     assert pool.run(check_raw_optimizer_state_dict_refused, str(tmp_path)) == [True] * WORLD
 
 
+def check_raw_optimizer_state_dict_into_fresh_optimizer_refused(path: str) -> bool:
+    """The same save, loaded into a fresh model and a fresh optimizer that never stepped: DCP reads only the keys
+    of the fresh optimizer's empty state dict, so the saved state is dropped and ``load_state_dict`` takes the
+    param groups alone. The first step refuses on every rank, before creating any state; so does the optimizer
+    object handed to DCP. A fresh optimizer that loaded nothing, and shardfuse's loaders, step as before."""
+    model = wrap(build())
+    opt = make_opt(param_groups(model), "adamw")
+    for s in range(2):
+        sharded_step(model, opt, s)
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=f"{path}/plain")
+    dcp.save({"optim": opt}, checkpoint_id=f"{path}/object")
+    fresh = wrap(build(seed=99))
+    fresh_opt = make_opt(param_groups(fresh), "adamw")
+    sd = {"model": fresh.state_dict(), "optim": fresh_opt.state_dict()}
+    dcp.load(sd, checkpoint_id=f"{path}/plain")
+    fresh.load_state_dict(sd["model"])
+    assert same(fresh.state_dict(), model.state_dict())  # the model resumes
+    fresh_opt.load_state_dict(sd["optim"])
+    refused = r"AdamW was loaded with load_state_dict\(\) from a state dict that holds no state .*sharded_state_dict"
+    with pytest.raises(RuntimeError, match=refused):
+        sharded_step(fresh, fresh_opt, 2)
+    assert len(fresh_opt.state) == 0, "refused before the step created state"
+    other = make_opt(param_groups(fresh), "adamw")
+    dcp.load({"optim": other}, checkpoint_id=f"{path}/object")
+    with pytest.raises(RuntimeError, match=refused):
+        sharded_step(fresh, other, 2)
+    # Not refused: a fresh optimizer that loaded nothing; a never-stepped consolidated state dict resharded.
+    sharded_step(fresh, make_opt(param_groups(fresh), "adamw"), 2)
+    never = make_opt(param_groups(fresh), "adamw")
+    full = fresh.gather_full_optim_state_dict(never, recipient_rank=None)
+    never.load_state_dict(fresh.get_shard_from_optim_state_dict(full))
+    sharded_step(fresh, never, 3)
+    assert len(never.state) > 0
+    return True
+
+
+def test_raw_optimizer_state_dict_into_fresh_optimizer_is_refused(pool, tmp_path):
+    assert pool.run(check_raw_optimizer_state_dict_into_fresh_optimizer_refused, str(tmp_path)) == [True] * WORLD
+
+
 def check_optimizer_object_through_dcp_refused(path: str) -> bool:
     """The optimizer object itself handed to DCP (a Stateful: DCP calls its state_dict / load_state_dict)."""
     model = wrap(build())
