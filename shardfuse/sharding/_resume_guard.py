@@ -32,11 +32,6 @@ def loaded_from_state_dict(group: dict[str, Any]) -> bool:
     return len(keys) > 1 and keys[0] != PARAMS and keys[-1] == PARAMS
 
 
-def params_first(group: dict[str, Any]) -> dict[str, Any]:
-    """``group`` with ``"params"`` as its first key, as the optimizer's constructor orders a new group."""
-    return {PARAMS: group[PARAMS], **{k: v for k, v in group.items() if k != PARAMS}}
-
-
 def refuse_fresh_state_after_load(optimizer: torch.optim.Optimizer, sharded: list[torch.Tensor]) -> None:
     """Raise before a step that would create fresh state for the ``sharded`` parameters of ``optimizer`` right
     after ``load_state_dict`` loaded param groups without their state (see the module docstring)."""
