@@ -11,10 +11,11 @@ alone, and the next step would train on fresh optimizer state without a word.
 What is left to see at that first step: the optimizer holds sharded parameters (world size > 1), none of them
 has state, and its param groups were replaced by ``optim.load_state_dict``. torch's ``state_dict()`` packs each
 group with ``"params"`` as its last key and ``load_state_dict`` keeps the saved group, while a group built by the
-optimizer's constructor or ``add_param_group`` starts with ``"params"``. The shardfuse loaders that may legitimately
-load a group without state (``load_sharded_state_dict``, ``get_shard_from_optim_state_dict``) write ``"params"``
-first, so they pass. The one other state dict this refuses is a per-rank ``optim.state_dict()`` saved before the
-optimizer's first step (nothing to lose): the message says to skip loading it.
+optimizer's constructor or ``add_param_group`` starts with ``"params"``. ``load_sharded_state_dict``, which may
+legitimately load groups without state, writes ``"params"`` first, so it passes. The other state dicts this
+refuses hold nothing to lose: a per-rank ``optim.state_dict()`` or a consolidated one
+(``gather_full_optim_state_dict``, whose groups keep FairScale's key order) taken before the optimizer's first
+step; the message says to skip loading them.
 """
 
 from __future__ import annotations
