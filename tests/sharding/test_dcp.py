@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -407,10 +406,18 @@ def check_errors(path: str) -> bool:
     dcp.load(sd, checkpoint_id=path)
     with pytest.raises(ValueError, match="param groups hold other parameters than the saved ones"):
         model.load_sharded_state_dict(sd, one_group)
-    # Another wrapping: torch.distributed.checkpoint itself refuses the keys and sizes it does not find.
+    # Another wrapping: refused inside dcp.load, before torch's bare "Size mismatch", naming the flat parameters,
+    # the saved and expected sizes, and the fix.
     other = wrap(build(), nested=False)
-    with pytest.raises(CheckpointException, match="Size mismatch .* for model.flat_param_0"):
+    numel = other.sharded_state_dict()["model.flat_param_0"].shape[0]
+    with pytest.raises(ValueError, match=r"saved from another wrapping of the model: flat parameters of other sizes "
+                                         r"\['model.flat_param_0: \d+ elements in the checkpoint, "
+                                         rf"{numel} here \(gain, inp"
+                                         r".*only in this model \[\].*only in the checkpoint \['model.blocks.0.flat"
+                                         r".*wrap the model the same way as when it was saved"):
         dcp.load(other.sharded_state_dict(), checkpoint_id=path)
+    with pytest.raises(ValueError, match="not filled by torch.distributed.checkpoint.load"):
+        other.load_sharded_state_dict(other.sharded_state_dict())
     # The same keys and sizes, other parameters: the metadata check.
     renamed = wrap(Renamed())
     sd = renamed.sharded_state_dict()
