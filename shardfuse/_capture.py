@@ -7,11 +7,23 @@ gradient clipping and the optimizer step, with no host synchronisation.
 
 On the CPU (inputs on the host) there is nothing to capture: the step runs eagerly with the same contract
 (warm-up steps at capture time, the same input checks, the same refusals), so the CPU suite tests it.
+
+Releasing: a graph that captured NCCL collectives holds a reference on each communicator it used (NCCL counts
+the graphs as persistent users of the communicator and drops the count only when the graph is destroyed), and
+destroying or aborting the communicator waits for that count to reach zero. A captured step that is still alive
+when ``torch.distributed.destroy_process_group()`` runs would keep the process waiting forever. So a
+:class:`CapturedStep` releases its graph on :meth:`CapturedStep.close`, on leaving its ``with`` block, when it is
+garbage-collected, at interpreter exit, and when ``torch.distributed.destroy_process_group()`` tears down the
+default group: importing shardfuse wraps that function (transparently while no captured step is open), so that
+scripts that bind it with ``from torch.distributed import destroy_process_group`` after importing shardfuse get
+the wrapper too.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +39,66 @@ _HOST_SYNC_HINTS = (
 )
 
 
+# Every captured step not yet closed, to close before the default process group is destroyed.
+_OPEN: weakref.WeakSet[CapturedStep] = weakref.WeakSet()
+_torch_destroy_process_group: Callable[..., Any] | None = None
+
+
+def _release_graph(graph: Any, device: torch.device) -> None:
+    """Destroy a captured graph (and give back its private memory pool) once no replay of it is in flight."""
+    torch.cuda.synchronize(device)
+    graph.reset()
+
+
+def close_all_captured_steps() -> None:
+    """Close every captured step that is still open (see :meth:`CapturedStep.close`)."""
+    for step in list(_OPEN):
+        step.close()
+
+
+def _destroy_process_group(group: Any = None) -> None:
+    """``torch.distributed.destroy_process_group``, after closing the captured steps when the default group (and
+    with it every group) is torn down: NCCL waits for the graphs that captured a communicator's collectives to be
+    destroyed before it destroys the communicator."""
+    from torch.distributed import distributed_c10d
+
+    if group is None or group is distributed_c10d.GroupMember.WORLD:
+        close_all_captured_steps()
+    if _torch_destroy_process_group is None:  # pragma: no cover - installed before it can be called
+        raise RuntimeError("shardfuse: torch.distributed.destroy_process_group was not wrapped")
+    _torch_destroy_process_group(group)
+
+
+def _wrap_destroy_process_group() -> None:
+    """Make ``torch.distributed.destroy_process_group`` close the open captured steps first; installed once, when
+    this module is imported."""
+    global _torch_destroy_process_group
+    if _torch_destroy_process_group is not None or not torch.distributed.is_available():
+        return
+    from torch.distributed import distributed_c10d
+
+    _torch_destroy_process_group = distributed_c10d.destroy_process_group
+    wrapper = functools.wraps(_torch_destroy_process_group)(_destroy_process_group)
+    torch.distributed.destroy_process_group = wrapper
+    distributed_c10d.destroy_process_group = wrapper
+
+
+_wrap_destroy_process_group()
+
+
+def _capture_failed(err: BaseException) -> CaptureError:
+    """The error for a failed capture: a failed capture also fails at its end, so the first error of the chain
+    (the context) names the cause."""
+    first = err
+    while first.__context__ is not None and first.__context__ is not first:
+        first = first.__context__
+    cause = str(first).split("\n")[0]
+    return CaptureError(
+        f"shardfuse.capture_step could not capture the step ({type(first).__name__}: {cause}); common causes: "
+        f"{_HOST_SYNC_HINTS}. Move host work out of step_fn, or run the step eagerly"
+    )
+
+
 def _describe(leaf: Any) -> str:
     if isinstance(leaf, torch.Tensor):
         return f"tensor{tuple(leaf.shape)} {leaf.dtype} on {leaf.device}"
@@ -39,23 +111,55 @@ class CapturedStep:
     Calling it copies the batch into the static input buffers and replays the graph (CUDA), or runs the step
     eagerly (CPU). It returns what ``step_fn`` returned: on CUDA the same tensors every call, overwritten by
     the next call (``.item()`` or ``.clone()`` what you keep).
+
+    :meth:`close` (or leaving ``with capture_step(...) as step:``) releases the graph; so do garbage collection,
+    interpreter exit and ``torch.distributed.destroy_process_group()``. A closed step refuses to run.
     """
 
     def __init__(self, step_fn: Callable[..., Any], example_inputs: tuple[Any, ...], warmup: int) -> None:
         leaves, self._spec = tree_flatten(example_inputs)
         self._signature = [self._leaf_signature(x) for x in leaves]
-        self._step_fn = step_fn
+        self._step_fn: Callable[..., Any] | None = step_fn
         self.graphed = any(isinstance(x, torch.Tensor) and x.is_cuda for x in leaves)
         self.eager_peak_bytes: int | None = None
         self.captured_peak_bytes: int | None = None
         self.graph_pool_bytes: int | None = None
         self.replays = 0
+        self.closed = False
+        self._graph: Any = None
+        self._static: list[Any] = []
+        self._outputs: Any = None
+        self._release: weakref.finalize | None = None
         if self.graphed:
-            self._capture(leaves, warmup)
+            self._capture(step_fn, leaves, warmup)
+            # Also at garbage collection and interpreter exit; holds the graph, not this object.
+            self._release = weakref.finalize(self, _release_graph, self._graph, self._device)
         else:
             with preparing_capture():
                 for _ in range(warmup):
                     step_fn(*example_inputs)
+        _OPEN.add(self)
+
+    def close(self) -> None:
+        """Release the step: destroy its CUDA graph and give back its memory pool (after any replay in flight
+        finishes), so that the process group can be destroyed and the process exit. Idempotent; a closed step
+        refuses to run. Also done on leaving ``with capture_step(...) as step:``, when the step is
+        garbage-collected, at interpreter exit, and by ``torch.distributed.destroy_process_group()``. Every rank
+        that captured must close before the communicators it used are destroyed."""
+        if self.closed:
+            return
+        self.closed = True
+        _OPEN.discard(self)
+        if self._release is not None:
+            self._release()
+        self._graph = self._outputs = self._step_fn = None
+        self._static = []
+
+    def __enter__(self) -> CapturedStep:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @staticmethod
     def _leaf_signature(leaf: Any) -> tuple:
@@ -82,27 +186,13 @@ class CapturedStep:
                 )
         return leaves
 
-    def _capture(self, leaves: list[Any], warmup: int) -> None:
-        device = next(x.device for x in leaves if isinstance(x, torch.Tensor) and x.is_cuda)
+    def _capture(self, step_fn: Callable[..., Any], leaves: list[Any], warmup: int) -> None:
+        device = self._device = next(x.device for x in leaves if isinstance(x, torch.Tensor) and x.is_cuda)
         self._static = [x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
                         for x in leaves]
         args = tree_unflatten(self._static, self._spec)
-        main = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device=device)
-        # Warm-up on a side stream (lazy init, NCCL communicators, Triton compilation, optimizer state), so
-        # nothing of it lands in the capture; the last step measures the eager peak.
         with preparing_capture():
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                for i in range(warmup):
-                    if i == warmup - 1:
-                        torch.cuda.synchronize(device)
-                        torch.cuda.reset_peak_memory_stats(device)
-                    self._step_fn(*args)
-                torch.cuda.synchronize(device)
-                self.eager_peak_bytes = torch.cuda.max_memory_allocated(device)
-            main.wait_stream(side)
-            torch.cuda.synchronize(device)
+            self._warm_up(step_fn, args, warmup, device)
             gc.collect()
             # The allocator counts what the capture allocates and frees like an eager step (replays allocate
             # nothing); the private pool the graph keeps is what memory_reserved grows by. torch.cuda.graph
@@ -113,25 +203,43 @@ class CapturedStep:
             self._graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(self._graph):
-                    self._outputs = self._step_fn(*args)
+                    self._outputs = step_fn(*args)
             except CaptureError:
                 raise
-            except Exception as err:
-                # A failed capture also fails at its end; the first error (the context) names the cause.
-                first = err
-                while first.__context__ is not None and first.__context__ is not first:
-                    first = first.__context__
-                cause = str(first).split("\n")[0]
-                raise CaptureError(
-                    f"shardfuse.capture_step could not capture the step ({type(first).__name__}: {cause}); common "
-                    f"causes: "
-                    f"{_HOST_SYNC_HINTS}. Move host work out of step_fn, or run the step eagerly"
-                ) from err
+            except (RuntimeError, AssertionError) as err:
+                # What torch raises for work a stream capture cannot record (CUDA errors such as "operation not
+                # permitted when stream is capturing", an optimizer's capturable assertion), re-raised with the
+                # fix; the step's own errors already surfaced in the eager warm-up.
+                raise _capture_failed(err) from err
             self.captured_peak_bytes = torch.cuda.max_memory_allocated(device)
             self.graph_pool_bytes = torch.cuda.memory_reserved(device) - reserved
 
+    def _warm_up(self, step_fn: Callable[..., Any], args: Any, warmup: int, device: torch.device) -> None:
+        """The warm-up steps on a side stream (lazy init, NCCL communicators, Triton compilation, optimizer
+        state), so nothing of it lands in the capture; the last step measures the eager peak."""
+        main = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for i in range(warmup):
+                if i == warmup - 1:
+                    torch.cuda.synchronize(device)
+                    torch.cuda.reset_peak_memory_stats(device)
+                step_fn(*args)
+            torch.cuda.synchronize(device)
+            self.eager_peak_bytes = torch.cuda.max_memory_allocated(device)
+        main.wait_stream(side)
+        torch.cuda.synchronize(device)
+
     def __call__(self, *inputs: Any) -> Any:
         """Run one step on ``inputs`` (same structure, shapes and dtypes as the example inputs)."""
+        if self.closed or self._step_fn is None:
+            raise CaptureError(
+                "shardfuse.capture_step: this CapturedStep was closed (close(), the end of its with block, or "
+                "torch.distributed.destroy_process_group()), which released its graph: capture the step again with "
+                "shardfuse.capture_step(step_fn, *example_inputs) (after init_process_group, if the group was "
+                "destroyed)"
+            )
         leaves = self._check(inputs)
         if not self.graphed:
             with preparing_capture():

@@ -14,7 +14,19 @@ _depth = 0  # process-wide, not per thread: autograd runs backward hooks on thre
 
 
 class CaptureError(RuntimeError):
-    """The step cannot be captured into a CUDA graph (the message says what and how to fix it)."""
+    """What :func:`shardfuse.capture_step` cannot capture or replay; the message names it and the fix.
+
+    Raised for CPU offload (``move_params_to_cpu`` / ``cpu_offload`` units, ``OffloadModel``: refused during the
+    warm-up, before anything is captured), a step that synchronises the host or steps an optimizer built without
+    ``capturable=True`` (the CUDA error's first line is in the message), a call whose inputs differ in structure,
+    shape, dtype or device from the captured ones, and a call after :meth:`shardfuse.CapturedStep.close`. A
+    ``RuntimeError``; public as ``shardfuse.CaptureError``.
+    """
+
+
+# Defined in this leaf module (the runtime imports it without importing the package); public, and printed in
+# tracebacks and pickled, as shardfuse.CaptureError.
+CaptureError.__module__ = "shardfuse"
 
 
 @contextlib.contextmanager

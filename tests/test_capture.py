@@ -7,6 +7,10 @@ tests/sharding/test_capture_gpu.py runs the same checks with NCCL and real CUDA 
 from __future__ import annotations
 
 import copy
+import pickle
+import re
+import traceback
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -202,3 +206,98 @@ def test_warmup_steps_are_real_steps():
 def test_bad_arguments(args, kwargs, err, match):
     with pytest.raises(err, match=match):
         capture_step(*args, **kwargs)
+
+
+def test_capture_error_is_public_shardfuse_capture_error():
+    """Tracebacks, reprs and pickles name the public ``shardfuse.CaptureError``, not the private module."""
+    err = CaptureError("boom")
+    assert f"{type(err).__module__}.{type(err).__qualname__}" == "shardfuse.CaptureError"
+    assert shardfuse.CaptureError is CaptureError and "CaptureError" in shardfuse.__all__
+    assert traceback.format_exception_only(err) == ["shardfuse.CaptureError: boom\n"]
+    again = pickle.loads(pickle.dumps(err))
+    assert type(again) is CaptureError and again.args == ("boom",)
+    doc = CaptureError.__doc__ or ""
+    assert "_wrap" not in doc and "capture_step" in doc
+
+
+def test_fsdp_docstring_names_public_wrap_helpers_and_the_init_broadcast():
+    """The wrapper's docstring points to the public wrap helpers, and says what happens to ranks whose initial
+    values differ (they get the first rank's, with a warning), not that they must not differ."""
+    doc = " ".join((FSDP.__doc__ or "").split())
+    assert "sharding._wrap" not in doc and "shardfuse.auto_wrap" in doc
+    assert "must be initialised identically" not in doc and "first rank's values with a warning" in doc
+
+
+# --------------------------------------------------------------------------------------------------
+# releasing a captured step: close(), with, garbage collection, destroy_process_group()
+# --------------------------------------------------------------------------------------------------
+
+
+def check_close_releases_and_refuses(device: torch.device) -> bool:
+    """close() is idempotent and a closed step refuses to run with a clear error; ``with`` closes too; so does
+    garbage collection (the step leaves the set of open steps)."""
+    from shardfuse._capture import _OPEN
+
+    model = build(3, device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = make_step(model, opt)
+    x, y = batches(1, 1, device, seed=5)[0]
+    run = capture_step(step, x, y, warmup=1)
+    run(x, y)
+    assert not run.closed and run in _OPEN
+    run.close()
+    run.close()
+    assert run.closed and run not in _OPEN
+    with pytest.raises(CaptureError, match=r"this CapturedStep was closed .*capture the step again"):
+        run(x, y)
+    with capture_step(step, x, y, warmup=1) as run2:
+        run2(x, y)
+    assert run2.closed
+    with pytest.raises(CaptureError, match="was closed"):
+        run2(x, y)
+    run3 = capture_step(step, x, y, warmup=1)
+    before = len(_OPEN)
+    del run3
+    assert len(_OPEN) == before - 1
+    step(x, y)  # the model and the optimizer still train eagerly
+    return True
+
+
+def test_close_releases_and_refuses_cpu(pool):
+    assert pool.run(check_close_releases_and_refuses, _cpu()) == [True] * WORLD
+
+
+def test_destroy_process_group_closes_captured_steps(tmp_path):
+    """torch.distributed.destroy_process_group() closes the open captured steps first (on CUDA, NCCL waits for
+    the graphs that captured a communicator to be destroyed before it destroys the communicator)."""
+    if dist.is_initialized():
+        pytest.skip("this process already belongs to a process group")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = build(3, _cpu())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = batches(1, 1, _cpu(), seed=5)[0]
+        run = capture_step(make_step(model, opt), x, y, warmup=1)
+        run(x, y)
+        sub = dist.new_group([0])
+        dist.destroy_process_group(sub)  # another group: the step stays open
+        assert not run.closed
+    finally:
+        dist.destroy_process_group()
+    assert run.closed
+    with pytest.raises(CaptureError, match="was closed"):
+        run(x, y)
+
+
+def test_documented_snippet_runs_on_the_host():
+    """docs/api.md's capture_step example builds the optimizer for the device it runs on: torch refuses
+    ``capturable=True`` for CPU tensors, and the host needs no capturable optimizer (the step runs eagerly)."""
+    net = nn.Linear(4, 2)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, capturable=True)
+    net(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(AssertionError, match="capturable=True"):
+        opt.step()  # why the docs do not write capturable=True unconditionally
+    text = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    section = text.split("## `capture_step`", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"^```python run-dist\n(.*?)^```", section, re.MULTILINE | re.DOTALL)
+    assert blocks and "capturable=device.type == \"cuda\"" in blocks[0], "the example is a runnable, device-aware block"

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardfuse.sharding._dcp import RECIPE, FlatEntry, as_dtensor, check_dtensor, flat_entries, padded_shard
+from shardfuse.sharding._dcp_layout import RECIPE, FlatEntry, as_dtensor, check_dtensor, flat_entries, padded_shard
 from shardfuse.sharding._flat_param import SHARD_MARK_KEY
 from shardfuse.sharding._tree import unit_of, units_below
 

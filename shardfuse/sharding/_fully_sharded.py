@@ -59,8 +59,10 @@ class FullyShardedDataParallel(nn.Module):
     """Shard a module's parameters, gradients and optimizer state across data-parallel ranks (ZeRO-3).
 
     Drop-in for ``fairscale.nn.FullyShardedDataParallel`` 0.4.13. Wrap inner blocks first (or use
-    ``shardfuse.sharding._wrap``), then the whole model; build the optimizer on ``model.parameters()``,
-    which are the sharded flat parameters. Parameters must be initialised identically on every rank.
+    ``shardfuse.auto_wrap`` / ``shardfuse.wrap`` under ``shardfuse.enable_wrap``), then the whole model; build
+    the optimizer on ``model.parameters()``, which are the sharded flat parameters. Every rank starts from the
+    first rank's parameters and buffers: ``sync_module_states=True`` broadcasts them; otherwise ranks are
+    checked, and ranks that differ get the first rank's values with a warning.
 
     Args:
         module: the module to wrap; its own parameters (not those of nested instances) are flattened per

@@ -169,16 +169,9 @@ def _check_same_state_on_all_ranks(root_unit: Unit, flats: list[_Flat], per_elem
         )
 
 
-@torch.no_grad()
-def gather_full_optim_state_dict(
-    root: nn.Module, optim: torch.optim.Optimizer, recipient_rank: int | None
-) -> dict[str, Any] | None:
-    """See ``FullyShardedDataParallel.gather_full_optim_state_dict`` and the module docstring.
-
-    Every rank of the root's process group must call. Per flat parameter and per-element state key, one
-    all-gather into a buffer on the compute device, freed before the next; the result holds CPU tensors only,
-    so no device memory stays allocated. ``recipient_rank=None`` returns the dict on every rank.
-    """
+def _gather_setup(root: nn.Module, optim: torch.optim.Optimizer, recipient_rank: int | None
+                  ) -> tuple[Unit, int | None, list[_Flat], list[str], dict[int, int]]:
+    """The root unit, the recipient, the layout and the optimizer's indices, after checking the arguments."""
     unit = unit_of(root)
     check_idle(units_below(unit), "gather_full_optim_state_dict()")
     if not unit.is_root:
@@ -197,8 +190,11 @@ def gather_full_optim_state_dict(
             f"the optimizer holds {len(foreign)} parameters that are not flat parameters of this "
             f"FullyShardedDataParallel tree (indices {foreign[:8]}): build the optimizer on the root's parameters()"
         )
-    osd = optim.state_dict()  # references the live state: read only
-    receive = recipient is None or unit.rank == recipient
+    return unit, recipient, flats, names, index
+
+
+def _per_element_keys(flats: list[_Flat], index: dict[int, int], osd: dict[str, Any]) -> dict[int, list[str]]:
+    """Optimizer index -> the keys of its per-element state, for the flat parameters that have any."""
     per_elem: dict[int, list[str]] = {}
     for f in flats:
         li = index.get(id(f.handle.flat))
@@ -207,8 +203,13 @@ def gather_full_optim_state_dict(
             keys = [k for k, v in st.items() if _is_per_element(v, f.handle)]
             if keys:
                 per_elem[li] = keys
-    _check_same_state_on_all_ranks(unit, flats, per_elem, index, names)
+    return per_elem
 
+
+def _gather_state(flats: list[_Flat], index: dict[int, int], osd: dict[str, Any], per_elem: dict[int, list[str]],
+                  receive: bool) -> dict[int, dict[str, Any]]:
+    """Each original parameter's state (global id -> key -> value, CPU tensors) on the receiving ranks; the
+    other ranks take part in the all-gathers and get an empty dict."""
     state: dict[int, dict[str, Any]] = {}
     for f in flats:
         h = f.handle
@@ -218,7 +219,7 @@ def gather_full_optim_state_dict(
             continue
         gathered: dict[Any, list[torch.Tensor]] = {}
         # The same order on every rank (the collectives must pair up), whatever the dicts' insertion order.
-        for key in sorted(per_elem.get(li, ()), key=str):
+        for key in sorted(per_elem.get(li, ()), key=str) if li is not None else ():
             v = st[key].detach()
             if f.collected:
                 full = h.gather_full_precision(f.unit.compute_device, source=v)
@@ -233,9 +234,12 @@ def gather_full_optim_state_dict(
             # The shard mark names this rank's shard: the consolidated state is of the whole parameter.
             state[g] = {k: (gathered[k][j] if k in gathered else _to_cpu(v)) for k, v in st.items()
                         if k != SHARD_MARK_KEY}
-    if not receive:
-        return None
+    return state
 
+
+def _full_groups(osd: dict[str, Any], flats: list[_Flat], index: dict[int, int], names: list[str]
+                 ) -> tuple[list[dict[str, Any]], dict[int, int | None]]:
+    """The param groups in global ids (``params``, ``param_names``), and ``param_id_map``."""
     li_to_gids = {index[id(f.handle.flat)]: sorted(f.gids) for f in flats if id(f.handle.flat) in index}
     param_id_map: dict[int, int | None] = {g: None for g in range(len(names))}
     for li, gids in li_to_gids.items():
@@ -244,7 +248,7 @@ def gather_full_optim_state_dict(
     groups = []
     for pg in osd["param_groups"]:
         gids = sorted(g for li in pg["params"] for g in li_to_gids[li])
-        new = {}
+        new: dict[str, Any] = {}
         for k, v in pg.items():
             if k == "params":
                 new[k] = gids
@@ -253,6 +257,28 @@ def gather_full_optim_state_dict(
             else:
                 new[k] = copy.deepcopy(v)
         groups.append(new)
+    return groups, param_id_map
+
+
+@torch.no_grad()
+def gather_full_optim_state_dict(
+    root: nn.Module, optim: torch.optim.Optimizer, recipient_rank: int | None
+) -> dict[str, Any] | None:
+    """See ``FullyShardedDataParallel.gather_full_optim_state_dict`` and the module docstring.
+
+    Every rank of the root's process group must call. Per flat parameter and per-element state key, one
+    all-gather into a buffer on the compute device, freed before the next; the result holds CPU tensors only,
+    so no device memory stays allocated. ``recipient_rank=None`` returns the dict on every rank.
+    """
+    unit, recipient, flats, names, index = _gather_setup(root, optim, recipient_rank)
+    osd = optim.state_dict()  # references the live state: read only
+    receive = recipient is None or unit.rank == recipient
+    per_elem = _per_element_keys(flats, index, osd)
+    _check_same_state_on_all_ranks(unit, flats, per_elem, index, names)
+    state = _gather_state(flats, index, osd, per_elem, receive)
+    if not receive:
+        return None
+    groups, param_id_map = _full_groups(osd, flats, index, names)
     out: dict[str, Any] = {
         "state": dict(sorted(state.items())),
         "param_groups": groups,
@@ -295,13 +321,127 @@ def _shard_slice(vals: list[torch.Tensor], h: FlatParamHandle) -> torch.Tensor:
 
 
 def _same(a: Any, b: Any) -> bool:
+    """Whether two values of optimizer state are equal: tensors by value, lists, tuples and dicts item by item,
+    anything else by its ``==``; an error raised by a value's own ``==`` propagates."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
                 and bool(torch.equal(a.detach().cpu(), b.detach().cpu())))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    eq = a == b
+    if isinstance(eq, bool):
+        return eq
     try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - values without a usable ==: assume they match
-        return True
+        return bool(eq)
+    except ValueError:
+        # An element-wise result (a NumPy array's ==) has no single truth value: every element must agree.
+        every = getattr(eq, "all", None)
+        if not callable(every):
+            raise
+        return bool(every())
+
+
+def _check_full_osd(full_osd: Any) -> dict[str, Any]:
+    """The ``"shardfuse"`` entry of a consolidated dict, after checking that the dict is one."""
+    missing = [k for k in _LAYOUT_KEYS if not isinstance(full_osd, dict) or k not in full_osd]
+    if missing:
+        raise ValueError(
+            f"get_shard_from_optim_state_dict() needs a dict made by gather_full_optim_state_dict() (it lacks "
+            f"{missing}; got {type(full_osd).__name__}): consolidate with model.gather_full_optim_state_dict(optim)"
+        )
+    meta = full_osd[_META_KEY]
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+        raise ValueError(
+            f"get_shard_from_optim_state_dict(): the '{_META_KEY}' entry has format "
+            f"{meta.get('format') if isinstance(meta, dict) else meta!r}, this version reads format {_FORMAT}: "
+            f"consolidate again with this version's gather_full_optim_state_dict()"
+        )
+    return meta
+
+
+def _check_names(saved_names: list[str], names: list[str]) -> None:
+    if saved_names != names:
+        diff = next((i for i, (a, b) in enumerate(zip(saved_names, names)) if a != b), min(len(saved_names),
+                                                                                            len(names)))
+        raise ValueError(
+            f"the consolidated optimizer state is for other parameters: {len(saved_names)} saved vs "
+            f"{len(names)} here, first difference at index {diff} "
+            f"({saved_names[diff] if diff < len(saved_names) else None!r} vs "
+            f"{names[diff] if diff < len(names) else None!r}): load it into the model it was consolidated from"
+        )
+
+
+def _flats_by_entry(param_id_map: dict[int, int | None], flats: list[_Flat], names: list[str]
+                    ) -> tuple[dict[int, list[int]], dict[int, _Flat]]:
+    """Optimizer index -> the global ids it held, and -> this model's flat parameter made of exactly those."""
+    by_gids = {tuple(sorted(f.gids)): f for f in flats}
+    li_gids: dict[int, list[int]] = {}
+    for g, li in sorted(param_id_map.items()):
+        if li is not None:
+            li_gids.setdefault(li, []).append(g)
+    li_flat: dict[int, _Flat] = {}
+    for li, gids in li_gids.items():
+        f = by_gids.get(tuple(gids))
+        if f is None:
+            raise ValueError(
+                f"optimizer entry {li} held the parameters {[names[g] for g in gids][:4]}..., which do not form a "
+                f"flat group of this model: wrap the model the same way (the same modules in the same "
+                f"FullyShardedDataParallel units) as when the state was consolidated"
+            )
+        li_flat[li] = f
+    return li_gids, li_flat
+
+
+def _check_entries(li: int, f: _Flat, entries: list[Any], pnames: list[str], per_elem: set[str]) -> None:
+    """The original parameters of one flat parameter: the same state keys, per-element state of their sizes,
+    one shared value of every other state."""
+    if any(e is None for e in entries) or any(e.keys() != entries[0].keys() for e in entries):
+        have = [n for n, e in zip(pnames, entries) if e is not None]
+        raise ValueError(
+            f"optimizer state is missing for some parameters of flat group {li} (state for {have[:4]}, keys "
+            f"{[sorted(map(str, e)) for e in entries if e is not None][:2]}; the group holds {pnames[:8]}): "
+            f"every original parameter of a flat group needs the same state keys; pass the dict "
+            f"gather_full_optim_state_dict() returned, unedited"
+        )
+    for key, first in entries[0].items():
+        vals = [e[key] for e in entries]
+        if key in per_elem:
+            _check_per_element(vals, f.handle, key, pnames)
+            continue
+        for n, v in zip(pnames[1:], vals[1:]):
+            if not _same(first, v):
+                raise ValueError(
+                    f"optimizer state {key!r} is {v!r} for {n} but {first!r} for {pnames[0]}, which share one "
+                    f"flat parameter and so one value: load a state dict consolidated from this model"
+                )
+
+
+def _shard_groups(root: nn.Module, full_osd: dict[str, Any], param_id_map: dict[int, int | None],
+                  li_gids: dict[int, list[int]], li_flat: dict[int, _Flat]) -> list[dict[str, Any]]:
+    """The param groups in optimizer indices of the flat parameters (keys in the saved order, as FairScale's)."""
+    flat_names = {id(p): n for n, p in root.named_parameters()}
+    groups = []
+    for i, pg in enumerate(full_osd["param_groups"]):
+        listed = {int(g) for g in pg["params"]}
+        lis = sorted({param_id_map.get(g) for g in listed}, key=lambda x: (x is None, x or 0))
+        if None in lis or any(g not in listed for li in lis for g in li_gids[li]):  # type: ignore[index]
+            raise ValueError(
+                f"param_groups[{i}] of the consolidated state lists {len(pg['params'])} parameters that do not make "
+                f"whole flat parameters of this model (ids {list(pg['params'])[:8]}...): pass the dict "
+                f"gather_full_optim_state_dict() returned, unedited"
+            )
+        new: dict[str, Any] = {}
+        for k, v in pg.items():
+            if k == "params":
+                new[k] = lis
+            elif k == "param_names":
+                new[k] = [flat_names.get(id(li_flat[li].handle.flat), "") for li in lis]  # type: ignore[index]
+            else:
+                new[k] = copy.deepcopy(v)
+        groups.append(new)
+    return groups
 
 
 @torch.no_grad()
@@ -320,98 +460,22 @@ def get_shard_from_optim_state_dict(root: nn.Module, full_osd: dict[str, Any]) -
     parameters' device. A flat parameter's other state comes from its first original parameter.
     """
     _refuse_orig_params(units_below(unit_of(root)), "get_shard_from_optim_state_dict()")
-    missing = [k for k in _LAYOUT_KEYS if not isinstance(full_osd, dict) or k not in full_osd]
-    if missing:
-        raise ValueError(
-            f"get_shard_from_optim_state_dict() needs a dict made by gather_full_optim_state_dict() (it lacks "
-            f"{missing}; got {type(full_osd).__name__}): consolidate with model.gather_full_optim_state_dict(optim)"
-        )
-    meta = full_osd[_META_KEY]
-    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
-        raise ValueError(
-            f"get_shard_from_optim_state_dict(): the '{_META_KEY}' entry has format "
-            f"{meta.get('format') if isinstance(meta, dict) else meta!r}, this version reads format {_FORMAT}: "
-            f"consolidate again with this version's gather_full_optim_state_dict()"
-        )
+    meta = _check_full_osd(full_osd)
     flats, names = _layout(root)
-    saved_names = list(full_osd["param_names"])
-    if saved_names != names:
-        diff = next((i for i, (a, b) in enumerate(zip(saved_names, names)) if a != b), min(len(saved_names),
-                                                                                            len(names)))
-        raise ValueError(
-            f"the consolidated optimizer state is for other parameters: {len(saved_names)} saved vs "
-            f"{len(names)} here, first difference at index {diff} "
-            f"({saved_names[diff] if diff < len(saved_names) else None!r} vs "
-            f"{names[diff] if diff < len(names) else None!r}): load it into the model it was consolidated from"
-        )
+    _check_names(list(full_osd["param_names"]), names)
     param_id_map = {int(g): (None if li is None else int(li)) for g, li in full_osd["param_id_map"].items()}
     per_elem = {int(li): set(keys) for li, keys in meta.get("per_element", {}).items()}
-    by_gids = {tuple(sorted(f.gids)): f for f in flats}
-    li_gids: dict[int, list[int]] = {}
-    for g, li in sorted(param_id_map.items()):
-        if li is not None:
-            li_gids.setdefault(li, []).append(g)
-    li_flat: dict[int, _Flat] = {}
-    for li, gids in li_gids.items():
-        f = by_gids.get(tuple(gids))
-        if f is None:
-            raise ValueError(
-                f"optimizer entry {li} held the parameters {[names[g] for g in gids][:4]}..., which do not form a "
-                f"flat group of this model: wrap the model the same way (the same modules in the same "
-                f"FullyShardedDataParallel units) as when the state was consolidated"
-            )
-        li_flat[li] = f
-
+    li_gids, li_flat = _flats_by_entry(param_id_map, flats, names)
     full_state = full_osd["state"]
     # First every check, so that an error leaves the input untouched; then the input is consumed.
     plan: list[tuple[int, _Flat, list[dict[str, Any]]]] = []
     for li in sorted(li_flat):
         f = li_flat[li]
-        pnames = [names[g] for g in f.gids]
         entries = [full_state.get(g) for g in f.gids]
-        if all(e is None for e in entries):
-            continue
-        if any(e is None for e in entries) or any(e.keys() != entries[0].keys() for e in entries):
-            have = [n for n, e in zip(pnames, entries) if e is not None]
-            raise ValueError(
-                f"optimizer state is missing for some parameters of flat group {li} (state for {have[:4]}, keys "
-                f"{[sorted(map(str, e)) for e in entries if e is not None][:2]}; the group holds {pnames[:8]}): "
-                f"every original parameter of a flat group needs the same state keys; pass the dict "
-                f"gather_full_optim_state_dict() returned, unedited"
-            )
-        for key, first in entries[0].items():
-            vals = [e[key] for e in entries]
-            if key in per_elem.get(li, ()):
-                _check_per_element(vals, f.handle, key, pnames)
-                continue
-            for n, v in zip(pnames[1:], vals[1:]):
-                if not _same(first, v):
-                    raise ValueError(
-                        f"optimizer state {key!r} is {v!r} for {n} but {first!r} for {pnames[0]}, which share one "
-                        f"flat parameter and so one value: load a state dict consolidated from this model"
-                    )
-        plan.append((li, f, entries))
-
-    flat_names = {id(p): n for n, p in root.named_parameters()}
-    groups = []
-    for i, pg in enumerate(full_osd["param_groups"]):
-        listed = {int(g) for g in pg["params"]}
-        lis = sorted({param_id_map.get(g) for g in listed}, key=lambda x: (x is None, x or 0))
-        if None in lis or any(g not in listed for li in lis for g in li_gids[li]):
-            raise ValueError(
-                f"param_groups[{i}] of the consolidated state lists {len(pg['params'])} parameters that do not make "
-                f"whole flat parameters of this model (ids {list(pg['params'])[:8]}...): pass the dict "
-                f"gather_full_optim_state_dict() returned, unedited"
-            )
-        new = {}
-        for k, v in pg.items():
-            if k == "params":
-                new[k] = lis
-            elif k == "param_names":
-                new[k] = [flat_names.get(id(li_flat[li].handle.flat), "") for li in lis]
-            else:
-                new[k] = copy.deepcopy(v)
-        groups.append(new)
+        if any(e is not None for e in entries):
+            _check_entries(li, f, entries, [names[g] for g in f.gids], per_elem.get(li, set()))
+            plan.append((li, f, entries))
+    groups = _shard_groups(root, full_osd, param_id_map, li_gids, li_flat)
     # Nothing below raises. As in FairScale, the input dict is consumed: each original parameter's state is
     # dropped once its flat shard exists (so the full state is not held twice), and the dict becomes the result.
     state: dict[int, dict[str, Any]] = {}

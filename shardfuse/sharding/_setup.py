@@ -32,6 +32,7 @@ from shardfuse.sharding._flat_param import (
     iter_own_modules,
 )
 from shardfuse.sharding._grad_reduce import global_grad_norm
+from shardfuse.sharding._resume_guard import refuse_fresh_state_after_load
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,9 @@ def _check_shard_marks(optimizer: torch.optim.Optimizer) -> None:
             f"rank's copy of each, while every rank holds other shards); checkpoint a FullyShardedDataParallel "
             f"model's optimizer with model.sharded_state_dict(optim) / model.load_sharded_state_dict(state, optim)"
         )
+    if sharded:
+        refuse_fresh_state_after_load(optimizer, [p for g in optimizer.param_groups for p in g["params"]
+                                                  if getattr(p, SHARD_MARK_ATTR, None) is not None and p.requires_grad])
 
 
 def _forget_marks(optimizer: torch.optim.Optimizer) -> None:

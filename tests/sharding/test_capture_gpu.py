@@ -114,3 +114,80 @@ def check_no_host_sync() -> bool:
     assert torch.isfinite(run(x, y)).all()
     return True
 
+
+
+# --------------------------------------------------------------------------------------------------
+# the job exits: a torchrun script that trains with a captured step and ends with destroy_process_group()
+# --------------------------------------------------------------------------------------------------
+
+EXIT_LIMIT_S = 60.0
+_EXIT_SCRIPT = '''
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import shardfuse
+from torch.distributed import destroy_process_group  # bound after importing shardfuse, as isort orders it
+from tests.test_capture import batches, build, make_step
+
+how = sys.argv[1]
+rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(rank)
+dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+dev = torch.device("cuda", rank)
+model = build(3, dev)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True, fused=True)
+x, y = batches(1, 1, dev, seed=rank)[0]
+train_step = shardfuse.capture_step(make_step(model, opt), x, y, warmup=2)
+for _ in range(4):
+    loss = train_step(x, y)
+torch.cuda.synchronize()
+if how == "close":
+    train_step.close()
+    train_step.close()
+elif how == "with":
+    with shardfuse.capture_step(make_step(model, opt), x, y, warmup=1) as other:
+        other(x, y)
+elif how == "del":
+    del train_step
+if how == "imported":
+    destroy_process_group()  # the name bound at import: the wrapper closes the open step first
+else:
+    dist.destroy_process_group()  # train_step (a module global) may still be open: the wrapper closes it
+print(f"rank {rank} exited cleanly, loss {loss.item():.4f}", flush=True)
+'''
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["open", "imported", "close", "with", "del"])
+def test_captured_job_exits_after_destroy_process_group(tmp_path, how):
+    """Issue 19 section 7: with NCCL collectives captured in a graph, destroy_process_group() waited forever
+    for the graph (NCCL destroys a communicator only after every graph that captured it is destroyed). Every
+    way the script may end (the step still open, the function imported by name, close(), a with block, del)
+    must let both ranks exit, well within EXIT_LIMIT_S."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from tests.dist_pool import free_port
+
+    repo = Path(__file__).resolve().parents[2]
+    script = tmp_path / "captured_job.py"
+    script.write_text(_EXIT_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
+               TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           str(script), how]
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=EXIT_LIMIT_S * 2)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"the captured 2-GPU job ({how}) did not exit within {EXIT_LIMIT_S * 2:.0f} s: {err.stdout!r}")
+    took = time.monotonic() - start
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert proc.stdout.count("exited cleanly") == 2, proc.stdout
+    assert took < EXIT_LIMIT_S, f"the job took {took:.1f} s to exit"

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -407,10 +406,18 @@ def check_errors(path: str) -> bool:
     dcp.load(sd, checkpoint_id=path)
     with pytest.raises(ValueError, match="param groups hold other parameters than the saved ones"):
         model.load_sharded_state_dict(sd, one_group)
-    # Another wrapping: torch.distributed.checkpoint itself refuses the keys and sizes it does not find.
+    # Another wrapping: refused inside dcp.load, before torch's bare "Size mismatch", naming the flat parameters,
+    # the saved and expected sizes, and the fix.
     other = wrap(build(), nested=False)
-    with pytest.raises(CheckpointException, match="Size mismatch .* for model.flat_param_0"):
+    numel = other.sharded_state_dict()["model.flat_param_0"].shape[0]
+    with pytest.raises(ValueError, match=r"saved from another wrapping of the model: flat parameters of other sizes "
+                                         r"\['model.flat_param_0: \d+ elements in the checkpoint, "
+                                         rf"{numel} here \(gain, inp"
+                                         r".*only in this model \[\].*only in the checkpoint \['model.blocks.0.flat"
+                                         r".*wrap the model the same way as when it was saved"):
         dcp.load(other.sharded_state_dict(), checkpoint_id=path)
+    with pytest.raises(ValueError, match="not filled by torch.distributed.checkpoint.load"):
+        other.load_sharded_state_dict(other.sharded_state_dict())
     # The same keys and sizes, other parameters: the metadata check.
     renamed = wrap(Renamed())
     sd = renamed.sharded_state_dict()
@@ -471,6 +478,45 @@ def check_raw_optimizer_state_dict_refused(path: str) -> bool:
 
 def test_raw_optimizer_state_dict_through_dcp_is_refused(pool, tmp_path):
     assert pool.run(check_raw_optimizer_state_dict_refused, str(tmp_path)) == [True] * WORLD
+
+
+def check_raw_optimizer_state_dict_into_fresh_optimizer_refused(path: str) -> bool:
+    """The same save, loaded into a fresh model and a fresh optimizer that never stepped: DCP reads only the keys
+    of the fresh optimizer's empty state dict, so the saved state is dropped and ``load_state_dict`` takes the
+    param groups alone. The first step refuses on every rank, before creating any state; so does the optimizer
+    object handed to DCP. A fresh optimizer that loaded nothing, and shardfuse's loaders, step as before."""
+    model = wrap(build())
+    opt = make_opt(param_groups(model), "adamw")
+    for s in range(2):
+        sharded_step(model, opt, s)
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=f"{path}/plain")
+    dcp.save({"optim": opt}, checkpoint_id=f"{path}/object")
+    fresh = wrap(build(seed=99))
+    fresh_opt = make_opt(param_groups(fresh), "adamw")
+    sd = {"model": fresh.state_dict(), "optim": fresh_opt.state_dict()}
+    dcp.load(sd, checkpoint_id=f"{path}/plain")
+    fresh.load_state_dict(sd["model"])
+    assert same(fresh.state_dict(), model.state_dict())  # the model resumes
+    fresh_opt.load_state_dict(sd["optim"])
+    refused = r"AdamW was loaded with load_state_dict\(\) from a state dict that holds no state .*sharded_state_dict"
+    with pytest.raises(RuntimeError, match=refused):
+        sharded_step(fresh, fresh_opt, 2)
+    assert len(fresh_opt.state) == 0, "refused before the step created state"
+    other = make_opt(param_groups(fresh), "adamw")
+    dcp.load({"optim": other}, checkpoint_id=f"{path}/object")
+    with pytest.raises(RuntimeError, match=refused):
+        sharded_step(fresh, other, 2)
+    # Not refused: a fresh optimizer that loaded nothing, and one that loaded a stepped optimizer's state (the
+    # never-stepped optimizer of a sharded checkpoint: test_fresh_optimizer_without_state_round_trips).
+    sharded_step(fresh, make_opt(param_groups(fresh), "adamw"), 2)
+    resumed = make_opt(param_groups(fresh), "adamw")
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
+    sharded_step(fresh, resumed, 3)
+    return True
+
+
+def test_raw_optimizer_state_dict_into_fresh_optimizer_is_refused(pool, tmp_path):
+    assert pool.run(check_raw_optimizer_state_dict_into_fresh_optimizer_refused, str(tmp_path)) == [True] * WORLD
 
 
 def check_optimizer_object_through_dcp_refused(path: str) -> bool:

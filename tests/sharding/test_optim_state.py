@@ -644,3 +644,29 @@ def test_gpu_gather_frees_device_memory_and_returns_cpu_state():
     with DistPool(world_size=2, backend="nccl", timeout_s=300) as p:
         for move in (False, True):
             assert p.run(check_gpu_memory_and_devices, move) == [True] * 2
+
+
+class _BrokenEq:
+    """A value whose ``==`` itself fails (a bug in the value's class), unlike a value without a single truth."""
+
+    def __eq__(self, other: object) -> bool:
+        raise KeyError("broken __eq__")
+
+    __hash__ = object.__hash__
+
+
+def test_same_state_value_compares_without_swallowing_errors():
+    """The check that the original parameters of one flat parameter share one value of non-per-element state:
+    containers item by item, NumPy-like element-wise results through ``all()``, and an error of a value's own
+    ``==`` propagates (it used to count as a match)."""
+    import numpy as np
+
+    from shardfuse.sharding._optim_state import _same
+
+    t = torch.arange(3.0)
+    assert _same([t, 1], [t.clone(), 1]) and not _same([t, 1], [t + 1, 1])
+    assert _same({"a": (t, 2)}, {"a": (t.clone(), 2)}) and not _same({"a": (t, 2)}, {"a": (t, 3)})
+    assert not _same([1, 2], (1, 2))
+    assert _same(np.arange(3), np.arange(3)) and not _same(np.arange(3), np.arange(3) * 2)
+    with pytest.raises(KeyError, match="broken __eq__"):
+        _same(_BrokenEq(), _BrokenEq())
