@@ -37,11 +37,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.offload.big_impls import CONFIGS, DEFAULT_CONFIGS, IMPLS, MODELS, Job, unavailable_reason
+from bench.offload.big_impls import CONFIGS, DEFAULT_CONFIGS, IMPLS, MODELS, VARIANTS, Job, unavailable_reason
 
 REPO = Path(__file__).resolve().parents[2]
 GIB = 2**30
-DEFAULT_IMPLS = IMPLS
+DEFAULT_IMPLS = tuple(i for i in IMPLS if not i.endswith("-sib"))  # the no-clipping variants: opt-in
 FLOOR_BYTES = ("bf16 parameters host->device (2 B/param) and fp32 gradients device->host (4 B/param), once per "
                "optimizer step, the two directions overlapped")  # fmt: skip
 # Rough seconds for the time plan (one H100, 16 cores): per child start, setup per billion parameters, and per
@@ -51,6 +51,8 @@ ESTIMATE: dict[str, tuple[float, float, float, float]] = {
     "shardfuse": (12, 5, 0.17, 0.2),
     "shardfuse-budget": (12, 5, 0.1, 0.1),
     "shardfuse-host-accum": (12, 5, 0.17, 0.2),
+    "shardfuse-sib": (12, 5, 0.17, 0.2),
+    "shardfuse-budget-sib": (12, 5, 0.1, 0.1),
     "fairscale": (12, 8, 0.17, 0.2),
     "fsdp2": (12, 6, 0.2, 0.22),
     "deepspeed-zero2": (70, 10, 0.25, 0.32),  # the first one compiles DeepSpeedCPUAdam (~50 s)
@@ -211,7 +213,7 @@ def make_row(config: str, impl: str, job: Job, result: dict[str, Any]) -> dict[s
     """A ``results`` row: the fixed keys first (None where not measured), then the rest of the child's result."""
     cfg = CONFIGS[config]
     row: dict[str, Any] = {
-        "impl": "shardfuse" if impl == "shardfuse-host-accum" else impl,
+        "impl": VARIANTS[impl][0] if impl in VARIANTS else impl,
         "config": config,
         "tokens_per_step": cfg.tokens_per_step,
         "params": MODELS[cfg.model].num_params(),
@@ -224,9 +226,9 @@ def make_row(config: str, impl: str, job: Job, result: dict[str, Any]) -> dict[s
         "batch": cfg.batch,
         "seq": cfg.seq,
     }
-    if impl == "shardfuse-host-accum":
-        row["variant"] = "host-accum"
-    if impl == "shardfuse-budget":
+    if impl in VARIANTS:
+        row["variant"] = VARIANTS[impl][1]
+    if row["impl"] == "shardfuse-budget":
         row["gpu_budget_gib"] = result.get("gpu_budget_gib", job.budget_gib)
     for k, v in result.items():
         row.setdefault(k, v)
@@ -350,7 +352,7 @@ def run_all(args: argparse.Namespace, payload: dict[str, Any], hw: dict[str, Any
     rows: list[dict[str, Any]] = payload["results"]
     for config, impl in plan(args):
         job = Job(impl=impl, config=config, steps=args.steps, warmup=args.warmup, lr=args.lr, device=args.device,
-                  budget_gib=args.budget_gib if impl == "shardfuse-budget" else None,
+                  budget_gib=args.budget_gib if impl.startswith("shardfuse-budget") else None,
                   extra=resident_extra(config, hw) if impl == "resident" else {})  # fmt: skip
         reason = unavailable_reason(impl, args.device)
         print(f"-- {config} {impl} ...", flush=True)

@@ -35,8 +35,14 @@ from torch import nn
 
 from examples.llama import DecoderLayer, Llama, LlamaConfig, next_token_loss
 
-IMPLS = ("resident", "shardfuse", "shardfuse-budget", "shardfuse-host-accum", "fairscale", "fsdp2",
-         "deepspeed-zero2", "deepspeed-zero3")  # fmt: skip
+IMPLS = ("resident", "shardfuse", "shardfuse-budget", "shardfuse-host-accum", "shardfuse-sib",
+         "shardfuse-budget-sib", "fairscale", "fsdp2", "deepspeed-zero2", "deepspeed-zero3")  # fmt: skip
+# Variants recorded as another implementation's row with a ``variant`` (internal name -> (row impl, variant)).
+# ``-sib``: OffloadOptimizer(step_in_backward=True), each unit's host update overlapping backward; it cannot clip
+# by the global norm, so these rows train WITHOUT clipping (every other row clips at MAX_NORM).
+VARIANTS = {"shardfuse-host-accum": ("shardfuse", "host-accum"),
+            "shardfuse-sib": ("shardfuse", "step-in-backward, no clipping"),
+            "shardfuse-budget-sib": ("shardfuse-budget", "step-in-backward, no clipping")}  # fmt: skip
 # ``shardfuse-host-accum``: the shardfuse row of an accumulating configuration with ``accumulate_on_gpu=False``
 # (gradients go to the host every micro-batch); its row's impl is ``shardfuse`` with ``variant: host-accum``.
 GPU_ONLY = frozenset({"fairscale", "fsdp2", "deepspeed-zero2", "deepspeed-zero3"})
@@ -112,7 +118,8 @@ def unavailable_reason(impl: str, device: str) -> str | None:
         return "needs a CUDA GPU"
     module = {"fairscale": "fairscale", "deepspeed-zero2": "deepspeed", "deepspeed-zero3": "deepspeed",
               "shardfuse": "shardfuse", "shardfuse-budget": "shardfuse",
-              "shardfuse-host-accum": "shardfuse"}.get(impl)  # fmt: skip
+              "shardfuse-host-accum": "shardfuse", "shardfuse-sib": "shardfuse",
+              "shardfuse-budget-sib": "shardfuse"}.get(impl)  # fmt: skip
     if module is not None and importlib.util.find_spec(module) is None:
         return f"not installed (no module named {module!r})"
     return None
@@ -207,6 +214,13 @@ class FairScaleStyleTrainer(Trainer):
         self.model.clip_grad_norm_(MAX_NORM)
 
 
+class NoClipTrainer(FairScaleStyleTrainer):
+    """The ``-sib`` variants: no clipping (the host update of a unit starts before the global norm is known)."""
+
+    def clip(self) -> None:
+        return None
+
+
 class Fsdp2Trainer(Trainer):
     @contextlib.contextmanager
     def _no_grad_sync(self) -> Any:
@@ -260,22 +274,22 @@ def make_shardfuse(job: Job, device: torch.device) -> Trainer:
 
     init_world_of_one(device)
     has_api = hasattr(shardfuse, "OffloadOptimizer")
-    if job.impl == "shardfuse-budget" and not has_api:
-        raise Skip("shardfuse.OffloadOptimizer is not in this shardfuse (no GPU budget without it)")
-    if job.impl == "shardfuse-host-accum" and not has_api:
-        raise Skip("shardfuse.OffloadOptimizer is not in this shardfuse (the shardfuse row is this path)")
+    if job.impl != "shardfuse" and not has_api:
+        raise Skip(f"shardfuse.OffloadOptimizer is not in this shardfuse ({job.impl} needs it)")
+    sib = job.impl.endswith("-sib")
     model = _wrap_shardfuse(build_model(job.cfg, device, job.seed), device)
     opt: Any = fused_adamw(model.parameters(), job)
     info: dict[str, Any] = {"optimizer": "AdamW fused on cpu", "offload_optimizer": has_api}
     if has_api:
-        budget = job.budget_gib if job.impl == "shardfuse-budget" else 0.0
+        budget = job.budget_gib if job.impl.startswith("shardfuse-budget") else 0.0
         on_gpu = job.accumulate_on_gpu if job.accumulate_on_gpu is not None else job.cfg.accum > 1
         if job.impl == "shardfuse-host-accum":
             on_gpu = False
         offload_optimizer = getattr(shardfuse, "OffloadOptimizer")  # noqa: B009 (absent from older shardfuse)
-        opt = offload_optimizer(model, opt, gpu_budget_gib=budget, accumulate_on_gpu=on_gpu)
-        info.update(gpu_budget_gib=budget, accumulate_on_gpu=on_gpu)
-    return FairScaleStyleTrainer(model, opt, job.cfg.accum, info)
+        opt = offload_optimizer(model, opt, gpu_budget_gib=budget, accumulate_on_gpu=on_gpu,
+                                **({"step_in_backward": True} if sib else {}))
+        info.update(gpu_budget_gib=budget, accumulate_on_gpu=on_gpu, step_in_backward=sib, clipping=not sib)
+    return (NoClipTrainer if sib else FairScaleStyleTrainer)(model, opt, job.cfg.accum, info)
 
 
 def make_fairscale(job: Job, device: torch.device) -> Trainer:
@@ -351,6 +365,8 @@ MAKERS: dict[str, Callable[[Job, torch.device], Trainer]] = {
     "shardfuse": make_shardfuse,
     "shardfuse-budget": make_shardfuse,
     "shardfuse-host-accum": make_shardfuse,
+    "shardfuse-sib": make_shardfuse,
+    "shardfuse-budget-sib": make_shardfuse,
     "fairscale": make_fairscale,
     "fsdp2": make_fsdp2,
     "deepspeed-zero2": make_deepspeed,
