@@ -1,6 +1,7 @@
 """The sharding layer: ``FullyShardedDataParallel`` on flat shards, side streams and shardfuse kernels."""
 
 from shardfuse.sharding._fully_sharded import FullyShardedDataParallel
+from shardfuse.sharding._process_hooks import set_process_hooks
 from shardfuse.sharding._state import TrainingState
 from shardfuse.sharding._wrap import (
     ModuleClassWrapPolicy,
@@ -23,6 +24,7 @@ __all__ = [
     "default_auto_wrap_policy",
     "enable_wrap",
     "no_split_modules_policy",
+    "set_process_hooks",
     "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",
     "wrap",

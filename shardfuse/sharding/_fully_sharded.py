@@ -33,7 +33,7 @@ from shardfuse.sharding._dcp_guard import torch_dsd_fqn_modifiers
 from shardfuse.sharding._flatten import flatten_own_params
 from shardfuse.sharding._grad_reduce import clip_grad_norm
 from shardfuse.sharding._registry import OWNED_MARK, UNIT_ATTR, WRAPPED_MARK, iter_own_modules
-from shardfuse.sharding._root import lazy_init, release_unit, reset_root
+from shardfuse.sharding._root import apply_to_unit, lazy_init, release_unit, reset_root
 from shardfuse.sharding._runtime import Unit
 from shardfuse.sharding._setup import (
     agree_on_initial_values,
@@ -282,35 +282,7 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
         # .to()/.cuda()/.half() move the shards; the runtime (full buffers, streams) is rebuilt lazily.
-        units = units_below(self._unit)
-        for u in units:
-            check_state(u.training_state, (TrainingState.IDLE,), "moving or casting the model", u.name)
-        unit = self._unit
-        # Buffers lazy init cast to buffer_dtype remember their dtype from before (state dicts give it back): a
-        # cast such as .half() changes that too.
-        cast = [(m, name, b) for _, m in iter_own_modules(unit.module) for name, b in m._buffers.items()
-                if b is not None and (id(m), name) in unit.buffer_dtypes]
-        out = super()._apply(fn, recurse)
-        for m, name, b in cast:
-            now = m._buffers.get(name)
-            if now is not None and now.dtype != b.dtype:
-                key = (id(m), name)
-                unit.buffer_dtypes[key] = fn(torch.empty(0, dtype=unit.buffer_dtypes[key], device=b.device)).dtype
-        if unit.config.params.use_orig_params:
-            # nn.Module._apply moved the registered views (copies now) but not the unregistered shards: move the
-            # shards and make fresh views of them (build the optimizer after moving the model).
-            with torch.no_grad():
-                for h in unit.handles:
-                    h.flat.data = fn(h.flat)
-                    if h.flat.grad is not None:
-                        h.flat.grad = fn(h.flat.grad)
-                    h.make_orig_views()
-                    h.register_orig_views()  # borrowing siblings register the same views
-                    h.grads_to_views()
-        reset_root(unit)
-        for h in unit.handles:  # .half() and the like: the parameters now have the shard's new dtype
-            h.follow_shard_dtype()
-        return out
+        return apply_to_unit(self._unit, fn, lambda: super(FullyShardedDataParallel, self)._apply(fn, recurse))
 
     def _units(self) -> list[FullyShardedDataParallel]:
         """This wrapper and every nested wrapper, in module order (self first)."""

@@ -219,3 +219,35 @@ def _check_ranks_agree(root: Unit, units: list[Unit]) -> None:
                 f"rank {rank}; unit #{diff} is {mine} (name, [(numel, dtype, requires_grad) per flat group]) on rank "
                 f"0 but {theirs} on rank {rank}: build and wrap the same model on every rank"
             )
+
+
+def apply_to_unit(unit: Unit, fn: Callable[[torch.Tensor], torch.Tensor], apply: Callable[[], nn.Module]) -> nn.Module:
+    """A wrapper's ``.to()``/``.cuda()``/``.half()``: ``apply()`` (``nn.Module._apply``) moves the module; the shards,
+    their original-parameter views and the remembered buffer dtypes follow, and the runtime is rebuilt lazily."""
+    for u in units_below(unit):
+        check_state(u.training_state, (TrainingState.IDLE,), "moving or casting the model", u.name)
+    # Buffers lazy init cast to buffer_dtype remember their dtype from before (state dicts give it back): a
+    # cast such as .half() changes that too.
+    cast = [(m, name, b) for _, m in iter_own_modules(unit.module) for name, b in m._buffers.items()
+            if b is not None and (id(m), name) in unit.buffer_dtypes]
+    out = apply()
+    for m, name, b in cast:
+        now = m._buffers.get(name)
+        if now is not None and now.dtype != b.dtype:
+            key = (id(m), name)
+            unit.buffer_dtypes[key] = fn(torch.empty(0, dtype=unit.buffer_dtypes[key], device=b.device)).dtype
+    if unit.config.params.use_orig_params:
+        # nn.Module._apply moved the registered views (copies now) but not the unregistered shards: move the
+        # shards and make fresh views of them (build the optimizer after moving the model).
+        with torch.no_grad():
+            for h in unit.handles:
+                h.flat.data = fn(h.flat)
+                if h.flat.grad is not None:
+                    h.flat.grad = fn(h.flat.grad)
+                h.make_orig_views()
+                h.register_orig_views()  # borrowing siblings register the same views
+                h.grads_to_views()
+    reset_root(unit)
+    for h in unit.handles:  # .half() and the like: the parameters now have the shard's new dtype
+        h.follow_shard_dtype()
+    return out
