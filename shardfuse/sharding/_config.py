@@ -59,7 +59,7 @@ class PrecisionPolicy:
         """The dtype gradients are reduce-scattered in, for a unit whose parameters have ``param_dtypes``."""
         if not self.mixed_precision:
             return next(iter(param_dtypes)) if param_dtypes else torch.float32
-        return torch.float32 if self.fp32_reduce_scatter else self.compute_dtype
+        return torch.float32 if self.fp32_reduce_scatter else (self.compute_dtype or torch.float16)
 
 
 @dataclass(frozen=True)
@@ -474,7 +474,7 @@ def _default_gpu(groups: Groups) -> torch.device | None:
     return groups.device if groups.device.type == "cuda" else None
 
 
-def shard_device(config: ShardingConfig, groups: Groups, found: torch.device | None) -> torch.device | None:
+def shard_device(config: ShardingConfig, groups: Groups, found: torch.device | None) -> torch.device:
     """Where a unit keeps its shards, for parameters ``found`` on a device (None: meta-built or none yet).
 
     With ``move_params_to_cpu`` the host; under NCCL, parameters left on the CPU go to the compute device (the

@@ -46,7 +46,7 @@ def flatten_own_params(
     if found.borrowed:
         _refuse_nested_lenders(module, found.borrowed)
     placed = param_device(type(module).__name__, {f"{pre}{n}": p.device for pre, _, n, p in found.regs})
-    where = shard_device(config, groups, placed) if placed is not None else None
+    where = shard_device(config, groups, placed)
     by_group: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
     for p in found.unique.values():
         by_group.setdefault((p.dtype, p.requires_grad), []).append(p)

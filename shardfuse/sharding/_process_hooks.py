@@ -229,8 +229,8 @@ def _uninstall() -> None:
     if _torch_clip_grad_norm is not None:
         # Give torch's function back only where it is still ours (someone may have patched it since).
         for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
-            if owner.clip_grad_norm_ is clip_grad_norm_:
-                owner.clip_grad_norm_ = _torch_clip_grad_norm
+            if getattr(owner, "clip_grad_norm_", None) is clip_grad_norm_:
+                setattr(owner, "clip_grad_norm_", _torch_clip_grad_norm)  # noqa: B010 (a module torch types)
         _torch_clip_grad_norm = None
     if _optimizer_guard is not None:
         for handle in _optimizer_guard:

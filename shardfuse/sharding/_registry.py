@@ -8,7 +8,7 @@ storage (``_flat_param.py``) so set-up, guards and the process-wide hooks read t
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -36,10 +36,15 @@ _HANDLES: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[Any]]] = {}
 _FLATTENED: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[Any], int]] = {}
 
 
+def _forget(table: dict[int, Any], key: int) -> Callable[[Any], None]:
+    """A weakref callback: drop ``table[key]`` once its tensor is gone."""
+    return lambda _: table.pop(key, None)
+
+
 def register_handle(p: torch.Tensor, handle: Any) -> None:
     """Enter ``p`` (a flat parameter or an original-parameter view) as a shard of ``handle``."""
     key = id(p)
-    _HANDLES[key] = (weakref.ref(p, lambda _, key=key: _HANDLES.pop(key, None)), weakref.ref(handle))
+    _HANDLES[key] = (weakref.ref(p, _forget(_HANDLES, key)), weakref.ref(handle))
 
 
 def handle_of(p: torch.Tensor) -> Any | None:
@@ -51,7 +56,7 @@ def handle_of(p: torch.Tensor) -> Any | None:
 def register_flattened(p: torch.Tensor, handle: Any, index: int) -> None:
     """Enter original parameter ``p`` as unique parameter ``index`` of ``handle``."""
     key = id(p)
-    _FLATTENED[key] = (weakref.ref(p, lambda _, key=key: _FLATTENED.pop(key, None)), weakref.ref(handle), index)
+    _FLATTENED[key] = (weakref.ref(p, _forget(_FLATTENED, key)), weakref.ref(handle), index)
 
 
 def flattened_into(p: torch.Tensor) -> tuple[Any, int] | None:

@@ -160,8 +160,8 @@ def _init_unit(unit: Unit) -> None:
     precision = cfg.precision
     for h in unit.handles:
         if h.full_param is None:
-            h.init_full_buffer(precision.compute_dtype if precision.mixed_precision else h.dtype, unit.compute_device,
-                               _post_backward_hook(unit, h))
+            dtype = precision.compute_dtype if precision.mixed_precision and precision.compute_dtype else h.dtype
+            h.init_full_buffer(dtype, unit.compute_device, _post_backward_hook(unit, h))
     unit.reduce_cfg.reduce_dtype = precision.reduce_dtype({h.compute_dtype for h in unit.handles})
     _cast_buffers(unit)
 

@@ -147,8 +147,9 @@ def materialize_meta(
                     f"param_init_fn=... (called with each such module) or build it on a real device"
                 )
         for name, p in olds.items():
-            if name in m._parameters and m._parameters[name] is not None:
-                first.setdefault(id(p), m._parameters[name])
+            now = m._parameters.get(name)
+            if now is not None:
+                first.setdefault(id(p), now)
         for name, p in tied.items():
             m._parameters[name] = p
     left = sorted(f"{prefix}{name}" for prefix, m in own for name, t in (*m._parameters.items(), *m._buffers.items())
