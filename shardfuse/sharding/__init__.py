@@ -2,6 +2,7 @@
 
 from shardfuse.sharding._fully_sharded import FullyShardedDataParallel
 from shardfuse.sharding._offload_optim import OffloadOptimizer
+from shardfuse.sharding._process_hooks import set_process_hooks
 from shardfuse.sharding._state import TrainingState
 from shardfuse.sharding._wrap import (
     ModuleClassWrapPolicy,
@@ -25,6 +26,7 @@ __all__ = [
     "default_auto_wrap_policy",
     "enable_wrap",
     "no_split_modules_policy",
+    "set_process_hooks",
     "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",
     "wrap",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,53 +27,16 @@ from shardfuse._profiling import profiled
 from shardfuse._streams import Streams, record_event, use_stream, wait_event, wait_stream
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding import _data_path as dp
+from shardfuse.sharding._config import MISSING_GROUP, Groups
+from shardfuse.sharding._registry import (  # SHARD_MARK_KEY: re-exported for _dcp, _dcp_guard, _optim_state
+    SHARD_MARK_ATTR,
+    SHARD_MARK_KEY,
+    flattened_into,
+    register_handle,
+)
+from shardfuse.sharding._step_state import HandleStep
 
-# Marks original parameters once they were flattened: a later unit borrows them instead of flattening them again.
-FLATTENED_MARK = "_shardfuse_flattened_into"
-# On sharded parameters (flat, or original views): (rank, world_size), the shard this rank's optimizer state is of.
-SHARD_MARK_ATTR = "_shardfuse_shard"
-# The key under which an optimizer's per-parameter state carries that mark (see _setup.mark_optimizer_state).
-SHARD_MARK_KEY = "shardfuse_shard"
-# id(sharded parameter) -> (the parameter, its FlatParamHandle), both weakly. Not an attribute: parameters must
-# stay picklable; not a WeakKeyDictionary: it compares tensors with ==.
-_HANDLES: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[FlatParamHandle]]] = {}
-
-
-def _register_handle(p: torch.Tensor, handle: FlatParamHandle) -> None:
-    key = id(p)
-    _HANDLES[key] = (weakref.ref(p, lambda _, key=key: _HANDLES.pop(key, None)), weakref.ref(handle))
-
-
-def handle_of(p: torch.Tensor) -> FlatParamHandle | None:
-    """The handle whose shard ``p`` is (a flat parameter, or an original parameter's view), or None."""
-    entry = _HANDLES.get(id(p))
-    return entry[1]() if entry is not None and entry[0]() is p else None
-
-
-# id(original parameter) -> (it, the handle it was flattened into, its unique index there), all weakly (as
-# _HANDLES): a later unit whose modules register it too borrows it from that handle.
-_FLATTENED: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[FlatParamHandle], int]] = {}
-
-
-def _register_flattened(p: torch.Tensor, handle: FlatParamHandle, index: int) -> None:
-    key = id(p)
-    _FLATTENED[key] = (weakref.ref(p, lambda _, key=key: _FLATTENED.pop(key, None)), weakref.ref(handle), index)
-
-
-def flattened_into(p: torch.Tensor) -> tuple[FlatParamHandle, int] | None:
-    """``(handle, unique index)`` of a parameter some unit already flattened: an original parameter, or its
-    ``use_orig_params`` view; None for any other tensor."""
-    entry = _FLATTENED.get(id(p))
-    if entry is not None and entry[0]() is p:
-        h = entry[1]()
-        return None if h is None else (h, entry[2])
-    h = handle_of(p)
-    if h is not None and h.orig_views is not None:
-        for i, v in enumerate(h.orig_views):
-            if v is p:
-                return h, i
-    return None
-
+__all__ = ["SHARD_MARK_KEY", "BorrowedSlot", "FlatParamHandle", "ParamSlot", "ParamTable"]
 
 def _reduce_orig_view(ref: weakref.ref[nn.Parameter], proto: int) -> tuple:
     """How an original-parameter view pickles: a meta parameter of its shape with its requires_grad and
@@ -82,15 +45,6 @@ def _reduce_orig_view(ref: weakref.ref[nn.Parameter], proto: int) -> tuple:
     state = {k: x for k, x in v.__dict__.items() if k != "__reduce_ex__"}
     meta = torch.empty(v.shape, dtype=v.dtype, device="meta")
     return torch._utils._rebuild_parameter_with_state, (meta, v.requires_grad, OrderedDict(), state)
-
-
-# The instance attribute that makes a module (the public wrapper) a unit: it holds the unit's runtime state.
-# Flattening stops at such modules; their own parameters belong to their unit.
-UNIT_ATTR = "_shardfuse_unit"
-# Set on every module whose parameters a unit flattened: wrapping it (or a part of it) again is an error.
-OWNED_MARK = "_shardfuse_owned_by"
-# What a pickled unit holds instead of its process groups until the user sets them again.
-MISSING_GROUP = "MISSING"
 
 
 @dataclass(frozen=True)
@@ -119,15 +73,6 @@ class BorrowedSlot:
     lender_hi: int = -1
 
 
-def iter_own_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
-    """``(prefix, submodule)`` pairs of ``module``'s tree, not descending into nested units (wrappers)."""
-    yield prefix, module
-    for name, child in module._modules.items():
-        if child is None or UNIT_ATTR in child.__dict__:
-            continue
-        yield from iter_own_modules(child, f"{prefix}{name}.")
-
-
 class FlatParamHandle:
     """One flat parameter group of a unit: sharded storage, the gathered full buffer and their views."""
 
@@ -136,9 +81,7 @@ class FlatParamHandle:
         params: list[nn.Parameter],
         slots: list[ParamSlot],
         *,
-        group: coll.ProcessGroup,
-        rank: int,
-        world_size: int,
+        groups: Groups,
         shard_device: torch.device,
         pin: bool,
     ) -> None:
@@ -147,13 +90,12 @@ class FlatParamHandle:
         Args:
             params: the unique parameters of the group, in flattening order.
             slots: every registration of them (shared parameters appear more than once).
-            group, rank, world_size: the process group the shard belongs to.
+            groups: the unit's process groups (shared: ``set_groups`` on the unit reaches the handle too).
             shard_device: where the shard lives (the parameters' device, or CPU with move_params_to_cpu).
             pin: pin the CPU shard so host->device copies can run asynchronously.
         """
-        self.group = group
-        self.rank = rank
-        self.world_size = world_size
+        self.groups = groups
+        rank, world_size = groups.rank, groups.world_size
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
         self.slots = slots
@@ -183,19 +125,14 @@ class FlatParamHandle:
         # None: not split. A tuple: the optimizer's load_state_dict keeps tuples of numbers as they are.
         self.shard_mark = (rank, world_size) if world_size > 1 else None
         setattr(self.flat, SHARD_MARK_ATTR, self.shard_mark)
-        _register_handle(self.flat, self)
+        register_handle(self.flat, self)
         # Split sizes of the full buffer into parameters plus the padding tail (one SplitBackward node).
         self.split_sizes = [*self.numels, self.padded_numel - self.numel]
         # Set by init_full_buffer() (lazy init, once the compute device is final).
         self.full_param: torch.Tensor | None = None
         self.full_data: torch.Tensor | None = None  # alias of full_param with its own version counter
         self.compute_dtype = self.dtype
-        self.is_full = False
-        self.gathered_version = -1
-        # The shard's version when forward last used it: backward must see the same parameters.
-        self.forward_version: int | None = None
-        self.ag_event: torch.cuda.Event | None = None
-        self.fired = False  # post-backward hook ran in this backward pass
+        self.step = HandleStep()  # per-step flags, apart from this fixed layout
         # While sharded, the original attributes are meta tensors: shape/dtype/`is None` checks (e.g. in
         # extra_repr) work, and reading data fails loudly instead of touching freed memory.
         self.placeholders = [torch.empty(s, dtype=self.dtype, device="meta") for s in self.shapes]
@@ -204,11 +141,21 @@ class FlatParamHandle:
         # ``flat`` (empty where the rank holds none of it); (offset in the shard, length) of each.
         self.orig_views: list[nn.Parameter] | None = None
         self.view_ranges: list[tuple[int, int]] = []
-        # A reduction wrote ``flat.grad`` in this backward: only then do the views' gradients follow it (after a
-        # no_sync backward, or with the unit unused, ``flat.grad`` may be a stale one the user zeroed on the views).
-        self.grad_reduced = False
         # Host buffers of a shard stepped by an OffloadOptimizer (_host_shard.HostShard), else None.
         self.host: Any = None
+
+    @property
+    def group(self) -> coll.ProcessGroup:
+        """The process group the shard belongs to."""
+        return self.groups.process_group
+
+    @property
+    def rank(self) -> int:
+        return self.groups.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.groups.world_size
 
     # ----------------------------------------------------------------------------------------------
     # set-up
@@ -227,7 +174,7 @@ class FlatParamHandle:
         # ``.data`` gives an alias with a separate version counter: writing gathered values through it does
         # not invalidate the views autograd saved for backward.
         self.full_data = full.data
-        self.is_full = False
+        self.step.reset()
         self._on_grad = on_grad
         self._hooked = False
         self._hook_if_trained()
@@ -274,7 +221,7 @@ class FlatParamHandle:
             # tensors of their own. A view pickles as a meta placeholder instead (its requires_grad and attributes
             # kept), and the unpickled handle makes the views again from its shard (see __setstate__).
             v.__reduce_ex__ = functools.partial(_reduce_orig_view, weakref.ref(v))
-            _register_handle(v, self)
+            register_handle(v, self)
         return self.orig_views
 
     def follow_shard_dtype(self) -> None:
@@ -336,7 +283,8 @@ class FlatParamHandle:
         its attribute follows this handle from now on, like the own registrations (views while gathered,
         placeholders while sharded; the original-parameter view registered where there is one)."""
         self.attr_slots = [*self.attr_slots, slot]
-        slot.module.__dict__[slot.attr] = self.views()[slot.index] if self.is_full else self.placeholders[slot.index]
+        shown = self.views()[slot.index] if self.step.is_full else self.placeholders[slot.index]
+        slot.module.__dict__[slot.attr] = shown
         if self.orig_views is not None:
             slot.module._parameters[slot.attr] = self.orig_views[slot.index]
 
@@ -360,23 +308,27 @@ class FlatParamHandle:
         return None
 
     def __getstate__(self) -> dict:
-        # Process groups do not pickle; the owner sets them again (FairScale's "MISSING" convention). The runtime
-        # (the full buffer and its post-backward hook, a pending gather) is dropped: lazy init makes it again.
+        # The runtime (the full buffer and its post-backward hook, a pending gather) is dropped: lazy init makes
+        # it again. The groups pickle without their process groups (Groups.__getstate__).
         state = dict(self.__dict__)
-        state["group"] = MISSING_GROUP
         for key in ("_on_grad", "_hooked"):
             state.pop(key, None)
-        state.update(full_param=None, full_data=None, is_full=False, gathered_version=-1, forward_version=None,
-                     ag_event=None, fired=False, host=None)
+        state.update(full_param=None, full_data=None, step=HandleStep(), host=None)
         return state
 
     def __setstate__(self, state: dict) -> None:
         state.setdefault("attr_slots", state["slots"])  # pickled before sharing across units: nothing lent
         state.setdefault("host", None)
+        if "groups" not in state:  # pickled before the groups were shared: the unit points it at its own
+            state["groups"] = Groups(MISSING_GROUP, MISSING_GROUP, state.pop("rank"), state.pop("world_size"))
+            state.pop("group", None)
+        for key in ("is_full", "gathered_version", "forward_version", "ag_event", "fired", "grad_reduced"):
+            state.pop(key, None)
+        state.setdefault("step", HandleStep())
         self.__dict__.update(state)
         # The registries are per process, keyed by object ids: enter the unpickled shard (clip_grad_norm_,
         # optimizer-state and borrowing look it up there).
-        _register_handle(self.flat, self)
+        register_handle(self.flat, self)
         if self.orig_views is not None:
             # Pickle copied each original-parameter view into a tensor of its own, no longer a view of the
             # shard: make them again from it (the modules register them: FullyShardedDataParallel.__setstate__,
@@ -401,7 +353,8 @@ class FlatParamHandle:
         host = self.host
         if host is not None:
             host.wait_ready()  # an optimizer step of this shard may be in flight on the host
-        if self.is_full and self.gathered_version == self.flat._version:
+        step = self.step
+        if step.is_full and step.gathered_version == self.flat._version:
             return
         ag = streams.all_gather
         with profiled("shardfuse.sharding:all_gather"):
@@ -423,25 +376,25 @@ class FlatParamHandle:
                 if host is not None:
                     host.note_h2d(ag)
                 coll.all_gather_into(self.full_data, local, self.group, self.world_size)
-                self.ag_event = record_event(ag)
-        self.is_full = True
-        self.gathered_version = self.flat._version
+                step.ag_event = record_event(ag)
+        step.is_full = True
+        step.gathered_version = self.flat._version
 
     def wait_full(self, streams: Streams) -> None:
         """Make the compute stream wait for the pending all-gather of this handle."""
-        if self.ag_event is not None:
-            wait_event(streams.current(), self.ag_event)
-            self.ag_event = None
+        step = self.step
+        if step.ag_event is not None:
+            wait_event(streams.current(), step.ag_event)
+            step.ag_event = None
 
     def reshard(self) -> None:
         """Free the full buffer (storage size 0); views saved by autograd see it again after the next gather."""
-        if not self.is_full:
+        if not self.step.is_full:
             return
         # No record_stream: the block returns to the all-gather stream's pool, and every later allocation
         # there is preceded by that stream waiting for the compute stream (see unshard).
         self.full_data.untyped_storage().resize_(0)
-        self.is_full = False
-        self.ag_event = None
+        self.step.freed()
         self.clear_views()
 
     def views(self) -> list[torch.Tensor]:
@@ -487,172 +440,3 @@ class FlatParamHandle:
 ParamTable = dict[int, list[tuple[str, int, int]]]
 """id(module) -> ``(attr, handle index, unique index)`` of each parameter the module registered, in its order.
 Ids are of this process's objects: a pickled unit keys it by the modules themselves (see ``Unit.__getstate__``)."""
-
-
-def flatten_own_params(
-    module: nn.Module,
-    *,
-    group: coll.ProcessGroup,
-    rank: int,
-    world_size: int,
-    move_params_to_cpu: bool,
-    compute_device: torch.device | None,
-    cuda_group: bool = False,
-) -> tuple[list[FlatParamHandle], ParamTable, list[BorrowedSlot]]:
-    """Flatten ``module``'s own parameters (not those of nested units) per (dtype, requires_grad) group.
-
-    Under an NCCL group (``cuda_group``) parameters left on the CPU are sharded onto the compute device (the
-    current CUDA device by default), as FairScale moves such modules. The original ``nn.Parameter`` objects
-    leave their modules' ``_parameters`` (marked with ``FLATTENED_MARK``); the returned handles own the shards.
-    Groups come in order of first appearance. A parameter a sibling unit already flattened (shared across
-    units) is not flattened again but borrowed: its registrations come back as :class:`BorrowedSlot`, in the
-    table as handle index ``-1 - k`` for the ``k``-th of them.
-    """
-    unique: dict[int, nn.Parameter] = {}
-    regs: list[tuple[str, nn.Module, str, nn.Parameter]] = []
-    borrowed: list[BorrowedSlot] = []
-    order: dict[int, list[str]] = {}
-    for prefix, m in iter_own_modules(module):
-        for name, p in m._parameters.items():
-            if p is None:
-                continue
-            if getattr(p, FLATTENED_MARK, None) is not None or handle_of(p) is not None:
-                lent = flattened_into(p)
-                if lent is None:
-                    raise ValueError(
-                        f"parameter {prefix}{name} was flattened by a FullyShardedDataParallel unit that no longer "
-                        f"exists (or is a unit's flat parameter): its values are stale; register a live parameter"
-                    )
-                borrowed.append(BorrowedSlot(m, name, f"{prefix}{name}", *lent))
-                order.setdefault(id(m), []).append(name)
-                continue
-            if not p.is_floating_point():
-                raise TypeError(
-                    f"parameter {prefix}{name} has dtype {p.dtype}; only floating-point parameters can be "
-                    f"sharded: register it as a buffer instead"
-                )
-            unique.setdefault(id(p), p)
-            regs.append((prefix, m, name, p))
-            order.setdefault(id(m), []).append(name)
-    if borrowed:
-        _refuse_nested_lenders(module, borrowed)
-    devices = {p.device for p in unique.values()}
-    if len(devices) > 1:
-        where = sorted({f"{pre}{n}: {p.device}" for pre, _, n, p in regs})[:8]
-        raise ValueError(
-            f"parameters of {type(module).__name__} are on several devices ({sorted(map(str, devices))}, e.g. "
-            f"{where}): move the module to one device before wrapping"
-        )
-    param_device = next(iter(devices)) if devices else None
-    if (
-        compute_device is not None and not move_params_to_cpu and not cuda_group
-        and param_device is not None and compute_device.type != param_device.type
-    ):
-        raise ValueError(
-            f"compute_device={compute_device} differs from the parameters' device {param_device}: move "
-            f"the module to {compute_device} before wrapping, or pass move_params_to_cpu=True"
-        )
-    groups: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
-    for p in unique.values():
-        groups.setdefault((p.dtype, p.requires_grad), []).append(p)
-    shard_device = torch.device("cpu") if move_params_to_cpu else param_device
-    if (
-        cuda_group and not move_params_to_cpu and shard_device is not None and shard_device.type == "cpu"
-        and torch.cuda.is_available()
-    ):
-        shard_device = compute_device or torch.device("cuda", torch.cuda.current_device())
-    handles: list[FlatParamHandle] = []
-    table: ParamTable = {}
-    for hi, params in enumerate(groups.values()):
-        index = {id(p): i for i, p in enumerate(params)}
-        slots = [ParamSlot(m, name, f"{prefix}{name}", index[id(p)]) for prefix, m, name, p in regs if id(p) in index]
-        handle = FlatParamHandle(
-            params, slots, group=group, rank=rank, world_size=world_size, shard_device=shard_device,
-            pin=move_params_to_cpu,
-        )
-        handles.append(handle)
-        for s in slots:
-            table.setdefault(id(s.module), []).append((s.attr, hi, s.index))
-        for p in params:
-            _register_flattened(p, handle, index[id(p)])
-    for k, b in enumerate(borrowed):
-        table.setdefault(id(b.module), []).append((b.attr, -1 - k, b.index))
-    # Keep each module's original parameter order for state dicts.
-    for mid, names in order.items():
-        rank_of = {n: i for i, n in enumerate(names)}
-        table[mid].sort(key=lambda e: rank_of[e[0]])
-    for _, m, name, p in regs:
-        m._parameters.pop(name, None)
-        setattr(p, FLATTENED_MARK, True)
-    for b in borrowed:
-        b.module._parameters.pop(b.attr, None)
-        b.handle.lend(ParamSlot(b.module, b.attr, b.fqn, b.index))
-    for _, m in iter_own_modules(module):
-        object.__setattr__(m, OWNED_MARK, True)
-    return handles, table, borrowed
-
-
-def _refuse_nested_lenders(module: nn.Module, borrowed: list[BorrowedSlot]) -> None:
-    """Only siblings share: a unit nested inside this one reshards the parameter after its own forward, in the
-    middle of this unit's forward, which still reads it."""
-    nested = {id(h) for m in module.modules() if UNIT_ATTR in m.__dict__ for h in m.__dict__[UNIT_ATTR].handles}
-    for b in borrowed:
-        if id(b.handle) in nested:
-            raise ValueError(
-                f"parameter {b.fqn} is shared with a module already wrapped by another FullyShardedDataParallel "
-                f"unit nested inside this {type(module).__name__}: parameters are shared only between sibling units "
-                f"(neither inside the other); wrap the modules that share it in the same unit, or wrap each of them "
-                f"as a sibling unit under a common root"
-            )
-
-
-def materialize_meta(
-    module: nn.Module, device: torch.device, param_init_fn: Callable[[nn.Module], None] | None
-) -> None:
-    """Give ``module``'s own modules on the meta device real storage on ``device`` and their initial values.
-
-    Called by each unit before it flattens, inner units first, so a model built under ``torch.device("meta")``
-    never exists whole: only one unit's parameters are full at a time, then each rank keeps its shard. Each own
-    module with meta tensors (nested units are already done and are never passed) goes to ``param_init_fn``
-    (FSDP1's argument, e.g. ``m.to_empty(device=..., recurse=False)`` then a model's own init of ``m``), or by
-    default is ``to_empty``-ed and its ``reset_parameters()`` runs. Parameters tied across modules stay tied.
-    """
-    own = [(prefix, m) for prefix, m in iter_own_modules(module)]
-    if not any(_has_meta(m) for _, m in own):
-        return
-    first: dict[int, nn.Parameter] = {}  # id of a meta parameter -> what it became
-    for prefix, m in own:
-        if not _has_meta(m):
-            continue
-        tied = {name: first[id(p)] for name, p in m._parameters.items() if p is not None and id(p) in first}
-        olds = {name: p for name, p in m._parameters.items() if p is not None and p.is_meta}
-        if param_init_fn is not None:
-            param_init_fn(m)
-        else:
-            m.to_empty(device=device, recurse=False)
-            reset = getattr(m, "reset_parameters", None)
-            if callable(reset):
-                reset()
-            elif olds.keys() - tied.keys():
-                raise ValueError(
-                    f"{prefix.rstrip('.') or '<the module itself>'} ({type(m).__name__}) is on the meta device and "
-                    f"has no reset_parameters() to initialise {sorted(olds.keys() - tied.keys())}: pass "
-                    f"param_init_fn=... (called with each such module) or build it on a real device"
-                )
-        for name, p in olds.items():
-            if name in m._parameters and m._parameters[name] is not None:
-                first.setdefault(id(p), m._parameters[name])
-        for name, p in tied.items():
-            m._parameters[name] = p
-    left = sorted(f"{prefix}{name}" for prefix, m in own for name, t in (*m._parameters.items(), *m._buffers.items())
-                  if t is not None and t.is_meta)
-    if left:
-        raise ValueError(
-            f"{type(module).__name__} still has tensors on the meta device after initialisation ({left[:8]}): "
-            f"param_init_fn must give every parameter and buffer of the module it gets real storage (e.g. "
-            f"module.to_empty(device=..., recurse=False) then initialise them)"
-        )
-
-
-def _has_meta(m: nn.Module) -> bool:
-    return any(t is not None and t.is_meta for t in (*m._parameters.values(), *m._buffers.values()))

@@ -9,36 +9,38 @@ root (``_root.py``). Summoning, state dicts and optimizer state live in their ow
 from __future__ import annotations
 
 import contextlib
+import inspect
+import logging
 from collections.abc import Callable, Iterator
-from dataclasses import fields
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
+from shardfuse._logging import warn_once
 from shardfuse._profiling import profiled
-from shardfuse.sharding import _collectives as coll
-from shardfuse.sharding import _dcp, _optim_state, _state_dict
-from shardfuse.sharding._config import ShardingConfig, make_config, resolve_groups
-from shardfuse.sharding._dcp_guard import torch_dsd_fqn_modifiers
-from shardfuse.sharding._flat_param import (
-    OWNED_MARK,
-    UNIT_ATTR,
-    flatten_own_params,
-    iter_own_modules,
-    materialize_meta,
+from shardfuse.sharding import _dcp, _optim_state, _process_hooks, _state_dict
+from shardfuse.sharding._config import (
+    ConfigView,
+    check_compute_dtype,
+    make_config,
+    option_parameters,
+    options_doc,
+    resolve_groups,
+    shard_device,
 )
+from shardfuse.sharding._dcp_guard import torch_dsd_fqn_modifiers
+from shardfuse.sharding._flatten import flatten_own_params
 from shardfuse.sharding._grad_reduce import clip_grad_norm
-from shardfuse.sharding._offload_optim import engine_of, finish_host_steps
-from shardfuse.sharding._root import lazy_init, release_unit, reset_root
+from shardfuse.sharding._offload_optim import detach_host_engine, engine_of, finish_host_steps, settle
+from shardfuse.sharding._registry import OWNED_MARK, UNIT_ATTR, WRAPPED_MARK, iter_own_modules
+from shardfuse.sharding._root import apply_to_unit, lazy_init, release_unit, reset_root
 from shardfuse.sharding._runtime import Unit
 from shardfuse.sharding._setup import (
     agree_on_initial_values,
     broadcast_own_states,
     guard_reset_parameters,
-    init_device,
-    install_clip_grad_norm,
-    install_optimizer_guard,
+    materialize_meta,
 )
 from shardfuse.sharding._state import TrainingState, check_state
 from shardfuse.sharding._summon import own_params_gathered, summon_full_params
@@ -46,8 +48,7 @@ from shardfuse.sharding._tree import clean_key, unit_of, units_below
 
 __all__ = ["FullyShardedDataParallel", "TrainingState"]
 
-# Set on a wrapped module to the unit that flattened its parameters, which a second wrapper takes back.
-_WRAPPED_MARK = "_shardfuse_wrapped"
+logger = logging.getLogger(__name__)
 
 
 class _IncompatibleKeys(NamedTuple):
@@ -55,57 +56,27 @@ class _IncompatibleKeys(NamedTuple):
     unexpected_keys: list[str]
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(nn.Module, ConfigView):
     """Shard a module's parameters, gradients and optimizer state across data-parallel ranks (ZeRO-3).
 
     Drop-in for ``fairscale.nn.FullyShardedDataParallel`` 0.4.13. Wrap inner blocks first (or use
     ``shardfuse.auto_wrap`` / ``shardfuse.wrap`` under ``shardfuse.enable_wrap``), then the whole model; build
     the optimizer on ``model.parameters()``, which are the sharded flat parameters. Every rank starts from the
     first rank's parameters and buffers: ``sync_module_states=True`` broadcasts them; otherwise ranks are
-    checked, and ranks that differ get the first rank's values with a warning.
+    checked, and ranks that differ get the first rank's values with a warning. Every option is keyword-only and
+    readable afterwards as an attribute of the same name; each belongs to one policy of
+    ``shardfuse.sharding._config`` (precision, offload, resharding, gradient, state dict, parameters).
 
     Args:
         module: the module to wrap; its own parameters (not those of nested instances) are flattened per
             (dtype, requires_grad) group and sharded.
         process_group: the data-parallel group (default: the world group).
         process_group_reduce_scatter: optional separate group (same ranks) for gradient reduce-scatter.
-        reshard_after_forward: free the full parameters after forward and gather them again for backward.
-        disable_reshard_on_root: the root keeps its full parameters between forward and backward.
-        mixed_precision: compute in ``compute_dtype`` (default fp16) with fp32 master shards.
-        fp32_reduce_scatter: reduce gradients in fp32 under ``mixed_precision`` (default: compute dtype).
-        flatten_parameters: ``False`` exposes the original parameters (see ``use_orig_params``); the shards and
-            all communication stay flat either way.
-        move_params_to_cpu: keep the fp32 shard (and its gradient) in pinned CPU memory.
-        compute_dtype: dtype of the gathered parameters under ``mixed_precision`` (fp16 or bf16).
-        buffer_dtype: dtype of floating buffers (default: ``compute_dtype`` under ``mixed_precision``).
-        move_grads_to_cpu: keep sharded gradients on the CPU (default: ``move_params_to_cpu``).
-        bucket_cap_mb: accepted for compatibility; each unit already reduces its gradient in one
-            reduce-scatter, so there is nothing to bucket (a non-default value is logged).
-        compute_device: device of the computation (default: the parameters' device, or the current CUDA
-            device with ``move_params_to_cpu``).
-        no_broadcast_optim_state: this unit's optimizer state is local (only for process groups of size 1,
-            e.g. mixture-of-experts experts): ``gather_full_optim_state_dict`` takes the recipient's own state.
-        state_dict_device: device of the tensors in ``state_dict()`` (default: the shards' device).
-        clear_autocast_cache: clear the autocast cache after each forward.
-        force_input_to_fp32: cast floating inputs to fp32 when not in mixed precision.
-        verbose: add the configuration to ``repr()``.
-        cpu_offload: deprecated FairScale alias of ``move_params_to_cpu``.
-        state_dict_on_rank_0_only: only rank 0 materialises ``state_dict()`` (other ranks get ``{}``).
-        gradient_predivide_factor: divide gradients by this before the reduce-scatter and by
-            ``world_size / factor`` after it (default: FairScale's power of two near sqrt(world_size)).
-        allow_reset_parameters: allow ``reset_parameters()`` (inside ``summon_full_params()``), including
-            ones that replace the ``nn.Parameter`` objects.
-        sync_module_states: broadcast the first rank's parameters and buffers of this unit at wrap time (FSDP1's
-            name), so ranks need not build the model identically. Without it, the first use checks once that
-            every rank starts from the same values and raises if not.
-        use_orig_params: register the original parameters, under their own names, as 1-D views of this rank's
-            piece of each in the flat shard (FSDP1's name; FairScale's ``flatten_parameters=False``): optimizer
-            groups per parameter (e.g. no weight decay on norms and biases) and freezing single parameters work;
-            the shards and all communication stay flat.
         param_init_fn: for modules built on the meta device: called with each module of the unit that has meta
             tensors (FSDP1's argument, e.g. ``m.to_empty(device=..., recurse=False)`` then the model's own init of
             ``m``) before they are sharded; by default ``to_empty`` then ``reset_parameters()`` of each. Wrap inner
             units first (or use auto_wrap), so only one unit's parameters are ever full on a rank.
+{options}
     """
 
     def __init__(
@@ -113,87 +84,24 @@ class FullyShardedDataParallel(nn.Module):
         module: nn.Module,
         process_group: Any | None = None,
         process_group_reduce_scatter: Any | None = None,
-        reshard_after_forward: bool = True,
-        disable_reshard_on_root: bool = True,
-        mixed_precision: bool = False,
-        fp32_reduce_scatter: bool = False,
-        flatten_parameters: bool = True,
-        move_params_to_cpu: bool = False,
-        compute_dtype: torch.dtype | None = None,
-        buffer_dtype: torch.dtype | None = None,
-        move_grads_to_cpu: bool | None = None,
-        bucket_cap_mb: int = 25,
-        compute_device: torch.device | str | None = None,
-        no_broadcast_optim_state: bool | None = False,
-        state_dict_device: torch.device | str | None = None,
-        clear_autocast_cache: bool = False,
-        force_input_to_fp32: bool = False,
-        verbose: bool = False,
-        cpu_offload: bool = False,
-        state_dict_on_rank_0_only: bool = False,
-        gradient_predivide_factor: float | None = None,
-        allow_reset_parameters: bool = False,
-        sync_module_states: bool = False,
-        use_orig_params: bool = False,
+        *,
         param_init_fn: Callable[[nn.Module], None] | None = None,
+        **options: Any,
     ) -> None:
         with profiled("shardfuse.sharding:wrap"):
             super().__init__()
-            if not isinstance(module, nn.Module):
-                raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
-            if unit_of(module) is not None:
-                raise ValueError(
-                    "module is already a FullyShardedDataParallel instance: wrap each module once "
-                    "(nest instances by wrapping inner submodules, then the outer module)"
-                )
-            prior = module.__dict__.get(_WRAPPED_MARK)
-            if prior is not None:
-                # Wrapping a module again (e.g. for inference after training): the earlier wrapper hands its
-                # parameters back, full, and stops working. Collective, like wrapping itself.
-                release_unit(prior)
-            owned = next((p or "<the module itself>" for p, m in iter_own_modules(module) if OWNED_MARK in m.__dict__),
-                         None)
-            if owned is not None:
-                raise ValueError(
-                    f"the parameters of {type(module).__name__} (at {owned!r}) already belong to an outer "
-                    f"FullyShardedDataParallel unit, which flattened them: wrap inner modules first, then the outer "
-                    f"module (or use auto_wrap)"
-                )
+            _take_module(module)
             groups = resolve_groups(process_group, process_group_reduce_scatter)
-            config = make_config(
-                groups.world_size,
-                reshard_after_forward=reshard_after_forward, disable_reshard_on_root=disable_reshard_on_root,
-                mixed_precision=mixed_precision, fp32_reduce_scatter=fp32_reduce_scatter,
-                flatten_parameters=flatten_parameters, move_params_to_cpu=move_params_to_cpu,
-                compute_dtype=compute_dtype, buffer_dtype=buffer_dtype, move_grads_to_cpu=move_grads_to_cpu,
-                bucket_cap_mb=bucket_cap_mb, compute_device=compute_device,
-                no_broadcast_optim_state=no_broadcast_optim_state, state_dict_device=state_dict_device,
-                clear_autocast_cache=clear_autocast_cache, force_input_to_fp32=force_input_to_fp32,
-                verbose=verbose, cpu_offload=cpu_offload, state_dict_on_rank_0_only=state_dict_on_rank_0_only,
-                gradient_predivide_factor=gradient_predivide_factor,
-                allow_reset_parameters=allow_reset_parameters, sync_module_states=sync_module_states,
-                use_orig_params=use_orig_params,
-            )
-            materialize_meta(module, init_device(config, groups), param_init_fn)
-            if config.sync_module_states:
+            config = make_config(groups.world_size, options)
+            materialize_meta(module, shard_device(config, groups, None), param_init_fn)
+            if config.params.sync_module_states:
                 broadcast_own_states(module, groups)
             else:
                 agree_on_initial_values(module, groups, f"{type(self).__name__}({type(module).__name__})")
-            handles, table, borrowed = flatten_own_params(
-                module, group=groups.process_group, rank=groups.rank, world_size=groups.world_size,
-                move_params_to_cpu=config.move_params_to_cpu, compute_device=config.compute_device,
-                cuda_group=coll.is_cuda_group(groups.process_group),
-            )
-            if not config.mixed_precision and config.compute_dtype is not None:
-                wrong = sorted({str(h.dtype) for h in handles if h.dtype != config.compute_dtype})
-                if wrong:
-                    raise ValueError(
-                        f"compute_dtype={config.compute_dtype} without mixed_precision computes in the parameters' "
-                        f"own dtype, but {type(module).__name__} has {wrong} parameters: cast the model first "
-                        f"(e.g. model.half() for pure fp16), or pass mixed_precision=True"
-                    )
+            handles, table, borrowed = flatten_own_params(module, config, groups)
+            check_compute_dtype(config, (h.dtype for h in handles), type(module).__name__)
             unit = Unit(module, config, groups, handles, table, borrowed)
-            if config.use_orig_params:
+            if config.params.use_orig_params:
                 # The original parameters, views of the shard, where they were; compute reads the instance
                 # attributes (gathered views or meta placeholders), which shadow these registrations.
                 for h in handles:
@@ -205,16 +113,15 @@ class FullyShardedDataParallel(nn.Module):
                     self.register_parameter(f"flat_param_{i}", h.flat)
             self._fsdp_wrapped_module = module
             self.__dict__[UNIT_ATTR] = unit
-            object.__setattr__(module, _WRAPPED_MARK, unit)
+            object.__setattr__(module, WRAPPED_MARK, unit)
             # Nested units know their outermost unit, so any of them can trigger the root's lazy init.
             for u in units_below(unit)[1:]:
                 if u.parent is None:
                     u.parent = unit
                     u.is_root = False
-            if not allow_reset_parameters:
+            if not config.params.allow_reset_parameters:
                 guard_reset_parameters(module)
-            install_optimizer_guard()
-            install_clip_grad_norm()
+            _process_hooks.install()
 
     # ----------------------------------------------------------------------------------------------
     # properties and nn.Module plumbing
@@ -334,7 +241,7 @@ class FullyShardedDataParallel(nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         unit = self._unit
-        if unit.config.use_orig_params:
+        if unit.config.params.use_orig_params:
             # The handles made their original-parameter views again from the unpickled shards; the modules (all
             # unpickled by now) still register pickle's copies, which are no views of anything: replace them.
             for h in unit.handles:
@@ -343,7 +250,7 @@ class FullyShardedDataParallel(nn.Module):
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """``nn.Module.named_parameters``; with ``use_orig_params`` and inside ``summon_full_params()`` the names
         carry no wrapper segment (the original names), as in FairScale."""
-        clean = self._unit.config.use_orig_params or self.training_state == TrainingState.SUMMON_FULL_PARAMS
+        clean = self._unit.config.params.use_orig_params or self.training_state == TrainingState.SUMMON_FULL_PARAMS
         for name, p in super().named_parameters(*args, **kwargs):
             yield (clean_key(name) if clean else name), p
 
@@ -369,48 +276,17 @@ class FullyShardedDataParallel(nn.Module):
         cfg = u.config
         return (
             f"world_size={self.world_size}, rank={self.rank}, flat_params={len(u.handles)}, "
-            f"numel={[h.numel for h in u.handles]}, reshard_after_forward={cfg.reshard_after_forward}, "
-            f"mixed_precision={cfg.mixed_precision}, compute_dtype={cfg.compute_dtype}, "
-            f"buffer_dtype={cfg.buffer_dtype}, fp32_reduce_scatter={cfg.fp32_reduce_scatter}, "
-            f"move_params_to_cpu={cfg.move_params_to_cpu}, "
+            f"numel={[h.numel for h in u.handles]}, reshard_after_forward={cfg.reshard.reshard_after_forward}, "
+            f"mixed_precision={cfg.precision.mixed_precision}, compute_dtype={cfg.precision.compute_dtype}, "
+            f"buffer_dtype={cfg.precision.buffer_dtype}, fp32_reduce_scatter={cfg.precision.fp32_reduce_scatter}, "
+            f"move_params_to_cpu={cfg.offload.move_params_to_cpu}, "
             f"gradient_divide=({u.gradient_predivide_factor}, {u.gradient_postdivide_factor})"
         )
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
-        finish_host_steps(self._unit)  # an OffloadOptimizer step in flight writes the shards
-        engine = engine_of(self._unit)
-        if engine is not None:  # the host buffers belong to the old placement and dtype
-            engine.close()
+        detach_host_engine(self._unit)  # its host buffers belong to the old placement and dtype
         # .to()/.cuda()/.half() move the shards; the runtime (full buffers, streams) is rebuilt lazily.
-        units = units_below(self._unit)
-        for u in units:
-            check_state(u.training_state, (TrainingState.IDLE,), "moving or casting the model", u.name)
-        unit = self._unit
-        # Buffers lazy init cast to buffer_dtype remember their dtype from before (state dicts give it back): a
-        # cast such as .half() changes that too.
-        cast = [(m, name, b) for _, m in iter_own_modules(unit.module) for name, b in m._buffers.items()
-                if b is not None and (id(m), name) in unit.buffer_dtypes]
-        out = super()._apply(fn, recurse)
-        for m, name, b in cast:
-            now = m._buffers.get(name)
-            if now is not None and now.dtype != b.dtype:
-                key = (id(m), name)
-                unit.buffer_dtypes[key] = fn(torch.empty(0, dtype=unit.buffer_dtypes[key], device=b.device)).dtype
-        if unit.config.use_orig_params:
-            # nn.Module._apply moved the registered views (copies now) but not the unregistered shards: move the
-            # shards and make fresh views of them (build the optimizer after moving the model).
-            with torch.no_grad():
-                for h in unit.handles:
-                    h.flat.data = fn(h.flat)
-                    if h.flat.grad is not None:
-                        h.flat.grad = fn(h.flat.grad)
-                    h.make_orig_views()
-                    h.register_orig_views()  # borrowing siblings register the same views
-                    h.grads_to_views()
-        reset_root(unit)
-        for h in unit.handles:  # .half() and the like: the parameters now have the shard's new dtype
-            h.follow_shard_dtype()
-        return out
+        return apply_to_unit(self._unit, fn, lambda: super(FullyShardedDataParallel, self)._apply(fn, recurse))
 
     def _units(self) -> list[FullyShardedDataParallel]:
         """This wrapper and every nested wrapper, in module order (self first)."""
@@ -503,7 +379,7 @@ class FullyShardedDataParallel(nn.Module):
         """This unit's own parameters, without those it borrows from siblings (FairScale's method): the flat
         parameters, or with ``use_orig_params`` the original parameters' views."""
         unit = self._unit
-        if unit.config.use_orig_params:
+        if unit.config.params.use_orig_params:
             return [v for h in unit.handles for v in h.orig_views or ()]
         return [h.flat for h in unit.handles]
 
@@ -514,11 +390,8 @@ class FullyShardedDataParallel(nn.Module):
             if not (isinstance(v, (int, float)) and v > 0):
                 raise ValueError(f"set_gradient_divide_factors needs {name} > 0, got {name}={v!r}")
         for u in units_below(self._unit) if recursive else [self._unit]:
-            u.gradient_predivide_factor = float(pre)
-            u.gradient_postdivide_factor = float(post)
-            if u.reduce_cfg is not None:
-                u.reduce_cfg.predivide = float(pre)
-                u.reduce_cfg.postdivide = float(post)
+            u.reduce_cfg.predivide = float(pre)  # the one live copy, read by every later reduction
+            u.reduce_cfg.postdivide = float(post)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -537,9 +410,8 @@ class FullyShardedDataParallel(nn.Module):
             for u in units_below(unit):
                 check_state(u.training_state, (TrainingState.IDLE,), "clip_grad_norm_()", u.name,
                             "call it after backward has finished")
-            engine = engine_of(unit)
-            if engine is not None:
-                return engine.clip_grad_norm_(max_norm, norm_type)
+            if engine_of(unit) is not None:
+                return engine_of(unit).clip_grad_norm_(max_norm, norm_type)
             return clip_grad_norm([p.grad for p in self.parameters() if p.grad is not None], max_norm, norm_type,
                                   unit.compute_device, unit.groups.process_group, unit.world_size)
 
@@ -554,8 +426,7 @@ class FullyShardedDataParallel(nn.Module):
         exit, in-place changes are written back to the shards (each rank keeps its own slice) unless
         ``volatile``. Not allowed during forward/backward.
         """
-        finish_host_steps(self._unit)  # an OffloadOptimizer step in flight writes the shards
-        lazy_init(self._unit)
+        settle(self._unit)  # finishes host optimizer steps in flight, then lazy init
         return summon_full_params(self._units() if recurse else [self], volatile)
 
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
@@ -592,20 +463,18 @@ class FullyShardedDataParallel(nn.Module):
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> NamedTuple:
         """Load a full state dict (original names, e.g. from an unwrapped model); every rank must call."""
-        finish_host_steps(self._unit)  # an OffloadOptimizer step in flight writes the shards
         if assign:
             raise NotImplementedError("load_state_dict(assign=True) is not supported: parameters are flat shards")
         with profiled("shardfuse.sharding:load_state_dict"):
-            lazy_init(self._unit)
+            settle(self._unit)  # finishes host optimizer steps in flight, then lazy init
             missing, unexpected = _state_dict.load_full_state_dict(self, state_dict, strict)
             return _IncompatibleKeys(missing, unexpected)
 
     def local_state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """This rank's flat shards and the buffers, as FairScale names them: ``<unit path>.flat_param_<i>``
         and the buffers' own names, with no wrapper segment (see :meth:`local_metadata_dict`)."""
-        finish_host_steps(self._unit)  # an OffloadOptimizer step in flight writes the shards
         with profiled("shardfuse.sharding:local_state_dict"):
-            lazy_init(self._unit)
+            settle(self._unit)  # finishes host optimizer steps in flight, then lazy init
             return _state_dict.local_state_dict(self)
 
     def local_metadata_dict(self) -> dict[str, Any]:
@@ -621,9 +490,8 @@ class FullyShardedDataParallel(nn.Module):
 
     def load_local_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> NamedTuple:
         """Load a dict from :meth:`local_state_dict` saved with the same world size and wrapping."""
-        finish_host_steps(self._unit)  # an OffloadOptimizer step in flight writes the shards
         with profiled("shardfuse.sharding:load_local_state_dict"):
-            lazy_init(self._unit)
+            settle(self._unit)  # finishes host optimizer steps in flight, then lazy init
             missing, unexpected = _state_dict.load_local_state_dict(self, state_dict, strict)
             return _IncompatibleKeys(missing, unexpected)
 
@@ -639,20 +507,18 @@ class FullyShardedDataParallel(nn.Module):
         ``parameters()`` (module order), so the dict also loads into a plain optimizer of the unwrapped model;
         several param groups are kept.
         """
-        finish_host_steps(self._unit)  # an OffloadOptimizer step in flight writes the shards
         if ignored:
             raise TypeError(f"gather_full_optim_state_dict got unsupported arguments {sorted(ignored)}")
         with profiled("shardfuse.sharding:gather_full_optim_state_dict"):
-            lazy_init(self._unit)
+            settle(self._unit)  # finishes host optimizer steps in flight, then lazy init
             return _optim_state.gather_full_optim_state_dict(self, optim, recipient_rank)
 
     def get_shard_from_optim_state_dict(self, full_optim_state_dict: dict[str, Any]) -> dict[str, Any]:
         """This rank's optimizer state dict (for ``optim.load_state_dict``, also of a fresh optimizer that has
         not stepped yet) from a consolidated one, at any world size. As in FairScale, tensors are on the CPU
         (``load_state_dict`` moves them to the parameters' device) and the input dict is consumed."""
-        finish_host_steps(self._unit)  # an OffloadOptimizer step in flight writes the shards
         with profiled("shardfuse.sharding:get_shard_from_optim_state_dict"):
-            lazy_init(self._unit)
+            settle(self._unit)  # finishes host optimizer steps in flight, then lazy init
             return _optim_state.get_shard_from_optim_state_dict(self, full_optim_state_dict)
 
     def sharded_state_dict(self, optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
@@ -664,9 +530,8 @@ class FullyShardedDataParallel(nn.Module):
         (``Shard(0)``) whose local tensor is a view of this rank's piece (no copy); buffers are plain tensors. A
         fresh optimizer's state is laid out without stepping it. Root only; every rank must call.
         """
-        finish_host_steps(self._unit)  # an OffloadOptimizer step in flight writes the shards
         with profiled("shardfuse.sharding:sharded_state_dict"):
-            lazy_init(self._unit)
+            settle(self._unit)  # finishes host optimizer steps in flight, then lazy init
             return _dcp.sharded_state_dict(self, optim)
 
     def load_sharded_state_dict(self, state_dict: dict[str, Any], optim: torch.optim.Optimizer | None = None) -> None:
@@ -675,9 +540,8 @@ class FullyShardedDataParallel(nn.Module):
         state and hyper-parameters, also into a fresh optimizer. A checkpoint of another wrapping, a dict that was
         not filled, or optimizer groups that differ from the saved ones raise before anything is written. Root
         only; every rank must call."""
-        finish_host_steps(self._unit)  # an OffloadOptimizer step in flight writes the shards
         with profiled("shardfuse.sharding:load_sharded_state_dict"):
-            lazy_init(self._unit)
+            settle(self._unit)  # finishes host optimizer steps in flight, then lazy init
             _dcp.load_sharded_state_dict(self, state_dict, optim)
 
     def _fqn_modifiers(self) -> dict[str, str]:
@@ -696,12 +560,38 @@ _POST_FORWARD = torch.compiler.disable(Unit.post_forward)
 _ABORT_FORWARD = torch.compiler.disable(Unit.abort_forward)
 
 
-def _config_property(name: str) -> property:
-    return property(lambda self: getattr(self._unit.config, name), doc=f"The ``{name}`` setting (read-only).")
+def _take_module(module: nn.Module) -> None:
+    """Refuse what cannot be wrapped; a module wrapped before is taken back from its earlier wrapper."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
+    if unit_of(module) is not None:
+        raise ValueError(
+            "module is already a FullyShardedDataParallel instance: wrap each module once "
+            "(nest instances by wrapping inner submodules, then the outer module)"
+        )
+    prior = module.__dict__.get(WRAPPED_MARK)
+    if prior is not None:
+        # Wrapping a module again (FairScale allows it, e.g. for inference after training): the earlier wrapper
+        # hands its parameters back, full, and stops working. Collective, like wrapping itself.
+        release_unit(prior)
+        warn_once(logger, f"{type(module).__name__} was wrapped again: its earlier {prior.name} gave its "
+                          f"parameters back to the new wrapper and stops working (using it raises); wrap a module "
+                          f"once unless you mean to replace the wrapper")
+    owned = next((p or "<the module itself>" for p, m in iter_own_modules(module) if OWNED_MARK in m.__dict__), None)
+    if owned is not None:
+        raise ValueError(
+            f"the parameters of {type(module).__name__} (at {owned!r}) already belong to an outer "
+            f"FullyShardedDataParallel unit, which flattened them: wrap inner modules first, then the outer "
+            f"module (or use auto_wrap)"
+        )
 
 
-# FairScale exposes every constructor setting as an attribute of the wrapper; here they read the frozen config.
-for _field in fields(ShardingConfig):
-    if not hasattr(FullyShardedDataParallel, _field.name):
-        setattr(FullyShardedDataParallel, _field.name, _config_property(_field.name))
-del _field
+# The options come from the policies' fields: the docstring's Args and the signature help() and IDEs show.
+FullyShardedDataParallel.__doc__ = (FullyShardedDataParallel.__doc__ or "").replace("{options}", options_doc())
+FullyShardedDataParallel.__init__.__signature__ = inspect.signature(  # type: ignore[attr-defined]
+    FullyShardedDataParallel.__init__
+).replace(parameters=[
+    *(p for p in inspect.signature(FullyShardedDataParallel.__init__).parameters.values()
+      if p.kind is not inspect.Parameter.VAR_KEYWORD),
+    *option_parameters(),
+])

@@ -19,6 +19,7 @@ from shardfuse._profiling import profiled
 from shardfuse._streams import Streams, record_event, use_stream, wait_event, wait_stream
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding import _data_path as dp
+from shardfuse.sharding._config import Groups
 from shardfuse.sharding._flat_param import FlatParamHandle
 
 logger = logging.getLogger(__name__)
@@ -26,12 +27,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ReduceConfig:
-    """How one unit reduces its gradients."""
+    """How one unit reduces its gradients: the one live copy of its divide factors (``set_gradient_divide_factors``
+    changes them here) and of its reduce dtype (settled at lazy init, once the compute dtype is known)."""
 
-    reduce_dtype: torch.dtype
+    groups: Groups  # the unit's groups (shared): reductions use the reduce-scatter group
     predivide: float
     postdivide: float
-    group: coll.ProcessGroup  # the reduce-scatter process group
+    reduce_dtype: torch.dtype = torch.float32
+
+    @property
+    def group(self) -> coll.ProcessGroup:
+        """The reduce-scatter process group."""
+        return self.groups.reduce_scatter_group
 
 
 @dataclass
@@ -88,7 +95,7 @@ def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pe
         return
     flat = handle.flat
     handle.grads_from_views()
-    handle.grad_reduced = True
+    handle.step.grad_reduced = True
     offload = flat.device != grad.device
     current = streams.current()
     if offload or handle.host is not None:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from shardfuse.sharding import _collectives as coll
-from shardfuse.sharding._flat_param import FlatParamHandle, handle_of
+from shardfuse.sharding._flat_param import FlatParamHandle
 from shardfuse.sharding._grad_reduce import clip_grad_norm
 from shardfuse.sharding._host_shard import HostShard
 from shardfuse.sharding._host_step import (
@@ -26,6 +26,8 @@ from shardfuse.sharding._host_step import (
     settings_of,
     step_plan,
 )
+from shardfuse.sharding._registry import handle_of
+from shardfuse.sharding._root import lazy_init
 from shardfuse.sharding._runtime import Unit
 from shardfuse.sharding._tree import units_below
 
@@ -49,6 +51,21 @@ def finish_host_steps(unit: Unit) -> None:
     engine = engine_of(unit)
     if engine is not None:
         engine.synchronize()
+
+
+def settle(unit: Unit) -> None:
+    """Before a state-dict, summon or checkpoint path reads or writes the shards: finish the optimizer steps in
+    flight, then lazy init."""
+    finish_host_steps(unit)
+    lazy_init(unit)
+
+
+def detach_host_engine(unit: Unit) -> None:
+    """The shards move or change dtype (``.to()``, ``.half()``): the OffloadOptimizer's host buffers belong to the
+    old placement, so it finishes and lets go (stepping it later steps the shards as a plain optimizer)."""
+    engine = engine_of(unit)
+    if engine is not None:
+        engine.close()
 
 
 def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
@@ -189,7 +206,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _attach(self) -> None:
         """A HostShard on every handle whose shard lives on the host (made once)."""
         for u in units_below(self.root):
-            compute = u.config.compute_dtype if u.config.mixed_precision and self.host_compute_copy else None
+            prec = u.config.precision
+            compute = prec.compute_dtype if prec.mixed_precision and self.host_compute_copy else None
             for h in u.handles:
                 if h.host is None and h.flat.device.type == "cpu":
                     h.host = HostShard(h.flat, compute or h.dtype, pin=torch.cuda.is_available())
@@ -401,7 +419,7 @@ def _check_arguments(model: nn.Module, optimizer: torch.optim.Optimizer, gpu_bud
     if unit.parent is not None:
         raise ValueError(f"OffloadOptimizer needs the root (outermost) FullyShardedDataParallel, not the nested "
                          f"{unit.name}: pass the outermost wrapper")
-    if not unit.config.move_params_to_cpu:
+    if not unit.config.offload.move_params_to_cpu:
         raise ValueError(f"OffloadOptimizer needs a model wrapped with move_params_to_cpu=True; {unit.name} keeps its "
                          f"parameters on {unit.compute_device}: wrap with move_params_to_cpu=True, or step the plain "
                          f"optimizer")

@@ -17,8 +17,9 @@ from torch import nn
 from shardfuse._streams import Streams
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding import _data_path as dp
-from shardfuse.sharding._flat_param import MISSING_GROUP, OWNED_MARK, FlatParamHandle, iter_own_modules
-from shardfuse.sharding._grad_reduce import ReduceConfig
+from shardfuse.sharding._config import compute_device
+from shardfuse.sharding._flat_param import FlatParamHandle
+from shardfuse.sharding._registry import OWNED_MARK, iter_own_modules
 from shardfuse.sharding._runtime import RootState, Unit
 from shardfuse.sharding._state import TrainingState, check_state
 from shardfuse.sharding._tree import units_below
@@ -52,7 +53,7 @@ def _lazy_init(unit: Unit) -> None:
     for u in units[1:]:
         check_state(u.training_state, (TrainingState.IDLE,), "initialising the root", u.name)
     for u in units:
-        if MISSING_GROUP in (u.groups.process_group, u.groups.reduce_scatter_group):
+        if u.groups.missing:
             raise RuntimeError(
                 f"{u.name} was pickled, which drops its process groups: set model.process_group (and "
                 f"process_group_reduce_scatter) on every FullyShardedDataParallel instance after unpickling"
@@ -66,10 +67,10 @@ def _lazy_init(unit: Unit) -> None:
     for u in units:
         u.root_state = rs
         u.is_root = u is unit
-        u.reshard_after_forward = u.config.reshard_after_forward
+        u.reshard_after_forward = u.config.reshard.reshard_after_forward
         if u.world_size == 1 < unit.world_size and u.groups.process_group is not unit.groups.process_group:
             u.no_broadcast_optim_state = True
-    if unit.config.disable_reshard_on_root:
+    if unit.config.reshard.disable_reshard_on_root:
         unit.reshard_after_forward = False
 
 
@@ -149,40 +150,23 @@ def release_unit(unit: Unit) -> None:
 
 
 def _init_unit(unit: Unit) -> None:
-    """Compute device and dtypes, full buffers with their post-backward hooks, reduction settings, buffers."""
+    """Compute device and dtypes, full buffers with their post-backward hooks, reduction dtype, buffers."""
     cfg = unit.config
-    if cfg.move_params_to_cpu:
-        dev = cfg.compute_device
-        if dev is None:
-            dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        unit.compute_device = dev if dev is not None else torch.device("cpu")
-    elif unit.gather_handles:
-        unit.compute_device = unit.gather_handles[0].flat.device
-    else:
-        dev = cfg.compute_device
-        if dev is None:
-            some = next(iter(unit.module.buffers()), None)
-            dev = some.device if some is not None else next(
-                (p.device for p in unit.module.parameters()), torch.device("cpu")
-            )
-        unit.compute_device = torch.device(dev)
+    shards = unit.gather_handles[0].flat.device if unit.gather_handles else None
+    fallback = None
+    if shards is None:  # no parameters of its own: compute where its buffers (or nested parameters) are
+        some = next(iter(unit.module.buffers()), None)
+        fallback = some.device if some is not None else next((p.device for p in unit.module.parameters()), None)
+    unit.compute_device = compute_device(cfg, shards, fallback)
+    precision = cfg.precision
     for h in unit.handles:
         if h.full_param is None:
-            h.init_full_buffer(cfg.compute_dtype if cfg.mixed_precision else h.dtype, unit.compute_device,
-                               _post_backward_hook(unit, h))
-    dtypes = {h.compute_dtype for h in unit.handles}
-    reduce_dtype = torch.float32 if (cfg.fp32_reduce_scatter or not cfg.mixed_precision) else cfg.compute_dtype
-    if not cfg.mixed_precision and dtypes:
-        reduce_dtype = next(iter(dtypes))
-    unit.reduce_cfg = ReduceConfig(
-        reduce_dtype=reduce_dtype,
-        predivide=unit.gradient_predivide_factor,
-        postdivide=unit.gradient_postdivide_factor,
-        group=unit.groups.reduce_scatter_group,
-    )
+            dtype = precision.compute_dtype if precision.mixed_precision and precision.compute_dtype else h.dtype
+            h.init_full_buffer(dtype, unit.compute_device, _post_backward_hook(unit, h))
+    unit.reduce_cfg.reduce_dtype = precision.reduce_dtype({h.compute_dtype for h in unit.handles})
+    rc = unit.reduce_cfg
     for h in unit.handles:  # once, here: the per-step kernel launches (_data_path) check nothing
-        dp.check_plan(h.flat, h.full_param, h.world_size, reduce_dtype, unit.reduce_cfg.predivide,
-                      unit.reduce_cfg.postdivide, h.names[0])
+        dp.check_plan(h.flat, h.full_param, h.world_size, rc.reduce_dtype, rc.predivide, rc.postdivide, h.names[0])
     _cast_buffers(unit)
 
 
@@ -202,7 +186,7 @@ def _post_backward_hook(unit: Unit, handle: FlatParamHandle) -> Callable[[torch.
 
 def _cast_buffers(unit: Unit) -> None:
     """Floating buffers of owned modules to ``buffer_dtype`` on the compute device (originals remembered)."""
-    buffer_dtype = unit.config.buffer_dtype
+    buffer_dtype = unit.config.precision.buffer_dtype
     for _, m in iter_own_modules(unit.module):
         for name, b in m._buffers.items():
             if b is None:
@@ -239,3 +223,35 @@ def _check_ranks_agree(root: Unit, units: list[Unit]) -> None:
                 f"rank {rank}; unit #{diff} is {mine} (name, [(numel, dtype, requires_grad) per flat group]) on rank "
                 f"0 but {theirs} on rank {rank}: build and wrap the same model on every rank"
             )
+
+
+def apply_to_unit(unit: Unit, fn: Callable[[torch.Tensor], torch.Tensor], apply: Callable[[], nn.Module]) -> nn.Module:
+    """A wrapper's ``.to()``/``.cuda()``/``.half()``: ``apply()`` (``nn.Module._apply``) moves the module; the shards,
+    their original-parameter views and the remembered buffer dtypes follow, and the runtime is rebuilt lazily."""
+    for u in units_below(unit):
+        check_state(u.training_state, (TrainingState.IDLE,), "moving or casting the model", u.name)
+    # Buffers lazy init cast to buffer_dtype remember their dtype from before (state dicts give it back): a
+    # cast such as .half() changes that too.
+    cast = [(m, name, b) for _, m in iter_own_modules(unit.module) for name, b in m._buffers.items()
+            if b is not None and (id(m), name) in unit.buffer_dtypes]
+    out = apply()
+    for m, name, b in cast:
+        now = m._buffers.get(name)
+        if now is not None and now.dtype != b.dtype:
+            key = (id(m), name)
+            unit.buffer_dtypes[key] = fn(torch.empty(0, dtype=unit.buffer_dtypes[key], device=b.device)).dtype
+    if unit.config.params.use_orig_params:
+        # nn.Module._apply moved the registered views (copies now) but not the unregistered shards: move the
+        # shards and make fresh views of them (build the optimizer after moving the model).
+        with torch.no_grad():
+            for h in unit.handles:
+                h.flat.data = fn(h.flat)
+                if h.flat.grad is not None:
+                    h.flat.grad = fn(h.flat.grad)
+                h.make_orig_views()
+                h.register_orig_views()  # borrowing siblings register the same views
+                h.grads_to_views()
+    reset_root(unit)
+    for h in unit.handles:  # .half() and the like: the parameters now have the shard's new dtype
+        h.follow_shard_dtype()
+    return out

@@ -26,16 +26,10 @@ from shardfuse._graph_guard import refuse_in_capture
 from shardfuse._logging import warn_once
 from shardfuse._profiling import profiled
 from shardfuse._streams import Streams, wait_stream
-from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding._config import Groups, ShardingConfig
-from shardfuse.sharding._flat_param import (
-    MISSING_GROUP,
-    BorrowedSlot,
-    FlatParamHandle,
-    ParamTable,
-    iter_own_modules,
-)
+from shardfuse.sharding._flat_param import BorrowedSlot, FlatParamHandle, ParamTable
 from shardfuse.sharding._grad_reduce import PendingFrees, ReduceConfig, finish_host_grads, reduce_grad
+from shardfuse.sharding._registry import iter_own_modules
 from shardfuse.sharding._state import TrainingState, check_state
 
 logger = logging.getLogger(__name__)
@@ -118,9 +112,7 @@ class Unit:
     ) -> None:
         self.module = module
         self.config = config
-        self.groups = groups
-        self.rank = groups.rank
-        self.world_size = groups.world_size
+        self.groups = groups  # shared with the handles and reduce_cfg: set_groups replaces the groups there
         self.handles = handles
         self.param_table = param_table
         # Parameters shared with sibling units that flattened them first: their handles are gathered (and
@@ -135,33 +127,45 @@ class Unit:
         self.released = False  # its module was wrapped again: the newer wrapper owns the parameters
         self.root_state: RootState | None = None
         self.require_backward_grad_sync = True
-        self.reshard_after_forward = config.reshard_after_forward  # effective value, set at lazy init
-        self.gradient_predivide_factor = config.gradient_predivide_factor
-        self.gradient_postdivide_factor = config.gradient_postdivide_factor
+        self.reshard_after_forward = config.reshard.reshard_after_forward  # effective value, set at lazy init
         self.buffer_dtypes: dict[tuple[int, str], torch.dtype] = {}  # originals of cast buffers
         # FairScale: a size-1 group inside a larger tree (an expert) keeps its optimizer state local; lazy init
         # sets it for such units even when the flag was not passed.
-        self.no_broadcast_optim_state = config.no_broadcast_optim_state
+        self.no_broadcast_optim_state = config.state_dict.no_broadcast_optim_state
         # Set at lazy init (_root.py), when the compute device is final.
         self.compute_device = torch.device("cpu")
-        self.reduce_cfg: ReduceConfig | None = None
-        # Under mixed precision the root casts floating inputs to bf16 for bf16 compute, else to fp16 (FairScale
-        # casts to fp16 whatever the compute dtype, so fp32 compute under autocast sees fp16 inputs too).
-        self.input_dtype = torch.bfloat16 if config.compute_dtype == torch.bfloat16 else torch.float16
+        # The live divide factors (set_gradient_divide_factors); the reduce dtype is settled at lazy init.
+        grad = config.gradient
+        self.reduce_cfg = ReduceConfig(groups, grad.gradient_predivide_factor, grad.gradient_postdivide_factor)
+        self.input_dtype = config.precision.input_dtype
         self._pre_backward_hook_fn = self.pre_backward  # one bound method: hooks compare equal, cheap to add
 
+    @property
+    def rank(self) -> int:
+        return self.groups.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.groups.world_size
+
+    @property
+    def gradient_predivide_factor(self) -> float:
+        return self.reduce_cfg.predivide
+
+    @property
+    def gradient_postdivide_factor(self) -> float:
+        return self.reduce_cfg.postdivide
+
     # ----------------------------------------------------------------------------------------------
-    # gather / free
+    # pickling, groups
     # ----------------------------------------------------------------------------------------------
 
     def __getstate__(self) -> dict:
         # Streams and process groups do not pickle: the tree is initialised again on first use after the user
-        # sets the groups (FairScale's convention), so pickling drops the runtime.
+        # sets the groups (FairScale's convention), so pickling drops the runtime (Groups drops its groups).
         state = dict(self.__dict__)
         state["root_state"] = None
         state["is_root"] = None if self.parent is None else False
-        state["reduce_cfg"] = None
-        state["groups"] = Groups(MISSING_GROUP, MISSING_GROUP, self.rank, self.world_size)
         # The tables keyed by id(module) would name the old process's objects: key them by the modules (pickle
         # restores those consistently) and by id again in __setstate__.
         modules = {id(m): m for _, m in iter_own_modules(self.module)}
@@ -177,26 +181,23 @@ class Unit:
             state["param_table"] = {id(m): v for m, v in state["param_table"]}
         if isinstance(state.get("buffer_dtypes"), list):
             state["buffer_dtypes"] = {(id(m), name): d for m, name, d in state["buffer_dtypes"]}
+        if state.get("reduce_cfg") is None:  # pickled before the divide factors had one home
+            state["reduce_cfg"] = ReduceConfig(state["groups"], state.pop("gradient_predivide_factor"),
+                                               state.pop("gradient_postdivide_factor"))
+        state.pop("rank", None)
+        state.pop("world_size", None)
         self.__dict__.update(state)
+        for h in self.handles:  # one copy of the groups (older pickles gave each handle its own)
+            h.groups = self.groups
 
     def set_groups(self, process_group: Any | None = None, reduce_scatter_group: Any | None = None) -> None:
-        """Replace the process groups (e.g. after unpickling); they must hold the same ranks as before."""
-        for name, g in (("process_group", process_group), ("process_group_reduce_scatter", reduce_scatter_group)):
-            if g is not None and (coll.rank(g), coll.world_size(g)) != (self.rank, self.world_size):
-                raise ValueError(
-                    f"{name} of {self.name} must keep rank={self.rank} of world_size={self.world_size}, got "
-                    f"rank={coll.rank(g)} of {coll.world_size(g)}: the shards were cut for the original group"
-                )
-        old = self.groups
-        self.groups = Groups(
-            process_group if process_group is not None else old.process_group,
-            reduce_scatter_group if reduce_scatter_group is not None else old.reduce_scatter_group,
-            self.rank, self.world_size,
-        )
-        for h in self.handles:
-            h.group = self.groups.process_group
-        if self.reduce_cfg is not None:
-            self.reduce_cfg.group = self.groups.reduce_scatter_group
+        """Replace the process groups (e.g. after unpickling); they must hold the same ranks as before. The
+        handles and the gradient reduction share :attr:`groups`, so they follow."""
+        self.groups.replace(self.name, process_group, reduce_scatter_group)
+
+    # ----------------------------------------------------------------------------------------------
+    # gather / free
+    # ----------------------------------------------------------------------------------------------
 
     def unshard(self) -> None:
         streams = self.root_state.streams
@@ -235,7 +236,7 @@ class Unit:
         Returns the (possibly cast) inputs and whether this is an activation-checkpoint recompute inside
         backward, which :meth:`post_forward` must leave alone.
         """
-        if self.config.move_params_to_cpu:
+        if self.config.offload.move_params_to_cpu:
             refuse_in_capture(
                 f"{self.name} with move_params_to_cpu=True (cpu_offload)",
                 "its shards and gradients live on the host, which every step synchronises with; train it eagerly, "
@@ -252,7 +253,7 @@ class Unit:
             self.training_state, (TrainingState.IDLE,), "forward()", self.name,
             "do not call a unit's forward from inside its own forward, summon_full_params() or backward",
         )
-        cfg = self.config
+        cfg = self.config.precision
         self.training_state = TrainingState.FORWARD
         try:
             if self.is_root:
@@ -269,7 +270,7 @@ class Unit:
                     nxt.unshard()
             for h in self.gather_handles:
                 h.sync_requires_grad()
-                h.forward_version = h.flat._version
+                h.step.forward_version = h.flat._version
             self.wait_and_set_views()
         except BaseException:
             self.training_state = TrainingState.IDLE
@@ -290,7 +291,7 @@ class Unit:
             self.training_state = TrainingState.IDLE
         if self.is_root and not rs.order_recorded:
             rs.finish_recording()
-        if self.config.clear_autocast_cache:
+        if self.config.precision.clear_autocast_cache:
             torch.clear_autocast_cache()
         return outputs
 
@@ -311,7 +312,7 @@ class Unit:
             if self.training_state == TrainingState.IDLE:
                 # Reentrant checkpointing runs the unit's backward without its pre-backward hook.
                 self.training_state = TrainingState.BACKWARD_PRE
-            if self.is_root and self.config.mixed_precision:
+            if self.is_root and self.config.precision.mixed_precision:
                 args, kwargs = cast_floats((args, kwargs), self.input_dtype)
             self.unshard()
             self.wait_and_set_views()
@@ -364,10 +365,11 @@ class Unit:
 
     def _check_unchanged_since_forward(self) -> None:
         for h in self.gather_handles:
-            if h.forward_version is not None and h.flat._version != h.forward_version:
+            seen = h.step.forward_version
+            if seen is not None and h.flat._version != seen:
                 raise RuntimeError(
                     f"the sharded parameters of {self.name} changed between its forward and its backward "
-                    f"(version {h.forward_version} -> {h.flat._version}), e.g. optimizer.step() before "
+                    f"(version {seen} -> {h.flat._version}), e.g. optimizer.step() before "
                     f"loss.backward(): the gradients would not belong to the parameters the forward used; "
                     f"step the optimizer after backward"
                 )
@@ -390,7 +392,7 @@ class Unit:
                     f"compute the loss from the model's outputs"
                 )
             self.training_state = TrainingState.BACKWARD_POST
-            handle.fired = True
+            handle.step.fired = True
             rs = self.root_state
             if self.require_backward_grad_sync:
                 reduce_grad(handle, self.reduce_cfg, rs.streams, rs.pending)
@@ -411,7 +413,7 @@ class Unit:
                     # A group unused in this synced backward but holding no_sync gradients: reduce them now.
                     # (Usage must be the same on every rank, as in FairScale/FSDP2, or collectives mismatch.)
                     if (
-                        h.requires_grad and not h.fired and u.require_backward_grad_sync
+                        h.requires_grad and not h.step.fired and u.require_backward_grad_sync
                         and h.full_param is not None and h.full_param.grad is not None
                     ):
                         reduce_grad(h, u.reduce_cfg, rs.streams, rs.pending)
@@ -426,13 +428,12 @@ class Unit:
         finish_host_grads(rs.pending, streams)
         for u in rs.units:
             for h in u.handles:
-                if not u.keeps_full(h):
+                kept = u.keeps_full(h)
+                if not kept:
                     h.reshard()
-                h.fired = False
-                h.forward_version = None
-                if h.grad_reduced:
+                if h.step.grad_reduced:
                     h.grads_to_views()
-                    h.grad_reduced = False
+                h.step.reset(keep_full=kept)
             if u.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
                 u.training_state = TrainingState.IDLE
         rs.in_backward = False

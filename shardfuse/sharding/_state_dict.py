@@ -38,9 +38,10 @@ def _state_dict_device(unit: Unit) -> torch.device:
     """Where state-dict tensors go: the host with ``move_params_to_cpu`` (as in FairScale), else
     ``state_dict_device`` if given, else the compute device."""
     cfg = unit.config
-    if cfg.move_params_to_cpu:
+    if cfg.offload.move_params_to_cpu:
         return torch.device("cpu")
-    return cfg.state_dict_device if cfg.state_dict_device is not None else unit.compute_device
+    device = cfg.state_dict.state_dict_device
+    return device if device is not None else unit.compute_device
 
 
 @torch.no_grad()
@@ -56,7 +57,7 @@ def full_state_dict(root: nn.Module) -> OrderedDict[str, Any]:
     check_idle([u for u in _units_of(units, work) if id(u) not in summoned], "state_dict()")
     cfg = units[0].config
     device = _state_dict_device(units[0])
-    materialize = not cfg.state_dict_on_rank_0_only or units[0].rank == 0
+    materialize = not cfg.state_dict.state_dict_on_rank_0_only or units[0].rank == 0
     values: dict[tuple[int, int], list[torch.Tensor]] = {}
     for u, hi, h in work:
         if id(u) in summoned:

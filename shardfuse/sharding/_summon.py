@@ -98,7 +98,7 @@ def _write_back(
             cur = s.module._parameters.get(s.attr)
             if cur is params[s.index]:
                 continue
-            if not unit.config.allow_reset_parameters:
+            if not unit.config.params.allow_reset_parameters:
                 raise RuntimeError(
                     f"{s.fqn} was replaced by a new tensor inside summon_full_params() on {unit.name}: "
                     f"modify parameters in place, or pass allow_reset_parameters=True to copy replacements back"

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from shardfuse._streams import wait_stream
-from shardfuse.sharding._flat_param import UNIT_ATTR, FlatParamHandle
+from shardfuse.sharding._flat_param import FlatParamHandle
+from shardfuse.sharding._registry import UNIT_ATTR
 from shardfuse.sharding._runtime import Unit
 from shardfuse.sharding._state import TrainingState, check_state
 

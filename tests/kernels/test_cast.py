@@ -10,15 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-<<<<<<< HEAD
 from shardfuse.kernels._cast import cast_shard, cast_shard_ref, cast_shard_unchecked, check_cast_shard
-from shardfuse.kernels._common import interpreting
-=======
-from shardfuse.kernels import _cast
-from shardfuse.kernels._cast import cast_shard, cast_shard_ref, cast_shards, cast_shards_ref, use_foreach
-from shardfuse.kernels._common import clear_plan_caches, interpreting
 from tests._asserts import assert_bits, max_ulp
->>>>>>> benchinfra
 from tests.conftest import cuda_kernels, kernel_device, poisoned
 
 DEVICE = kernel_device()

@@ -13,8 +13,9 @@ import torch
 from shardfuse.kernels import _cast_multi
 from shardfuse.kernels._cast_multi import cast_shards, cast_shards_ref, use_foreach
 from shardfuse.kernels._common import clear_plan_caches, interpreting
+from tests._asserts import assert_bits, max_ulp
 from tests.conftest import cuda_kernels, kernel_device, poisoned
-from tests.kernels.test_cast import DTYPES, assert_bits, fresh, max_ulp, pair_id
+from tests.kernels.test_cast import DTYPES, fresh, pair_id
 
 DEVICE = kernel_device()
 

@@ -21,13 +21,9 @@ from shardfuse.kernels._grad_divide import (
     pre_divide_pad_ref,
     pre_divide_pad_unchecked,
 )
-<<<<<<< HEAD
 from shardfuse.kernels._grad_divide_multi import pre_divide_pad
-from tests.conftest import assert_same, cuda_kernels, kernel_device, poisoned
-=======
 from tests._asserts import assert_same
 from tests.conftest import cuda_kernels, kernel_device, poisoned
->>>>>>> benchinfra
 
 DEVICE = kernel_device()
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

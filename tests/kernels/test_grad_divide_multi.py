@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from shardfuse.kernels._grad_divide import pre_divide_pad_ref
 from shardfuse.kernels._grad_divide_multi import pre_divide_pad
-from tests.conftest import assert_same, cuda_kernels, poisoned
+from tests._asserts import assert_same
+from tests.conftest import cuda_kernels, poisoned
 from tests.kernels.test_grad_divide import DEVICE, DTYPE_PAIRS, DTYPES, assert_positive_zero, randn, true_div
 
 

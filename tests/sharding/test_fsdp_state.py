@@ -210,11 +210,11 @@ def check_last_unit_stays_full() -> list[bool]:
     ids, target = batch(1, dist.get_rank(), dist.get_world_size())
     with torch.no_grad():
         model(ids)
-    after_eval = [h.is_full for u in units for h in u.handles]
+    after_eval = [h.step.is_full for u in units for h in u.handles]
     loss = loss_fn(model, ids, target, 1, cfg)
-    after_train = [h.is_full for u in units for h in u.handles]
+    after_train = [h.step.is_full for u in units for h in u.handles]
     loss.backward()
-    after_backward = [h.is_full for u in units for h in u.handles]
+    after_backward = [h.step.is_full for u in units for h in u.handles]
     assert not any(after_eval), f"a forward without grad must reshard every unit: {after_eval}"
     assert not any(after_backward), f"backward must reshard every unit: {after_backward}"
     return after_train

@@ -142,7 +142,7 @@ def check_variants(case: str) -> bool:
         _train(ref, x)
         _train(model, x)
     _assert_same_state(model, ref)
-    assert not any(h.is_full for m in model.modules() if isinstance(m, FSDP) for h in m._unit.handles
+    assert not any(h.step.is_full for m in model.modules() if isinstance(m, FSDP) for h in m._unit.handles
                    if m is not model), "every nested unit is resharded after the step"
     # summon_full_params shows the full value at both places, as one parameter; in-place changes go back.
     with model.summon_full_params():

@@ -1,0 +1,244 @@
+"""Every change shardfuse makes to process-wide state, in one place, and the way to turn them off.
+
+At the first wrap, ``FullyShardedDataParallel`` installs (once per process):
+
+1. ``torch.nn.utils.clip_grad_norm_`` (and ``torch.nn.utils.clip_grad.clip_grad_norm_``) is replaced by
+   :func:`clip_grad_norm_`: over sharded parameters it computes the norm of the whole gradients across ranks
+   (one all-reduce), so code that clips with torch's function (Hugging Face's Trainer, accelerate) clips by
+   the global norm; over other parameters it is torch's own function, unchanged;
+2. a global optimizer step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``) refuses an
+   optimizer holding parameters from before wrapping, and optimizer state that cannot be this rank's;
+3. a global optimizer step post-hook writes the key :data:`SHARD_MARK_KEY` (``(rank, world_size)``) into the
+   state of every sharded parameter of every optimizer, which the pre-hook checks after a load.
+
+Turn them off with the environment variable ``SHARDFUSE_PROCESS_HOOKS=0`` (read at each wrap) or with
+``shardfuse.set_process_hooks(False)`` (also removes hooks already installed). Without them
+``torch.nn.utils.clip_grad_norm_`` clips by each rank's local norm (use ``model.clip_grad_norm_()``), and
+optimizers over stale parameters or with another rank's state step silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from shardfuse.sharding._grad_reduce import global_grad_norm
+from shardfuse.sharding._registry import FLATTENED_MARK, SHARD_MARK_ATTR, SHARD_MARK_KEY, handle_of
+from shardfuse.sharding._resume_guard import refuse_fresh_state_after_load
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ENV_VAR", "clip_grad_norm_", "install", "installed", "set_process_hooks"]
+
+# "0" turns the process-wide hooks off (read at every wrap, unless set_process_hooks() decided).
+ENV_VAR = "SHARDFUSE_PROCESS_HOOKS"
+_enabled: bool | None = None  # set_process_hooks(); None: follow ENV_VAR
+_requested = False  # a unit was wrapped: the hooks are wanted when enabled
+
+_checked_optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+# Per optimizer: how many parameters had state when its shard marks were last checked and written; forgotten
+# by a load_state_dict (a post-hook), so the loaded state is checked at the next step.
+_marks_seen: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+_load_hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+_optimizer_guard: Any = None
+
+
+def _refuse_flattened_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimizer step pre-hook: an optimizer over the parameters as they were before wrapping would
+    step tensors nothing reads any more (their values moved into the flat shards), silently."""
+    _check_shard_marks(optimizer)
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    if _checked_optimizers.get(optimizer) == count:
+        return
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            if getattr(p, FLATTENED_MARK, None) is not None:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds a parameter (group {gi}, index {pi}, shape {tuple(p.shape)}) "
+                    f"that FullyShardedDataParallel flattened into its shards when it wrapped the model: stepping it "
+                    f"changes nothing the model uses; build the optimizer after wrapping, on model.parameters()"
+                )
+    _checked_optimizers[optimizer] = count
+
+
+def _check_shard_marks(optimizer: torch.optim.Optimizer) -> None:
+    """Global optimizer step pre-hook, once per loaded ``state``: refuse optimizer state of sharded parameters
+    that cannot be this rank's.
+
+    A plain ``optimizer.state_dict()`` has the same keys on every rank, so ``torch.distributed.checkpoint`` keeps
+    one rank's copy, and loads it back under string keys that name no parameter (the values go nowhere; every
+    parameter keeps the state it had). Per-rank files loaded on the wrong rank give another rank's shards. Both
+    would resume silently wrong: entries that name no parameter, and the marks :func:`mark_optimizer_state`
+    writes coming back as another rank's, are refused before the step uses the state.
+    """
+    state = optimizer.state
+    if _marks_seen.get(optimizer) == len(state):
+        return
+    if optimizer not in _load_hooked:
+        optimizer.register_load_state_dict_post_hook(_forget_marks)
+        _load_hooked.add(optimizer)
+    sharded = False
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            want = getattr(p, SHARD_MARK_ATTR, None)
+            sharded = sharded or want is not None
+            st = state.get(p) if want is not None else None
+            got = st.get(SHARD_MARK_KEY, want) if st else want
+            if isinstance(got, tuple) and got != want:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds the optimizer state of {_describe_mark(got)}, but this rank "
+                    f"trains the shard of {_describe_mark(want)} (group {gi}, parameter {pi}): the state was loaded "
+                    f"from another rank's copy. "
+                    f"torch.distributed.checkpoint keeps one copy of optimizer.state_dict() (the same keys on every "
+                    f"rank); checkpoint a FullyShardedDataParallel model's optimizer with "
+                    f"model.sharded_state_dict(optim) / model.load_sharded_state_dict(state, optim), per rank with "
+                    f"torch.save(optim.state_dict()), or with gather_full_optim_state_dict()"
+                )
+    stray = [k for k in state if not isinstance(k, torch.Tensor)] if sharded else []
+    if stray:
+        raise RuntimeError(
+            f"{type(optimizer).__name__} holds optimizer state under keys {stray[:4]} that name no parameter, so "
+            f"the loaded values went nowhere and every parameter kept the state it had before loading: "
+            f"torch.distributed.checkpoint returns optimizer.state_dict()'s integer keys as strings (and keeps one "
+            f"rank's copy of each, while every rank holds other shards); checkpoint a FullyShardedDataParallel "
+            f"model's optimizer with model.sharded_state_dict(optim) / model.load_sharded_state_dict(state, optim)"
+        )
+    if sharded:
+        refuse_fresh_state_after_load(optimizer, [p for g in optimizer.param_groups for p in g["params"]
+                                                  if getattr(p, SHARD_MARK_ATTR, None) is not None and p.requires_grad])
+
+
+def _forget_marks(optimizer: torch.optim.Optimizer) -> None:
+    _marks_seen.pop(optimizer, None)
+
+
+def _describe_mark(mark: Any) -> str:
+    if isinstance(mark, tuple) and len(mark) == 2:
+        return f"rank {mark[0]} of {mark[1]}"
+    return repr(mark)
+
+
+def mark_optimizer_state(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimizer step post-hook: the state of every sharded parameter carries the mark of its shard
+    (``(rank, world_size)``), so state loaded onto the wrong rank is caught by :func:`_check_shard_marks`."""
+    state = optimizer.state
+    if _marks_seen.get(optimizer) == len(state):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            mark = getattr(p, SHARD_MARK_ATTR, None)
+            if mark is not None:
+                st = state.get(p)
+                if st and not isinstance(st.get(SHARD_MARK_KEY), tuple):
+                    st[SHARD_MARK_KEY] = mark
+    _marks_seen[optimizer] = len(state)
+
+
+_torch_clip_grad_norm: Any = None
+
+
+def _sharded_handle(p: torch.Tensor) -> Any | None:
+    h = handle_of(p)
+    return h if h is not None and h.world_size > 1 else None
+
+
+def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                    foreach: bool | None = None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``, aware of shardfuse's sharded parameters.
+
+    Over parameters that include shards (flat parameters, or original parameters under ``use_orig_params``),
+    the norm is that of the whole gradients across ranks (one all-reduce over their process group; every rank
+    must call it, as with ``model.clip_grad_norm_``), so every rank clips by the same coefficient; other
+    parameters' gradients count once. Without shards it is torch's own function, unchanged.
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    handles = [_sharded_handle(p) for p in params]
+    groups = {id(h.group): h for h in handles if h is not None}
+    if not groups:
+        return _torch_clip_grad_norm(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    if len(groups) > 1:
+        raise RuntimeError(
+            f"torch.nn.utils.clip_grad_norm_ got shards of FullyShardedDataParallel units in {len(groups)} "
+            f"different process groups: their global norms need one all-reduce per group; clip each group's "
+            f"parameters separately, or call model.clip_grad_norm_() on the root"
+        )
+    h = next(iter(groups.values()))
+    sharded = [p.grad for p, hp in zip(params, handles) if hp is not None and p.grad is not None]
+    replicated = [p.grad for p, hp in zip(params, handles) if hp is None and p.grad is not None]
+    total = global_grad_norm(sharded, replicated, float(norm_type), h.groups.device, h.group, h.world_size)
+    if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
+            f"cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+            f"`error_if_nonfinite=False`"
+        )
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+    return total
+
+
+def _enabled_now() -> bool:
+    return _enabled if _enabled is not None else os.environ.get(ENV_VAR, "1") != "0"
+
+
+def install() -> None:
+    """Called at every wrap: install the hooks once per process, unless they are turned off."""
+    global _requested
+    _requested = True
+    if _enabled_now():
+        _install()
+
+
+def installed() -> bool:
+    """Whether the process-wide hooks are in place now."""
+    return _optimizer_guard is not None
+
+
+def set_process_hooks(enabled: bool) -> None:
+    """Turn shardfuse's process-wide hooks (see this module) on or off for this process.
+
+    ``False`` restores ``torch.nn.utils.clip_grad_norm_`` and removes the optimizer step hooks now, and wrapping
+    installs nothing afterwards (whatever ``SHARDFUSE_PROCESS_HOOKS`` says); ``True`` installs them again if a
+    model was wrapped already, else at the first wrap.
+    """
+    global _enabled
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_process_hooks takes True or False, got {enabled!r}")
+    _enabled = enabled
+    if not enabled:
+        _uninstall()
+    elif _requested:
+        _install()
+
+
+def _install() -> None:
+    global _torch_clip_grad_norm, _optimizer_guard
+    if _torch_clip_grad_norm is None:
+        # Looked up at call time, as Hugging Face's Trainer and accelerate do.
+        _torch_clip_grad_norm = torch.nn.utils.clip_grad.clip_grad_norm_
+        torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+        torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
+    if _optimizer_guard is None:
+        _optimizer_guard = (register_optimizer_step_pre_hook(_refuse_flattened_params),
+                            register_optimizer_step_post_hook(mark_optimizer_state))
+        logger.debug("shardfuse installed its process-wide hooks (%s=0 turns them off)", ENV_VAR)
+
+
+def _uninstall() -> None:
+    global _torch_clip_grad_norm, _optimizer_guard
+    if _torch_clip_grad_norm is not None:
+        # Give torch's function back only where it is still ours (someone may have patched it since).
+        for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
+            if getattr(owner, "clip_grad_norm_", None) is clip_grad_norm_:
+                setattr(owner, "clip_grad_norm_", _torch_clip_grad_norm)  # noqa: B010 (a module torch types)
+        _torch_clip_grad_norm = None
+    if _optimizer_guard is not None:
+        for handle in _optimizer_guard:
+            handle.remove()
+        _optimizer_guard = None
+    _checked_optimizers.clear()
+    _marks_seen.clear()

@@ -1,0 +1,45 @@
+"""Per-step state of one flat parameter, apart from its fixed layout (``_flat_param.py``).
+
+Written during a step by the gather (``FlatParamHandle.unshard``/``reshard``), the runtime (``_runtime.py``)
+and the gradient path (``_grad_reduce.py``); :meth:`HandleStep.reset` is the one way it returns to "no step
+in flight": at the end of backward, when the full buffer is made again at lazy init, and when pickling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class HandleStep:
+    """What one flat parameter did in the current step."""
+
+    is_full: bool = False
+    """The full buffer holds gathered values (its storage is allocated)."""
+    gathered_version: int = -1
+    """The shard's version counter at that gather: a changed shard (an optimizer step) is gathered again."""
+    forward_version: int | None = None
+    """The shard's version when forward last used it: backward must see the same parameters."""
+    ag_event: Any = None
+    """The event of a pending all-gather the compute stream has not waited for yet (None on the CPU)."""
+    fired: bool = False
+    """The post-backward hook ran in this backward pass."""
+    grad_reduced: bool = False
+    """A reduction wrote ``flat.grad`` in this backward: only then do the original-parameter views' gradients
+    follow it (after a ``no_sync`` backward ``flat.grad`` may be a stale one the user zeroed on the views)."""
+
+    def reset(self, keep_full: bool = False) -> None:
+        """No step in flight: the full buffer freed, nothing pending, no hook fired. ``keep_full``: the gathered
+        buffer stays (``OffloadOptimizer(accumulate_on_gpu=True)`` between ``no_sync`` micro-steps)."""
+        kept = (self.is_full, self.gathered_version, self.ag_event) if keep_full else None
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, f.default)
+        if kept is not None:
+            self.is_full, self.gathered_version, self.ag_event = kept
+
+    def freed(self) -> None:
+        """The full buffer was freed (resharded) in the middle of a step."""
+        self.is_full = False
+        self.ag_event = None
