@@ -88,9 +88,8 @@ def check_budget_matches_full_offload() -> bool:
     dev = torch.device("cuda", torch.cuda.current_device())
     results = []
     for budget in (0, 1000.0):
-        model = wrap_model(build({}).to(dev), {"move_params_to_cpu": True, "mixed_precision": True,
-                                               "compute_dtype": torch.bfloat16})
-        opt = OffloadOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True),
+        model = wrap_model(build({}).to(dev), {"move_params_to_cpu": True})
+        opt = OffloadOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                gpu_budget_gib=budget)
         for step in range(4):
             ids, target = (x.to(dev) for x in batch(step, dist.get_rank(), 1))
@@ -98,12 +97,14 @@ def check_budget_matches_full_offload() -> bool:
             model.clip_grad_norm_(0.05)
             opt.step()
             opt.zero_grad()
-        devices = {p.device.type for p in model.parameters()}
-        assert devices == ({"cpu"} if budget == 0 else {"cuda"}), (budget, devices)
+        devices = sorted({p.device.type for p in model.parameters()})
+        want = ["cpu"] if budget == 0 else ["cuda"]
+        assert devices == want, f"gpu_budget_gib={budget}: shards on {devices}, expected {want}"
         results.append({k: v.float().cpu() for k, v in model.state_dict().items()})
         opt.close()
     for k in results[0]:
-        torch.testing.assert_close(results[1][k], results[0][k], rtol=1e-5, atol=1e-6, msg=k)
+        diff = (results[1][k] - results[0][k]).abs().max().item()
+        assert diff <= 1e-5 * (1 + results[0][k].abs().max().item()), f"{k}: resident vs offloaded differ by {diff}"
     return True
 
 
