@@ -143,7 +143,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._plans: list[ShardPlan] = []
         self._plan_of_host: dict[int, ShardPlan] = {}
         self._signature: tuple = ()
-        self._coef: torch.Tensor | None = None
+        self._coef: torch.Tensor | None = None  # clipping's coefficient, for the host shards' next updates
+        self._coef_deferred: set[int] = set()  # id(handle) of the shards whose scaling waits for their update
         self._placed = False
         self._optimizer_step_pre_hooks: dict = {}
         self._optimizer_step_post_hooks: dict = {}
@@ -258,9 +259,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._place_by_budget()
         self._refresh_plans()
         coef, self._coef = self._coef, None
+        deferred, self._coef_deferred = self._coef_deferred, set()
         for plan in self._plans:
             if plan.host is None:  # on the GPU (or not a shard): queued there, in order
-                step_plan(plan, settings_of(self.optimizer, plan), coef)
+                # Scaled at the clip already, unless it was a host shard then (made resident by the budget since).
+                late = coef if id(plan.handle) in deferred else None
+                step_plan(plan, settings_of(self.optimizer, plan), late)
         if self.step_in_backward:  # the host shards were stepped as their gradients landed
             self._stepped_in_backward.clear()
             return
@@ -362,6 +366,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if grads:
                 torch._foreach_mul_(grads, coef.to(grads[0].device))
         self._coef = coef if self._coef is None else self._coef * coef
+        self._coef_deferred |= {id(plan.handle) for plan in self._plans if plan.host is not None}
 
     def _plain_clip(self, grads: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
         unit = self.root

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from shardfuse import OffloadOptimizer
 from shardfuse.sharding import FullyShardedDataParallel as FSDP
+from shardfuse.sharding._offload_optim import _make_resident
 from tests.sharding._models import batch, build, loss_fn, make_optim, wrap_model
 
 WORLD = 2
@@ -35,6 +36,9 @@ def _train(cfg: dict[str, Any], overlapped: bool) -> tuple[FSDP, Any, list[float
         opt = OffloadOptimizer(model, opt, gpu_budget_gib=0, accumulate_on_gpu=cfg.get("accumulate_on_gpu", False),
                                step_in_backward=cfg.get("step_in_backward", False),
                                host_compute_copy=cfg.get("host_compute_copy", False))
+        if cfg.get("resident_root"):  # as a GPU budget keeps a unit resident: stepped on the caller's thread
+            for h in model._unit.handles:
+                _make_resident(h, opt.optimizer, h.flat.device)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5) if cfg.get("scheduler") else None
     micro = cfg.get("no_sync_micro", 1)
     losses = []
@@ -106,6 +110,7 @@ CASES = {
     "tied": dict(tied=True),
     "checkpoint": dict(ckpt=True),
     "scheduler-clip": dict(scheduler=True, clip=0.05),
+    "resident-root-clip": dict(resident_root=True, clip=0.05),
     "step-in-backward": dict(step_in_backward=True, scheduler=True),
     "step-in-backward-no-sync": dict(step_in_backward=True, no_sync_micro=2, accumulate_on_gpu=True),
     "step-in-backward-unused-unit": dict(step_in_backward=True, extra=True, optim="sgd"),
@@ -145,6 +150,8 @@ def check_step_in_backward_misuse() -> bool:
     loss_fn(model, ids, target, 0, {}).backward()
     with pytest.raises(RuntimeError, match="global norm"):
         model.clip_grad_norm_(1.0)
+    with pytest.raises(RuntimeError, match="step_in_backward=True"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the process-wide function refuses too
     opt.zero_grad()
     with pytest.raises(RuntimeError, match="step\\(\\) after every synced backward"):
         loss_fn(model, ids, target, 0, {}).backward()  # a second update before step()
