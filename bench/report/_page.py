@@ -98,11 +98,12 @@ def how_measured(results: dict[str, list[Result]]) -> str:
 REGRESSION_NOTE = """\
 ## Regression check
 
-`python -m bench.regress NEW.json` compares a fresh end-to-end or offload result file with the stored file
-of the same name for the same GPU (`bench/results/<gpu>/<name>.json`, the GPU taken from the new file's
-`env.gpu_key`) and exits with status 1 when a shardfuse time (training step time, offload step time) is
-slower by more than the noise band (`--noise`, default 5%), when a shardfuse row's peak GPU memory grew by 10%
-or more (`--mem-growth`), or when a shardfuse row measured before now failed.
+`python -m bench.regress NEW.json` compares a fresh end-to-end or offload result file (`offload.json`,
+`offload_big.json`) with the stored file of the same name for the same GPU (`bench/results/<gpu>/<name>.json`,
+the GPU taken from the new file's `env.gpu_key`) and exits with status 1 when a shardfuse time (training step
+time, offload step time) is slower by more than the noise band (`--noise`, default 5%), when a shardfuse row's
+peak GPU memory (in `offload_big.json` also its host RSS) grew by 10% or more (`--mem-growth`), or when a
+shardfuse row measured before now failed.
 The other implementations are listed for context only: when FSDP2 slowed down by the same amount,
 the machine changed, not shardfuse (the check prints a note when their median changed beyond the band).
 `--baseline OLD.json` compares with a given file; `python -m bench.report --compare NEW.json` runs the same
