@@ -4,24 +4,27 @@
     python -m bench.regress NEW.json --baseline OLD.json   # against a given file
     python -m bench.regress NEW.json --noise 0.03
 
-Run from the repository root. ``NEW.json`` is a file written by ``bench.e2e.run`` or ``bench.offload.run`` (for
-example from ``$OUT/work/results/<gpu>/`` after ``bench/gpu_suite.sh``). The GPU comes from the file's
-``env.gpu_key`` (else ``--gpu``, else the name of the folder it lies in); the stored result is the file of the
-same name under ``--results/<gpu>/``.
+Run from the repository root. ``NEW.json`` is a file written by ``bench.e2e.run``, ``bench.offload.run`` or
+``bench.offload.big`` (for example from ``$OUT/work/results/<gpu>/`` after ``bench/gpu_suite.sh``). The GPU comes
+from the file's ``env.gpu_key`` (else ``--gpu``, else the name of the folder it lies in); the stored result is the
+file of the same name under ``--results/<gpu>/``.
 
-Compared, lower is better, for every row: its time and its peak GPU memory.
+Compared, lower is better, for every row: its time and its peak GPU memory (offload_big: and its host RSS).
 
 - e2e: ``step_ms`` and ``peak_gib`` of every (implementation, regime); in a file of interleaved rounds the
   median step time over the rounds and the lowest peak over them (the report's numbers);
-- offload: ``step_ms`` and ``peak_gib`` of every variant, and of the capped run.
+- offload: ``step_ms`` and ``peak_gib`` of every variant, and of the capped run;
+- offload_big: ``step_ms``, ``gpu_peak_gib`` and ``host_rss_gib`` of every (implementation, configuration,
+  variant); host memory is what an offload trades GPU memory for, so its growth fails as GPU memory's does.
 
 A shardfuse row (``shardfuse`` and ``shardfuse-graph`` in e2e files, the ``shardfuse*`` variants and the capped
-run in offload files) regresses when its time grew by more than the noise band (``new > old * (1 + noise)``,
-``--noise``, default 5%), when its peak memory grew by 10% or more (``new >= old * (1 + mem_growth)``,
-``--mem-growth``, default 0.10: memory is not noisy, so a fixed band), or when it was measured before and now
-failed or is missing. Rows of the other implementations (FSDP2, FSDP1, FairScale, the plain model, shardfuse at
-a reference commit) are shown for context only: if they slowed down by the same amount, the machine changed
-rather than shardfuse. Both files' commits (``env.commit``, which every runner records) head the report.
+run in offload files, the ``shardfuse*`` implementations with their variants in offload_big files) regresses when
+its time grew by more than the noise band (``new > old * (1 + noise)``, ``--noise``, default 5%), when its peak
+memory grew by 10% or more (``new >= old * (1 + mem_growth)``, ``--mem-growth``, default 0.10: memory is not
+noisy, so a fixed band), or when it was measured before and now failed or is missing. Rows of the other
+implementations (FSDP2, FSDP1, FairScale, DeepSpeed, the plain or resident model, shardfuse at a reference commit)
+are shown for context only: if they slowed down by the same amount, the machine changed rather than shardfuse.
+Both files' commits (``env.commit``, which every runner records) head the report.
 Exit status: 0 no regression (or nothing stored to compare with), 1 regression, 2 bad input.
 
 Kernel results (``kernels.json``) are not compared here: kernel regressions go through pytest-benchmark's own
@@ -40,19 +43,20 @@ from bench.results_io import DEFAULT_RESULTS, Env, Result, load_file
 
 DEFAULT_NOISE = 0.05
 DEFAULT_MEM_GROWTH = 0.10
-KINDS = ("e2e", "offload")  # what this check compares; kernels go through pytest-benchmark
+KINDS = ("e2e", "offload", "offload_big")  # what this check compares; kernels go through pytest-benchmark
 KERNELS_HINT = (
     "kernel results are compared by pytest-benchmark, not here: run bench/kernels/test_bench_kernels.py with "
     "--benchmark-autosave / --benchmark-compare (bash bench/gpu_suite.sh kernels-pb)"
 )
 E2E_OURS = ("shardfuse", "shardfuse-graph")  # shardfuse at HEAD, eager and captured (not shardfuse-ref)
-TIME, MEMORY = "step ms", "peak GiB"
+TIME, MEMORY, HOST_MEMORY = "step ms", "peak GiB", "host RSS GiB"
+MEMORY_UNITS = (MEMORY, HOST_MEMORY)  # compared with the memory growth band
 
 
 @dataclass(frozen=True)
 class Metric:
-    """One comparable number: ``value`` (None when the row failed), its unit (TIME or MEMORY), and whether it is
-    shardfuse's own."""
+    """One comparable number: ``value`` (None when the row failed), its unit (TIME, MEMORY or HOST_MEMORY), and
+    whether it is shardfuse's own."""
 
     value: float | None
     ours: bool
@@ -95,12 +99,28 @@ def _offload_metrics(res: Result) -> dict[str, Metric]:
     return out
 
 
+def _offload_big_metrics(res: Result) -> dict[str, Metric]:
+    """Per (impl, config, variant): the median step time, the GPU peak and the host RSS (None where the row did not
+    measure them: oom, error); rows skipped (not runnable there) are left out, as in e2e files."""
+    out: dict[str, Metric] = {}
+    for r in res.offload_big().rows:
+        if r.status == "skipped":
+            continue
+        ours, key = r.impl.startswith("shardfuse"), f"{r.impl} {r.config}" + (f" ({r.variant})" if r.variant else "")
+        out[key] = Metric(_pos(r.step_ms) if r.measured else None, ours)
+        out[f"{key} {MEMORY}"] = Metric(_pos(r.gpu_peak_gib) if r.measured else None, ours, MEMORY)
+        out[f"{key} {HOST_MEMORY}"] = Metric(_pos(r.host_rss_gib) if r.measured else None, ours, HOST_MEMORY)
+    return out
+
+
 def metrics(res: Result) -> dict[str, Metric]:
     """Every comparable time and peak memory of one result file, keyed by a readable name."""
     if res.kind == "e2e":
         return _e2e_metrics(res)
     if res.kind == "offload":
         return _offload_metrics(res)
+    if res.kind == "offload_big":
+        return _offload_big_metrics(res)
     return {}
 
 
@@ -128,7 +148,7 @@ def _status(o: float | None, n: float | None, m: Metric, failed: bool, bands: tu
         return ("failed" if failed else "missing") if m.ours else "context"
     if not m.ours:
         return "context"
-    if m.unit == MEMORY:
+    if m.unit in MEMORY_UNITS:
         return "REGRESSION" if n >= o * (1.0 + mem_growth) else "smaller" if n < o * (1.0 - mem_growth) else "ok"
     if o < min_ms:
         return "ok"  # too short to time reliably (launch-bound); see --min-ms

@@ -33,6 +33,10 @@ __all__ = [
     "KernelsFile",
     "OffloadConfig",
     "OffloadFile",
+    "OffloadBigFile",
+    "OffloadBigFloor",
+    "OffloadBigHardware",
+    "OffloadBigRow",
     "OffloadVariant",
     "Result",
     "detect_kind",
@@ -52,7 +56,7 @@ class Result:
     gpu: str  # the folder name under results/, e.g. "h200"
     name: str  # the file stem, e.g. "e2e_2gpu"
     path: Path
-    kind: str  # "kernels", "e2e", "offload", "unknown" or "unreadable"
+    kind: str  # "kernels", "e2e", "offload", "offload_big", "unknown" or "unreadable"
     data: dict[str, Any] = field(default_factory=dict)
     problem: str | None = None
 
@@ -63,9 +67,11 @@ class Result:
     @property
     def is_gpu(self) -> bool:
         """False for a run on the CPU (a smoke test of a runner, not a measurement): ``env.gpu_key`` "cpu", or
-        an e2e file whose ``config.device`` is not "cuda"."""
+        an e2e or offload_big file whose ``config.device`` is not "cuda"."""
         if self.env.gpu_key == "cpu":
             return False
+        if self.kind == "offload_big":
+            return self.offload_big().device in (None, "cuda")
         return not (self.kind == "e2e" and self.e2e().config.device not in (None, "cuda"))
 
     def e2e(self) -> E2EFile:
@@ -77,11 +83,16 @@ class Result:
     def offload(self) -> OffloadFile:
         return OffloadFile.parse(self.data)
 
+    def offload_big(self) -> OffloadBigFile:
+        return OffloadBigFile.parse(self.data)
+
 
 def detect_kind(name: str, data: Any) -> str:
     """Which runner wrote ``data`` (by its keys, then by the file name)."""
     if not isinstance(data, dict):
         return "unknown"
+    if data.get("kind") == "offload_big":  # bench.offload.big: a ``results`` list too, but not an e2e file
+        return "offload_big"
     rows = data.get("rows")
     if isinstance(rows, list) and (not rows or any(isinstance(r, dict) and "family" in r for r in rows)):
         return "kernels"
@@ -93,6 +104,8 @@ def detect_kind(name: str, data: Any) -> str:
         return "kernels"
     if name.startswith("e2e"):
         return "e2e"
+    if name.startswith("offload_big"):
+        return "offload_big"
     if name.startswith("offload"):
         return "offload"
     return "unknown"
@@ -111,9 +124,9 @@ def load_file(path: Path, gpu: str | None = None) -> Result:
 
 
 def _result_sort_key(r: Result) -> tuple[int, int, str]:
-    order = {"e2e": 0, "offload": 1, "kernels": 2, "unknown": 3, "unreadable": 4}
+    order = {"e2e": 0, "offload": 1, "offload_big": 2, "kernels": 3, "unknown": 4, "unreadable": 5}
     m = re.search(r"(\d+)gpu", r.name)
-    return order.get(r.kind, 5), int(m.group(1)) if m else 0, r.name
+    return order.get(r.kind, 6), int(m.group(1)) if m else 0, r.name
 
 
 def load_results(results_dir: Path) -> dict[str, list[Result]]:
@@ -488,3 +501,163 @@ class OffloadFile:
         variants = {str(k): OffloadVariant.parse(v) for k, v in raw.items() if isinstance(v, dict)}
         capped = _obj(data.get("capped"))
         return cls(OffloadConfig.parse(data.get("config")), variants, CappedRun.parse(capped) if capped else None)
+
+
+# ------------------------------------------------------------------------------------------------ offload_big
+#
+# ``bench.offload.big``: models that outgrow the GPU, every implementation in its own process, each configuration
+# held against its floor max(GPU compute, PCIe, CPU optimizer) measured in the same job.
+
+OFFLOAD_BIG_OK = "ok"
+
+
+@dataclass(frozen=True)
+class OffloadBigRow:
+    """One implementation (and variant) in one configuration: a row of ``results``."""
+
+    impl: str
+    config: str
+    variant: str | None = None  # an extra shardfuse setting ("step-in-backward, no clipping", "host-accum")
+    status: str = "error"  # "ok", "skipped", "oom", "error", "compute-only" (resident: forward+backward only)
+    reason: str | None = None
+    tokens_per_step: int | None = None
+    params: float | None = None
+    micro_batches: int | None = None
+    batch: int | None = None
+    seq: int | None = None
+    step_ms: float | None = None
+    step_ms_min: float | None = None
+    step_ms_max: float | None = None
+    floor_ms: float | None = None
+    tokens_per_s: float | None = None
+    gpu_peak_gib: float | None = None
+    host_rss_gib: float | None = None
+    gpu_budget_gib: float | None = None
+    fwd_bwd_ms: float | None = None
+
+    @classmethod
+    def parse(cls, r: dict[str, Any]) -> OffloadBigRow:
+        ints = ("tokens_per_step", "micro_batches", "batch", "seq")
+        floats = ("params", "step_ms", "step_ms_min", "step_ms_max", "floor_ms", "tokens_per_s", "gpu_peak_gib",
+                  "host_rss_gib", "gpu_budget_gib", "fwd_bwd_ms")  # fmt: skip
+        return cls(
+            impl=str(r["impl"]), config=str(r["config"]), variant=_text(r.get("variant")),
+            status=_text(r.get("status")) or "error", reason=_text(r.get("reason")),
+            **{k: _int(r.get(k)) for k in ints}, **{k: num(r.get(k)) for k in floats},
+        )  # fmt: skip
+
+    @property
+    def measured(self) -> bool:
+        """Whether the row has a step time to show (status "ok" and a positive ``step_ms``)."""
+        return self.status == OFFLOAD_BIG_OK and _pos(self.step_ms) is not None
+
+    @property
+    def name(self) -> str:
+        """``impl``, with the variant in brackets where there is one."""
+        return f"{self.impl} [{self.variant}]" if self.variant else self.impl
+
+
+@dataclass(frozen=True)
+class OffloadBigFloor:
+    """``floors[config]``: the floor of one configuration and its terms, in ms (None: not measured)."""
+
+    config: str
+    params: float | None = None
+    compute_ms: float | None = None
+    pcie_ms: float | None = None
+    h2d_ms: float | None = None
+    d2h_ms: float | None = None
+    cpu_opt_ms: float | None = None
+    floor_ms: float | None = None
+    bound: str | None = None  # the term that sets the floor: "compute_ms", "pcie_ms" or "cpu_opt_ms"
+    bytes: str | None = None  # what crosses PCIe per optimizer step, in words
+
+    @classmethod
+    def parse(cls, config: str, f: dict[str, Any]) -> OffloadBigFloor:
+        keys = ("params", "compute_ms", "pcie_ms", "h2d_ms", "d2h_ms", "cpu_opt_ms", "floor_ms")
+        return cls(config, **{k: num(f.get(k)) for k in keys}, bound=_text(f.get("bound")),
+                   bytes=_text(f.get("bytes")))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class OffloadBigHardware:
+    """``hardware_floor``: the pinned PCIe bandwidths and the CPU optimizer's speed, measured in the same job."""
+
+    status: str | None = None
+    h2d_gbps: float | None = None
+    d2h_gbps: float | None = None
+    bw_bytes: float | None = None
+    opt_s: float | None = None
+    opt_params_measured: float | None = None
+    opt_s_per_param: float | None = None
+    opt_threads: int | None = None
+    opt_impl: str | None = None
+    gpu_total_gib: float | None = None
+
+    @classmethod
+    def parse(cls, v: Any) -> OffloadBigHardware:
+        h = _obj(v)
+        keys = ("h2d_gbps", "d2h_gbps", "bw_bytes", "opt_s", "opt_params_measured", "opt_s_per_param",
+                "gpu_total_gib")  # fmt: skip
+        return cls(status=_text(h.get("status")), **{k: num(h.get(k)) for k in keys},
+                   opt_threads=_int(h.get("opt_threads")), opt_impl=_text(h.get("opt_impl")))  # fmt: skip
+
+
+# Versions of the other implementations that ``bench.offload.big`` records in its ``env``.
+OFFLOAD_BIG_VERSIONS = (("fairscale", "FairScale"), ("deepspeed", "DeepSpeed"), ("transformers", "transformers"))
+
+
+@dataclass(frozen=True)
+class OffloadBigFile:
+    """An ``offload_big.json`` of ``bench.offload.big``: rows, floors and how they were measured."""
+
+    env: Env
+    versions: dict[str, str]  # label -> version, of OFFLOAD_BIG_VERSIONS the env records
+    host: dict[str, int]  # cpu_count, affinity_cores, torch_threads (those recorded)
+    hardware: OffloadBigHardware
+    floors: dict[str, OffloadBigFloor]  # in file order
+    rows: list[OffloadBigRow]  # rows with an implementation and a configuration, in file order
+    device: str | None = None
+    steps: int | None = None
+    warmup: int | None = None
+    budget_gib: float | None = None
+    how: dict[str, str] = field(default_factory=dict)  # config's "step_ms", "gpu_peak", "host_rss", "floor_bytes"
+    merged_from: tuple[str, ...] = ()  # the commits of the files ``--merge`` joined (empty: one run)
+
+    @classmethod
+    def parse(cls, data: dict[str, Any]) -> OffloadBigFile:
+        env, c = _obj(data.get("env")), _obj(data.get("config"))
+        versions = {label: str(env[k]) for k, label in OFFLOAD_BIG_VERSIONS if _text(env.get(k))}
+        host = {k: v for k, v in _obj(data.get("host")).items() if _int(v) is not None}
+        floors = {str(k): OffloadBigFloor.parse(str(k), f) for k, f in _obj(data.get("floors")).items()
+                  if isinstance(f, dict)}  # fmt: skip
+        rows = [OffloadBigRow.parse(r) for r in _objs(data.get("results")) if r.get("impl") and r.get("config")]
+        how = {k: str(c[k]) for k in ("step_ms", "gpu_peak", "host_rss", "floor_bytes") if _text(c.get(k))}
+        merged = tuple(str(m.get("commit") or "?") for m in _objs(data.get("merged_from")))
+        return cls(Env.parse(data.get("env")), versions, host, OffloadBigHardware.parse(data.get("hardware_floor")),
+                   floors, rows, _text(c.get("device")), _int(c.get("steps")), _int(c.get("warmup")),
+                   num(c.get("budget_gib")), how, merged)  # fmt: skip
+
+    @property
+    def configs(self) -> list[str]:
+        """The configurations, in the order of ``floors`` then of the rows."""
+        return list(dict.fromkeys([*self.floors, *(r.config for r in self.rows)]))
+
+    def rows_of(self, config: str) -> list[OffloadBigRow]:
+        return [r for r in self.rows if r.config == config]
+
+    def floor_ms(self, config: str) -> float | None:
+        """The configuration's floor: from ``floors``, else the one its rows carry."""
+        f = self.floors.get(config)
+        if f is not None and _pos(f.floor_ms):
+            return f.floor_ms
+        return next((r.floor_ms for r in self.rows_of(config) if _pos(r.floor_ms)), None)
+
+    def find(self, config: str, impl: str, variant: str | None = None) -> OffloadBigRow | None:
+        """The row of ``impl`` (with ``variant``, None: the plain one) in ``config``."""
+        return next((r for r in self.rows_of(config) if r.impl == impl and r.variant == variant), None)
+
+    def step_ms(self, config: str, impl: str) -> float | None:
+        """The plain (un-varianted) row's step time, None where not measured."""
+        r = self.find(config, impl)
+        return r.step_ms if r is not None and r.measured else None

@@ -90,7 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         default=None,
         metavar="NEW.json",
-        help="regression check of an e2e or offload NEW.json against the stored result (python -m bench.regress)",
+        help="regression check of an e2e, offload or offload_big NEW.json against the stored result "
+        "(python -m bench.regress)",
     )
     p.add_argument("--noise", type=float, default=0.05, help="noise band of --compare (fraction, default 0.05)")
     return p.parse_args(argv)

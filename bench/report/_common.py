@@ -68,6 +68,36 @@ OFFLOAD_LABEL = {
     "fairscale": "FairScale `OffloadModel`",
     "fsdp2_cpu_offload": "FSDP2 `fully_shard` + `CPUOffloadPolicy`",
 }
+# Implementations of bench/offload/big.py (rows of offload_big.json), and the short names of the README's text.
+OFFLOAD_BIG_ORDER = (
+    "resident",
+    "shardfuse",
+    "shardfuse-budget",
+    "shardfuse-ssd",
+    "fairscale",
+    "fsdp2",
+    "deepspeed-zero2",
+    "deepspeed-zero3",
+)
+OFFLOAD_BIG_LABEL = {
+    "resident": "resident (all on the GPU, bf16 autocast, fused AdamW)",
+    "shardfuse": "shardfuse `move_params_to_cpu`, `OffloadOptimizer`, full offload",
+    "shardfuse-budget": "shardfuse `move_params_to_cpu`, `OffloadOptimizer`, GPU budget",  # + the budget
+    "shardfuse-ssd": "shardfuse, optimizer state on SSD",
+    "fairscale": "FairScale FSDP `move_params_to_cpu`, fused CPU AdamW",
+    "fsdp2": "FSDP2 `CPUOffloadPolicy(pin_memory=True)`, fused CPU AdamW",
+    "deepspeed-zero2": "DeepSpeed ZeRO-2, optimizer offloaded (its CPUAdam)",
+    "deepspeed-zero3": "DeepSpeed ZeRO-3, parameters + optimizer offloaded",
+}
+OFFLOAD_BIG_SHORT = {
+    "resident": "one GPU",
+    "shardfuse": "shardfuse",
+    "shardfuse-budget": "shardfuse-budget",
+    "fairscale": "FairScale",
+    "fsdp2": "FSDP2",
+    "deepspeed-zero2": "DeepSpeed ZeRO-2",
+    "deepspeed-zero3": "DeepSpeed ZeRO-3",
+}
 KERNEL_BIG_BYTES = 64e6  # the "large buffer" threshold of the kernel summaries (bench/kernels/run.py uses it)
 DASH = "-"
 

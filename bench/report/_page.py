@@ -9,6 +9,7 @@ from bench.report._e2e import e2e_section
 from bench.report._kernels import kernels_section
 from bench.report._models import DECODER_KIND, HF_LLAMA_KIND, e2e_models
 from bench.report._offload import offload_section
+from bench.report._offload_big import offload_big_section
 from bench.report._plots import Plotter
 from bench.report._readme import summary_table
 from bench.results_io import Result
@@ -33,6 +34,21 @@ HOW_MEASURED = """\
   FairScale's `OffloadModel` (when installed) and FSDP2 with `CPUOffloadPolicy`, against the same model
   resident on the GPU. Host<->device GB/s is bytes copied per step divided by the step time: counted by
   `OffloadModel.transfer_stats()` for shardfuse, estimated from the parameter traffic for the others.
+- `python -m bench.offload.big` (gpu_suite stage `offload-big`, `offload_big.json`): models that outgrow the GPU
+  (the decoder at 2.9B parameters, 4096 and 32768 tokens per optimizer step, the latter 8 accumulated
+  micro-batches; the 6.7B Llama-2-7B shape at 2048) trained on one GPU by the resident model (bf16 autocast, fused
+  AdamW on the GPU), shardfuse `move_params_to_cpu` (full offload, and `shardfuse-budget` with a GPU budget),
+  FairScale, FSDP2 `CPUOffloadPolicy` and DeepSpeed ZeRO-2 / ZeRO-3 offload, all clipping gradients at 1.0 (but
+  the extra shardfuse rows marked "step-in-backward, no clipping"), each in its own process (its own GPU peak,
+  `max_memory_allocated` after setup, and host peak RSS; a crash or memory kill ends only that row). Step time is
+  the median of 3 synchronised optimizer steps after a warm-up, with the spread.
+  Each row is held against its configuration's floor, max(GPU compute, PCIe, CPU optimizer), measured in the same
+  job: GPU compute = the resident step's forward + backward (on bf16 weights when the fp32 model and its AdamW
+  state do not fit); PCIe = bf16 parameters in (2 bytes/parameter) and fp32 gradients out (4 bytes/parameter)
+  once per optimizer step at the measured pinned host->device and device->host bandwidths, the two directions
+  overlapped; CPU optimizer = torch's fused CPU AdamW seconds per parameter (measured on up to 1B fp32 parameters
+  in block-sized tensors, thread count recorded) times the parameter count. A configuration that does not fit
+  one 10-minute command is split by `--impls` and the files joined with `--merge`.
 - `torchrun ... -m bench.e2e.host_profile` (gpu_suite stage `host-profile`): where an eager step's time goes on
   the host, the decoder at 1K tokens per GPU: each implementation's host enqueue time against its synchronised
   step (close together: the step is host-bound) and a cProfile of rank 0. Last run on 2xH200:
@@ -82,11 +98,12 @@ def how_measured(results: dict[str, list[Result]]) -> str:
 REGRESSION_NOTE = """\
 ## Regression check
 
-`python -m bench.regress NEW.json` compares a fresh end-to-end or offload result file with the stored file
-of the same name for the same GPU (`bench/results/<gpu>/<name>.json`, the GPU taken from the new file's
-`env.gpu_key`) and exits with status 1 when a shardfuse time (training step time, offload step time) is
-slower by more than the noise band (`--noise`, default 5%), when a shardfuse row's peak GPU memory grew by 10%
-or more (`--mem-growth`), or when a shardfuse row measured before now failed.
+`python -m bench.regress NEW.json` compares a fresh end-to-end or offload result file (`offload.json`,
+`offload_big.json`) with the stored file of the same name for the same GPU (`bench/results/<gpu>/<name>.json`,
+the GPU taken from the new file's `env.gpu_key`) and exits with status 1 when a shardfuse time (training step
+time, offload step time) is slower by more than the noise band (`--noise`, default 5%), when a shardfuse row's
+peak GPU memory (in `offload_big.json` also its host RSS) grew by 10% or more (`--mem-growth`), or when a
+shardfuse row measured before now failed.
 The other implementations are listed for context only: when FSDP2 slowed down by the same amount,
 the machine changed, not shardfuse (the check prints a note when their median changed beyond the band).
 `--baseline OLD.json` compares with a given file; `python -m bench.report --compare NEW.json` runs the same
@@ -131,6 +148,8 @@ def gpu_section(gpu: str, rs: list[Result], plots: Plotter, out_dir: Path) -> li
             lines += kernels_section(r, plots, out_dir)
         elif r.kind == "offload":
             lines += offload_section(r, plots, out_dir)
+        elif r.kind == "offload_big":
+            lines += offload_big_section(r)
         else:
             others += other_section(r)
     if others:

@@ -8,6 +8,9 @@ from pathlib import Path
 from bench.report._common import CAPTURED, DASH, REGIME_ORDER, fmt, ordered, span, table
 from bench.report._kernels import kernel_summary
 from bench.report._models import DEFAULT_DECODER_CONFIG, e2e_model, e2e_models
+from bench.report._offload_big import README_BENCH as OFFLOAD_BIG_BENCH
+from bench.report._offload_big import README_NOTE as OFFLOAD_BIG_NOTE
+from bench.report._offload_big import readme_rows as offload_big_rows
 from bench.results_io import Result
 
 START_MARK = "<!-- results:start -->"
@@ -133,8 +136,9 @@ def _kernel_rows(gpu: str, r: Result) -> list[list[str]]:
 
 
 def summary_rows(results: dict[str, list[Result]]) -> list[list[str]]:
-    """Rows of the short table: one per (GPU, e2e file, regime), one per offload file, one per kernel file."""
-    by_kind = {"e2e": _e2e_rows, "offload": _offload_rows, "kernels": _kernel_rows}
+    """Rows of the short table: one per (GPU, e2e file, regime), one per offload file, shardfuse's and
+    shardfuse-budget's per configuration of an offload_big file, one per kernel file."""
+    by_kind = {"e2e": _e2e_rows, "offload": _offload_rows, "offload_big": offload_big_rows, "kernels": _kernel_rows}
     return [row for gpu, rs in results.items() for r in rs if r.kind in by_kind for row in by_kind[r.kind](gpu, r)]
 
 
@@ -168,6 +172,7 @@ def summary_table(results: dict[str, list[Result]], link: str | None = "docs/ben
     if not rows:
         return [f"No benchmark results are stored yet (see {where} for how to produce them)."]
     captured, models = _notes(results, rows)
+    big = OFFLOAD_BIG_NOTE if any(row[1].startswith(OFFLOAD_BIG_BENCH) for row in rows) else ""
     lines = table(HEADER, rows, ALIGN)
     lines += [
         "",
@@ -175,7 +180,7 @@ def summary_table(results: dict[str, list[Result]], link: str | None = "docs/ben
         "per GPU, unsharded, no communication) and FSDP2's (above 1.00x is faster; where the metric says "
         '"median of N rounds", medians over rounds interleaved in one job on noisy hosts, else one run each); '
         "offload, against the plain GPU step (lower is better). Offload columns: FSDP2 = `fully_shard` with "
-        f"`CPUOffloadPolicy`, FairScale = its `OffloadModel`.{captured}{models} Every number comes from "
+        f"`CPUOffloadPolicy`, FairScale = its `OffloadModel`.{captured}{models}{big} Every number comes from "
         "`bench/results/`; "
         f"environments, spreads over rounds and details in {where}.",
     ]
