@@ -8,6 +8,7 @@ buffers are returned in their original dtype.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -107,7 +108,7 @@ def _first_slots(h: Any) -> list[Any]:
 
 
 @torch.no_grad()
-def load_full_state_dict(root: nn.Module, state_dict: dict[str, Any], strict: bool) -> tuple[list[str], list[str]]:
+def load_full_state_dict(root: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> tuple[list[str], list[str]]:
     """Load a full state dict into the shards and buffers of ``root``'s tree; returns (missing, unexpected)."""
     units = units_below(require_unit(root))
     work = _handles_read(units)

@@ -9,7 +9,7 @@ shards, each rank keeping its own slice.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from shardfuse.sharding._tree import require_unit
 
 
 @contextlib.contextmanager
-def summon_full_params(wrappers: list[nn.Module], volatile: bool) -> Iterator[None]:
+def summon_full_params(wrappers: Sequence[nn.Module], volatile: bool) -> Iterator[None]:
     """Summon the full parameters of every unit in ``wrappers`` (public wrapper modules) for the block."""
     units = [require_unit(w) for w in wrappers]
     for u in units:
