@@ -141,7 +141,7 @@ class Unit:
 
     def require_root_state(self) -> RootState:
         """The state the tree shares, made by the root's lazy init (its first forward)."""
-        rs = self.require_root_state()
+        rs = self.root_state
         if rs is None:
             raise RuntimeError(
                 f"{self.name} has no root state: it runs before its tree's lazy init (the root's first forward) "
