@@ -116,7 +116,7 @@ def _check_offsets(offsets: Sequence[int], numels: list[int]) -> list[int]:
 
 
 def _validate_cast_shards(
-    srcs: list[torch.Tensor], out: torch.Tensor | list[torch.Tensor], offsets: Sequence[int] | None
+    srcs: list[torch.Tensor], out: torch.Tensor | Sequence[torch.Tensor], offsets: Sequence[int] | None
 ) -> list[torch.Tensor]:
     """Validate; return the destination of every source (views of ``out`` when it is one flat tensor)."""
     srcs = common.check_tensors(srcs, "srcs")
@@ -169,9 +169,9 @@ def _build_plan(
     """Validate and build the launches; None when the reference path should run (CPU tensors)."""
     dsts = _validate_cast_shards(srcs, out, offsets)
     flat = isinstance(out, torch.Tensor)
-    if not common.use_triton(*srcs, *dsts, *([out] if flat else [])):
+    if not common.use_triton(*srcs, *dsts, *([out] if isinstance(out, torch.Tensor) else [])):
         return None
-    device = out.device if flat else (srcs[0].device if srcs else torch.device("cpu"))
+    device = out.device if isinstance(out, torch.Tensor) else (srcs[0].device if srcs else torch.device("cpu"))
     groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
     for i, (s, d) in enumerate(zip(srcs, dsts)):
         if s.numel():
@@ -236,6 +236,7 @@ def cast_shards(
     """
     with profiled("shardfuse.kernels:cast_shards"):
         srcs = common.as_list(srcs)
+        dests: torch.Tensor | list[torch.Tensor]
         if isinstance(out, torch.Tensor):
             dests = out
         elif isinstance(out, Iterable):

@@ -15,7 +15,7 @@ import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import torch
 import triton
@@ -97,6 +97,13 @@ def check_tensor(t: Any, name: str) -> None:
         raise TypeError(f"{name} is a {type(t).__name__}, not a torch.Tensor: pass a tensor")
 
 
+_E = TypeVar("_E")
+
+
+@overload
+def as_list(items: Sequence[_E]) -> list[_E]: ...
+@overload
+def as_list(items: Any) -> Any: ...
 def as_list(items: Any) -> Any:
     """``items`` as a list when it is an iterable other than a tensor, else as given: the fast paths take
     lists, and the validating path then says what is wrong with anything else. A list is not copied."""
@@ -187,7 +194,7 @@ _T = torch.Tensor
 # What a plan reads from each tensor of a list, by how the kernel addresses it. One ``map`` per field over
 # the unbound methods is several times cheaper than a loop building one tuple per tensor; device indices
 # (ints) are cheaper to build and compare than devices.
-_LIST_FIELDS = {
+_LIST_FIELDS: dict[str, tuple[Callable[[torch.Tensor], Any], ...]] = {
     "flat": (_T.data_ptr, _T.numel, _DTYPE, _T.is_contiguous, _T.get_device),
     "shaped": (_T.data_ptr, _SHAPE, _DTYPE, _T.is_contiguous, _T.get_device),
     "strided": (_T.data_ptr, _SHAPE, _T.stride, _DTYPE, _T.get_device),

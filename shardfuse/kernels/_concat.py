@@ -85,17 +85,17 @@ def _validate(tensors: Sequence[torch.Tensor], out: torch.Tensor | None) -> tupl
             raise ValueError(f"tensors[{i}] is 0-dimensional and cannot be joined along dim 0: use t.reshape(1)")
     t0 = tensors[0]
     trailing = tuple(t0.shape[1:])
-    i = next((i for i, t in enumerate(tensors) if tuple(t.shape[1:]) != trailing), None)
-    if i is not None:
+    odd = next((i for i, t in enumerate(tensors) if tuple(t.shape[1:]) != trailing), None)
+    if odd is not None:
         raise ValueError(
             f"concat_microbatches needs one trailing shape: tensors[0].shape={tuple(t0.shape)} "
-            f"but tensors[{i}].shape={tuple(tensors[i].shape)}: only dim 0 may differ"
+            f"but tensors[{odd}].shape={tuple(tensors[odd].shape)}: only dim 0 may differ"
         )
-    i = next((i for i, t in enumerate(tensors) if t.dtype != t0.dtype), None)
-    if i is not None:
+    odd = next((i for i, t in enumerate(tensors) if t.dtype != t0.dtype), None)
+    if odd is not None:
         raise TypeError(
-            f"concat_microbatches needs one dtype: tensors[0] is {t0.dtype} but tensors[{i}] is "
-            f"{tensors[i].dtype}: cast them first"
+            f"concat_microbatches needs one dtype: tensors[0] is {t0.dtype} but tensors[{odd}] is "
+            f"{tensors[odd].dtype}: cast them first"
         )
     names = [f"tensors[{i}]" for i in range(len(tensors))]
     if out is not None:

@@ -92,7 +92,7 @@ class _CheckpointCall(BlockCall):
         module = self.stats_module
         return f"checkpoint_wrapper({type(module).__name__})"
 
-    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:  # type: ignore[override]
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return self.fn(*args, **kwargs)
 
 
@@ -151,6 +151,6 @@ def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Mo
             f"{type(module).__name__} is already wrapped by checkpoint_wrapper: wrap each module only once"
         )
     inner = module.__dict__.get("forward")
-    module.forward = _CheckpointedForward(module, inner, bool(offload_to_cpu))  # type: ignore[method-assign]
+    module.forward = _CheckpointedForward(module, inner, bool(offload_to_cpu))
     setattr(module, _ATTR, bool(offload_to_cpu))
     return module

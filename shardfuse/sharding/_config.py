@@ -92,6 +92,16 @@ class GradientPolicy:
     bucket_cap_mb: int = _opt(25, "accepted for compatibility: each unit reduces its gradient in one "
                               "reduce-scatter, so there is nothing to bucket (a non-default value is logged).")
 
+    def divide_factors(self) -> tuple[float, float]:
+        """``(predivide, postdivide)``, as :func:`make_config` settles them for the group's world size."""
+        pre, post = self.gradient_predivide_factor, self.gradient_postdivide_factor
+        if pre is None or post is None:
+            raise RuntimeError(
+                f"the gradient divide factors are not settled (predivide={pre}, postdivide={post}): build the "
+                f"config with make_config(), which derives them from the world size"
+            )
+        return pre, post
+
 
 @dataclass(frozen=True)
 class StateDictPolicy:

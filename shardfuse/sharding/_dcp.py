@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Mapping
+from types import FrameType
 from typing import Any
 
 import torch
@@ -67,7 +68,7 @@ from shardfuse.sharding._dcp_layout import (
     unpack,
 )
 from shardfuse.sharding._dcp_optim import load_optim, save_optim
-from shardfuse.sharding._tree import Entry, buffer_value, units_below
+from shardfuse.sharding._tree import Entry, buffer_value, entry_buffer, units_below
 
 _DCP_LOADER = "torch.distributed.checkpoint.state_dict_loader"
 
@@ -82,7 +83,7 @@ class _MetaEntry(str):
     flats: dict[str, tuple[int, list[str]]]  # this model's checkpoint keys -> (numel, original names)
     loaded: str | None
 
-    def state_dict(self) -> str:  # type: ignore[override]
+    def state_dict(self) -> str:
         _check_checkpoint_wrapping(self.flats)
         return str(self)
 
@@ -93,7 +94,7 @@ class _MetaEntry(str):
 def _checkpoint_metadata() -> Any:
     """The metadata of the checkpoint that the ``dcp.load`` on the call stack reads, or None outside one (a
     save) or when it cannot be read here (DCP then reports that itself)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and not (frame.f_code.co_name == "load" and frame.f_globals.get("__name__") == _DCP_LOADER):
         frame = frame.f_back
     reader = frame.f_locals.get("storage_reader") if frame is not None else None
@@ -247,7 +248,7 @@ def load_sharded_state_dict(root: nn.Module, state: Mapping[str, Any], optim: to
         key = MODEL + e.key
         v = state.get(key)
         if e.kind == "buffer":
-            buf = e.module._buffers[e.attr]
+            buf = entry_buffer(e)
             if not isinstance(v, torch.Tensor) or v.shape != buf.shape:
                 got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
                 raise ValueError(
@@ -271,12 +272,12 @@ def load_sharded_state_dict(root: nn.Module, state: Mapping[str, Any], optim: to
             dst.copy_(piece)
     for e, v in zip(entries, values):
         if e.kind == "buffer":
-            buf = e.module._buffers[e.attr]
+            buf = entry_buffer(e)
             if v.data_ptr() != buf.data_ptr() or v.dtype != buf.dtype:
                 buf.copy_(v)
         else:
             e.module.set_extra_state(v)
     for u in units_below(unit):
         u.reshard()  # gathered copies of the old values are dropped; the next forward gathers the loaded ones
-    if osd is not None:
+    if optim is not None and osd is not None:  # osd is made only with an optimizer
         optim.load_state_dict(osd)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 import weakref
 from itertools import chain
+from types import FrameType
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from shardfuse.sharding._dcp_layout import RECIPE, FlatEntry, as_dtensor, check_dtensor, flat_entries, padded_shard
 from shardfuse.sharding._flat_param import SHARD_MARK_KEY
-from shardfuse.sharding._tree import unit_of, units_below
+from shardfuse.sharding._tree import require_unit, units_below
 
 _TORCH_DSD = "torch.distributed.checkpoint.state_dict"
 _DSD_MESSAGE = "cannot save or load the optimizer state of a FullyShardedDataParallel model"
@@ -37,7 +38,7 @@ def _torch_dsd_call() -> tuple[bool, bool, Any, list[torch.optim.Optimizer], Any
     """``(an optimizer is involved, state is being loaded, its StateDictOptions, the optimizers, the model)`` of
     the call into ``torch.distributed.checkpoint.state_dict`` that is running, or None when none is on the
     stack."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     found = optim = setting = False
     options = model = None
     optimizers: list[torch.optim.Optimizer] = []
@@ -166,7 +167,7 @@ def torch_dsd_fqn_modifiers(wrapper: nn.Module) -> dict[str, str]:
     call = _torch_dsd_call()
     if call is not None:
         optim, setting, options, optimizers, model = call
-        units = units_below(unit_of(wrapper))
+        units = units_below(require_unit(wrapper))
         if optim:
             _refuse_optimizer_cases(units, options)
             _hook_optimizers(optimizers, model if model is not None else wrapper)
@@ -184,5 +185,5 @@ def torch_dsd_fqn_modifiers(wrapper: nn.Module) -> dict[str, str]:
                 "for a FullyShardedDataParallel model: its load_state_dict() already takes the full state dict on "
                 "every rank; leave full_state_dict off (or add broadcast_from_rank0=True)"
             )
-    inner = getattr(unit_of(wrapper).module, "_fqn_modifiers", None)
+    inner = getattr(require_unit(wrapper).module, "_fqn_modifiers", None)
     return dict(inner()) if callable(inner) else {}

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding._flat_param import FlatParamHandle
 from shardfuse.sharding._runtime import Unit
-from shardfuse.sharding._tree import Entry, check_idle, clean_key, unit_of, units_below, walk_entries
+from shardfuse.sharding._tree import Entry, check_idle, clean_key, require_unit, unit_of, units_below, walk_entries
 
 META_KEY = "shardfuse.meta"
 MODEL = "model."
@@ -80,9 +80,9 @@ def flat_entries(root: nn.Module) -> list[FlatEntry]:
         for hi, h in enumerate(u.handles):
             key = f"{prefix}.flat_param_{hi}" if prefix else f"flat_param_{hi}"
             f = FlatEntry(key, u, h, [f"{prefix}.{n}" if prefix else n for n in h.names])
-            if f.orig:
-                f.slots = [Slot(name, v, f, a, n, n)
-                           for name, v, (a, n) in zip(f.names, h.orig_views, h.view_ranges)]
+            views = h.orig_views
+            if views is not None:  # f.orig
+                f.slots = [Slot(name, v, f, a, n, n) for name, v, (a, n) in zip(f.names, views, h.view_ranges)]
             else:
                 f.slots = [Slot(key, h.flat, f, 0, f.valid, h.shard_numel)]
             out.append(f)
@@ -90,7 +90,7 @@ def flat_entries(root: nn.Module) -> list[FlatEntry]:
 
 
 def root_unit(root: nn.Module, action: str) -> Unit:
-    unit = unit_of(root)
+    unit = require_unit(root)
     if not unit.is_root:
         raise RuntimeError(
             f"{action} must be called on the root FullyShardedDataParallel, not on the nested {unit.name}: call it "

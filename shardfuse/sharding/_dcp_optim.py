@@ -190,9 +190,9 @@ def save_optim(sd: dict[str, Any], unit: Unit, flats: list[FlatEntry], optim: to
             else:
                 padded = torch.zeros(f.handle.shard_numel, dtype=like.dtype, device=like.device)
                 for s in held:
-                    v = plans[s.name].per_element.get(k)
-                    if v is not None and s.length:
-                        padded.narrow(0, s.offset, s.length).copy_(v.detach().reshape(-1))
+                    got = plans[s.name].per_element.get(k)
+                    if got is not None and s.length:
+                        padded.narrow(0, s.offset, s.length).copy_(got.detach().reshape(-1))
             sd[f"{OPTIM_STATE}{f.key}.{k}"] = as_dtensor(padded, f)
     for s in order:
         for k, v in plans[s.name].other.items():

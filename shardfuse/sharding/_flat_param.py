@@ -42,6 +42,8 @@ def _reduce_orig_view(ref: weakref.ref[nn.Parameter], proto: int) -> tuple:
     """How an original-parameter view pickles: a meta parameter of its shape with its requires_grad and
     attributes, which the unpickled model replaces with a view of its unpickled shard."""
     v = ref()
+    if v is None:  # the view pickles itself through this method: it is alive while it runs
+        raise RuntimeError("an original-parameter view was freed while it was being pickled")
     state = {k: x for k, x in v.__dict__.items() if k != "__reduce_ex__"}
     meta = torch.empty(v.shape, dtype=v.dtype, device="meta")
     return torch._utils._rebuild_parameter_with_state, (meta, v.requires_grad, OrderedDict(), state)
@@ -182,7 +184,7 @@ class FlatParamHandle:
     def _hook_if_trained(self) -> None:
         # A hook can only go on a tensor that requires grad; a frozen group gets it once it is unfrozen.
         if self.requires_grad and not self._hooked:
-            self.full_param.register_post_accumulate_grad_hook(self._on_grad)
+            self.made(self.full_param).register_post_accumulate_grad_hook(self._on_grad)
             self._hooked = True
 
     # ----------------------------------------------------------------------------------------------
@@ -220,7 +222,8 @@ class FlatParamHandle:
             # Pickle cannot keep a view a view: it would write the whole shard's storage once per view, and load
             # tensors of their own. A view pickles as a meta placeholder instead (its requires_grad and attributes
             # kept), and the unpickled handle makes the views again from its shard (see __setstate__).
-            v.__reduce_ex__ = functools.partial(_reduce_orig_view, weakref.ref(v))
+            # (Written into the instance dict, as an assignment would: the class's method stays.)
+            v.__dict__["__reduce_ex__"] = functools.partial(_reduce_orig_view, weakref.ref(v))
             register_handle(v, self)
         return self.orig_views
 
@@ -238,8 +241,11 @@ class FlatParamHandle:
     def register_orig_views(self) -> None:
         """Register the original-parameter views where the parameters were (every registration, the borrowing
         siblings' too), after :meth:`make_orig_views` made them again."""
+        views = self.orig_views
+        if views is None:
+            raise RuntimeError(f"{self.names[0]}: register_orig_views() before make_orig_views()")
         for slot in self.attr_slots:
-            slot.module._parameters[slot.attr] = self.orig_views[slot.index]
+            slot.module._parameters[slot.attr] = views[slot.index]
 
     def grads_from_views(self) -> None:
         """Before a reduction accumulates into ``flat.grad``: take over what the optimizer did to the views'
@@ -335,6 +341,15 @@ class FlatParamHandle:
             # once the modules themselves are unpickled).
             self.make_orig_views()
 
+    def made(self, full: torch.Tensor | None) -> torch.Tensor:
+        """``full`` (``self.full_param`` or ``self.full_data``), made by :meth:`init_full_buffer` at lazy init."""
+        if full is None:
+            raise RuntimeError(
+                f"the full buffer of the flat parameter holding {self.names[0]} is not made yet (or was dropped by "
+                f".to()/.half()/pickling): it is made at the root's lazy init, its first forward"
+            )
+        return full
+
     @property
     def nbytes(self) -> int:
         """Bytes of the gathered full buffer."""
@@ -362,10 +377,11 @@ class FlatParamHandle:
             # shard, and the last reads of any buffer freed to this stream's pool, which it may now reuse.
             wait_stream(ag, streams.current())
             with use_stream(ag):
-                storage = self.full_data.untyped_storage()
+                full_data = self.made(self.full_data)
+                storage = full_data.untyped_storage()
                 if storage.size() == 0:
                     storage.resize_(self.nbytes)
-                local = self.full_data.narrow(0, self.rank * self.shard_numel, self.shard_numel)
+                local = full_data.narrow(0, self.rank * self.shard_numel, self.shard_numel)
                 src = self.flat.detach() if host is None else host.source_for_gather(self.flat)
                 if src.device != local.device and src.dtype == local.dtype:
                     local.copy_(src, non_blocking=True)  # the host copy is in the compute dtype already
@@ -375,7 +391,7 @@ class FlatParamHandle:
                     dp.cast_shard(src, local)
                 if host is not None:
                     host.note_h2d(ag)
-                coll.all_gather_into(self.full_data, local, self.group, self.world_size)
+                coll.all_gather_into(full_data, local, self.group, self.world_size)
                 step.ag_event = record_event(ag)
         step.is_full = True
         step.gathered_version = self.flat._version
@@ -393,13 +409,14 @@ class FlatParamHandle:
             return
         # No record_stream: the block returns to the all-gather stream's pool, and every later allocation
         # there is preceded by that stream waiting for the compute stream (see unshard).
-        self.full_data.untyped_storage().resize_(0)
+        self.made(self.full_data).untyped_storage().resize_(0)
         self.step.freed()
         self.clear_views()
 
     def views(self) -> list[torch.Tensor]:
         """Views of the gathered full buffer shaped like the original parameters (autograd-connected)."""
-        chunks = torch.split_with_sizes(self.full_param, self.split_sizes)  # skips Tensor.split's Python layer
+        # torch.split_with_sizes skips Tensor.split's Python layer.
+        chunks = torch.split_with_sizes(self.made(self.full_param), self.split_sizes)
         return [c.view(s) for c, s in zip(chunks, self.shapes)]
 
     def set_views(self) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -266,7 +266,7 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
 
     def __getitem__(self, key: int) -> Any:
         """Index into a wrapped ``nn.Sequential``/``nn.ModuleList``."""
-        return self.module.__getitem__(key)
+        return cast(Any, self.module).__getitem__(key)  # whatever the wrapped container's __getitem__ does
 
     def extra_repr(self) -> str:
         """Configuration summary (with ``verbose=True``)."""
@@ -290,7 +290,7 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
 
     def _units(self) -> list[FullyShardedDataParallel]:
         """This wrapper and every nested wrapper, in module order (self first)."""
-        return [m for m in self.modules() if unit_of(m) is not None]
+        return [m for m in self.modules() if isinstance(m, FullyShardedDataParallel) and unit_of(m) is not None]
 
     # ----------------------------------------------------------------------------------------------
     # forward (the step's lifecycle is in _runtime.py)
@@ -410,8 +410,9 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
             for u in units_below(unit):
                 check_state(u.training_state, (TrainingState.IDLE,), "clip_grad_norm_()", u.name,
                             "call it after backward has finished")
-            if engine_of(unit) is not None:
-                return engine_of(unit).clip_grad_norm_(max_norm, norm_type)
+            engine = engine_of(unit)
+            if engine is not None:
+                return engine.clip_grad_norm_(max_norm, norm_type)
             return clip_grad_norm([p.grad for p in self.parameters() if p.grad is not None], max_norm, norm_type,
                                   unit.compute_device, unit.groups.process_group, unit.world_size)
 
@@ -442,7 +443,8 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
     # state dicts and optimizer state (implemented in _state_dict.py / _optim_state.py)
     # ----------------------------------------------------------------------------------------------
 
-    def state_dict(self, *args: Any, destination: dict | None = None, prefix: str = "",
+    # FairScale's legacy positional form too: one signature cannot match nn.Module's two overloads.
+    def state_dict(self, *args: Any, destination: dict | None = None, prefix: str = "",  # type: ignore[override]
                    keep_vars: bool = False) -> dict[str, Any]:
         """Full state dict under the original parameter names (no wrapper prefixes), gathered in fp32.
 
@@ -461,7 +463,7 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
                 destination[prefix + k] = v
             return destination
 
-    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> NamedTuple:
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> NamedTuple:
         """Load a full state dict (original names, e.g. from an unwrapped model); every rank must call."""
         if assign:
             raise NotImplementedError("load_state_dict(assign=True) is not supported: parameters are flat shards")

@@ -88,7 +88,7 @@ def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pe
     The full gradient is detached from ``full_param`` immediately, so it is freed as soon as the
     post-backward stream has consumed it.
     """
-    full_param = handle.full_param
+    full_param = handle.made(handle.full_param)
     grad = full_param.grad
     full_param.grad = None
     if grad is None:

@@ -62,7 +62,7 @@ from torch import nn
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding._flat_param import SHARD_MARK_KEY, FlatParamHandle
 from shardfuse.sharding._runtime import Unit
-from shardfuse.sharding._tree import check_idle, param_names, unit_of, units_below
+from shardfuse.sharding._tree import check_idle, param_names, require_unit, units_below
 
 _META_KEY = "shardfuse"
 _FORMAT = 2
@@ -90,7 +90,7 @@ def _layout(root: nn.Module) -> tuple[list[_Flat], list[str]]:
     gid = {key: i for i, key in enumerate(names)}
     flats = [
         _Flat(u, h, [gid[(id(u), hi, i)] for i in range(len(h.shapes))])
-        for u in units_below(unit_of(root))
+        for u in units_below(require_unit(root))
         for hi, h in enumerate(u.handles)
     ]
     return flats, list(names.values())
@@ -172,7 +172,7 @@ def _check_same_state_on_all_ranks(root_unit: Unit, flats: list[_Flat], per_elem
 def _gather_setup(root: nn.Module, optim: torch.optim.Optimizer, recipient_rank: int | None
                   ) -> tuple[Unit, int | None, list[_Flat], list[str], dict[int, int]]:
     """The root unit, the recipient, the layout and the optimizer's indices, after checking the arguments."""
-    unit = unit_of(root)
+    unit = require_unit(root)
     check_idle(units_below(unit), "gather_full_optim_state_dict()")
     if not unit.is_root:
         raise RuntimeError(
@@ -198,7 +198,9 @@ def _per_element_keys(flats: list[_Flat], index: dict[int, int], osd: dict[str, 
     per_elem: dict[int, list[str]] = {}
     for f in flats:
         li = index.get(id(f.handle.flat))
-        st = osd["state"].get(li) if li is not None else None
+        if li is None:
+            continue
+        st = osd["state"].get(li)
         if st:
             keys = [k for k, v in st.items() if _is_per_element(v, f.handle)]
             if keys:
@@ -459,7 +461,7 @@ def get_shard_from_optim_state_dict(root: nn.Module, full_osd: dict[str, Any]) -
     a dict from :func:`gather_full_optim_state_dict`), as in FairScale; ``load_state_dict`` moves it to the
     parameters' device. A flat parameter's other state comes from its first original parameter.
     """
-    _refuse_orig_params(units_below(unit_of(root)), "get_shard_from_optim_state_dict()")
+    _refuse_orig_params(units_below(require_unit(root)), "get_shard_from_optim_state_dict()")
     meta = _check_full_osd(full_osd)
     flats, names = _layout(root)
     _check_names(list(full_osd["param_names"]), names)

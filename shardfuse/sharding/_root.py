@@ -166,7 +166,8 @@ def _init_unit(unit: Unit) -> None:
     unit.reduce_cfg.reduce_dtype = precision.reduce_dtype({h.compute_dtype for h in unit.handles})
     rc = unit.reduce_cfg
     for h in unit.handles:  # once, here: the per-step kernel launches (_data_path) check nothing
-        dp.check_plan(h.flat, h.full_param, h.world_size, rc.reduce_dtype, rc.predivide, rc.postdivide, h.names[0])
+        full = h.made(h.full_param)
+        dp.check_plan(h.flat, full, h.world_size, rc.reduce_dtype, rc.predivide, rc.postdivide, h.names[0])
     _cast_buffers(unit)
 
 

@@ -135,10 +135,19 @@ class Unit:
         # Set at lazy init (_root.py), when the compute device is final.
         self.compute_device = torch.device("cpu")
         # The live divide factors (set_gradient_divide_factors); the reduce dtype is settled at lazy init.
-        grad = config.gradient
-        self.reduce_cfg = ReduceConfig(groups, grad.gradient_predivide_factor, grad.gradient_postdivide_factor)
+        self.reduce_cfg = ReduceConfig(groups, *config.gradient.divide_factors())
         self.input_dtype = config.precision.input_dtype
         self._pre_backward_hook_fn = self.pre_backward  # one bound method: hooks compare equal, cheap to add
+
+    def require_root_state(self) -> RootState:
+        """The state the tree shares, made by the root's lazy init (its first forward)."""
+        rs = self.root_state
+        if rs is None:
+            raise RuntimeError(
+                f"{self.name} has no root state: it runs before its tree's lazy init (the root's first forward) "
+                f"or after it was reset; run the root FullyShardedDataParallel's forward first"
+            )
+        return rs
 
     @property
     def rank(self) -> int:
@@ -200,12 +209,12 @@ class Unit:
     # ----------------------------------------------------------------------------------------------
 
     def unshard(self) -> None:
-        streams = self.root_state.streams
+        streams = self.require_root_state().streams
         for h in self.gather_handles:
             h.unshard(streams)
 
     def wait_and_set_views(self, set_views: bool = True) -> None:
-        streams = self.root_state.streams
+        streams = self.require_root_state().streams
         for h in self.gather_handles:
             h.wait_full(streams)
             if set_views:
@@ -242,7 +251,7 @@ class Unit:
                 "its shards and gradients live on the host, which every step synchronises with; train it eagerly, "
                 "or keep the parameters on the GPU",
             )
-        rs = self.root_state
+        rs = self.require_root_state()
         if rs.in_backward:
             if inside_backward():
                 return (*self._pre_recompute(args, kwargs), True)
@@ -281,7 +290,7 @@ class Unit:
         """After the wrapped module ran: reshard, hook the outputs for backward, back to ``IDLE``."""
         if recomputing:
             return outputs  # the full parameters stay for the backward that follows at once
-        rs = self.root_state
+        rs = self.require_root_state()
         try:
             if self.reshard_after_forward and not self._keep_full_for_backward():
                 self.reshard_unless_kept()
@@ -303,7 +312,7 @@ class Unit:
     def _keep_full_for_backward(self) -> bool:
         """The last unit of the recorded forward order is the first whose backward needs full parameters:
         freeing them now would only gather them again, with nothing to overlap, when backward starts."""
-        rs = self.root_state
+        rs = self.require_root_state()
         return torch.is_grad_enabled() and rs.prefetch_ok and bool(rs.fwd_order) and rs.fwd_order[-1] is self
 
     def _pre_recompute(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -338,7 +347,7 @@ class Unit:
 
     def pre_backward(self, grad: torch.Tensor) -> None:
         """Hook on the unit's outputs: gather the full parameters for backward, prefetch the next unit's."""
-        rs = self.root_state
+        rs = self.require_root_state()
         with profiled("shardfuse.sharding:pre_backward"):
             self._check_unchanged_since_forward()  # before any state changes: the error leaves the tree usable
             if not rs.callback_queued:
@@ -393,7 +402,7 @@ class Unit:
                 )
             self.training_state = TrainingState.BACKWARD_POST
             handle.step.fired = True
-            rs = self.root_state
+            rs = self.require_root_state()
             if self.require_backward_grad_sync:
                 reduce_grad(handle, self.reduce_cfg, rs.streams, rs.pending)
             # Under no_sync the full gradient stays in full_param.grad and keeps accumulating.
@@ -406,7 +415,7 @@ class Unit:
 
     def finish_backward(self) -> None:
         """Root's final backward callback: flush reductions, reshard everything, return to IDLE."""
-        rs = self.root_state
+        rs = self.require_root_state()
         with profiled("shardfuse.sharding:wait_for_post_backward"):
             for u in rs.units:
                 for h in u.handles:
@@ -421,7 +430,7 @@ class Unit:
 
     def return_to_idle(self) -> None:
         """Root only: wait for issued reductions, reshard every unit and leave the backward bookkeeping."""
-        rs = self.root_state
+        rs = self.require_root_state()
         streams = rs.streams
         wait_stream(streams.current(), streams.post_backward)
         rs.pending.release_all()

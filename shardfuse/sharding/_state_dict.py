@@ -8,6 +8,7 @@ buffers are returned in their original dtype.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -21,7 +22,10 @@ from shardfuse.sharding._tree import (
     buffer_value,
     check_idle,
     clean_key,
+    entry_buffer,
+    entry_unit,
     lent_handles,
+    require_unit,
     unit_of,
     units_below,
     walk_entries,
@@ -29,7 +33,7 @@ from shardfuse.sharding._tree import (
 
 
 def _idle_units(root: nn.Module, action: str) -> list[Unit]:
-    units = units_below(unit_of(root))
+    units = units_below(require_unit(root))
     check_idle(units, action)
     return units
 
@@ -51,7 +55,7 @@ def full_state_dict(root: nn.Module) -> OrderedDict[str, Any]:
     Inside ``summon_full_params()`` the summoned units' values are read (and copied) from the module
     attributes, so in-block changes show; the other units are gathered.
     """
-    units = units_below(unit_of(root))
+    units = units_below(require_unit(root))
     work = _handles_read(units)
     summoned = {id(u) for u, _, _ in work if u.training_state == TrainingState.SUMMON_FULL_PARAMS}
     check_idle([u for u in _units_of(units, work) if id(u) not in summoned], "state_dict()")
@@ -104,9 +108,9 @@ def _first_slots(h: Any) -> list[Any]:
 
 
 @torch.no_grad()
-def load_full_state_dict(root: nn.Module, state_dict: dict[str, Any], strict: bool) -> tuple[list[str], list[str]]:
+def load_full_state_dict(root: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> tuple[list[str], list[str]]:
     """Load a full state dict into the shards and buffers of ``root``'s tree; returns (missing, unexpected)."""
-    units = units_below(unit_of(root))
+    units = units_below(require_unit(root))
     work = _handles_read(units)
     check_idle(_units_of(units, work), "load_state_dict()")
     entries = list(walk_entries(root))
@@ -131,7 +135,7 @@ def load_full_state_dict(root: nn.Module, state_dict: dict[str, Any], strict: bo
                 f"parameter and buffer name to a tensor (e.g. from model.state_dict() of the unwrapped model)"
             )
         if e.kind == "param":
-            shape = e.unit.handles[e.handle].shapes[e.index]
+            shape = entry_unit(e).handles[e.handle].shapes[e.index]
             if tuple(value.shape) != tuple(shape):
                 raise RuntimeError(
                     f"size mismatch for {e.key}: the state dict has shape {tuple(value.shape)}, the model "
@@ -139,7 +143,7 @@ def load_full_state_dict(root: nn.Module, state_dict: dict[str, Any], strict: bo
                 )
             provided.setdefault((id(e.unit), e.handle, e.index), (e.key, value))
         elif e.kind == "buffer":
-            buf = e.module._buffers[e.attr]
+            buf = entry_buffer(e)
             if tuple(value.shape) != tuple(buf.shape):
                 raise RuntimeError(
                     f"size mismatch for {e.key}: the state dict has shape {tuple(value.shape)}, the model "
@@ -151,9 +155,10 @@ def load_full_state_dict(root: nn.Module, state_dict: dict[str, Any], strict: bo
     for u, hi, h in work:
         have = [provided.get((id(u), hi, i)) for i in range(len(h.shapes))]
         device = u.compute_device
-        if all(x is not None for x in have):
+        given = [x[1] for x in have if x is not None]
+        if len(given) == len(have):
             # Cast like nn.Module.load_state_dict's copy_ does (an int64 tensor loads into a float parameter).
-            full = dp.flatten_pad([x[1].to(device, h.dtype) for x in have], h.world_size, dtype=h.dtype)
+            full = dp.flatten_pad([t.to(device, h.dtype) for t in given], h.world_size, dtype=h.dtype)
         else:
             # Partial load (strict=False, or a nested unit naming some of a sibling's parameters): start from the
             # current values. Collective, like the full case is not: every rank must provide the same keys.

@@ -9,7 +9,7 @@ shards, each rank keeping its own slice.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -19,13 +19,13 @@ from shardfuse._streams import wait_stream
 from shardfuse.sharding._flat_param import FlatParamHandle
 from shardfuse.sharding._runtime import Unit
 from shardfuse.sharding._state import TrainingState, check_state
-from shardfuse.sharding._tree import unit_of
+from shardfuse.sharding._tree import require_unit
 
 
 @contextlib.contextmanager
-def summon_full_params(wrappers: list[nn.Module], volatile: bool) -> Iterator[None]:
+def summon_full_params(wrappers: Sequence[nn.Module], volatile: bool) -> Iterator[None]:
     """Summon the full parameters of every unit in ``wrappers`` (public wrapper modules) for the block."""
-    units = [unit_of(w) for w in wrappers]
+    units = [require_unit(w) for w in wrappers]
     for u in units:
         check_state(u.training_state, (TrainingState.IDLE,), "summon_full_params()", u.name,
                     "call it outside forward and backward")
@@ -42,7 +42,7 @@ def summon_full_params(wrappers: list[nn.Module], volatile: bool) -> Iterator[No
 @contextlib.contextmanager
 def _summon_unit(wrapper: nn.Module, unit: Unit, handles: list[FlatParamHandle], volatile: bool) -> Iterator[None]:
     with profiled("shardfuse.sharding:summon_full_params"):
-        streams = unit.root_state.streams
+        streams = unit.require_root_state().streams
         wait_stream(streams.current(), streams.post_backward)
         unit.training_state = TrainingState.SUMMON_FULL_PARAMS
         saved_params = dict(wrapper._parameters)
@@ -112,7 +112,7 @@ def _write_back(
         h.flat.detach().copy_(h.shard_of(full))  # bumps the shard's version: gathered copies are refreshed
 
 
-def _restore(wrapper: nn.Module, handles: list[FlatParamHandle], saved_params: dict[str, nn.Parameter]) -> None:
+def _restore(wrapper: nn.Module, handles: list[FlatParamHandle], saved_params: dict[str, nn.Parameter | None]) -> None:
     for h in handles:
         for s in h.attr_slots:
             s.module._parameters.pop(s.attr, None)
@@ -130,7 +130,7 @@ def own_params_gathered(unit: Unit, action: str) -> Iterator[None]:
     recorded, nothing is prefetched."""
     check_state(unit.training_state, (TrainingState.IDLE,), action, unit.name,
                 "call it outside forward, backward and summon_full_params()")
-    rs = unit.root_state
+    rs = unit.require_root_state()
     rs.order_paused = True
     unit.training_state = TrainingState.FORWARD
     try:

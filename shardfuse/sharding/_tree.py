@@ -7,7 +7,7 @@ wrapper: a module is a unit when it carries a :class:`Unit` under ``UNIT_ATTR``.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -30,6 +30,14 @@ def clean_key(name: str) -> str:
 def unit_of(module: nn.Module) -> Unit | None:
     """The unit ``module`` is the wrapper of, or None."""
     return module.__dict__.get(UNIT_ATTR)
+
+
+def require_unit(module: nn.Module) -> Unit:
+    """The unit ``module`` is the wrapper of; ``module`` must be a ``FullyShardedDataParallel`` wrapper."""
+    unit = unit_of(module)
+    if unit is None:
+        raise TypeError(f"{type(module).__name__} is not a FullyShardedDataParallel wrapper (it has no unit)")
+    return unit
 
 
 def units_in(module: nn.Module) -> list[Unit]:
@@ -64,7 +72,8 @@ def check_idle(units: list[Unit], action: str) -> None:
         wait_stream(root.streams.current(), root.streams.post_backward)
 
 
-class Entry(NamedTuple):
+@dataclass(frozen=True)
+class Entry:
     """One state-dict entry: ``kind`` is "param", "buffer" or "extra"; ``key`` has no wrapper segments.
 
     For "param", ``unit``/``handle``/``index`` locate the value in the unit's flat parameters; for "buffer",
@@ -93,8 +102,8 @@ def walk_entries(module: nn.Module, prefix: str = "", owner: Unit | None = None)
                 yield Entry("param", prefix + attr, module, b.lender, b.lender_hi, idx)
             else:
                 yield Entry("param", prefix + attr, module, owner, hi, idx)
-    for name, b in module._buffers.items():
-        if b is not None and name not in module._non_persistent_buffers_set:
+    for name, buf in module._buffers.items():
+        if buf is not None and name not in module._non_persistent_buffers_set:
             yield Entry("buffer", prefix + name, module, owner, attr=name)
     if type(module).get_extra_state is not nn.Module.get_extra_state:
         yield Entry("extra", prefix + "_extra_state", module, owner)
@@ -103,9 +112,24 @@ def walk_entries(module: nn.Module, prefix: str = "", owner: Unit | None = None)
             yield from walk_entries(child, f"{prefix}{name}.", owner)
 
 
+def entry_buffer(entry: Entry) -> torch.Tensor:
+    """The buffer a "buffer" entry names, as it is now."""
+    b = entry.module._buffers[entry.attr]
+    if b is None:  # walk_entries yields only buffers that are set
+        raise RuntimeError(f"buffer {entry.key} was set to None after the state-dict walk found it")
+    return b
+
+
+def entry_unit(entry: Entry) -> Unit:
+    """The unit holding a "param" entry's value (walk_entries gives every one its owner)."""
+    if entry.unit is None:
+        raise RuntimeError(f"state-dict entry {entry.key} ({entry.kind}) belongs to no unit")
+    return entry.unit
+
+
 def buffer_value(entry: Entry) -> torch.Tensor:
     """A buffer in the dtype it had before wrapping (``buffer_dtype`` casts it for compute)."""
-    b = entry.module._buffers[entry.attr]
+    b = entry_buffer(entry)
     u = entry.unit
     dtype = u.buffer_dtypes.get((id(entry.module), entry.attr), b.dtype) if u is not None else b.dtype
     return b.detach().to(dtype) if b.dtype != dtype else b.detach()

@@ -72,7 +72,7 @@ def size_based_auto_wrap_policy(
             ``EXCLUDE_WRAP_MODULES``, initialised from :data:`EXCLUDE_WRAP_MODULES`).
         skip_params_check_for_root: wrap the root whatever its size.
     """
-    defaults = size_based_auto_wrap_policy
+    defaults: Any = size_based_auto_wrap_policy  # the default sets are attributes of the function (FairScale)
     leaf = tuple(defaults.FORCE_LEAF_MODULES if force_leaf_modules is None else force_leaf_modules)
     excluded = tuple(defaults.EXCLUDE_WRAP_MODULES if exclude_wrap_modules is None else exclude_wrap_modules)
     is_large = unwrapped_params >= min_num_params
@@ -90,17 +90,18 @@ default_auto_wrap_policy.EXCLUDE_WRAP_MODULES = set(EXCLUDE_WRAP_MODULES)  # typ
 
 
 def _class_tuple(classes: Iterable[type[nn.Module]], what: str) -> tuple[type[nn.Module], ...]:
-    classes = tuple(classes) if not isinstance(classes, type) else (classes,)
-    bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
+    # A single class is accepted for a collection of them; each element is checked below.
+    found: tuple[Any, ...] = tuple(classes) if not isinstance(classes, type) else (classes,)
+    bad = [c for c in found if not (isinstance(c, type) and issubclass(c, nn.Module))]
     if bad:
         raise TypeError(f"{what} must be nn.Module subclasses, got {bad!r}: pass classes such as {{DecoderLayer}}")
-    containers = [c.__name__ for c in classes if c in EXCLUDE_WRAP_MODULES]
+    containers = [c.__name__ for c in found if c in EXCLUDE_WRAP_MODULES]
     if containers:
         raise ValueError(
             f"{what} contains container classes {containers}, which are never wrapped themselves: "
             f"name the class of their elements instead (e.g. the decoder layer class)"
         )
-    return classes
+    return found
 
 
 def transformer_auto_wrap_policy(
