@@ -114,8 +114,8 @@ class HostShard:
         target, self.landing = self.landing, None
         if target is None:
             return
-        if target is self.grad_buf:
-            flat.grad = self.grad_buf
+        if target is self.grad_buf or flat.grad is None:  # the staging buffer is used only when a gradient was held
+            flat.grad = self.grad_buf if target is self.grad_buf else target.clone()
         else:
             flat.grad.add_(target)
 

@@ -79,7 +79,7 @@ def make_sub_optimizers(optimizer: torch.optim.Optimizer, plan: ShardPlan) -> No
     plan.subs = []
     for gi, params in plan.groups:
         settings = {k: v for k, v in optimizer.param_groups[gi].items() if k != "params"}
-        sub = type(optimizer)([{"params": params, **settings}])
+        sub = type(optimizer)([{"params": params, **settings}])  # type: ignore[call-arg]  # defaults in the group
         sub.state = optimizer.state
         plan.subs.append(sub)
 
@@ -112,8 +112,9 @@ def host_task(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tenso
     ``in_backward``: started by the gradient copy itself (``step_in_backward=True``): wait for ``copy_event``
     and land the gradient (the end of backward lands the same buffer again on the main thread).
     """
-    host = plan.host
-    handle = plan.handle
+    host, handle = plan.host, plan.handle
+    if host is None or handle is None:
+        raise RuntimeError("host_task() needs the plan of a host shard (one whose handle has a HostShard)")
 
     def run() -> None:
         if copy_event is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -134,7 +135,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # Not Optimizer.__init__: param_groups, state and defaults are the user's optimizer's (properties below).
         self.optimizer = optimizer
         self.model = model
-        self.root: Unit = model._unit
+        self.root: Unit = unit_of_root(model)
         self.gpu_budget_gib = gpu_budget_gib
         self.accumulate_on_gpu = accumulate_on_gpu
         self._lock = threading.Lock()
@@ -146,12 +147,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._coef: torch.Tensor | None = None  # clipping's coefficient, for the host shards' next updates
         self._coef_deferred: set[int] = set()  # id(handle) of the shards whose scaling waits for their update
         self._placed = False
-        self._optimizer_step_pre_hooks: dict = {}
-        self._optimizer_step_post_hooks: dict = {}
-        self._optimizer_state_dict_pre_hooks: dict = {}
-        self._optimizer_state_dict_post_hooks: dict = {}
-        self._optimizer_load_state_dict_pre_hooks: dict = {}
-        self._optimizer_load_state_dict_post_hooks: dict = {}
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self._attach()
         _ENGINES[self.root] = self
 
@@ -160,7 +161,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------------------------------------------
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -168,7 +169,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.optimizer.param_groups = value
 
     @property
-    def state(self) -> Any:  # type: ignore[override]
+    def state(self) -> Any:
         return self.optimizer.state
 
     @state.setter
@@ -176,7 +177,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.optimizer.state = value
 
     @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
     @defaults.setter
@@ -186,11 +187,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"OffloadOptimizer({self.optimizer!r}, gpu_budget_gib={self.gpu_budget_gib})"
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         self.synchronize()
         return self.optimizer.state_dict()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.synchronize()
         self.optimizer.load_state_dict(state_dict)
         self._signature = ()  # the user's optimizer has a new state dict: share it again
@@ -417,10 +418,15 @@ def _make_resident(handle: FlatParamHandle, optimizer: torch.optim.Optimizer, de
     handle.host = None
 
 
-def _check_arguments(model: nn.Module, optimizer: torch.optim.Optimizer, gpu_budget_gib: float | None) -> None:
+def unit_of_root(model: nn.Module) -> Unit:
     unit = getattr(model, "_unit", None)
     if not isinstance(unit, Unit):
         raise TypeError(f"OffloadOptimizer needs the root FullyShardedDataParallel model, got {type(model).__name__}")
+    return unit
+
+
+def _check_arguments(model: nn.Module, optimizer: torch.optim.Optimizer, gpu_budget_gib: float | None) -> None:
+    unit = unit_of_root(model)
     if unit.parent is not None:
         raise ValueError(f"OffloadOptimizer needs the root (outermost) FullyShardedDataParallel, not the nested "
                          f"{unit.name}: pass the outermost wrapper")
