@@ -50,13 +50,25 @@ class PendingFrees:
     first, so that memory the caching allocator hands out again is never written under a running copy.
     """
 
+    # At most this many tensors held: beyond it the oldest is released after a device-side wait of the compute
+    # stream, so held copies cannot pile up while the host runs ahead of the GPU (record_stream, which this
+    # replaces, let the allocator reclaim each block as soon as its copy finished; a tight memory cap needs that).
+    MAX_HELD = 2
+
     def __init__(self) -> None:
         self._items: list[tuple[torch.Tensor, torch.cuda.Event]] = []
 
-    def hold(self, tensor: torch.Tensor, event: torch.cuda.Event | None) -> None:
-        """Keep ``tensor`` alive until ``event`` (None: the read already happened, on the CPU)."""
-        if event is not None:
-            self._items.append((tensor, event))
+    def hold(self, tensor: torch.Tensor, event: torch.cuda.Event | None,
+             compute: torch.cuda.Stream | None = None) -> None:
+        """Keep ``tensor`` alive until ``event`` (None: the read already happened, on the CPU); past
+        :attr:`MAX_HELD`, the oldest goes after ``compute`` waits for its read."""
+        if event is None:
+            return
+        self.collect()
+        self._items.append((tensor, event))
+        while len(self._items) > self.MAX_HELD:
+            _, old_event = self._items.pop(0)
+            wait_event(compute, old_event)
 
     def collect(self) -> None:
         """Drop the tensors whose read has finished."""
@@ -392,8 +404,7 @@ class Engine:
         self._count("d2h", t)
         event = record_event(d2h)
         # made on the compute stream, which may free it at once: hold it until the copy has read it
-        self.pending.collect()
-        self.pending.hold(t, event)
+        self.pending.hold(t, event, self.compute_stream())
         return Stashed(host, t.device, event)
 
     # ------------------------------------------------------------------ gradients
@@ -491,7 +502,8 @@ class Engine:
                         host = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
                         host.copy_(v, non_blocking=True)
                     self._count("d2h", v)
-                    self.pending.hold(v, record_event(d2h))  # instead of record_stream: until the copy read it
+                    # instead of record_stream: until the copy read it
+                    self.pending.hold(v, record_event(d2h), self.compute_stream())
                     st[k] = host
                     moved.append(k)
             self._opt_moved[p] = moved

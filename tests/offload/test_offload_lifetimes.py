@@ -169,6 +169,23 @@ def test_pending_frees_hold_until_the_read_is_over(monkeypatch):
     assert waited == [eb] and len(pending) == 0 and refs[1].expired()
 
 
+def test_pending_frees_are_bounded(monkeypatch):
+    # The host may run ahead of the GPU: past MAX_HELD held copies, the oldest is released after the compute stream
+    # waits for its read (a device-side wait), so held activations cannot pile up under a tight memory cap.
+    waited = []
+    monkeypatch.setattr(_engine, "wait_event", lambda stream, ev: waited.append((stream, ev)))
+    pending = _engine.PendingFrees()
+    tensors = [torch.randn(4) for _ in range(pending.MAX_HELD + 3)]
+    events = [_FakeEvent() for _ in tensors]
+    refs = [StorageWeakRef(t.untyped_storage()) for t in tensors]
+    for t, ev in zip(tensors, events):
+        pending.hold(t, ev, compute="compute")
+    del tensors, t
+    assert len(pending) == pending.MAX_HELD
+    assert waited == [("compute", ev) for ev in events[:3]]
+    assert all(r.expired() for r in refs[:3]) and not any(r.expired() for r in refs[3:])
+
+
 def test_offload_package_keeps_the_rules():
     # issue 19, section 4: errors that name the value and the fix (no bare assert), lifetimes held by events
     # (no record_stream)
