@@ -295,7 +295,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print(f"\n{'config':<9} {'impl':<17} {'tok/step':>8} {'step ms':>8} {'spread':>11} {'tok/s':>7} "
           f"{'floor':>6} {'x floor':>7} {'x resid':>7} {'GPU GiB':>7} {'host GiB':>8}")  # fmt: skip
     for r in rows:
-        name = r["impl"] + ("*" if r.get("variant") else "")
+        name = r["impl"] + {"host-accum": "+ha", None: ""}.get(r.get("variant"), "+sib")
         if not r["step_ms"]:
             print(f"{r['config']:<9} {name:<17} {r['tokens_per_step']:>8} {r['status']}: {r.get('reason', '')[:70]}")
             continue
@@ -307,7 +307,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{fmt_key(r, 'vs_resident', '6.2f'):>6}x {fmt_key(r, 'gpu_peak_gib', '7.1f'):>7} "
             f"{fmt_key(r, 'host_rss_gib', '8.1f'):>8}"
         )
-    print("(* shardfuse with accumulate_on_gpu=False; x floor / x resident: step time over the floor / resident step)")
+    print("(+ha: accumulate_on_gpu=False; +sib: step_in_backward=True, no clipping; x floor / x resident: step time "
+          "over the floor / resident step)")
 
 
 # ------------------------------------------------------------------------------------------------ driver

@@ -48,7 +48,11 @@ HOW_MEASURED = """\
   once per optimizer step at the measured pinned host->device and device->host bandwidths, the two directions
   overlapped; CPU optimizer = torch's fused CPU AdamW seconds per parameter (measured on up to 1B fp32 parameters
   in block-sized tensors, thread count recorded) times the parameter count. A configuration that does not fit
-  one 10-minute command is split by `--impls` and the files joined with `--merge`.
+  one 10-minute command is split by `--impls` and the files joined with `--merge`. The stored H100 file has the
+  shardfuse rows at HEAD; FairScale, FSDP2 and shardfuse side by side in one job (at 6bfddd1, on another H100 host
+  whose CPU optimizer and PCIe were slower: floor 917 ms) are in
+  `bench/results/logs/h100-offload-big-4k-side-by-side-6bfddd1.json.txt`: shardfuse 1500 ms, FairScale 4615,
+  FSDP2 4990 (DeepSpeed did not finish within the command in either call).
 - `torchrun ... -m bench.e2e.host_profile` (gpu_suite stage `host-profile`): where an eager step's time goes on
   the host, the decoder at 1K tokens per GPU: each implementation's host enqueue time against its synchronised
   step (close together: the step is host-bound) and a cProfile of rank 0. Last run on 2xH200:
