@@ -123,9 +123,10 @@ for stage in "${STAGES[@]}"; do
     overlap)
       step overlap 120 torchrun --standalone --nproc_per_node 2 -m bench.e2e.overlap ;;
     regress)
-      # this run's e2e and offload results against the stored ones of this GPU (kernels: see kernels-pb)
+      # this run's e2e, offload and offload_big results against the stored ones of this GPU (kernels: see kernels-pb)
       REGRESS_FILES=()
-      for f in "$BENCH_OUT/$GPU_KEY"/e2e_*gpu.json "$BENCH_OUT/$GPU_KEY"/offload.json; do
+      for f in "$BENCH_OUT/$GPU_KEY"/e2e_*gpu.json "$BENCH_OUT/$GPU_KEY"/offload.json \
+               "$BENCH_OUT/$GPU_KEY"/offload_big.json; do
         [ -f "$f" ] && REGRESS_FILES+=("$f")
       done
       if [ ${#REGRESS_FILES[@]} -eq 0 ]; then
