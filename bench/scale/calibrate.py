@@ -37,6 +37,7 @@ __all__ = [
     "validation_points",
 ]
 
+REPO = Path(__file__).resolve().parents[2]
 MB = 2**20
 GB = 2**30
 # ANCHORS.md (2026-11-22, H200, NCCL 2.28.9): all-gather bf16 bus bandwidth GB/s by message size, per ring size
@@ -128,6 +129,14 @@ def _baseline_mean(path: Path, regime: str) -> float | None:
     return mean(rows) if rows else None
 
 
+def _rel(path: Path) -> str:
+    """``path`` relative to the repository root when inside it (records carry no machine paths)."""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
 def _grep_ms(path: Path, pattern: str) -> float | None:
     if not path.is_file():
         return None
@@ -144,9 +153,9 @@ def load_measured(results: Path) -> Measured:
     opt = _grep_ms(prof, r"([\d.]+) ms\s+[\d.]+x\s+Optimizer\.step#AdamW\.step")
     enq = _grep_ms(host, r"shardfuse: median host enqueue ([\d.]+) ms")
     sources = {
-        "one_gpu_8k_ms": f"{e2e} baseline 8k, mean of rounds" if one else "fallback constant",
-        "optimizer_ms_2gpu": f"{prof} Optimizer.step#AdamW.step (shardfuse 1k)" if opt else "fallback constant",
-        "host_enqueue_ms": f"{host} shardfuse median host enqueue" if enq else "fallback constant",
+        "one_gpu_8k_ms": f"{_rel(e2e)} baseline 8k, mean of rounds" if one else "fallback constant",
+        "optimizer_ms_2gpu": f"{_rel(prof)} Optimizer.step#AdamW.step (shardfuse 1k)" if opt else "fallback constant",
+        "host_enqueue_ms": f"{_rel(host)} shardfuse median host enqueue" if enq else "fallback constant",
     }
     return Measured(
         one_gpu_8k_ms=one or FALLBACK_ONE_GPU_8K_MS,
@@ -161,9 +170,8 @@ def make_calibration(m: Measured) -> Calibration:
     opt_per_param = m.optimizer_ms_2gpu * 1e-3 / (bench.params / 2)
     compute_8k = m.one_gpu_8k_ms * 1e-3 - opt_per_param * bench.params
     flops = bench.flops_per_token(2048) * 4 * 2048 / compute_8k
-    return Calibration(
-        achieved_flops=flops, optimizer_s_per_param=opt_per_param, host_s_per_unit=m.host_enqueue_ms * 1e-3 / bench.units
-    )
+    host = m.host_enqueue_ms * 1e-3 / bench.units
+    return Calibration(achieved_flops=flops, optimizer_s_per_param=opt_per_param, host_s_per_unit=host)
 
 
 def validation_points(results: Path) -> list[ValidationPoint]:
@@ -178,5 +186,5 @@ def validation_points(results: Path) -> list[ValidationPoint]:
         path = results / "h200" / name
         ms = _shardfuse_mean(path, regime) if path.is_file() else None
         if ms is not None:
-            out.append(ValidationPoint(label, model, tokens, seq, ms, f"{path} shardfuse {regime}"))
+            out.append(ValidationPoint(label, model, tokens, seq, ms, f"{_rel(path)} shardfuse {regime}"))
     return out
