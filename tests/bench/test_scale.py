@@ -1,0 +1,90 @@
+"""``bench.scale``: the alpha-beta scale model on small inputs (no torch.distributed, no GPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.scale import __main__ as cli
+from bench.scale.calibrate import load_measured, make_calibration, make_hardware, nvlink_fits, validation_points
+from bench.scale.model import MODELS, Link, ring_time, step_time
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+
+
+def _cal():
+    return make_calibration(load_measured(RESULTS))
+
+
+def test_param_counts_match_examples_llama() -> None:
+    from examples.llama import LlamaConfig
+
+    assert MODELS["953m"].params == LlamaConfig.bench().num_params() == 953_223_168
+    assert MODELS["7b"].params == LlamaConfig.llama_7b().num_params()
+    assert 68e9 < MODELS["70b"].params < 70e9  # Llama-2-70B with 8 kv heads
+
+
+def test_ring_time_formula() -> None:
+    link = Link(alpha_s=1e-5, bw_bps=1e11)
+    assert ring_time(1e9, 1, link) == 0.0
+    assert ring_time(1e9, 4, link) == pytest.approx(3 * 1e-5 + 0.75 * 1e9 / 1e11)
+    assert ring_time(1e9, 4, link, all_reduce=True) == pytest.approx(2 * ring_time(1e9, 4, link))
+
+
+def test_nvlink_fit_reproduces_anchor_bus_bandwidth() -> None:
+    ag, rs = nvlink_fits()
+    t = ring_time(2**30, 2, ag[2])
+    assert 0.5 * 2**30 / t / 1e9 == pytest.approx(266, rel=0.1)
+    t = ring_time(2**30, 4, rs[4])
+    assert 0.75 * 2**30 / t / 1e9 == pytest.approx(334, rel=1e-6)
+
+
+@pytest.mark.parametrize("model", ["953m", "7b", "70b"])
+@pytest.mark.parametrize("strategy", ["flat", "hybrid"])
+def test_more_inter_node_bandwidth_never_slows(model: str, strategy: str) -> None:
+    cal = _cal()
+    for gpus in (8, 16, 64, 512):
+        steps = [step_time(MODELS[model], gpus, 4096, 2048, strategy, make_hardware(g, 10, 8), cal).step_ms
+                 for g in (50, 100, 200, 400, 800, 3200)]
+        assert all(a >= b for a, b in zip(steps, steps[1:])), (gpus, steps)
+
+
+def test_hybrid_equals_flat_within_a_node() -> None:
+    cal, hw = _cal(), make_hardware(400, 10, 8)
+    for gpus in (1, 2, 4, 8):
+        flat = step_time(MODELS["7b"], gpus, 4096, 4096, "flat", hw, cal)
+        hybrid = step_time(MODELS["7b"], gpus, 4096, 4096, "hybrid", hw, cal)
+        assert flat.step_ms == hybrid.step_ms and hybrid.replicas == 1
+    flat = step_time(MODELS["7b"], 64, 4096, 4096, "flat", hw, cal)
+    hybrid = step_time(MODELS["7b"], 64, 4096, 4096, "hybrid", hw, cal)
+    assert hybrid.step_ms < flat.step_ms and (hybrid.shard, hybrid.replicas) == (8, 8)
+
+
+def test_two_gpu_prediction_within_15_percent_of_stored_measurements() -> None:
+    cal, hw = _cal(), make_hardware(400, 10, 8)
+    points = validation_points(RESULTS)
+    assert {p.label for p in points} >= {"953M 8K tok/GPU", "953M 1K tok/GPU", "7B 4K tok/GPU"}
+    for p in points:
+        pred = step_time(MODELS[p.model], 2, p.tokens, p.seq, "flat", hw, cal).step_ms
+        assert abs(pred / p.measured_ms - 1) <= 0.15, (p.label, pred, p.measured_ms)
+
+
+def test_cli_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, png = tmp_path / "scale_model.json", tmp_path / "scale.png"
+    assert cli.main(["--gpus", "8,64", "--model", "7b", "--inter-node-gbps", "200", "--json", str(out),
+                     "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "Assumptions" in text and "200 Gb/s per GPU = 25.0 GB/s" in text and "2-GPU validation" in text
+    record = json.loads(out.read_text())
+    assert record["kind"] == "scale_model" and record["hardware"]["inter_node_gbps"] == 200
+    assert {(r["gpus"], r["strategy"]) for r in record["rows"]} == {(8, "flat"), (8, "hybrid"), (64, "flat"),
+                                                                  (64, "hybrid")}
+    assert all(v["within_target"] for v in record["validation_2gpu"])
+    assert png.stat().st_size > 1000
+
+
+def test_cli_rejects_partial_nodes() -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["--gpus", "12", "--no-json"])
