@@ -35,8 +35,9 @@ from shardfuse.sharding._tree import units_below
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
-# Root unit -> its OffloadOptimizer: clip_grad_norm_ and the state-dict paths find it here.
-_ENGINES: weakref.WeakKeyDictionary[Unit, OffloadOptimizer] = weakref.WeakKeyDictionary()
+# Root unit -> its OffloadOptimizer, both weakly (the optimizer holds the model: a strong value would keep the
+# model, its pinned buffers and the optimizer alive forever): clip_grad_norm_ and the state-dict paths find it here.
+_ENGINES: weakref.WeakKeyDictionary[Unit, weakref.ref[OffloadOptimizer]] = weakref.WeakKeyDictionary()
 
 
 def engine_of(unit: Unit) -> OffloadOptimizer | None:
@@ -44,7 +45,8 @@ def engine_of(unit: Unit) -> OffloadOptimizer | None:
     top = unit
     while top.parent is not None:
         top = top.parent
-    return _ENGINES.get(top)
+    ref = _ENGINES.get(top)
+    return ref() if ref is not None else None
 
 
 def finish_host_steps(unit: Unit) -> None:
@@ -154,7 +156,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self._attach()
-        _ENGINES[self.root] = self
+        _ENGINES[self.root] = weakref.ref(self)
 
     # ----------------------------------------------------------------------------------------------
     # the user's optimizer, seen through this one
@@ -315,7 +317,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         from the model, whose shards then train with a plain optimizer again."""
         self.synchronize()
         self._finalizer()
-        if _ENGINES.get(self.root) is self:
+        if engine_of(self.root) is self:
             del _ENGINES[self.root]
         for u in units_below(self.root):
             for h in u.handles:

@@ -262,6 +262,36 @@ def test_bad_arguments(pool):
     assert pool.run(check_bad_arguments) == [True] * WORLD
 
 
+def check_freed_when_dropped() -> bool:
+    """Dropping the model and its OffloadOptimizer frees both (and the host buffers and worker thread)."""
+    import gc
+    import threading
+    import weakref
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    threads = threading.active_count()
+    model = wrap_model(build({}), {"move_params_to_cpu": True})
+    opt = OffloadOptimizer(model, make_optim(model.parameters(), {}), gpu_budget_gib=0)
+    ids, target = batch(0, rank, ws)
+    loss_fn(model, ids, target, 0, {}).backward()
+    opt.step()
+    refs = [weakref.ref(model), weakref.ref(opt), weakref.ref(model._unit.handles[0].host.grad_buf)]
+    del model, opt
+    gc.collect()
+    assert all(r() is None for r in refs), [r() is None for r in refs]
+    deadline = threading.Event()
+    for _ in range(50):  # the worker thread ends once its finalizer ran
+        if threading.active_count() <= threads:
+            break
+        deadline.wait(0.1)
+    assert threading.active_count() <= threads, "the host-step worker thread outlived its optimizer"
+    return True
+
+
+def test_dropping_the_model_and_optimizer_frees_them(pool):
+    assert pool.run(check_freed_when_dropped) == [True] * WORLD
+
+
 def test_choose_resident_counts_from_the_end():
     from shardfuse.sharding._offload_optim import choose_resident
 
