@@ -56,30 +56,30 @@ class PendingFrees:
 
     def add_copy_source(self, tensor: torch.Tensor, event: torch.cuda.Event | None, streams: Streams,
                         keep: int = 4) -> None:
-        """Hold the device source of a host copy until ``event``; at most ``keep`` in flight (older ones are
-        released after a device-side wait: memory against how far the copies may lag the backward)."""
-        if event is None:
-            return
-        while len(self.copies) >= keep:
-            old, old_event = self.copies.pop(0)
-            wait_event(streams.current(), old_event)
-            del old
-        self.copies.append((tensor, event))
+        """Hold the device source of a host copy until ``event``; at most ``keep`` in flight (memory against how
+        far the copies may lag the backward)."""
+        _hold(self.copies, tensor, event, streams, keep)
 
     def add(self, tensor: torch.Tensor, event: torch.cuda.Event | None, streams: Streams, keep: int = 1) -> None:
         """Hold ``tensor`` until ``event``; release older entries beyond ``keep`` after a device-side wait."""
-        if event is None:  # CPU: everything already ran synchronously
-            return
-        while len(self.items) >= keep:
-            old, old_event = self.items.pop(0)
-            wait_event(streams.current(), old_event)
-            del old
-        self.items.append((tensor, event))
+        _hold(self.items, tensor, event, streams, keep)
 
     def release_all(self) -> None:
         """Drop every held tensor (the caller made the compute stream wait for the post-backward stream)."""
         self.items.clear()
         self.copies.clear()
+
+
+def _hold(held: list[tuple[torch.Tensor, torch.cuda.Event | None]], tensor: torch.Tensor,
+          event: torch.cuda.Event | None, streams: Streams, keep: int) -> None:
+    """Append (tensor, event) to ``held``; entries beyond ``keep`` go after the compute stream waited for them."""
+    if event is None:  # CPU: everything already ran synchronously
+        return
+    while len(held) >= keep:
+        old, old_event = held.pop(0)
+        wait_event(streams.current(), old_event)
+        del old
+    held.append((tensor, event))
 
 
 def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pending: PendingFrees) -> None:
