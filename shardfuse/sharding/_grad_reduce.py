@@ -98,6 +98,11 @@ def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pe
         return
     handle.grads_from_views()
     hold = cfg.groups.hybrid and not all_reduce
+    if hold and handle.host is not None:
+        raise NotImplementedError(
+            f"set_requires_all_reduce(False) with an OffloadOptimizer is not supported ({handle.names[0]} is "
+            f"offloaded: its host step expects the all-reduced gradient each backward): use no_sync() to accumulate"
+        )
     dest, accumulate = (None, False) if hold else _destination(handle, grad.device)
     post_backward = streams.post_backward
     wait_stream(post_backward, streams.current())

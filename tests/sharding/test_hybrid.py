@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardfuse import FullyShardedDataParallel as FSDP
@@ -87,7 +88,7 @@ def _mesh(shape: tuple[int, int]) -> DeviceMesh:
     return init_device_mesh("cpu", shape, mesh_dim_names=DIMS)
 
 
-def check_hybrid_parity(shape: tuple[int, int], spelling: str, accumulate: str) -> bool:
+def check_hybrid_parity(shape: tuple[int, int], spelling: str, accumulate: str, extra: dict[str, Any]) -> bool:
     rank = dist.get_rank()
     mesh = _mesh(shape)
     if spelling == "mesh":
@@ -95,6 +96,7 @@ def check_hybrid_parity(shape: tuple[int, int], spelling: str, accumulate: str) 
     else:  # FSDP1's spelling, with the string form of the strategy
         groups = (mesh.get_group("shard"), mesh.get_group("replicate"))
         kw = dict(sharding_strategy="hybrid_shard", process_group=groups)
+    kw.update(extra)
     model = _wrap(build({}), **kw)
     assert model.world_size == shape[1], model.world_size
     assert model.gradient_predivide_factor * model.gradient_postdivide_factor == 4
@@ -113,7 +115,8 @@ def check_hybrid_parity(shape: tuple[int, int], spelling: str, accumulate: str) 
     # One replica all-reduce per flat parameter per optimizer step, whatever the accumulation; the norm of
     # clip_grad_norm_ is one all-reduce over the shard group per step.
     replicas = mesh.get_group("replicate")
-    assert sum(g is replicas for g in calls) == STEPS * len(list(model.parameters())), len(calls)
+    flats = sum(len(u._unit.handles) for u in model._units())
+    assert sum(g is replicas for g in calls) == STEPS * flats, len(calls)
     assert sum(g is not replicas for g in calls) == STEPS, len(calls)
     ref, ref_losses, ref_norms = _reference(1 if accumulate == "none" else MICRO)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[rank]), **TOL)
@@ -125,17 +128,18 @@ def check_hybrid_parity(shape: tuple[int, int], spelling: str, accumulate: str) 
     with model.summon_full_params():
         torch.testing.assert_close(model.module.head.weight, ref.head.weight, **TOL)
         torch.testing.assert_close(model.module.blocks[0].module.fc1.weight, ref.blocks[0].fc1.weight, **TOL)
-    # A full state dict loads into a model on the same mesh; every replica then holds the same shards.
+    # Ranks built with different seeds: each replica starts from global rank 0's values (shard group, then
+    # replicas); then a full state dict loads into a model on the same mesh.
+    torch.manual_seed(rank)
     fresh = _wrap(Net(), **kw)
-    fresh.load_state_dict(ref_sd)
-    for k, v in fresh.state_dict().items():
-        assert torch.equal(v, ref_sd[k]), k
-    shards = [p.detach().clone() for p in fresh.parameters()]
     replicas = mesh.get_group("replicate")
-    for s in shards:
+    for s in (p.detach().clone() for p in fresh.parameters()):
         peers = [torch.empty_like(s) for _ in range(shape[0])]
         dist.all_gather(peers, s, group=replicas)
         assert all(torch.equal(p, s) for p in peers), "replicas hold different shards"
+    fresh.load_state_dict(ref_sd)
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, ref_sd[k]), k
     return True
 
 
@@ -155,7 +159,8 @@ def check_refusals() -> bool:
     loss_fn(model, *batch(0, dist.get_rank(), 4), 0, {}).backward()
     opt = _optim(model.parameters())
     for call in (lambda: model.sharded_state_dict(), lambda: model.load_sharded_state_dict({}),
-                 lambda: model.gather_full_optim_state_dict(opt), lambda: pickle.dumps(model)):
+                 lambda: model.gather_full_optim_state_dict(opt), lambda: pickle.dumps(model),
+                 lambda: get_model_state_dict(model)):
         with pytest.raises(NotImplementedError, match="hybrid"):
             call()
     return True
@@ -190,13 +195,13 @@ def check_bad_input() -> bool:
 
 
 @pytest.mark.parametrize(
-    "shape,spelling,accumulate",
-    [((2, 2), "mesh", "none"), ((2, 2), "mesh", "no_sync"), ((2, 2), "hybrid_shard", "all_reduce"),
-     ((4, 1), "mesh", "all_reduce")],
-    ids=["2x2", "2x2-no_sync", "2x2-hybrid_shard-requires_all_reduce", "4x1-requires_all_reduce"],
+    "shape,spelling,accumulate,extra",
+    [((2, 2), "mesh", "none", {}), ((2, 2), "mesh", "no_sync", dict(use_orig_params=True)),
+     ((2, 2), "hybrid_shard", "all_reduce", {}), ((4, 1), "mesh", "all_reduce", dict(reshard_after_forward=False))],
+    ids=["2x2", "2x2-no_sync-orig_params", "2x2-hybrid_shard-requires_all_reduce", "4x1-requires_all_reduce"],
 )
-def test_hybrid_matches_data_parallel(pool4, shape, spelling, accumulate):
-    assert pool4.run(check_hybrid_parity, shape, spelling, accumulate) == [True] * 4
+def test_hybrid_matches_data_parallel(pool4, shape, spelling, accumulate, extra):
+    assert pool4.run(check_hybrid_parity, shape, spelling, accumulate, extra) == [True] * 4
 
 
 def test_one_by_four_is_flat_sharding(pool4):
