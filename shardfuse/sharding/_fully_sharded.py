@@ -49,7 +49,8 @@ __all__ = ["FullyShardedDataParallel", "ShardingStrategy", "TrainingState"]
 
 logger = logging.getLogger(__name__)
 
-_FULL_INSTEAD = "save model.state_dict() (full, gathered over the shard group) from global rank 0 instead"
+_DSD_INSTEAD = ("its get_state_dict/set_state_dict cannot present the replicated shards; use dcp.save/dcp.load with "
+               "model.sharded_state_dict(optim) and model.load_sharded_state_dict(state, optim) instead")
 
 
 class _IncompatibleKeys(NamedTuple):
@@ -517,19 +518,20 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
         """Consolidate the optimizer state of the sharded flat parameters into per-original-parameter state.
 
         Every rank must call; the result lands on ``recipient_rank`` (all ranks with ``None``), other ranks
-        get ``None``; a rank outside the group is a ``ValueError``. Per-element state (``exp_avg``,
-        ``momentum_buffer``...) is gathered and unflattened (0-dim parameters keep 0-dim state); scalars
-        (``step``) are copied per parameter. Tensors come back on the CPU, numbered like the unwrapped model's
-        ``parameters()`` (module order), so the dict also loads into a plain optimizer of the unwrapped model;
-        several param groups are kept.
+        get ``None`` (hybrid sharding: ``recipient_rank`` is a rank of the shard group, of replica 0 only); a
+        rank outside the group is a ``ValueError``. Per-element state (``exp_avg``, ``momentum_buffer``...) is
+        gathered and unflattened (0-dim parameters keep 0-dim state); scalars (``step``) are copied per
+        parameter. Tensors come back on the CPU, numbered like the unwrapped model's ``parameters()`` (module
+        order), so the dict also loads into a plain optimizer of the unwrapped model; several param groups are
+        kept.
         """
         if ignored:
             raise TypeError(f"gather_full_optim_state_dict got unsupported arguments {sorted(ignored)}")
-        refuse(self._unit.groups, "gather_full_optim_state_dict()", "save model.state_dict() (full, gathered over "
-               "the shard group) and each replica-0 rank's optim.state_dict(), or train with a (1, N) mesh")
         with profiled("shardfuse.sharding:gather_full_optim_state_dict"):
             settle(self._unit)  # finishes host optimizer steps in flight, then lazy init
-            return _optim_state.gather_full_optim_state_dict(self, optim, recipient_rank)
+            full = _optim_state.gather_full_optim_state_dict(self, optim, recipient_rank)
+            # Hybrid sharding: each replica gathered the same dict over its shard group; replica 0's recipient has it.
+            return full if recipient_rank is None or self._unit.groups.replicate_rank == 0 else None
 
     def get_shard_from_optim_state_dict(self, full_optim_state_dict: dict[str, Any]) -> dict[str, Any]:
         """This rank's optimizer state dict (for ``optim.load_state_dict``, also of a fresh optimizer that has
@@ -548,7 +550,6 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
         (``Shard(0)``) whose local tensor is a view of this rank's piece (no copy); buffers are plain tensors. A
         fresh optimizer's state is laid out without stepping it. Root only; every rank must call.
         """
-        refuse(self._unit.groups, "sharded_state_dict() (DCP)", _FULL_INSTEAD)
         with profiled("shardfuse.sharding:sharded_state_dict"):
             settle(self._unit)  # finishes host optimizer steps in flight, then lazy init
             return _dcp.sharded_state_dict(self, optim)
@@ -559,7 +560,6 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
         state and hyper-parameters, also into a fresh optimizer. A checkpoint of another wrapping, a dict that was
         not filled, or optimizer groups that differ from the saved ones raise before anything is written. Root
         only; every rank must call."""
-        refuse(self._unit.groups, "load_sharded_state_dict() (DCP)", _FULL_INSTEAD)
         with profiled("shardfuse.sharding:load_sharded_state_dict"):
             settle(self._unit)  # finishes host optimizer steps in flight, then lazy init
             _dcp.load_sharded_state_dict(self, state_dict, optim)
@@ -567,7 +567,7 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
     def _fqn_modifiers(self) -> dict[str, str]:
         """Asked by ``torch.distributed.checkpoint.state_dict`` (only): the wrapped module's modifiers, after
         refusing the paths that would checkpoint the optimizer's shards wrongly (see ``_dcp.py``)."""
-        refuse(self._unit.groups, "torch.distributed.checkpoint.state_dict", _FULL_INSTEAD)
+        refuse(self._unit.groups, "torch.distributed.checkpoint.state_dict", _DSD_INSTEAD)
         return torch_dsd_fqn_modifiers(self)
 
 

@@ -142,7 +142,4 @@ def check_one_mesh(names: list[str], layouts: list[tuple[Any, ...]]) -> None:
 def refuse(groups: Groups, what: str, instead: str) -> None:
     """Raise ``NotImplementedError`` for ``what`` on a hybrid-sharded unit (not supported yet)."""
     if groups.hybrid:
-        raise NotImplementedError(
-            f"{what} is not supported with hybrid sharding yet (every replica would write the same shards and "
-            f"optimizer state; writing from replica 0 only is not implemented): {instead}"
-        )
+        raise NotImplementedError(f"{what} is not supported with hybrid sharding (a 2-D mesh) yet: {instead}")

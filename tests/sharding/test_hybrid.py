@@ -9,11 +9,13 @@ losses and parameters agree within 1e-5, not bit-exactly; a (1, 4) mesh is flat 
 from __future__ import annotations
 
 import pickle
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -36,10 +38,10 @@ def _optim(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-def _train(model: FSDP, accumulate: str) -> tuple[list[float], list[float]]:
+def _train(model: FSDP, accumulate: str, opt: torch.optim.Optimizer | None = None) -> tuple[list[float], list[float]]:
     """AdamW steps with clipping; ``accumulate``: "none", "no_sync" or "all_reduce" (set_requires_all_reduce)."""
     rank, ws = dist.get_rank(), dist.get_world_size()
-    opt = _optim(model.parameters())
+    opt = _optim(model.parameters()) if opt is None else opt
     micro = 1 if accumulate == "none" else MICRO
     losses, norms = [], []
     for step in range(STEPS):
@@ -157,12 +159,59 @@ def check_refusals() -> bool:
     mesh = _mesh((2, 2))
     model = _wrap(build({}), device_mesh=mesh)
     loss_fn(model, *batch(0, dist.get_rank(), 4), 0, {}).backward()
-    opt = _optim(model.parameters())
-    for call in (lambda: model.sharded_state_dict(), lambda: model.load_sharded_state_dict({}),
-                 lambda: model.gather_full_optim_state_dict(opt), lambda: pickle.dumps(model),
-                 lambda: get_model_state_dict(model)):
+    for call in (lambda: pickle.dumps(model), lambda: get_model_state_dict(model)):
         with pytest.raises(NotImplementedError, match="hybrid"):
             call()
+    return True
+
+
+def _one_step(model: FSDP, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    opt.zero_grad(set_to_none=True)
+    loss_fn(model, *batch(99, dist.get_rank(), 4), 0, {}).backward()
+    model.clip_grad_norm_(CLIP)
+    opt.step()
+    return list(model.state_dict().values())
+
+
+def _files_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.suffix == ".distcp")
+
+
+def check_dcp_across_meshes(root: str) -> bool:
+    """A DCP checkpoint saved at 2x2 (replicas write no duplicate bytes) resumes at (1, 4) and (4, 1)."""
+    path = Path(root)
+    saved = _wrap(build({}), device_mesh=_mesh((2, 2)))
+    opt = _optim(saved.parameters())
+    _train(saved, "none", opt)
+    dcp.save(saved.sharded_state_dict(opt), checkpoint_id=path / "2x2")
+    want = saved.state_dict()
+    # Optimizer-state consolidation: gathered over the shard group, handed to replica 0's recipient only.
+    full_optim = saved.gather_full_optim_state_dict(opt)
+    assert (full_optim is not None) == (dist.get_rank() == 0)
+    after = _one_step(saved, opt)
+    for shape in ((1, 4), (4, 1)):
+        torch.manual_seed(7)
+        model = _wrap(Net(), device_mesh=_mesh(shape))
+        opt2 = _optim(model.parameters())
+        sd = model.sharded_state_dict(opt2)
+        dcp.load(sd, checkpoint_id=path / "2x2")
+        model.load_sharded_state_dict(sd, opt2)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, want[k]), (shape, k)
+        got_optim = model.gather_full_optim_state_dict(opt2)
+        if dist.get_rank() == 0:
+            assert got_optim is not None and full_optim is not None
+            for i, st in full_optim["state"].items():
+                for name, t in st.items():
+                    assert torch.equal(torch.as_tensor(got_optim["state"][i][name]), torch.as_tensor(t)), (i, name)
+        if shape == (1, 4):
+            dcp.save(model.sharded_state_dict(opt2), checkpoint_id=path / "1x4")
+        for a, b in zip(_one_step(model, opt2), after):  # the optimizer state came back too
+            torch.testing.assert_close(a, b, **TOL, msg=lambda m, s=shape: f"{s}: {m}")
+    dist.barrier()
+    # DCP writes each chunk once: the replicated 2x2 checkpoint is no larger than the unreplicated 1x4 one.
+    assert _files_bytes(path / "2x2") <= _files_bytes(path / "1x4") * 1.05, (
+        _files_bytes(path / "2x2"), _files_bytes(path / "1x4"))
     return True
 
 
@@ -206,6 +255,10 @@ def test_hybrid_matches_data_parallel(pool4, shape, spelling, accumulate, extra)
 
 def test_one_by_four_is_flat_sharding(pool4):
     assert pool4.run(check_flat_equals_one_by_four) == [True] * 4
+
+
+def test_dcp_saved_at_2x2_loads_at_1x4_and_4x1(pool4, tmp_path):
+    assert pool4.run(check_dcp_across_meshes, str(tmp_path)) == [True] * 4
 
 
 def test_hybrid_refusals_and_bad_input(pool4):
