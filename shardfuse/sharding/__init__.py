@@ -1,6 +1,7 @@
 """The sharding layer: ``FullyShardedDataParallel`` on flat shards, side streams and shardfuse kernels."""
 
 from shardfuse.sharding._fully_sharded import FullyShardedDataParallel
+from shardfuse.sharding._hybrid import ShardingStrategy
 from shardfuse.sharding._offload_optim import OffloadOptimizer
 from shardfuse.sharding._process_hooks import set_process_hooks
 from shardfuse.sharding._state import TrainingState
@@ -20,6 +21,7 @@ __all__ = [
     "FullyShardedDataParallel",
     "ModuleClassWrapPolicy",
     "OffloadOptimizer",
+    "ShardingStrategy",
     "TrainingState",
     "auto_wrap",
     "config_auto_wrap_policy",

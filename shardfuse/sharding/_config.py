@@ -243,15 +243,37 @@ class Groups:
 
     The one copy: the unit, its flat-parameter handles and its gradient reduction hold this object, so
     :meth:`replace` (``set_groups``, after unpickling) changes them all. Hybrid sharding adds its replicate
-    group (and the mesh) here.
+    group (and the mesh) here: flat sharding has none.
     """
 
+    # Class-level defaults: units pickled before hybrid sharding existed unpickle as flat ones.
+    replicate_group: Any = None
+    replicate_size: int = 1
+    replicate_rank: int = 0
+    mesh: Any = None
+
     def __init__(self, process_group: coll.ProcessGroup, reduce_scatter_group: coll.ProcessGroup, rank: int,
-                 world_size: int) -> None:
-        self.process_group = process_group
+                 world_size: int, replicate_group: coll.ProcessGroup | None = None, mesh: Any = None) -> None:
+        self.process_group = process_group  # the shard group (hybrid sharding: the mesh's "shard" dimension)
         self.reduce_scatter_group = reduce_scatter_group
-        self.rank = rank
-        self.world_size = world_size
+        self.rank = rank  # in the shard group
+        self.world_size = world_size  # of the shard group: the shards are cut for it
+        # Hybrid sharding: the replicas of this rank's shard (the mesh's "replicate" dimension), all-reduced
+        # after each reduce-scatter; None for flat sharding. ``mesh``: the DeviceMesh given, if any.
+        self.replicate_group = replicate_group
+        self.replicate_size = 1 if replicate_group is None else coll.world_size(replicate_group)
+        self.replicate_rank = 0 if replicate_group is None else coll.rank(replicate_group)
+        self.mesh = mesh
+
+    @property
+    def hybrid(self) -> bool:
+        """Gradients are all-reduced across more than one replica (a replicate group of size > 1)."""
+        return self.replicate_size > 1
+
+    @property
+    def total_world(self) -> int:
+        """Every rank that trains this unit: shard ranks times replicas (the divide factors' product)."""
+        return self.world_size * self.replicate_size
 
     def replace(self, owner: str, process_group: Any | None = None, reduce_scatter_group: Any | None = None) -> None:
         """Set new groups (e.g. after unpickling); they must hold this rank at the same place."""
@@ -280,6 +302,12 @@ class Groups:
 
     def __getstate__(self) -> dict:
         # Process groups do not pickle; the user sets them again (FairScale's "MISSING" convention).
+        if self.replicate_group is not None or self.mesh is not None:
+            raise NotImplementedError(
+                "pickling a hybrid-sharded (device_mesh / HYBRID_SHARD) FullyShardedDataParallel is not supported: "
+                "its replicate group and mesh cannot be set again after unpickling; save model.state_dict() "
+                "instead and load it into a model wrapped on the new mesh"
+            )
         return {**self.__dict__, "process_group": MISSING_GROUP, "reduce_scatter_group": MISSING_GROUP}
 
 
@@ -308,8 +336,10 @@ def resolve_groups(process_group: Any | None, process_group_reduce_scatter: Any 
 # ------------------------------------------------------------------------------------------------------
 
 
-def make_config(world_size: int, options: dict[str, Any]) -> ShardingConfig:
-    """Validate FairScale's keyword arguments for a unit of ``world_size`` ranks into a :class:`ShardingConfig`."""
+def make_config(world_size: int, options: dict[str, Any], total_world: int | None = None) -> ShardingConfig:
+    """Validate FairScale's keyword arguments for a unit sharded over ``world_size`` ranks into a
+    :class:`ShardingConfig`; the divide factors span ``total_world`` ranks (hybrid sharding: shards times
+    replicas, so the reduced gradient is the mean over every rank; default ``world_size``)."""
     opts = _with_defaults(options)
     top = {name: opts[name] for name, o in OPTIONS.items() if o.policy is None}
     if top["compute_device"] is not None:
@@ -318,7 +348,7 @@ def make_config(world_size: int, options: dict[str, Any]) -> ShardingConfig:
         precision=_precision(opts),
         offload=_offload(opts),
         reshard=ReshardPolicy(opts["reshard_after_forward"], opts["disable_reshard_on_root"]),
-        gradient=_gradient(opts, world_size),
+        gradient=_gradient(opts, world_size if total_world is None else total_world),
         state_dict=_state_dict(opts, world_size),
         params=ParamPolicy(
             flatten_parameters=bool(opts["flatten_parameters"]),

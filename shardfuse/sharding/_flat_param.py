@@ -135,6 +135,9 @@ class FlatParamHandle:
         self.full_data: torch.Tensor | None = None  # alias of full_param with its own version counter
         self.compute_dtype = self.dtype
         self.step = HandleStep()  # per-step flags, apart from this fixed layout
+        # Hybrid sharding under set_requires_all_reduce(False): this rank's reduce-scattered gradient sum, not yet
+        # all-reduced across replicas (reduce dtype, before the post-divide); the next all-reduce carries it.
+        self.unsynced_grad: torch.Tensor | None = None
         # While sharded, the original attributes are meta tensors: shape/dtype/`is None` checks (e.g. in
         # extra_repr) work, and reading data fails loudly instead of touching freed memory.
         self.placeholders = [torch.empty(s, dtype=self.dtype, device="meta") for s in self.shapes]
@@ -319,12 +322,13 @@ class FlatParamHandle:
         state = dict(self.__dict__)
         for key in ("_on_grad", "_hooked"):
             state.pop(key, None)
-        state.update(full_param=None, full_data=None, step=HandleStep(), host=None)
+        state.update(full_param=None, full_data=None, step=HandleStep(), host=None, unsynced_grad=None)
         return state
 
     def __setstate__(self, state: dict) -> None:
         state.setdefault("attr_slots", state["slots"])  # pickled before sharing across units: nothing lent
         state.setdefault("host", None)
+        state.setdefault("unsynced_grad", None)
         if "groups" not in state:  # pickled before the groups were shared: the unit points it at its own
             state["groups"] = Groups(MISSING_GROUP, MISSING_GROUP, state.pop("rank"), state.pop("world_size"))
             state.pop("group", None)

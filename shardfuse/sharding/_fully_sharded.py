@@ -17,7 +17,6 @@ from typing import Any, NamedTuple, cast
 import torch
 from torch import nn
 
-from shardfuse._logging import warn_once
 from shardfuse._profiling import profiled
 from shardfuse.sharding import _dcp, _optim_state, _process_hooks, _state_dict
 from shardfuse.sharding._config import (
@@ -26,15 +25,15 @@ from shardfuse.sharding._config import (
     make_config,
     option_parameters,
     options_doc,
-    resolve_groups,
     shard_device,
 )
 from shardfuse.sharding._dcp_guard import torch_dsd_fqn_modifiers
 from shardfuse.sharding._flatten import flatten_own_params
 from shardfuse.sharding._grad_reduce import clip_grad_norm
+from shardfuse.sharding._hybrid import ShardingStrategy, refuse, resolve
 from shardfuse.sharding._offload_optim import detach_host_engine, engine_of, finish_host_steps, settle
-from shardfuse.sharding._registry import OWNED_MARK, UNIT_ATTR, WRAPPED_MARK, iter_own_modules
-from shardfuse.sharding._root import apply_to_unit, lazy_init, release_unit, reset_root
+from shardfuse.sharding._registry import UNIT_ATTR, WRAPPED_MARK
+from shardfuse.sharding._root import apply_to_unit, lazy_init, reset_root, take_module
 from shardfuse.sharding._runtime import Unit
 from shardfuse.sharding._setup import (
     agree_on_initial_values,
@@ -46,9 +45,12 @@ from shardfuse.sharding._state import TrainingState, check_state
 from shardfuse.sharding._summon import own_params_gathered, summon_full_params
 from shardfuse.sharding._tree import clean_key, unit_of, units_below
 
-__all__ = ["FullyShardedDataParallel", "TrainingState"]
+__all__ = ["FullyShardedDataParallel", "ShardingStrategy", "TrainingState"]
 
 logger = logging.getLogger(__name__)
+
+_DSD_INSTEAD = ("its get_state_dict/set_state_dict cannot present the replicated shards; use dcp.save/dcp.load with "
+               "model.sharded_state_dict(optim) and model.load_sharded_state_dict(state, optim) instead")
 
 
 class _IncompatibleKeys(NamedTuple):
@@ -70,8 +72,12 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
     Args:
         module: the module to wrap; its own parameters (not those of nested instances) are flattened per
             (dtype, requires_grad) group and sharded.
-        process_group: the data-parallel group (default: the world group).
+        process_group: the data-parallel group (default: the world group); with ``HYBRID_SHARD`` the pair
+            ``(shard_group, replicate_group)``.
         process_group_reduce_scatter: optional separate group (same ranks) for gradient reduce-scatter.
+        device_mesh: hybrid sharding: a 2-D ``DeviceMesh`` with dims ``("replicate", "shard")``; parameters are
+            sharded over "shard" and gradients all-reduced over "replicate" (instead of ``process_group``).
+        sharding_strategy: ``ShardingStrategy.FULL_SHARD`` (default) or ``HYBRID_SHARD`` (or their strings).
         param_init_fn: for modules built on the meta device: called with each module of the unit that has meta
             tensors (FSDP1's argument, e.g. ``m.to_empty(device=..., recurse=False)`` then the model's own init of
             ``m``) before they are sharded; by default ``to_empty`` then ``reset_parameters()`` of each. Wrap inner
@@ -86,13 +92,15 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
         process_group_reduce_scatter: Any | None = None,
         *,
         param_init_fn: Callable[[nn.Module], None] | None = None,
+        device_mesh: Any | None = None,
+        sharding_strategy: ShardingStrategy | str | None = None,
         **options: Any,
     ) -> None:
         with profiled("shardfuse.sharding:wrap"):
             super().__init__()
-            _take_module(module)
-            groups = resolve_groups(process_group, process_group_reduce_scatter)
-            config = make_config(groups.world_size, options)
+            take_module(module)
+            groups = resolve(process_group, process_group_reduce_scatter, device_mesh, sharding_strategy)
+            config = make_config(groups.world_size, options, groups.total_world)
             materialize_meta(module, shard_device(config, groups, None), param_init_fn)
             if config.params.sync_module_states:
                 broadcast_own_states(module, groups)
@@ -353,6 +361,13 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
             for u, o in zip(units, old):
                 u.require_backward_grad_sync = o
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """Hybrid sharding (FSDP2's name): with False, backward still reduce-scatters within the shard group but
+        skips the all-reduce across replicas; each rank adds its shard's partial sum to a held buffer (one shard
+        of the reduce dtype per flat parameter) and ``.grad`` is not written. The next backward with True
+        all-reduces that sum once (with its own gradient) into ``.grad``. No effect without replicas."""
+        for u in units_below(self._unit) if recurse else [self._unit]:
+            u.require_all_reduce = bool(requires_all_reduce)
     def append_shared_param(self, p: torch.Tensor) -> None:
         """FairScale's declaration that ``p``, flattened by a sibling unit, is also used by this unit's modules.
 
@@ -503,17 +518,20 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
         """Consolidate the optimizer state of the sharded flat parameters into per-original-parameter state.
 
         Every rank must call; the result lands on ``recipient_rank`` (all ranks with ``None``), other ranks
-        get ``None``; a rank outside the group is a ``ValueError``. Per-element state (``exp_avg``,
-        ``momentum_buffer``...) is gathered and unflattened (0-dim parameters keep 0-dim state); scalars
-        (``step``) are copied per parameter. Tensors come back on the CPU, numbered like the unwrapped model's
-        ``parameters()`` (module order), so the dict also loads into a plain optimizer of the unwrapped model;
-        several param groups are kept.
+        get ``None`` (hybrid sharding: ``recipient_rank`` is a rank of the shard group, of replica 0 only); a
+        rank outside the group is a ``ValueError``. Per-element state (``exp_avg``, ``momentum_buffer``...) is
+        gathered and unflattened (0-dim parameters keep 0-dim state); scalars (``step``) are copied per
+        parameter. Tensors come back on the CPU, numbered like the unwrapped model's ``parameters()`` (module
+        order), so the dict also loads into a plain optimizer of the unwrapped model; several param groups are
+        kept.
         """
         if ignored:
             raise TypeError(f"gather_full_optim_state_dict got unsupported arguments {sorted(ignored)}")
         with profiled("shardfuse.sharding:gather_full_optim_state_dict"):
             settle(self._unit)  # finishes host optimizer steps in flight, then lazy init
-            return _optim_state.gather_full_optim_state_dict(self, optim, recipient_rank)
+            full = _optim_state.gather_full_optim_state_dict(self, optim, recipient_rank)
+            # Hybrid sharding: each replica gathered the same dict over its shard group; replica 0's recipient has it.
+            return full if recipient_rank is None or self._unit.groups.replicate_rank == 0 else None
 
     def get_shard_from_optim_state_dict(self, full_optim_state_dict: dict[str, Any]) -> dict[str, Any]:
         """This rank's optimizer state dict (for ``optim.load_state_dict``, also of a fresh optimizer that has
@@ -549,6 +567,7 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
     def _fqn_modifiers(self) -> dict[str, str]:
         """Asked by ``torch.distributed.checkpoint.state_dict`` (only): the wrapped module's modifiers, after
         refusing the paths that would checkpoint the optimizer's shards wrongly (see ``_dcp.py``)."""
+        refuse(self._unit.groups, "torch.distributed.checkpoint.state_dict", _DSD_INSTEAD)
         return torch_dsd_fqn_modifiers(self)
 
 
@@ -560,32 +579,6 @@ def _pre_forward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict, bo
 _PRE_FORWARD = torch.compiler.disable(_pre_forward)
 _POST_FORWARD = torch.compiler.disable(Unit.post_forward)
 _ABORT_FORWARD = torch.compiler.disable(Unit.abort_forward)
-
-
-def _take_module(module: nn.Module) -> None:
-    """Refuse what cannot be wrapped; a module wrapped before is taken back from its earlier wrapper."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
-    if unit_of(module) is not None:
-        raise ValueError(
-            "module is already a FullyShardedDataParallel instance: wrap each module once "
-            "(nest instances by wrapping inner submodules, then the outer module)"
-        )
-    prior = module.__dict__.get(WRAPPED_MARK)
-    if prior is not None:
-        # Wrapping a module again (FairScale allows it, e.g. for inference after training): the earlier wrapper
-        # hands its parameters back, full, and stops working. Collective, like wrapping itself.
-        release_unit(prior)
-        warn_once(logger, f"{type(module).__name__} was wrapped again: its earlier {prior.name} gave its "
-                          f"parameters back to the new wrapper and stops working (using it raises); wrap a module "
-                          f"once unless you mean to replace the wrapper")
-    owned = next((p or "<the module itself>" for p, m in iter_own_modules(module) if OWNED_MARK in m.__dict__), None)
-    if owned is not None:
-        raise ValueError(
-            f"the parameters of {type(module).__name__} (at {owned!r}) already belong to an outer "
-            f"FullyShardedDataParallel unit, which flattened them: wrap inner modules first, then the outer "
-            f"module (or use auto_wrap)"
-        )
 
 
 # The options come from the policies' fields: the docstring's Args and the signature help() and IDEs show.

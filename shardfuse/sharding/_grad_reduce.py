@@ -82,42 +82,30 @@ def _hold(held: list[tuple[torch.Tensor, torch.cuda.Event | None]], tensor: torc
     held.append((tensor, event))
 
 
-def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pending: PendingFrees) -> None:
+def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pending: PendingFrees,
+                all_reduce: bool = True) -> None:
     """Reduce-scatter ``handle.full_param.grad`` into ``handle.flat.grad`` (accumulating into an existing one).
 
     The full gradient is detached from ``full_param`` immediately, so it is freed as soon as the
-    post-backward stream has consumed it.
+    post-backward stream has consumed it. Under hybrid sharding the reduce-scattered shard is then all-reduced
+    across replicas on the same stream, unless ``all_reduce`` is False (``set_requires_all_reduce(False)``):
+    then it is added to ``handle.unsynced_grad`` instead, and the next all-reduce carries that sum once.
     """
     full_param = handle.made(handle.full_param)
     grad = full_param.grad
     full_param.grad = None
     if grad is None:
         return
-    flat = handle.flat
     handle.grads_from_views()
-    handle.step.grad_reduced = True
-    offload = flat.device != grad.device
-    current = streams.current()
-    if offload or handle.host is not None:
-        # The shard lives on the host: reduce into a device temporary, then copy it out.
-        dest = torch.empty(handle.shard_numel, dtype=flat.dtype, device=grad.device)
-        accumulate = False
-    elif flat.grad is None:
-        # Allocated on the compute stream, so its memory is reused only in compute-stream order.
-        dest = torch.empty_like(flat, memory_format=torch.contiguous_format)
-        flat.grad = dest
-        accumulate = False
-    else:
-        dest = flat.grad
-        if dest.shape != flat.shape or not dest.is_contiguous():  # set outside the runtime: checked here
-            raise RuntimeError(
-                f"flat parameter gradient has shape {tuple(dest.shape)} stride {dest.stride()} but the shard is "
-                f"contiguous of shape {tuple(flat.shape)}: "
-                f"do not assign .grad of FullyShardedDataParallel parameters by hand"
-            )
-        accumulate = True
+    hold = cfg.groups.hybrid and not all_reduce
+    if hold and handle.host is not None:
+        raise NotImplementedError(
+            f"set_requires_all_reduce(False) with an OffloadOptimizer is not supported ({handle.names[0]} is "
+            f"offloaded: its host step expects the all-reduced gradient each backward): use no_sync() to accumulate"
+        )
+    dest, accumulate = (None, False) if hold else _destination(handle, grad.device)
     post_backward = streams.post_backward
-    wait_stream(post_backward, current)
+    wait_stream(post_backward, streams.current())
     with profiled("shardfuse.sharding:reduce_scatter"), use_stream(post_backward):
         g = grad.view(-1)
         if cfg.predivide == 1.0 and cfg.reduce_dtype == g.dtype:
@@ -130,18 +118,76 @@ def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pe
         else:
             rs_out = torch.empty(handle.shard_numel, dtype=cfg.reduce_dtype, device=g.device)
             coll.reduce_scatter_into(rs_out, rs_in, cfg.group, handle.world_size)
-        dp.post_divide(rs_out, dest, cfg.postdivide, accumulate=accumulate)
-        if handle.host is not None:
-            handle.host.send_grad(flat, dest, post_backward)
-            pending.landing.append(handle)
-        elif offload:
-            host = torch.empty(dest.shape, dtype=dest.dtype, pin_memory=torch.cuda.is_available())
-            host.copy_(dest, non_blocking=True)
-            pending.host_grads.append((flat, host, dest))
+        if dest is None:  # the replica all-reduce is skipped: accumulate this rank's partial sum locally
+            held = handle.unsynced_grad
+            handle.unsynced_grad = rs_out if held is None else held.add_(rs_out)
+        else:
+            _finish(handle, cfg, rs_out, dest, accumulate, pending, post_backward)
+        event = record_event(post_backward)
+    if handle.host is not None and dest is not None:
+        pending.add_copy_source(dest, event, streams)
+    pending.add(grad, event, streams)
+
+
+def flush_unsynced(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pending: PendingFrees) -> None:
+    """All-reduce a gradient held by ``set_requires_all_reduce(False)`` whose unit did not run in this synced
+    backward, into ``flat.grad`` (every rank of the replicate group holds one, as usage is the same on all)."""
+    held = handle.unsynced_grad
+    if held is None:
+        return
+    handle.unsynced_grad = None
+    dest, accumulate = _destination(handle, held.device)
+    post_backward = streams.post_backward
+    wait_stream(post_backward, streams.current())
+    with profiled("shardfuse.sharding:all_reduce_replicas"), use_stream(post_backward):
+        _finish(handle, cfg, held, dest, accumulate, pending, post_backward)
         event = record_event(post_backward)
     if handle.host is not None:
         pending.add_copy_source(dest, event, streams)
-    pending.add(grad, event, streams)
+
+
+def _destination(handle: FlatParamHandle, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """Where the reduced shard is written (on the compute stream) and whether it accumulates there."""
+    flat = handle.flat
+    handle.step.grad_reduced = True
+    if flat.device != device or handle.host is not None:
+        # The shard lives on the host: reduce into a device temporary, then copy it out.
+        return torch.empty(handle.shard_numel, dtype=flat.dtype, device=device), False
+    if flat.grad is None:
+        # Allocated on the compute stream, so its memory is reused only in compute-stream order.
+        flat.grad = torch.empty_like(flat, memory_format=torch.contiguous_format)
+        return flat.grad, False
+    dest = flat.grad
+    if dest.shape != flat.shape or not dest.is_contiguous():  # set outside the runtime: checked here
+        raise RuntimeError(
+            f"flat parameter gradient has shape {tuple(dest.shape)} stride {dest.stride()} but the shard is "
+            f"contiguous of shape {tuple(flat.shape)}: "
+            f"do not assign .grad of FullyShardedDataParallel parameters by hand"
+        )
+    return dest, True
+
+
+def _finish(handle: FlatParamHandle, cfg: ReduceConfig, rs_out: torch.Tensor, dest: torch.Tensor, accumulate: bool,
+            pending: PendingFrees, post_backward: torch.cuda.Stream | None) -> None:
+    """On the post-backward stream: all-reduce across replicas (hybrid sharding; with the sum held back by
+    ``set_requires_all_reduce(False)`` added first), post-divide into ``dest``, copy an offloaded shard out."""
+    groups = cfg.groups
+    if groups.hybrid:
+        held = handle.unsynced_grad
+        if held is not None:
+            handle.unsynced_grad = None
+            rs_out = rs_out.add_(held)
+        with profiled("shardfuse.sharding:all_reduce_replicas"):
+            coll.all_reduce_(rs_out, groups.replicate_group, groups.replicate_size)
+    flat = handle.flat
+    dp.post_divide(rs_out, dest, cfg.postdivide, accumulate=accumulate)
+    if handle.host is not None:
+        handle.host.send_grad(flat, dest, post_backward)
+        pending.landing.append(handle)
+    elif flat.device != dest.device:
+        host = torch.empty(dest.shape, dtype=dest.dtype, pin_memory=torch.cuda.is_available())
+        host.copy_(dest, non_blocking=True)
+        pending.host_grads.append((flat, host, dest))
 
 
 def finish_host_grads(pending: PendingFrees, streams: Streams) -> None:

@@ -8,21 +8,26 @@ casts its buffers to ``buffer_dtype`` on the compute device.
 from __future__ import annotations
 
 import functools
+import logging
 import weakref
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from shardfuse._logging import warn_once
 from shardfuse._streams import Streams
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding import _data_path as dp
 from shardfuse.sharding._config import compute_device
 from shardfuse.sharding._flat_param import FlatParamHandle
-from shardfuse.sharding._registry import OWNED_MARK, iter_own_modules
+from shardfuse.sharding._hybrid import check_one_mesh, layout
+from shardfuse.sharding._registry import OWNED_MARK, WRAPPED_MARK, iter_own_modules
 from shardfuse.sharding._runtime import RootState, Unit
 from shardfuse.sharding._state import TrainingState, check_state
-from shardfuse.sharding._tree import units_below
+from shardfuse.sharding._tree import unit_of, units_below
+
+logger = logging.getLogger(__name__)
 
 
 def lazy_init(unit: Unit) -> None:
@@ -58,6 +63,7 @@ def _lazy_init(unit: Unit) -> None:
                 f"{u.name} was pickled, which drops its process groups: set model.process_group (and "
                 f"process_group_reduce_scatter) on every FullyShardedDataParallel instance after unpickling"
             )
+    check_one_mesh([u.name for u in units], [layout(u.groups) for u in units])
     _check_ranks_agree(unit, units)
     _find_lenders(units)
     _check_orig_views(units)
@@ -256,3 +262,29 @@ def apply_to_unit(unit: Unit, fn: Callable[[torch.Tensor], torch.Tensor], apply:
     for h in unit.handles:  # .half() and the like: the parameters now have the shard's new dtype
         h.follow_shard_dtype()
     return out
+
+
+def take_module(module: nn.Module) -> None:
+    """Refuse what cannot be wrapped; a module wrapped before is taken back from its earlier wrapper."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
+    if unit_of(module) is not None:
+        raise ValueError(
+            "module is already a FullyShardedDataParallel instance: wrap each module once "
+            "(nest instances by wrapping inner submodules, then the outer module)"
+        )
+    prior = module.__dict__.get(WRAPPED_MARK)
+    if prior is not None:
+        # Wrapping a module again (FairScale allows it, e.g. for inference after training): the earlier wrapper
+        # hands its parameters back, full, and stops working. Collective, like wrapping itself.
+        release_unit(prior)
+        warn_once(logger, f"{type(module).__name__} was wrapped again: its earlier {prior.name} gave its "
+                          f"parameters back to the new wrapper and stops working (using it raises); wrap a module "
+                          f"once unless you mean to replace the wrapper")
+    owned = next((p or "<the module itself>" for p, m in iter_own_modules(module) if OWNED_MARK in m.__dict__), None)
+    if owned is not None:
+        raise ValueError(
+            f"the parameters of {type(module).__name__} (at {owned!r}) already belong to an outer "
+            f"FullyShardedDataParallel unit, which flattened them: wrap inner modules first, then the outer "
+            f"module (or use auto_wrap)"
+        )

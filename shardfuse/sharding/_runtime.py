@@ -28,7 +28,13 @@ from shardfuse._profiling import profiled
 from shardfuse._streams import Streams, wait_stream
 from shardfuse.sharding._config import Groups, ShardingConfig
 from shardfuse.sharding._flat_param import BorrowedSlot, FlatParamHandle, ParamTable
-from shardfuse.sharding._grad_reduce import PendingFrees, ReduceConfig, finish_host_grads, reduce_grad
+from shardfuse.sharding._grad_reduce import (
+    PendingFrees,
+    ReduceConfig,
+    finish_host_grads,
+    flush_unsynced,
+    reduce_grad,
+)
 from shardfuse.sharding._registry import iter_own_modules
 from shardfuse.sharding._state import TrainingState, check_state
 
@@ -127,6 +133,7 @@ class Unit:
         self.released = False  # its module was wrapped again: the newer wrapper owns the parameters
         self.root_state: RootState | None = None
         self.require_backward_grad_sync = True
+        self.require_all_reduce = True  # hybrid sharding: all-reduce across replicas (set_requires_all_reduce)
         self.reshard_after_forward = config.reshard.reshard_after_forward  # effective value, set at lazy init
         self.buffer_dtypes: dict[tuple[int, str], torch.dtype] = {}  # originals of cast buffers
         # FairScale: a size-1 group inside a larger tree (an expert) keeps its optimizer state local; lazy init
@@ -404,7 +411,7 @@ class Unit:
             handle.step.fired = True
             rs = self.require_root_state()
             if self.require_backward_grad_sync:
-                reduce_grad(handle, self.reduce_cfg, rs.streams, rs.pending)
+                reduce_grad(handle, self.reduce_cfg, rs.streams, rs.pending, self.require_all_reduce)
             # Under no_sync the full gradient stays in full_param.grad and keeps accumulating.
             if not self.keeps_full(handle):
                 handle.reshard()
@@ -421,11 +428,12 @@ class Unit:
                 for h in u.handles:
                     # A group unused in this synced backward but holding no_sync gradients: reduce them now.
                     # (Usage must be the same on every rank, as in FairScale/FSDP2, or collectives mismatch.)
-                    if (
-                        h.requires_grad and not h.step.fired and u.require_backward_grad_sync
-                        and h.full_param is not None and h.full_param.grad is not None
-                    ):
-                        reduce_grad(h, u.reduce_cfg, rs.streams, rs.pending)
+                    if not h.requires_grad or h.step.fired or not u.require_backward_grad_sync:
+                        continue
+                    if h.full_param is not None and h.full_param.grad is not None:
+                        reduce_grad(h, u.reduce_cfg, rs.streams, rs.pending, u.require_all_reduce)
+                    elif u.require_all_reduce:  # a gradient held back from the replica all-reduce: send it now
+                        flush_unsynced(h, u.reduce_cfg, rs.streams, rs.pending)
             self.return_to_idle()
 
     def return_to_idle(self) -> None:

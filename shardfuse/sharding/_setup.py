@@ -51,8 +51,29 @@ def _own_states(module: nn.Module) -> list[torch.Tensor]:
     return list(found.values())
 
 
-@torch.no_grad()
+def _shard_then_replicas(groups: Groups) -> list[Groups]:
+    """The shard group, then (hybrid sharding) the replicate group: after both, every rank of the job holds
+    global rank 0's values."""
+    if not groups.hybrid:
+        return [groups]
+    rg = groups.replicate_group
+    return [groups, Groups(rg, rg, groups.replicate_rank, groups.replicate_size)]
+
+
 def agree_on_initial_values(module: nn.Module, groups: Groups, name: str) -> None:
+    """:func:`_agree` over the shard group, then across replicas."""
+    for g in _shard_then_replicas(groups):
+        _agree(module, g, name)
+
+
+def broadcast_own_states(module: nn.Module, groups: Groups) -> None:
+    """:func:`_broadcast` over the shard group, then across replicas (``sync_module_states``)."""
+    for g in _shard_then_replicas(groups):
+        _broadcast(module, g)
+
+
+@torch.no_grad()
+def _agree(module: nn.Module, groups: Groups, name: str) -> None:
     """Make every rank of the unit's group start from the same parameters and buffers.
 
     Each rank keeps only its slice of what it built, so ranks built with different seeds would otherwise train a
@@ -92,11 +113,11 @@ def agree_on_initial_values(module: nn.Module, groups: Groups, name: str) -> Non
             f"only its shard, so keeping them would train a mix of the ranks' inits); seed every rank identically "
             f"or load the same checkpoint on each, or pass sync_module_states=True to broadcast without this check",
         )
-        broadcast_own_states(module, groups)
+        _broadcast(module, groups)
 
 
 @torch.no_grad()
-def broadcast_own_states(module: nn.Module, groups: Groups) -> None:
+def _broadcast(module: nn.Module, groups: Groups) -> None:
     """Copy the first rank's values of the unit's own parameters and buffers to every rank (one broadcast per
     dtype and device)."""
     check_sync_module_states(groups)
