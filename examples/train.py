@@ -2,6 +2,11 @@
 
     python examples/train.py                          # spawns 2 processes itself
     torchrun --nproc_per_node 4 examples/train.py     # uses the world torchrun gives it
+    python examples/train.py --mesh 2,2               # hybrid sharding: 2 replicas x 2 shards, 4 processes
+
+    # two nodes, 8 GPUs each: shard inside a node, replicate across nodes (on node 0, then --node-rank 1 on node 1)
+    torchrun --nnodes 2 --nproc-per-node 8 --node-rank 0 --rdzv-backend c10d --rdzv-endpoint node0:29500 \
+        --rdzv-id job1 examples/train.py --mesh 2,8
 
 Needs shardfuse importable (``pip install -e .``, as the README's quickstart does). When it spawns its own
 processes, each rank gets ``cores // world_size`` CPU threads (at least 1; ``OMP_NUM_THREADS`` wins when set),
@@ -10,8 +15,10 @@ as torchrun's one thread per rank would: N ranks with every core each oversubscr
 With at least ``--world-size`` CUDA GPUs: NCCL, one GPU per rank, the ~220M-parameter ``small`` config, bf16
 mixed precision with fp32 reduce-scatter, 20 steps. Without GPUs: gloo on the CPU, the ``tiny`` config in full
 fp32, 8 steps (a few seconds). Each decoder layer is one sharded unit, plus the root (embeddings, final norm,
-output). The data are seeded random token ids, cycled through a few distinct global batches so that the loss
-visibly drops (the model memorises them); the objective is next-token prediction; the optimizer AdamW.
+output). With ``--mesh R,S`` every unit is wrapped with ``device_mesh=`` a 2-D mesh ``(R, S)`` with dims
+``("replicate", "shard")`` (hybrid sharding: S shards per replica, R replicas); R * S must be the world size.
+The data are seeded random token ids, cycled through a few distinct global batches so that the loss visibly drops
+(the model memorises them); the objective is next-token prediction; the optimizer AdamW.
 
 At the end rank 0 replays the same training on the unsharded model, on the same global batches, each rank's
 micro-batch separately with the gradients summed in fp32 and averaged (what sharded data parallelism
@@ -35,6 +42,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
 
 from shardfuse.sharding._wrap import ModuleClassWrapPolicy, auto_wrap, enable_wrap, wrap
 
@@ -57,6 +65,21 @@ def fsdp_class() -> type[torch.nn.Module]:
     return FullyShardedDataParallel
 
 
+def parse_mesh(text: str) -> tuple[int, int]:
+    """``"R,S"`` -> ``(R, S)``, both >= 1 (an ``argparse`` type)."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected R,S (replicas,shards), two integers >= 1, got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def check_mesh(mesh: tuple[int, int] | None, world: int) -> None:
+    """Exit with a message unless the ``--mesh`` shape covers exactly ``world`` ranks."""
+    if mesh is not None and mesh[0] * mesh[1] != world:
+        raise SystemExit(f"--mesh {mesh[0]},{mesh[1]} needs R * S = {mesh[0] * mesh[1]} processes, "
+                         f"but the world size is {world}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line arguments; unset ones get device-dependent defaults in :func:`resolve_defaults`."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,7 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model size (default: small on GPUs, tiny on CPU)")
     p.add_argument("--mixed-precision", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 compute with fp32 reduce-scatter (default: on for GPUs, off on CPU)")
-    p.add_argument("--world-size", type=int, default=2, help="processes to spawn when not under torchrun")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="processes to spawn when not under torchrun (default: R * S with --mesh, else 2)")
+    p.add_argument("--mesh", type=parse_mesh, default=None, metavar="R,S",
+                   help="hybrid sharding on a (replicate, shard) device mesh of R x S ranks (default: flat sharding)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: min(max_seq, 1024))")
     p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: 3e-3 tiny, 3e-4 else)")
@@ -74,7 +100,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-parity", action="store_true", help="skip the unsharded reference run")
     p.add_argument("--cpu", action="store_true", help="use gloo on the CPU even if GPUs are present")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.world_size is None:
+        args.world_size = args.mesh[0] * args.mesh[1] if args.mesh else 2
+    return args
 
 
 def resolve_defaults(args: argparse.Namespace, use_cuda: bool) -> argparse.Namespace:
@@ -206,13 +235,18 @@ def run(rank: int, world: int, local_rank: int, args: argparse.Namespace) -> boo
     batches = make_batches(args, cfg.vocab_size, world).to(device)
 
     fsdp = fsdp_class()
-    extra = {"compute_dtype": torch.bfloat16, "fp32_reduce_scatter": True} if args.mixed_precision else {}
+    extra: dict[str, object] = {}
+    if args.mixed_precision:
+        extra.update(compute_dtype=torch.bfloat16, fp32_reduce_scatter=True)
+    if args.mesh is not None:  # hybrid sharding: every unit on the same (replicate, shard) mesh
+        extra["device_mesh"] = init_device_mesh(device.type, args.mesh, mesh_dim_names=("replicate", "shard"))
     with enable_wrap(wrapper_cls=fsdp, mixed_precision=args.mixed_precision, **extra):
         model = auto_wrap(model, auto_wrap_policy=ModuleClassWrapPolicy({DecoderLayer}))
         model = wrap(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     if rank == 0:
-        print(f"shardfuse FSDP on {world} x {device.type} ({dist.get_backend()}): {args.config} config, "
+        layout = f"mesh {args.mesh[0]} replicas x {args.mesh[1]} shards" if args.mesh else "flat sharding"
+        print(f"shardfuse FSDP on {world} x {device.type} ({dist.get_backend()}, {layout}): {args.config} config, "
               f"{count_params(model):,} params on this rank, {cfg.num_params():,} in all, "
               f"{cfg.n_layers} decoder layers + root as units, "
               f"{'bf16 mixed precision, fp32 reduce-scatter' if args.mixed_precision else 'fp32'}, "
@@ -293,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        check_mesh(args.mesh, world)
         use_cuda = torch.cuda.is_available() and not args.cpu
         args = resolve_defaults(args, use_cuda)
         dist.init_process_group("nccl" if use_cuda else "gloo")
@@ -301,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             dist.destroy_process_group()
         return 0 if ok else 1
+    check_mesh(args.mesh, args.world_size)
     use_cuda = torch.cuda.device_count() >= args.world_size and not args.cpu
     if torch.cuda.is_available() and not use_cuda and not args.cpu:
         print(f"note: {torch.cuda.device_count()} GPU(s) < --world-size {args.world_size}: using gloo on the CPU")

@@ -213,3 +213,19 @@ def test_threads_per_rank(monkeypatch):
     assert threads_per_rank(10 * cores) == 1  # more ranks than cores: still one thread each
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert threads_per_rank(2) == 3  # an explicit setting wins
+
+
+def test_mesh_argument():
+    from examples.train import check_mesh, parse_args
+
+    args = parse_args(["--mesh", "2,3"])
+    assert (args.mesh, args.world_size) == ((2, 3), 6)  # spawned without torchrun: R * S processes
+    assert parse_args(["--mesh", "1,2", "--world-size", "2"]).mesh == (1, 2)
+    assert (parse_args([]).mesh, parse_args([]).world_size) == (None, 2)  # the quickstart is unchanged
+    for bad in ("2x2", "2", "0,4", "2,2,1", "a,b"):
+        with pytest.raises(SystemExit):  # argparse: "expected R,S (replicas,shards), two integers >= 1"
+            parse_args(["--mesh", bad])
+    check_mesh(None, 3)
+    check_mesh((2, 2), 4)
+    with pytest.raises(SystemExit, match="--mesh 2,3 needs R \\* S = 6 processes, but the world size is 4"):
+        check_mesh((2, 3), 4)
