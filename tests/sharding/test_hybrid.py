@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from shardfuse import FullyShardedDataParallel as FSDP
 from shardfuse import ShardingStrategy
 from shardfuse.sharding import _collectives as coll
+from tests.dist_pool import DistPool
 from tests.sharding._models import Net, batch, build, loss_fn
 
 STEPS, MICRO, CLIP, TOL = 4, 2, 0.05, dict(rtol=1e-5, atol=1e-5)
@@ -101,7 +102,7 @@ def check_hybrid_parity(shape: tuple[int, int], spelling: str, accumulate: str, 
     kw.update(extra)
     model = _wrap(build({}), **kw)
     assert model.world_size == shape[1], model.world_size
-    assert model.gradient_predivide_factor * model.gradient_postdivide_factor == 4
+    assert model.gradient_predivide_factor * model.gradient_postdivide_factor == dist.get_world_size()
     calls: list[Any] = []
     all_reduce = coll.all_reduce_
 
@@ -251,6 +252,17 @@ def check_bad_input() -> bool:
 )
 def test_hybrid_matches_data_parallel(pool4, shape, spelling, accumulate, extra):
     assert pool4.run(check_hybrid_parity, shape, spelling, accumulate, extra) == [True] * 4
+
+
+@pytest.fixture(scope="module")
+def pool8():
+    """Eight gloo ranks (a 2x4 mesh: issue 21's larger CPU case); one pool for the module's one 8-rank test."""
+    with DistPool(world_size=8, timeout_s=300) as p:
+        yield p
+
+
+def test_2x4_matches_data_parallel(pool8):
+    assert pool8.run(check_hybrid_parity, (2, 4), "mesh", "all_reduce", {}) == [True] * 8
 
 
 def test_one_by_four_is_flat_sharding(pool4):
