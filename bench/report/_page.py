@@ -53,6 +53,10 @@ HOW_MEASURED = """\
   whose CPU optimizer and PCIe were slower: floor 917 ms) are in
   `bench/results/logs/h100-offload-big-4k-side-by-side-6bfddd1.json.txt`: shardfuse 1500 ms, FairScale 4615,
   FSDP2 4990 (DeepSpeed did not finish within the command in either call).
+- `python -m bench.scale --gpus 8,64,512 [--model 953m|7b|70b]`: a model, not a measurement, of flat vs hybrid
+  sharding to 512 GPUs (ring alpha-beta collectives, compute, AdamW and host enqueue time, calibrated on the
+  2-GPU H200 runs above; its 2-GPU predictions are within 15% of them): formula, validation, the 8/64/512
+  tables and plots in [scale.md](scale.md), numbers in `bench/results/scale_model.json`.
 - `torchrun ... -m bench.e2e.host_profile` (gpu_suite stage `host-profile`): where an eager step's time goes on
   the host, the decoder at 1K tokens per GPU: each implementation's host enqueue time against its synchronised
   step (close together: the step is host-bound) and a cProfile of rank 0. Last run on 2xH200:
