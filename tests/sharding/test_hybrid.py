@@ -179,7 +179,8 @@ def _files_bytes(path: Path) -> int:
 
 
 def check_dcp_across_meshes(root: str) -> bool:
-    """A DCP checkpoint saved at 2x2 (replicas write no duplicate bytes) resumes at (1, 4) and (4, 1)."""
+    """A DCP checkpoint saved at 2x2 (replicas write no duplicate bytes) resumes at (1, 4), (4, 1) and at flat
+    sharding over 2 ranks."""
     path = Path(root)
     saved = _wrap(build({}), device_mesh=_mesh((2, 2)))
     opt = _optim(saved.parameters())
@@ -209,6 +210,17 @@ def check_dcp_across_meshes(root: str) -> bool:
             dcp.save(model.sharded_state_dict(opt2), checkpoint_id=path / "1x4")
         for a, b in zip(_one_step(model, opt2), after):  # the optimizer state came back too
             torch.testing.assert_close(a, b, **TOL, msg=lambda m, s=shape: f"{s}: {m}")
+    # ... and at flat sharding over 2 of the ranks (a process group of its own; the other ranks take no part).
+    pair = dist.new_group([0, 1])
+    if dist.get_rank() < 2:
+        torch.manual_seed(7)
+        flat = _wrap(Net(), process_group=pair)
+        opt2 = _optim(flat.parameters())
+        sd = flat.sharded_state_dict(opt2)
+        dcp.load(sd, checkpoint_id=path / "2x2", process_group=pair)
+        flat.load_sharded_state_dict(sd, opt2)
+        for k, v in flat.state_dict().items():
+            assert torch.equal(v, want[k]), ("flat 2", k)
     dist.barrier()
     # DCP writes each chunk once: the replicated 2x2 checkpoint is no larger than the unreplicated 1x4 one.
     assert _files_bytes(path / "2x2") <= _files_bytes(path / "1x4") * 1.05, (
