@@ -42,6 +42,7 @@ from bench.report._models import E2EModel, e2e_model
 from bench.report._page import render
 from bench.report._plots import Plotter
 from bench.report._readme import END_MARK, PLACEHOLDER, START_MARK, summary_table, update_readme
+from bench.report._scale import load_scale
 from bench.results_io import DEFAULT_RESULTS, REPO, Result, load_results
 
 # Kept under their former names: tests/test_docs.py computes heading anchors as the page does.
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     img_dir = args.img_dir if args.img_dir is not None else args.out.parent / "img"
     plots = Plotter(img_dir, enabled=not args.no_plots)
-    text = render(results, args.out, plots)
+    text = render(results, args.out, plots, load_scale(args.results))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text if text.endswith("\n") else text + "\n")
     n_files = sum(len(v) for v in results.values())

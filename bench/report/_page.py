@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from bench.report._common import anchor, gpu_label
 from bench.report._e2e import e2e_section
@@ -12,6 +13,7 @@ from bench.report._offload import offload_section
 from bench.report._offload_big import offload_big_section
 from bench.report._plots import Plotter
 from bench.report._readme import summary_table
+from bench.report._scale import scale_section
 from bench.results_io import Result
 
 HOW_MEASURED = """\
@@ -165,8 +167,9 @@ def gpu_section(gpu: str, rs: list[Result], plots: Plotter, out_dir: Path) -> li
     return lines
 
 
-def render(results: dict[str, list[Result]], out_path: Path, plots: Plotter) -> str:
-    """The whole ``benchmarks.md`` text."""
+def render(results: dict[str, list[Result]], out_path: Path, plots: Plotter,
+           scale: dict[str, Any] | None = None) -> str:
+    """The whole ``benchmarks.md`` text (``scale``: the scale model's file, when there is one)."""
     lines = list(HEADER)
     if not results:
         return "\n".join([*lines, *NO_RESULTS, HOW_MEASURED, REGRESSION_NOTE])
@@ -180,5 +183,7 @@ def render(results: dict[str, list[Result]], out_path: Path, plots: Plotter) -> 
     lines += ["## Summary", ""] + summary_table(results, link=None) + [""]
     for gpu, rs in results.items():
         lines += gpu_section(gpu, rs, plots, out_path.parent)
+    if scale is not None:
+        lines += scale_section(scale)
     lines += [how_measured(results), REGRESSION_NOTE]
     return "\n".join(lines)

@@ -88,3 +88,24 @@ def test_cli_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_cli_rejects_partial_nodes() -> None:
     with pytest.raises(SystemExit):
         cli.main(["--gpus", "12", "--no-json"])
+
+
+def test_report_renders_the_scale_model_from_its_file(tmp_path):
+    import json
+
+    from bench.report._scale import load_scale, scale_section
+
+    assert load_scale(tmp_path) is None  # no file: no section
+    (tmp_path / "scale_model.json").write_text(json.dumps({"kind": "e2e"}))
+    assert load_scale(tmp_path) is None  # another kind is not the scale model
+    data = {
+        "kind": "scale_model", "model": {"name": "7b"}, "tokens_per_gpu": 4096,
+        "hardware": {"gpus_per_node": 8, "inter_node_gbps": 200.0},
+        "validation_2gpu": [{"regime": "7B 4K", "predicted_ms": 580.0, "measured_ms": 520.0, "error": 0.1154}],
+        "rows": [{"gpus": 64, "strategy": "hybrid", "step_ms": 532.6, "tok_s_gpu": 7691.2, "efficiency": 0.983}],
+    }
+    (tmp_path / "scale_model.json").write_text(json.dumps(data))
+    text = "\n".join(scale_section(load_scale(tmp_path)))
+    assert "the 7b decoder at 4096 tokens per GPU" in text and "200.0 Gb/s" in text
+    assert "| 7B 4K | 580.0 | 520.0 | +11.5% |" in text
+    assert "| 64 | hybrid | 532.6 | 7,691 | 98.3% |" in text
