@@ -41,7 +41,7 @@ from bench.offload.big_impls import CONFIGS, DEFAULT_CONFIGS, IMPLS, MODELS, VAR
 
 REPO = Path(__file__).resolve().parents[2]
 GIB = 2**30
-DEFAULT_IMPLS = tuple(i for i in IMPLS if not i.endswith("-sib"))  # the no-clipping variants: opt-in
+DEFAULT_IMPLS = tuple(i for i in IMPLS if "-sib" not in i)  # the no-clipping variants: opt-in
 FLOOR_BYTES = ("bf16 parameters host->device (2 B/param) and fp32 gradients device->host (4 B/param), once per "
                "optimizer step, the two directions overlapped")  # fmt: skip
 # Rough seconds for the time plan (one H100, 16 cores): per child start, setup per billion parameters, and per
@@ -53,6 +53,7 @@ ESTIMATE: dict[str, tuple[float, float, float, float]] = {
     "shardfuse-host-accum": (12, 5, 0.17, 0.2),
     "shardfuse-sib": (12, 5, 0.17, 0.2),
     "shardfuse-budget-sib": (12, 5, 0.1, 0.1),
+    "shardfuse-sib-allcores": (12, 5, 0.17, 0.2),
     "fairscale": (12, 8, 0.17, 0.2),
     "fsdp2": (12, 6, 0.2, 0.22),
     "deepspeed-zero2": (70, 10, 0.25, 0.32),  # the first one compiles DeepSpeedCPUAdam (~50 s)
@@ -261,6 +262,9 @@ def print_hw_floor(hw: dict[str, Any]) -> None:
             f"   fused CPU AdamW: {hw['opt_s'] * 1e3:.0f} ms over {hw['opt_params_measured'] / 1e9:.2f}B fp32 params "
             f"on {hw['opt_threads']} threads = {hw['opt_s_per_param'] * 1e12:.0f} ms per billion parameters"
         )
+    if hw.get("host_copy_gbps") and hw.get("opt_s_per_param"):
+        print(f"   host memory: {hw['host_copy_gbps']:.0f} GB/s read+write (torch copy); the fused CPU AdamW moves "
+              f"28 B per parameter = {28 / hw['opt_s_per_param'] / 1e9:.0f} GB/s, sharing it with the PCIe copies")
     print(f"   bytes assumed per optimizer step: {FLOOR_BYTES}", flush=True)
 
 
@@ -282,6 +286,9 @@ def print_row(r: dict[str, Any]) -> None:
             f"{r['gpu_peak_gib'] or 0:.1f} GiB, host RSS {r['host_rss_gib'] or 0:.1f} GiB",
             flush=True,
         )
+        if r.get("host_busy_ms") is not None:
+            print(f"   host optimizer busy {r['host_busy_ms']:.0f} ms/step on {r['host_threads']:.0f} threads, callers "
+                  f"waited {r['host_wait_ms']:.0f} ms/step for it", flush=True)
     else:
         extra = f" (forward+backward {r['fwd_bwd_ms']:.0f} ms)" if r.get("fwd_bwd_ms") else ""
         print(f"   {r['status']}: {r.get('reason', '')}{extra}", flush=True)
@@ -295,7 +302,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print(f"\n{'config':<9} {'impl':<17} {'tok/step':>8} {'step ms':>8} {'spread':>11} {'tok/s':>7} "
           f"{'floor':>6} {'x floor':>7} {'x resid':>7} {'GPU GiB':>7} {'host GiB':>8}")  # fmt: skip
     for r in rows:
-        name = r["impl"] + {"host-accum": "+ha", None: ""}.get(r.get("variant"), "+sib")
+        variant = r.get("variant")
+        sib = "+sib+all" if "all cores" in str(variant) else "+sib"
+        name = r["impl"] + {"host-accum": "+ha", None: ""}.get(variant, sib)
         if not r["step_ms"]:
             print(f"{r['config']:<9} {name:<17} {r['tokens_per_step']:>8} {r['status']}: {r.get('reason', '')[:70]}")
             continue
@@ -307,7 +316,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{fmt_key(r, 'vs_resident', '6.2f'):>6}x {fmt_key(r, 'gpu_peak_gib', '7.1f'):>7} "
             f"{fmt_key(r, 'host_rss_gib', '8.1f'):>8}"
         )
-    print("(+ha: accumulate_on_gpu=False; +sib: step_in_backward=True, no clipping; x floor / x resident: step time "
+    print("(+ha: accumulate_on_gpu=False; +sib: step_in_backward=True, no clipping; +all: host_threads = every "
+          "core; x floor / x resident: step time "
           "over the floor / resident step)")
 
 

@@ -97,6 +97,21 @@ def cpu_adamw_seconds(numel: int, chunk: int, steps: int = 3) -> dict[str, Any]:
             "opt_impl": "torch.optim.AdamW(fused=True) on the CPU, fp32"}  # fmt: skip
 
 
+def host_copy_gbps(nbytes: int = 1 << 30, reps: int = 5) -> float:
+    """Host memory bandwidth as torch's multi-threaded copy between two fp32 tensors sees it: bytes read plus
+    written per second (median). The fused CPU AdamW reads 16 and writes 12 bytes per parameter: if its rate is
+    near this, the host optimizer is bound by memory bandwidth, which the PCIe copies share."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
 def measure_floor(job: Job) -> dict[str, Any]:
     from bench.common import env_info
 
@@ -117,6 +132,7 @@ def measure_floor(job: Job) -> dict[str, Any]:
         out["d2h_gbps"] = copy_gbps(nbytes, to_device=False)
         out["bw_bytes"] = nbytes
     out.update(cpu_adamw_seconds(int(job.extra["opt_params"]), int(job.extra.get("chunk", 1 << 27))))
+    out["host_copy_gbps"] = host_copy_gbps()
     return out
 
 
@@ -149,8 +165,12 @@ def timed_steps(trainer: Trainer, job: Job, device: torch.device, split: bool) -
     data = make_batches(job.cfg, device, job.seed)
     accum = job.cfg.accum
     times, fwd_bwd, losses = [], [], []
+    host_stats = getattr(trainer.opt, "host_stats", None)  # shardfuse.OffloadOptimizer: where the step's time went
+    stats0: dict[str, float] = {}
     for i in range(job.warmup + job.steps):
         sync(device)
+        if i == job.warmup and host_stats is not None:
+            stats0 = host_stats()
         t0 = time.perf_counter()
         loss = None
         for m in range(accum):
@@ -168,6 +188,13 @@ def timed_steps(trainer: Trainer, job: Job, device: torch.device, split: bool) -
             fwd_bwd.append(1e3 * (t1 - t0))
     out: dict[str, Any] = {"step_ms": statistics.median(times), "step_ms_min": min(times),
                            "step_ms_max": max(times), "step_ms_list": times, "losses": losses}  # fmt: skip
+    if host_stats is not None:
+        trainer.opt.synchronize()
+        stats = host_stats()
+        # per timed step: the worker's busy time and the time callers (mostly the next forward) waited for it
+        out["host_busy_ms"] = 1e3 * (stats["host_busy_s"] - stats0.get("host_busy_s", 0.0)) / job.steps
+        out["host_wait_ms"] = 1e3 * (stats["wait_s"] - stats0.get("wait_s", 0.0)) / job.steps
+        out["host_threads"] = stats["host_threads"]
     if split:
         out["fwd_bwd_ms"] = statistics.median(fwd_bwd)
         out["fwd_bwd_ms_list"] = fwd_bwd

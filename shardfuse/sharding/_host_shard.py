@@ -19,6 +19,7 @@ copies before ``flat.grad`` is read by anybody.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Callable
 
@@ -56,6 +57,7 @@ class HostShard:
         self.copy_version = -1  # flat._version when compute_buf was last written
         self.ready = threading.Event()
         self.ready.set()
+        self.waited_s = 0.0  # time callers spent blocked in wait_ready (OffloadOptimizer.host_stats)
         self.error: BaseException | None = None  # an optimizer step that raised on the worker thread
         self.h2d_event: torch.cuda.Event | None = None  # the last host->device copy reading the host copy
         self.landing: torch.Tensor | None = None  # the buffer the in-flight gradient copy writes
@@ -126,7 +128,9 @@ class HostShard:
     def wait_ready(self) -> None:
         """Block until no optimizer step of this shard is in flight; re-raise what such a step raised."""
         if not self.ready.is_set():
+            start = time.perf_counter()
             self.ready.wait()
+            self.waited_s += time.perf_counter() - start
         if self.error is not None:
             err, self.error = self.error, None
             raise RuntimeError(f"the overlapped optimizer step of an offloaded shard failed: {err}") from err

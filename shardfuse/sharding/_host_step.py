@@ -13,9 +13,11 @@ parameters equal the non-overlapped path's bit for bit.
 
 from __future__ import annotations
 
+import heapq
 import logging
-import queue
+import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,28 +35,73 @@ PER_ELEMENT_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
 class StepWorker:
-    """One daemon thread that runs queued callables in order."""
+    """One daemon thread that runs queued callables, the one with the smallest key first.
 
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+    Keys order the host's work: with ``step_in_backward`` updates are queued as gradients land (the last units of
+    the forward order first) and re-keyed by forward position once backward has ended (:meth:`rekey`), so the
+    next forward, which needs the first units first, waits for as few updates as possible.
+
+    ``threads``: the intra-op threads the worker's optimizer kernels use (set on the worker thread itself). One
+    core is left to the main thread by default, which launches GPU work meanwhile: with every core in the
+    optimizer's parallel regions, the thread that shares a core with the launching thread holds up each region.
+    """
+
+    def __init__(self, threads: int | None = None) -> None:
+        self._heap: list[tuple[float, int, Any, Callable[[], None] | None]] = []
+        self._cond = threading.Condition()
+        self._seq = 0  # ties keep submission order
+        self.threads = threads
+        self.busy_s = 0.0  # seconds spent running tasks (read by OffloadOptimizer.host_stats)
         self._thread = threading.Thread(target=self._run, name="shardfuse-host-step", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
         while True:
-            task = self._queue.get()
+            with self._cond:
+                while not self._heap:
+                    self._cond.wait()
+                _, _, _, task = heapq.heappop(self._heap)
             if task is None:
                 return
+            start = time.perf_counter()
             task()  # tasks catch their own errors (HostShard.error) and always set their event
+            self.busy_s += time.perf_counter() - start
 
-    def submit(self, task: Callable[[], None]) -> None:
-        self._queue.put(task)
+    def submit(self, task: Callable[[], None], key: float = 0.0, tag: Any = None) -> None:
+        """Queue ``task``; among queued tasks the smallest ``key`` runs first, equal keys in submission order;
+        ``tag`` is what :meth:`rekey` is given to find the task's new key."""
+        with self._cond:
+            self._seq += 1
+            heapq.heappush(self._heap, (key, self._seq, tag, task))
+            self._cond.notify()
+
+    def rekey(self, key_of: Callable[[Any], float | None]) -> None:
+        """New keys for the queued tasks from their tags (``key_of`` returns None to keep a key); a running task is
+        unaffected."""
+        with self._cond:
+            entries = []
+            for key, seq, tag, task in self._heap:
+                new = key_of(tag) if task is not None else None
+                entries.append((key if new is None else new, seq, tag, task))
+            heapq.heapify(entries)
+            self._heap = entries
 
     def close(self) -> None:
         """Finish the queued tasks and end the thread (idempotent)."""
         if self._thread.is_alive():
-            self._queue.put(None)
+            self.submit(None, key=float("inf"))  # type: ignore[arg-type]  # the stop mark, after every task
             self._thread.join()
+
+
+def default_host_threads() -> int:
+    """Intra-op threads for the host optimizer: the cores this process may use, less one for the main thread."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores - 1, torch.get_num_threads()))
 
 
 @dataclass

@@ -22,6 +22,7 @@ from shardfuse.sharding._host_step import (
     ShardPlan,
     StepWorker,
     apply_zero_grad,
+    default_host_threads,
     host_task,
     make_sub_optimizers,
     settings_of,
@@ -80,12 +81,13 @@ def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
 
 
 def choose_resident(sizes: list[int], budget_bytes: float, bytes_per_element: int) -> int:
-    """How many handles, counted from the END of the forward order, stay resident on the GPU within
-    ``budget_bytes``: the last units of the forward order are the last the host would step, so keeping them
-    resident shortens the host's step where the next forward waits longest."""
+    """How many handles, counted from the START of the forward order, stay resident on the GPU within
+    ``budget_bytes``. The first units run first in the next forward: kept resident (stepped on the GPU at once),
+    their forward runs while the host still updates the later, offloaded ones, which are also the first whose
+    gradients land in backward (the host has the most time for them)."""
     used = 0.0
     count = 0
-    for numel in reversed(sizes):
+    for numel in sizes:
         cost = numel * bytes_per_element
         if used + cost > budget_bytes:
             break
@@ -105,7 +107,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         model: the root ``FullyShardedDataParallel`` (wrapped with ``move_params_to_cpu=True``).
         optimizer: a ``torch.optim.Adam``/``AdamW``/``SGD`` over ``model.parameters()`` (``fused=True`` is the
             fastest on the CPU).
-        gpu_budget_gib: GPU memory (GiB) the run may use; the units that fit (counted from the end of the forward
+        gpu_budget_gib: GPU memory (GiB) the run may use; the units that fit (counted from the start of the forward
             order) keep parameters, gradients and optimizer state on the GPU and are stepped there. ``None``: what
             the device had free at the peak of the first step; ``0``: offload everything.
         accumulate_on_gpu: under ``no_sync()`` keep the gathered compute-dtype parameters on the GPU between
@@ -120,6 +122,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             so half the bytes cross to the GPU; off by default because the host's fp32->bf16 pass costs more CPU
             time (0.49 s for 2.9B parameters on a 16-core host) than the extra PCIe bytes (0.1 s at 55 GB/s), and
             the host optimizer is the bottleneck of an offloaded step.
+        host_threads: intra-op threads of the host optimizer step. ``None``: the cores this process may use less
+            one, left to the main thread that launches GPU work meanwhile (with every core in the optimizer's
+            parallel regions, the one shared with the launching thread holds up each region).
 
     ``clip_grad_norm_`` on the model takes the norm from per-unit norms computed on the GPU as gradients are
     reduced and scales each unit's gradient just before its update: reading ``.grad`` between the clip and the
@@ -129,8 +134,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, gpu_budget_gib: float | None = None,
                  accumulate_on_gpu: bool = False, step_in_backward: bool = False,
-                 host_compute_copy: bool = False) -> None:
+                 host_compute_copy: bool = False, host_threads: int | None = None) -> None:
         _check_arguments(model, optimizer, gpu_budget_gib)
+        if host_threads is not None and not (isinstance(host_threads, int) and host_threads >= 1):
+            raise ValueError(f"host_threads must be a positive int or None (the cores less one), got {host_threads!r}")
         self.step_in_backward = step_in_backward
         self.host_compute_copy = host_compute_copy
         self._stepped_in_backward: set[int] = set()
@@ -141,7 +148,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.gpu_budget_gib = gpu_budget_gib
         self.accumulate_on_gpu = accumulate_on_gpu
         self._lock = threading.Lock()
-        self._worker = StepWorker()
+        self.host_threads = host_threads if host_threads is not None else default_host_threads()
+        self._worker = StepWorker(self.host_threads)
         self._finalizer = weakref.finalize(self, self._worker.close)
         self._plans: list[ShardPlan] = []
         self._plan_of_host: dict[int, ShardPlan] = {}
@@ -268,14 +276,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 # Scaled at the clip already, unless it was a host shard then (made resident by the budget since).
                 late = coef if id(plan.handle) in deferred else None
                 step_plan(plan, settings_of(self.optimizer, plan), late)
-        if self.step_in_backward:  # the host shards were stepped as their gradients landed
+        if self.step_in_backward:
+            # Updates were queued as gradients landed (the last units first); those not started yet go in forward
+            # order now, so the next forward gets its first units first.
             self._stepped_in_backward.clear()
+            position = {id(plan): i for i, plan in enumerate(self._plans)}
+            self._worker.rekey(lambda tag: position.get(id(tag)))
             return
         host_coef = coef.to("cpu") if coef is not None else None
-        for plan in self._plans:
+        for i, plan in enumerate(self._plans):  # forward order
             if plan.host is not None:
                 plan.host.ready.clear()
-                self._worker.submit(host_task(plan, settings_of(self.optimizer, plan), host_coef, self._lock))
+                self._worker.submit(host_task(plan, settings_of(self.optimizer, plan), host_coef, self._lock),
+                                    key=i, tag=plan)
 
     def _on_grad_sent(self, host: HostShard, event: torch.cuda.Event | None) -> None:
         """``step_in_backward``: a host shard's gradient copy is queued; start its update behind the copy."""
@@ -290,8 +303,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             )
         self._stepped_in_backward.add(id(host))
         host.ready.clear()
+        # Keyed after every update queued by an earlier step() (none are, in a step_in_backward loop), FIFO.
         self._worker.submit(host_task(plan, settings_of(self.optimizer, plan), None, self._lock, event,
-                                      in_backward=True))
+                                      in_backward=True), key=len(self._plans), tag=plan)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (or zero) the gradients; a shard whose step is still queued gets it right after that step."""
@@ -311,6 +325,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for h in u.handles:
                 if h.host is not None:
                     h.host.wait_ready()
+
+    def host_stats(self) -> dict[str, float]:
+        """Where the overlapped step's time went, in seconds since this optimizer was made: ``host_busy_s`` the
+        worker spent in updates, ``wait_s`` callers (the next forward's gathers, backward's gradient copies, state
+        paths) spent blocked waiting for an update. Differences between two calls give one step's share."""
+        wait = sum(h.host.waited_s for u in units_below(self.root) for h in u.handles if h.host is not None)
+        return {"host_busy_s": self._worker.busy_s, "wait_s": wait, "host_threads": float(self.host_threads)}
 
     def close(self) -> None:
         """Finish the steps in flight, end the worker thread (also done when this object is collected) and detach
@@ -395,7 +416,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         handles = [h for h in self._handles_in_order() if h.host is not None and h.orig_views is None]
         per_element = 4 + 4 + _state_bytes_per_element(self.optimizer)  # shard, gradient, optimizer state
         count = choose_resident([h.flat.numel() for h in handles], allowed, per_element)
-        moved = handles[len(handles) - count:] if count else []
+        moved = handles[:count]
         for h in moved:
             _make_resident(h, self.optimizer, device)
         if moved:

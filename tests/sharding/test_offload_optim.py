@@ -63,6 +63,8 @@ def _train(cfg: dict[str, Any], overlapped: bool) -> tuple[FSDP, Any, list[float
 def check_same_as_plain(cfg: dict[str, Any]) -> bool:
     model, opt, losses = _train(cfg, overlapped=True)
     ref, ref_opt, ref_losses = _train(cfg, overlapped=False)
+    stats = opt.host_stats()
+    assert stats["host_busy_s"] > 0 and stats["wait_s"] >= 0 and stats["host_threads"] >= 1, stats
     assert losses == ref_losses, f"losses (and clip norms) differ: {losses} vs {ref_losses}"
     sd, ref_sd = model.state_dict(), ref.state_dict()  # state_dict finishes the step in flight first
     for k in ref_sd:
@@ -253,6 +255,9 @@ def check_bad_arguments() -> bool:
         OffloadOptimizer(model, make_optim(model.parameters(), {}), gpu_budget_gib=-1)
     with pytest.raises(ValueError, match="nested"):
         OffloadOptimizer(model.module.blocks[0], make_optim(model.parameters(), {}))
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match=rf"host_threads.*{bad}"):
+            OffloadOptimizer(model, make_optim(model.parameters(), {}), host_threads=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="closure"):
         OffloadOptimizer(model, make_optim(model.parameters(), {})).step(lambda: 0.0)
     return True
@@ -292,12 +297,30 @@ def test_dropping_the_model_and_optimizer_frees_them(pool):
     assert pool.run(check_freed_when_dropped) == [True] * WORLD
 
 
-def test_choose_resident_counts_from_the_end():
+def test_choose_resident_counts_from_the_start():
     from shardfuse.sharding._offload_optim import choose_resident
 
-    sizes = [10, 20, 30, 40]
+    sizes = [10, 20, 30, 40]  # forward order: the first units stay resident
     assert choose_resident(sizes, budget_bytes=0, bytes_per_element=16) == 0
-    assert choose_resident(sizes, budget_bytes=40 * 16, bytes_per_element=16) == 1
-    assert choose_resident(sizes, budget_bytes=70 * 16, bytes_per_element=16) == 2
-    assert choose_resident(sizes, budget_bytes=69 * 16, bytes_per_element=16) == 1
+    assert choose_resident(sizes, budget_bytes=9 * 16, bytes_per_element=16) == 0
+    assert choose_resident(sizes, budget_bytes=10 * 16, bytes_per_element=16) == 1
+    assert choose_resident(sizes, budget_bytes=30 * 16, bytes_per_element=16) == 2
+    assert choose_resident(sizes, budget_bytes=59 * 16, bytes_per_element=16) == 2
     assert choose_resident(sizes, budget_bytes=1e18, bytes_per_element=16) == 4
+
+
+def test_step_worker_runs_the_smallest_key_first_and_rekeys():
+    import threading
+
+    from shardfuse.sharding._host_step import StepWorker
+
+    worker = StepWorker(threads=None)
+    gate, order = threading.Event(), []
+    worker.submit(gate.wait, key=-1)  # holds the worker while the others queue
+    for name, key in [("c", 3), ("a", 1), ("b", 2), ("a2", 1)]:
+        worker.submit(lambda n=name: order.append(n), key=key, tag=name)
+    worker.rekey(lambda tag: {"c": 0}.get(tag))  # c first now; the others keep their keys
+    gate.set()
+    worker.close()
+    assert order == ["c", "a", "a2", "b"]
+    assert worker.busy_s > 0
