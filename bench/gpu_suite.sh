@@ -109,7 +109,7 @@ for stage in "${STAGES[@]}"; do
       # echo cd970f2 > .before/COMMIT. This tree's commit: SHARDFUSE_COMMIT (the device copy has no .git).
       if [ -d .before/shardfuse ]; then
         step ab "${AB_TIMEOUT:-540}" python3 -m bench.ab --before .before --after . --rounds "${AB_ROUNDS:-3}" \
-          --bench "${AB_BENCH:-e2e,offload}" --deadline "${AB_DEADLINE:-480}" --out "$OUT/ab.json" \
+          --bench "${AB_BENCH:-e2e,offload}" --deadline "${AB_DEADLINE:-520}" --out "$OUT/ab.json" \
           --e2e-args "${AB_E2E_ARGS:-}" --offload-args "${AB_OFFLOAD_ARGS:-}" \
           ${SHARDFUSE_COMMIT:+--after-commit "$SHARDFUSE_COMMIT"} ${AB_ARGS:-}
         cp "$OUT/ab.json" "$FINAL/" 2>/dev/null
