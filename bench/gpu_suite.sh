@@ -8,6 +8,8 @@
 #                                           host-profile (the eager 1K step's host time, cProfile of rank 0)
 #                                           offload-big (models that outgrow the GPU, one GPU, against the floor;
 #                                           BIG_CONFIGS / BIG_IMPLS pick one 10-minute piece, see below)
+#                                           ab (this tree against .before/, the tree before a change: one GPU,
+#                                           e2e and offload, interleaved rounds; about 6-7 minutes, see below)
 #
 # Every step runs under `timeout` so a hang cannot eat the lease; a failed step is reported and the
 # suite goes on. Multi-GPU steps issue the same collectives on every rank (fixed step counts).
@@ -99,6 +101,22 @@ for stage in "${STAGES[@]}"; do
         --impls "${BIG_IMPLS:-shardfuse,shardfuse-budget,shardfuse-host-accum,fairscale,fsdp2,deepspeed-zero2,deepspeed-zero3}" \
         --steps "${BIG_STEPS:-3}" --warmup 1 --out "$OUT/offload_big.json" --save ${BIG_ARGS:-}
       cp "$OUT/offload_big.json" "$FINAL/" 2>/dev/null ;;
+    ab)
+      # Issue 19's "within noise of before (same job, interleaved)": python -m bench.ab runs e2e (1 GPU, 1k) and
+      # offload (3 variants) from the tree before the change and from this one, alternating, 3 rounds, and compares
+      # the medians (10% time, 5% memory) -> ab.json (here and in $FINAL), one log per run under ab_logs/. The
+      # before tree is .before/ (ignored by git; carry it): git archive cd970f2 | tar -x -C .before &&
+      # echo cd970f2 > .before/COMMIT. This tree's commit: SHARDFUSE_COMMIT (the device copy has no .git).
+      if [ -d .before/shardfuse ]; then
+        step ab "${AB_TIMEOUT:-540}" python3 -m bench.ab --before .before --after . --rounds "${AB_ROUNDS:-3}" \
+          --bench "${AB_BENCH:-e2e,offload}" --deadline "${AB_DEADLINE:-520}" --out "$OUT/ab.json" \
+          --e2e-args "${AB_E2E_ARGS:-}" --offload-args "${AB_OFFLOAD_ARGS:-}" \
+          ${SHARDFUSE_COMMIT:+--after-commit "$SHARDFUSE_COMMIT"} ${AB_ARGS:-}
+        cp "$OUT/ab.json" "$FINAL/" 2>/dev/null
+      else
+        echo "ab: no .before/shardfuse here (extract the before tree into .before/ and carry it)"
+        printf '%-14s %s\n' ab "skipped: no .before/" >>"$SUMMARY"
+      fi ;;
     e2e)
       step e2e 540 torchrun --standalone --nproc_per_node "$NGPU" -m bench.e2e.run --regime both \
         --impls "${E2E_IMPLS:-shardfuse,fsdp2,fsdp1}" --steps "${E2E_STEPS:-15}" --warmup 3 ${E2E_ARGS:-} ;;

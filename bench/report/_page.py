@@ -124,6 +124,18 @@ runs `bench/kernels/test_bench_kernels.py` with `--benchmark-autosave`, and with
 --benchmark-compare-fail median:10%` against the newest run stored for that GPU in
 `bench/results/<gpu>/pytest-benchmark/` (copy the run it saved under `$OUT/work/pytest-benchmark/` there to
 make it the new reference).
+
+Before/after on one machine (issue 19's "within noise of before, same job, interleaved"): `python -m bench.ab
+--before DIR --after DIR --rounds 3 --bench e2e,offload --out ab.json` runs the one-GPU e2e (1k regime, shardfuse)
+and offload (`plain`, `shardfuse`, `shardfuse_offload_acts_opt_in_bwd`) benchmarks from two source trees, each
+run in its own process with `PYTHONPATH` and the working directory set to its tree (the run checks that
+`shardfuse` was imported from there), the tree that goes first alternating per round. It prints per row the
+median of each tree, after / before, each tree's min-max over rounds and PASS, FAIL or BETTER against the noise
+threshold (10% step time, 5% peak memory; `plain` touches no shardfuse code and shows the machine's own noise),
+and writes both trees' commits, every run and the comparison to the JSON; exit status 1 on a FAIL or a failed
+run. On a GPU machine: extract the old tree with `mkdir .before && git archive COMMIT | tar -x -C .before && echo
+COMMIT > .before/COMMIT`, carry `.before/` and run `SHARDFUSE_COMMIT=<this commit> bash bench/gpu_suite.sh ab`
+(about 6-7 minutes on one H100; `$OUT/ab.json`, one log per run in the archive's `ab_logs/`).
 """
 
 
