@@ -166,11 +166,11 @@ def timed_steps(trainer: Trainer, job: Job, device: torch.device, split: bool) -
     accum = job.cfg.accum
     times, fwd_bwd, losses = [], [], []
     host_stats = getattr(trainer.opt, "host_stats", None)  # shardfuse.OffloadOptimizer: where the step's time went
-    stats0: dict[str, float] = {}
+    marks: list[dict[str, float]] = []  # at the start of each timed step, and at the end
     for i in range(job.warmup + job.steps):
         sync(device)
-        if i == job.warmup and host_stats is not None:
-            stats0 = host_stats()
+        if i >= job.warmup and host_stats is not None:
+            marks.append(host_stats())
         t0 = time.perf_counter()
         loss = None
         for m in range(accum):
@@ -190,11 +190,13 @@ def timed_steps(trainer: Trainer, job: Job, device: torch.device, split: bool) -
                            "step_ms_max": max(times), "step_ms_list": times, "losses": losses}  # fmt: skip
     if host_stats is not None:
         trainer.opt.synchronize()
-        stats = host_stats()
-        # per timed step: the worker's busy time and the time callers (mostly the next forward) waited for it
-        out["host_busy_ms"] = 1e3 * (stats["host_busy_s"] - stats0.get("host_busy_s", 0.0)) / job.steps
-        out["host_wait_ms"] = 1e3 * (stats["wait_s"] - stats0.get("wait_s", 0.0)) / job.steps
-        out["host_threads"] = stats["host_threads"]
+        marks.append(host_stats())
+        # Per timed step (the median over the windows between step starts; a window also holds the tail of the
+        # previous step's host updates, so the first one carries the warm-up's first-touch of the optimizer state):
+        # the worker's busy time and the time callers (mostly the next forward) waited for it.
+        for key, name in (("host_busy_s", "host_busy_ms"), ("wait_s", "host_wait_ms")):
+            out[name] = 1e3 * statistics.median(b[key] - a[key] for a, b in zip(marks, marks[1:]))
+        out["host_threads"] = marks[-1]["host_threads"]
     if split:
         out["fwd_bwd_ms"] = statistics.median(fwd_bwd)
         out["fwd_bwd_ms_list"] = fwd_bwd

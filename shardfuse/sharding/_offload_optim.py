@@ -117,7 +117,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             backward runs, instead of at ``step()``: the fastest schedule (the host optimizer overlaps backward
             too), for loops that call ``step()`` and ``zero_grad()`` after every synced backward and do not clip by
             the global norm (``clip_grad_norm_`` raises; it needs every gradient before any update). The values
-            are the same as stepping after backward.
+            are the same as stepping after backward. Where a GPU budget may keep units resident, the first step
+            updates after backward: the budget places units at that step(), and no unit's optimizer state is made
+            on the host before.
         host_compute_copy: keep a compute-dtype (bf16) copy of each shard on the host, written after each update,
             so half the bytes cross to the GPU; off by default because the host's fp32->bf16 pass costs more CPU
             time (0.49 s for 2.9B parameters on a 16-core host) than the extra PCIe bytes (0.1 s at 55 GB/s), and
@@ -276,13 +278,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 # Scaled at the clip already, unless it was a host shard then (made resident by the budget since).
                 late = coef if id(plan.handle) in deferred else None
                 step_plan(plan, settings_of(self.optimizer, plan), late)
-        if self.step_in_backward:
+        if self.step_in_backward and self._stepped_in_backward:
             # Updates were queued as gradients landed (the last units first); those not started yet go in forward
             # order now, so the next forward gets its first units first.
             self._stepped_in_backward.clear()
             position = {id(plan): i for i, plan in enumerate(self._plans)}
             self._worker.rekey(lambda tag: position.get(id(tag)))
             return
+        self._stepped_in_backward.clear()
         host_coef = coef.to("cpu") if coef is not None else None
         for i, plan in enumerate(self._plans):  # forward order
             if plan.host is not None:
@@ -292,6 +295,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _on_grad_sent(self, host: HostShard, event: torch.cuda.Event | None) -> None:
         """``step_in_backward``: a host shard's gradient copy is queued; start its update behind the copy."""
+        if not self._placed and self._budget_applies():
+            # The first backward: the budget places units at the first step(), and an update now would make every
+            # unit's optimizer state on the host first (the peak of full offload). This step updates after it.
+            return
         self._refresh_plans()
         plan = self._plan_of_host.get(id(host))
         if plan is None:  # a shard the optimizer does not hold
@@ -402,11 +409,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # partial offload
     # ----------------------------------------------------------------------------------------------
 
+    def _budget_applies(self) -> bool:
+        """Whether the first step() may keep units resident (a CUDA compute device and a budget other than 0)."""
+        return self.root.compute_device.type == "cuda" and self.gpu_budget_gib != 0
+
     def _place_by_budget(self) -> None:
         """Once, at the first step: keep the units that fit the budget resident on the GPU."""
         self._placed = True
         device = self.root.compute_device
-        if device.type != "cuda" or self.gpu_budget_gib == 0:
+        if not self._budget_applies():
             return
         if self.gpu_budget_gib is None:
             total = torch.cuda.get_device_properties(device).total_memory

@@ -144,6 +144,43 @@ def test_mixed_precision_close(pool, cfg):
     assert pool.run(check_mixed_precision, cfg) == [True] * WORLD
 
 
+def check_step_in_backward_waits_for_the_budget() -> bool:
+    """Where a budget may place units (faked on the CPU), the first backward queues no update (every unit's host
+    optimizer state would exist before the placement); later backward passes do; values equal the plain path."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    cfg: dict[str, Any] = {}
+    model = wrap_model(build(cfg), {"move_params_to_cpu": True})
+    ref = wrap_model(build(cfg), {"move_params_to_cpu": True})  # build() is seeded: the same initial values
+    opt = OffloadOptimizer(model, make_optim(model.parameters(), cfg), gpu_budget_gib=0, step_in_backward=True)
+    opt._budget_applies = lambda: True  # type: ignore[method-assign]  # as on a GPU with a budget
+    ref_opt = make_optim(ref.parameters(), cfg)
+    hosts = [h.host for u in _units(model) for h in u.handles if h.host is not None]
+    for step in range(3):
+        ids, target = batch(step, rank, ws)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            loss_fn(m, ids, target, step, cfg).backward()
+            if m is model:
+                queued = len(opt._stepped_in_backward)  # the units whose update this backward queued
+                assert queued == (len(hosts) if step else 0), f"step {step}: {queued} updates queued in backward"
+            o.step()
+            o.zero_grad()
+    sd, ref_sd = model.state_dict(), ref.state_dict()
+    for k in ref_sd:
+        assert torch.equal(sd[k], ref_sd[k]), k
+    opt.close()
+    return True
+
+
+def _units(model: FSDP) -> list[Any]:
+    from shardfuse.sharding._tree import units_below
+
+    return list(units_below(model._unit))
+
+
+def test_step_in_backward_waits_for_the_budget_placement(pool):
+    assert pool.run(check_step_in_backward_waits_for_the_budget) == [True] * WORLD
+
+
 def check_step_in_backward_misuse() -> bool:
     rank, ws = dist.get_rank(), dist.get_world_size()
     model = wrap_model(build({}), {"move_params_to_cpu": True})
