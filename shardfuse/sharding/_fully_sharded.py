@@ -108,6 +108,8 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
                 agree_on_initial_values(module, groups, f"{type(self).__name__}({type(module).__name__})")
             handles, table, borrowed = flatten_own_params(module, config, groups)
             check_compute_dtype(config, (h.dtype for h in handles), type(module).__name__)
+            if config.offload.ssd is not None:  # SSD offload: storages that can be evicted, before any view
+                _ssd.prepare(handles)
             unit = Unit(module, config, groups, handles, table, borrowed)
             if config.params.use_orig_params:
                 # The original parameters, views of the shard, where they were; compute reads the instance

@@ -251,6 +251,18 @@ class Page:
             self.detached = True
 
 
+def own_storage(t: torch.Tensor, pin: bool) -> None:
+    """Give ``t`` a storage of its own that can be resized (evicted), pinned when ``pin`` (torch's caching host
+    allocator: an evicted tensor's block is reused by the next one read in). ``pin_memory()`` and numpy-shared
+    storages cannot be resized, a view shares its storage with others: those are copied once, here."""
+    storage = t.untyped_storage()
+    owns = t.storage_offset() == 0 and storage.nbytes() == t.numel() * t.element_size()
+    if owns and storage.resizable() and (not pin or t.is_pinned()):
+        return
+    with torch.no_grad():
+        t.data = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t)
+
+
 class SsdShard:
     """The file-backed home of one flat shard and (``optimizer_state=True``) its per-element optimizer state."""
 
@@ -289,6 +301,7 @@ class SsdShard:
                 page = self.state_pages.get((i, key))
                 if page is not None and page.tensor is v:
                     continue
+                own_storage(v, torch.cuda.is_available())
                 file = self._state_files.get((i, key))
                 if file is None:
                     file = self._state_files[(i, key)] = self.tier.store.new_file(f"{self.name}-state{i}-{key}")
@@ -373,6 +386,13 @@ def ssd_of(p: torch.Tensor) -> SsdShard | None:
 # ------------------------------------------------------------------------------------------------------
 
 
+def prepare(handles: Iterable[FlatParamHandle]) -> None:
+    """Wrap time, before any view of the shards is made: each CPU shard gets a storage that can be evicted."""
+    for h in handles:
+        if h.flat.device.type == "cpu":
+            own_storage(h.flat, torch.cuda.is_available())
+
+
 def attach(handles: Iterable[FlatParamHandle], config: OffloadConfig, unit_name: str) -> None:
     """Wrap time: move each CPU shard of ``handles`` into its file and give it its file-backed host shard."""
     tier = tier_for(config)
@@ -381,6 +401,8 @@ def attach(handles: Iterable[FlatParamHandle], config: OffloadConfig, unit_name:
         if h.flat.device.type != "cpu" or h.host is not None:
             continue
         name = f"{unit_name}-flat{i}".replace("/", "_").replace(" ", "")[:80]
+        if not h.flat.untyped_storage().resizable():
+            raise RuntimeError(f"the shards of {unit_name} need prepare() before their views are made")
         h.host = SsdHostShard(h.flat, SsdShard(h, tier, name), pin=torch.cuda.is_available())
 
 

@@ -331,3 +331,22 @@ def test_store_reads_and_writes_in_parallel_chunks(tmp_path):
         del f
     gc.collect()
     assert os.listdir(tmp_path) == []
+
+
+def test_storages_that_cannot_be_evicted_are_copied_once():
+    """``pin_memory()`` and numpy-shared storages cannot be resized, a view shares its storage: each gets a storage
+    of its own with the same values (on a GPU machine, pinned by torch's caching host allocator)."""
+    from shardfuse.sharding._ssd import own_storage
+
+    shared = torch.from_numpy(torch.randn(11).numpy())
+    assert not shared.untyped_storage().resizable()
+    base = torch.randn(20)
+    for t in (shared, base[3:14]):
+        before = t.clone()
+        own_storage(t, pin=False)
+        assert t.untyped_storage().resizable() and t.untyped_storage().nbytes() == 44
+        assert torch.equal(t, before)
+    mine = torch.randn(5)
+    ptr = mine.data_ptr()
+    own_storage(mine, pin=False)
+    assert mine.data_ptr() == ptr, "a tensor that owns a resizable storage keeps it"
