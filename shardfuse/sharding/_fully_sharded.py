@@ -240,8 +240,7 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
         optimizer keys its state by parameter objects): build a new optimizer on the copy's ``parameters()``
         (and load a state saved with :meth:`gather_full_optim_state_dict` or :meth:`sharded_state_dict`)."""
         units = units_below(self._unit)
-        _ssd.refuse(units, "pickling", "save model.state_dict() (or model.sharded_state_dict() with "
-                    "torch.distributed.checkpoint) and load it into a model wrapped anew")
+        _ssd.refuse(units, "pickling")
         for u in units:
             check_state(u.training_state, (TrainingState.IDLE,), "pickling", u.name)
             if any(h.full_param is not None and h.full_param.grad is not None for h in u.handles):
@@ -298,9 +297,7 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
         )
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
-        _ssd.refuse(units_below(self._unit), ".to()/.cuda()/.half() (moving or casting the shards)",
-                    "the shards stay in their files and the units compute on compute_device; cast or move the "
-                    "module before wrapping it")
+        _ssd.refuse(units_below(self._unit), ".to()/.cuda()/.half()")
         detach_host_engine(self._unit)  # its host buffers belong to the old placement and dtype
         # .to()/.cuda()/.half() move the shards; the runtime (full buffers, streams) is rebuilt lazily.
         return apply_to_unit(self._unit, fn, lambda: super(FullyShardedDataParallel, self)._apply(fn, recurse))

@@ -439,8 +439,17 @@ def page_in_tree(units: Iterable[Any]) -> None:
                 page.clean = None
 
 
-def refuse(units: Iterable[Any], what: str, fix: str) -> None:
+_FIXES = {
+    "pickling": "save model.state_dict() (or model.sharded_state_dict() with torch.distributed.checkpoint) and load "
+                "it into a model wrapped anew",
+    ".to()/.cuda()/.half()": "the shards stay in their files and the units compute on compute_device; move or cast "
+                             "the module before wrapping it",
+}
+
+
+def refuse(units: Iterable[Any], what: str) -> None:
     """Raise for an operation the SSD tier does not support (pickling, ``.to()``)."""
+    fix = _FIXES[what]
     for u in units:
         if any(ssd_host(h) is not None for h in u.handles):
             raise NotImplementedError(
