@@ -142,6 +142,7 @@ class TensorFile:
         try:
             while done < len(piece):
                 done += _pwrite(self.fd, piece[done:], offset + done)
+            self.store.count(written=done)
         except OSError as err:
             raise OSError(err.errno, f"SSD offload: writing {len(piece)} bytes at offset {offset} of {self.path} "
                           f"failed after {done} bytes ({err.strerror}); the file is incomplete: free space "
@@ -155,6 +156,7 @@ class TensorFile:
                 if got == 0:
                     raise OSError(5, f"the file ends at {offset + done} bytes")
                 done += got
+            self.store.count(read=done)
         except OSError as err:
             raise OSError(err.errno, f"SSD offload: reading {len(piece)} bytes at offset {offset} of {self.path} "
                           f"failed ({err.strerror}): was the file removed or truncated?") from err
@@ -174,6 +176,13 @@ class SsdStore:
         # Bytes of writes in flight, bounded by reserve(): what the write-behind may hold in memory.
         self._room = threading.Condition()
         self._writing = 0
+        self.bytes_read = 0  # totals since the store was made (the offload benchmark reports them per step)
+        self.bytes_written = 0
+
+    def count(self, read: int = 0, written: int = 0) -> None:
+        with self._lock:
+            self.bytes_read += read
+            self.bytes_written += written
 
     def new_file(self, name: str) -> TensorFile:
         with self._lock:
@@ -230,3 +239,10 @@ def store_for(root: str, threads: int, chunk_mb: int) -> SsdStore:
         if store is None:
             store = _STORES[key] = SsdStore(root, threads, chunk_mb, rank)
         return store
+
+
+def io_bytes() -> tuple[int, int]:
+    """Bytes read and written by every store of this process so far."""
+    with _STORES_LOCK:
+        stores = list(_STORES.values())
+    return sum(s.bytes_read for s in stores), sum(s.bytes_written for s in stores)
