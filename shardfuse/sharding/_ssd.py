@@ -281,6 +281,9 @@ class SsdShard:
         self.param.file.then(lambda: None).wait()
         if self.param.error is not None:
             raise self.param.error
+        if self.flat.untyped_storage().nbytes():
+            raise RuntimeError(f"SSD offload: the shard {name} was written to {self.param.file.path} but its memory "
+                               f"could not be given back (its storage cannot be resized): please report this")
 
     def params(self) -> list[torch.Tensor]:
         """The tensors an optimizer may hold for this shard: the flat parameter, or its original-parameter views."""

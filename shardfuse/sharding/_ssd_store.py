@@ -87,6 +87,15 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_ubyte * nbytes).from_address(flat.data_ptr())).cast("B")
 
 
+def _logged(fn: Callable[[], None], path: str) -> None:
+    """Run ``fn``; an error is logged (nobody may wait for it) and re-raised for whoever does."""
+    try:
+        fn()
+    except BaseException:
+        logger.exception("SSD offload: a queued step on %s failed", path)
+        raise
+
+
 class TensorFile:
     """The file of one tensor: queued whole-tensor reads and writes, in order."""
 
@@ -111,7 +120,7 @@ class TensorFile:
         with self._lock:
             prev, op = self._last, IOOp(1, None)
             self._last = op
-        self.store.pool.submit(self._job, prev, op, lambda: fn())
+        self.store.pool.submit(self._job, prev, op, lambda: _logged(fn, self.path))
         return op
 
     def _queue(self, buf: memoryview, write: bool, on_done: Callable[[BaseException | None], None] | None) -> IOOp:

@@ -43,6 +43,7 @@ def _wrap(path: str | None, cfg: dict[str, Any]) -> FSDP:
     kw: dict[str, Any] = _ssd_kwargs(path, cfg) if path is not None else {"move_params_to_cpu": True}
     if cfg.get("orig"):
         kw["use_orig_params"] = True
+    kw.update({k: cfg[k] for k in ("mixed_precision", "compute_dtype") if k in cfg})
     model = build(cfg)
     for i in range(len(model.blocks)):
         model.blocks[i] = FSDP(model.blocks[i], **kw)
