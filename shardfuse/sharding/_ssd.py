@@ -132,6 +132,7 @@ class Page:
         self.evict_wanted = False
         self.detached = False
         self.reading: IOOp | None = None
+        self.writes = 0  # queued writes not done yet: a write reads the memory until it is done
         self.error: BaseException | None = None
 
     @property
@@ -209,6 +210,7 @@ class Page:
             self.evict_wanted = True
             if self.clean != t._version:
                 self.clean = t._version
+                self.writes += 1
                 self.file.write(t, on_done=lambda err: self._written(err, release))
             elif release is not None:
                 release()
@@ -225,19 +227,20 @@ class Page:
     def _written(self, err: BaseException | None, release: Any) -> None:
         if release is not None:
             release()
-        if err is None:
-            return
-        logger.error("%s", err)
+        if err is not None:
+            logger.error("%s", err)
         with self.lock:
-            self.error = err
-            self.clean = None  # the file is stale: the memory is kept and written again at the next eviction
+            self.writes -= 1
+            if err is not None:
+                self.error = err
+                self.clean = None  # the file is stale: the memory is kept and written again at the next eviction
 
     def _drop(self, event: Any) -> None:
         if event is not None:
             event.synchronize()  # a host-to-device copy still reading the memory
         t = self.tensor
         with self.lock:
-            if (t is None or not self.evict_wanted or self.pins or not self.resident or self.detached
+            if (t is None or not self.evict_wanted or self.pins or self.writes or not self.resident or self.detached
                     or self.error is not None or self.clean != t._version):
                 return
             t.untyped_storage().resize_(0)

@@ -303,6 +303,7 @@ def test_out_of_space_mid_training_is_raised_and_nothing_is_lost(tmp_path, monke
     monkeypatch.setattr(_ssd_store, "_pwrite", _enospc)
     m(data[1]).square().sum().backward()
     opt.step()  # the write-behind fails on an I/O thread
+    ssd_host(m._unit.handles[0]).ssd.param.file.then(lambda: None).wait()  # type: ignore[union-attr]
     with pytest.raises(RuntimeError, match=f"No space left on device.*{tmp_path}.*kept in memory"):
         m(data[2])
     monkeypatch.undo()
