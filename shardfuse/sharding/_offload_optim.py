@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from shardfuse.sharding import _collectives as coll
+from shardfuse.sharding import _ssd
 from shardfuse.sharding._flat_param import FlatParamHandle
 from shardfuse.sharding._grad_reduce import clip_grad_norm
 from shardfuse.sharding._host_shard import HostShard
@@ -55,6 +56,7 @@ def finish_host_steps(unit: Unit) -> None:
     engine = engine_of(unit)
     if engine is not None:
         engine.synchronize()
+    _ssd.page_in_tree(units_below(unit))  # ssd: shards on disk are read in for the caller
 
 
 def settle(unit: Unit) -> None:
@@ -201,6 +203,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         self.synchronize()
+        _ssd.page_in_optimizer_state(self.optimizer)  # ssd: optimizer state on disk is read in
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -223,8 +226,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             prec = u.config.precision
             compute = prec.compute_dtype if prec.mixed_precision and self.host_compute_copy else None
             for h in u.handles:
-                if h.host is None and h.flat.device.type == "cpu":
-                    h.host = HostShard(h.flat, compute or h.dtype, pin=torch.cuda.is_available())
+                if (h.host is None or _ssd.ssd_host(h)) and h.flat.device.type == "cpu":  # ssd: keep its host
+                    h.host = _ssd.ssd_host(h) or HostShard(h.flat, compute or h.dtype, pin=torch.cuda.is_available())
                     h.host.keep_full_in_no_sync = self.accumulate_on_gpu
                     if self.step_in_backward:
                         h.host.on_grad_sent = self._on_grad_sent
@@ -349,7 +352,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             del _ENGINES[self.root]
         for u in units_below(self.root):
             for h in u.handles:
-                h.host = None
+                h.host = _ssd.host_after_engine(h)  # None, or the SSD host shard (the plain optimizer's path)
 
     # ----------------------------------------------------------------------------------------------
     # clipping
@@ -439,6 +442,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
 def _make_resident(handle: FlatParamHandle, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
     """Move a host shard, its gradient and its optimizer state to ``device``; it is stepped there from now on."""
+    _ssd.leave_tier(handle)  # ssd: read in for good (its files go)
     flat = handle.flat
     flat.data = flat.data.to(device)
     if flat.grad is not None:
