@@ -593,12 +593,13 @@ class OffloadBigHardware:
     opt_threads: int | None = None
     opt_impl: str | None = None
     gpu_total_gib: float | None = None
+    host_copy_gbps: float | None = None  # host memory bandwidth (torch copy, read + write)
 
     @classmethod
     def parse(cls, v: Any) -> OffloadBigHardware:
         h = _obj(v)
         keys = ("h2d_gbps", "d2h_gbps", "bw_bytes", "opt_s", "opt_params_measured", "opt_s_per_param",
-                "gpu_total_gib")  # fmt: skip
+                "gpu_total_gib", "host_copy_gbps")  # fmt: skip
         return cls(status=_text(h.get("status")), **{k: num(h.get(k)) for k in keys},
                    opt_threads=_int(h.get("opt_threads")), opt_impl=_text(h.get("opt_impl")))  # fmt: skip
 

@@ -141,6 +141,11 @@ def _hardware_line(f: OffloadBigFile) -> list[str]:
         tail = f" ({', '.join(meta)})" if meta else ""
         what = hw.opt_impl or "the CPU optimizer"
         parts.append(f"{what}: {hw.opt_s_per_param * 1e12:.0f} ms per billion parameters{tail}")
+        if hw.host_copy_gbps is not None:
+            # AdamW reads parameter, gradient and two moments and writes three of them: 28 bytes per parameter.
+            parts.append(f"host memory {hw.host_copy_gbps:.0f} GB/s read+write (torch copy), against which the "
+                         f"optimizer's 28 bytes per parameter run at {28 / hw.opt_s_per_param / 1e9:.0f} GB/s: it is "
+                         f"bound by host memory bandwidth, which the PCIe copies of an offloaded step share")
     if not parts:
         return ["_Floor terms: not measured in this file._", ""]
     lines = ["Floor terms measured in this job: " + "; ".join(parts) + "."]
