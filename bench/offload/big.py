@@ -58,8 +58,10 @@ from bench.offload.big_impls import (
 
 REPO = Path(__file__).resolve().parents[2]
 GIB = 2**30
-# Opt-in: the no-clipping variants, and the SSD tier (disk-bound: a configuration of its own per 10-minute call).
-DEFAULT_IMPLS = tuple(i for i in IMPLS if "-sib" not in i and i != "shardfuse-ssd")
+# Opt-in: the no-clipping variants, the other settings' variants, and the SSD tier (disk-bound: a configuration of
+# its own per 10-minute call).
+DEFAULT_IMPLS = tuple(i for i in IMPLS
+                      if "-sib" not in i and not i.endswith(("-keep", "-allcores")) and i != "shardfuse-ssd")
 FLOOR_BYTES = ("bf16 parameters host->device (2 B/param) and fp32 gradients device->host (4 B/param), once per "
                "optimizer step, the two directions overlapped")  # fmt: skip
 # Rough seconds for the time plan (one H100, 16 cores): per child start, setup per billion parameters, and per
@@ -72,6 +74,8 @@ ESTIMATE: dict[str, tuple[float, float, float, float]] = {
     "shardfuse-sib": (12, 5, 0.17, 0.2),
     "shardfuse-budget-sib": (12, 5, 0.1, 0.1),
     "shardfuse-sib-allcores": (12, 5, 0.17, 0.2),
+    "shardfuse-keep": (12, 5, 0.17, 0.2),
+    "shardfuse-sib-keep": (12, 5, 0.17, 0.2),
     "shardfuse-ssd": (12, 8, 8.0, 4.0),  # disk-bound: ~2 GB/s each way assumed
     "fairscale": (12, 8, 0.17, 0.2),
     "fsdp2": (12, 6, 0.2, 0.22),
@@ -331,7 +335,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
           f"{'floor':>6} {'x floor':>7} {'x resid':>7} {'GPU GiB':>7} {'host GiB':>8}")  # fmt: skip
     for r in rows:
         variant = r.get("variant")
-        sib = "+sib+all" if "all cores" in str(variant) else "+sib"
+        sib = "+sib" if "step-in-backward" in str(variant) else ""
+        sib += "+all" if "all cores" in str(variant) else "+keep" if "reshard_after" in str(variant) else ""
         name = r["impl"] + {"host-accum": "+ha", None: ""}.get(variant, sib)
         if not r["step_ms"]:
             print(f"{r['config']:<9} {name:<17} {r['tokens_per_step']:>8} {r['status']}: {r.get('reason', '')[:70]}")
@@ -345,7 +350,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{fmt_key(r, 'host_rss_gib', '8.1f'):>8}"
         )
     print("(+ha: accumulate_on_gpu=False; +sib: step_in_backward=True, no clipping; +all: host_threads = every "
-          "core; x floor / x resident: step time "
+          "core; +keep: reshard_after_forward=False; x floor / x resident: step time "
           "over the floor / resident step)")
 
 

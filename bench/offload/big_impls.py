@@ -41,7 +41,7 @@ from torch import nn
 from examples.llama import DecoderLayer, Llama, LlamaConfig, next_token_loss
 
 IMPLS = ("resident", "shardfuse", "shardfuse-budget", "shardfuse-host-accum", "shardfuse-sib",
-         "shardfuse-budget-sib", "shardfuse-sib-allcores", "shardfuse-ssd",
+         "shardfuse-budget-sib", "shardfuse-sib-allcores", "shardfuse-keep", "shardfuse-sib-keep", "shardfuse-ssd",
          "fairscale", "fsdp2", "deepspeed-zero2", "deepspeed-zero3")  # fmt: skip
 # Variants recorded as another implementation's row with a ``variant`` (internal name -> (row impl, variant)).
 # ``-sib``: OffloadOptimizer(step_in_backward=True), each unit's host update overlapping backward; it cannot clip
@@ -49,8 +49,13 @@ IMPLS = ("resident", "shardfuse", "shardfuse-budget", "shardfuse-host-accum", "s
 VARIANTS = {"shardfuse-host-accum": ("shardfuse", "host-accum"),
             "shardfuse-sib": ("shardfuse", "step-in-backward, no clipping"),
             "shardfuse-budget-sib": ("shardfuse-budget", "step-in-backward, no clipping"),
+            "shardfuse-keep": ("shardfuse", "reshard_after_forward=False"),
+            "shardfuse-sib-keep": ("shardfuse", "step-in-backward, no clipping, reshard_after_forward=False"),
             "shardfuse-sib-allcores": ("shardfuse",
                                        "step-in-backward, no clipping, host_threads=all cores")}  # fmt: skip
+# ``-keep``: wrapped with reshard_after_forward=False: the gathered bf16 parameters stay on the GPU from forward
+# to backward, so each offloaded shard crosses PCIe (and is read from host memory) once per step instead of twice,
+# for the full compute-dtype parameters on the GPU during the step.
 # ``-allcores``: OffloadOptimizer(host_threads=<every core>) instead of its default (the cores less one, left to
 # the thread launching GPU work): the measurement behind that default.
 # ``shardfuse-host-accum``: the shardfuse row of an accumulating configuration with ``accumulate_on_gpu=False``
@@ -130,6 +135,7 @@ def unavailable_reason(impl: str, device: str) -> str | None:
               "shardfuse": "shardfuse", "shardfuse-budget": "shardfuse",
               "shardfuse-host-accum": "shardfuse", "shardfuse-sib": "shardfuse",
               "shardfuse-budget-sib": "shardfuse", "shardfuse-sib-allcores": "shardfuse",
+              "shardfuse-keep": "shardfuse", "shardfuse-sib-keep": "shardfuse",
               "shardfuse-ssd": "shardfuse"}.get(impl)  # fmt: skip
     if module is not None and importlib.util.find_spec(module) is None:
         return f"not installed (no module named {module!r})"
@@ -278,11 +284,14 @@ def ssd_settings() -> dict[str, Any]:
             "reshard_after_forward": os.environ.get("BIG_SSD_RESHARD", "0") == "1"}  # fmt: skip
 
 
-def _wrap_shardfuse(model: nn.Module, device: torch.device, ssd: dict[str, Any] | None = None) -> nn.Module:
+def _wrap_shardfuse(model: nn.Module, device: torch.device, ssd: dict[str, Any] | None = None,
+                    keep: bool = False) -> nn.Module:
     import shardfuse
 
     kwargs: dict[str, Any] = dict(mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True,
                                   move_params_to_cpu=True, compute_device=device)  # fmt: skip
+    if keep:
+        kwargs["reshard_after_forward"] = False
     if ssd is not None:
         os.makedirs(ssd["ssd_dir"], exist_ok=True)
         kwargs.update(reshard_after_forward=ssd["reshard_after_forward"], offload_config=shardfuse.OffloadConfig(
@@ -305,7 +314,7 @@ def make_shardfuse(job: Job, device: torch.device) -> Trainer:
     ssd = ssd_settings() if job.impl == "shardfuse-ssd" else None
     if ssd is not None and not hasattr(shardfuse, "OffloadConfig"):
         raise Skip("shardfuse.OffloadConfig (the SSD tier) is not in this shardfuse")
-    model = _wrap_shardfuse(build_model(job.cfg, device, job.seed), device, ssd)
+    model = _wrap_shardfuse(build_model(job.cfg, device, job.seed), device, ssd, keep=job.impl.endswith("-keep"))
     opt: Any = fused_adamw(model.parameters(), job)
     info: dict[str, Any] = {"optimizer": "AdamW fused on cpu", "offload_optimizer": has_api, **(ssd or {})}
     if has_api:
@@ -399,6 +408,8 @@ MAKERS: dict[str, Callable[[Job, torch.device], Trainer]] = {
     "shardfuse-sib": make_shardfuse,
     "shardfuse-budget-sib": make_shardfuse,
     "shardfuse-sib-allcores": make_shardfuse,
+    "shardfuse-keep": make_shardfuse,
+    "shardfuse-sib-keep": make_shardfuse,
     "shardfuse-ssd": make_shardfuse,
     "fairscale": make_fairscale,
     "fsdp2": make_fsdp2,

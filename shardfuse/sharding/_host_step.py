@@ -41,7 +41,8 @@ class StepWorker:
     the forward order first) and re-keyed by forward position once backward has ended (:meth:`rekey`), so the
     next forward, which needs the first units first, waits for as few updates as possible.
 
-    ``threads``: the intra-op threads the worker's optimizer kernels use (set on the worker thread itself). One
+    ``threads``: the intra-op threads the worker's optimizer kernels use (``torch.set_num_threads`` from the worker
+    thread; torch's count is process-wide, so the main thread gets it too). One
     core is left to the main thread by default, which launches GPU work meanwhile: with every core in the
     optimizer's parallel regions, the thread that shares a core with the launching thread holds up each region.
     """

@@ -126,8 +126,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             so half the bytes cross to the GPU; off by default because the host's fp32->bf16 pass costs more CPU
             time (0.49 s for 2.9B parameters on a 16-core host) than the extra PCIe bytes (0.1 s at 55 GB/s), and
             the host optimizer is the bottleneck of an offloaded step.
-        host_threads: intra-op threads of the host optimizer step. ``None``: the cores this process may use less
-            one, left to the main thread that launches GPU work meanwhile (with every core in the optimizer's
+        host_threads: intra-op threads of the host optimizer step, set with ``torch.set_num_threads`` from the
+            worker thread: torch's intra-op thread count is process-wide, so the main thread's CPU ops use it too.
+            ``None``: the cores this process may use less one (at most torch's current count), left to the main
+            thread that launches GPU work meanwhile (with every core in the optimizer's
             parallel regions, the one shared with the launching thread holds up each region).
 
     ``clip_grad_norm_`` on the model takes the norm from per-unit norms computed on the GPU as gradients are
