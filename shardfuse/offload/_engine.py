@@ -394,18 +394,25 @@ class Engine:
     # ------------------------------------------------------------------ activations
     def stash(self, t: torch.Tensor) -> Any:
         """Park a boundary activation in pinned host memory (device->host on the d2h stream)."""
-        if not t.is_cuda:
+        if not self._on_device(t):
             return t
+        host, event = self._copy_home(t)
+        # made on the compute stream, which may free it at once: hold it until the copy has read it
+        self.pending.hold(t, event, self.compute_stream())
+        return Stashed(host, t.device, event)
+
+    def _on_device(self, t: torch.Tensor) -> bool:
+        return t.is_cuda
+
+    def _copy_home(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """A pinned host copy of ``t``, made on the d2h stream after the compute stream's work so far."""
         d2h = self.d2h
         wait_stream(d2h, self.compute_stream())
         with use_stream(d2h):
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             host.copy_(t, non_blocking=True)
         self._count("d2h", t)
-        event = record_event(d2h)
-        # made on the compute stream, which may free it at once: hold it until the copy has read it
-        self.pending.hold(t, event, self.compute_stream())
-        return Stashed(host, t.device, event)
+        return host, record_event(d2h)
 
     # ------------------------------------------------------------------ gradients
     def grad_buffers(self, s: Slice) -> GradBuffers:
