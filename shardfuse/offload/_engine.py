@@ -14,7 +14,10 @@ Stream discipline (CUDA; on the CPU every stream and event is a no-op and copies
 Lifetimes without ``record_stream``: a device tensor made on the compute stream and read by ``d2h`` (a
 parked activation, optimizer state going home) is held with the copy's event in :class:`PendingFrees` and
 dropped once that event has completed, or after the compute stream waited for it; the end of backward
-synchronises ``d2h`` and drops them all.
+synchronises ``d2h`` and drops them all. The host runs ahead of the GPU, so a query seldom finds a copy done:
+where the code knows the compute stream is done with a source, it drops the hold after a compute-stream wait
+(:meth:`Engine.release_stashed`), so that the source goes when its last other reference does, as it went with
+``record_stream`` (a slice's input at the end of that slice's forward, whose compute the copy overlapped).
 
 Parameter slots: two device buffers of the largest slice, reused (one computes while the other is being
 filled). Gradient slots: two fp32 buffers (one is accumulated while the other drains to the host).
@@ -73,6 +76,19 @@ class PendingFrees:
     def collect(self) -> None:
         """Drop the tensors whose read has finished."""
         self._items = [(t, ev) for t, ev in self._items if not ev.query()]
+
+    def release(self, events: Sequence[torch.cuda.Event | None], compute: torch.cuda.Stream | None) -> None:
+        """Drop the tensors read by the copies behind ``events`` after a device-side wait of ``compute`` for
+        each: the caller knows the compute stream is done with them, so each goes when its last other reference
+        does, as with ``record_stream`` (which gave the memory back to the allocator's count at that moment)."""
+        done = {id(ev) for ev in events if ev is not None}
+        kept: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        for t, ev in self._items:
+            if id(ev) in done:
+                wait_event(compute, ev)
+            else:
+                kept.append((t, ev))
+        self._items = kept
 
     def release_all(self, compute: torch.cuda.Stream | None) -> None:
         """Drop every tensor after a device-side wait of ``compute`` for its read."""
@@ -400,6 +416,12 @@ class Engine:
         # made on the compute stream, which may free it at once: hold it until the copy has read it
         self.pending.hold(t, event, self.compute_stream())
         return Stashed(host, t.device, event)
+
+    def release_stashed(self, stashed: Sequence[Any]) -> None:
+        """The compute stream no longer reads the device tensors behind ``stashed`` (:meth:`stash` results):
+        drop the engine's hold on them once the compute stream waited for their copies (see
+        :meth:`PendingFrees.release`). The waits cost nothing where those copies overlapped a slice's compute."""
+        self.pending.release([x.event for x in stashed if isinstance(x, Stashed)], self.compute_stream())
 
     def _on_device(self, t: torch.Tensor) -> bool:
         return t.is_cuda
