@@ -292,3 +292,20 @@ def test_parked_activations_are_not_held_into_backward(monkeypatch, opt_in_bwd):
     assert [t[:3] for t in now if t[0] == "backward"] == [t[:3] for t in before if t[0] == "backward"]
     assert all(held == 0 for phase, _, _, held in now if phase == "backward")
     assert all(a - b <= _engine.PendingFrees.MAX_HELD for (_, _, a, _), (_, _, b, _) in zip(now, before))
+
+
+def test_pending_frees_release_waits_then_drops_only_the_named_copies(monkeypatch):
+    # A caller done with a source (its slice's forward is over) drops it without a query: the compute stream waits
+    # for that copy first, so the memory is never handed out again under a running copy; the others stay held.
+    waited = []
+    monkeypatch.setattr(_engine, "wait_event", lambda stream, ev: waited.append((stream, ev)))
+    pending = _engine.PendingFrees()
+    tensors = [torch.randn(4) for _ in range(2)]
+    events = [_FakeEvent() for _ in tensors]
+    refs = [StorageWeakRef(t.untyped_storage()) for t in tensors]
+    for t, ev in zip(tensors, events):
+        pending.hold(t, ev, compute="compute")
+    del tensors, t
+    pending.release([events[0], None], compute="compute")
+    assert waited == [("compute", events[0])] and len(pending) == 1
+    assert refs[0].expired() and not refs[1].expired()
