@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from shardfuse.offload import OffloadModel, _engine
+from shardfuse.offload import OffloadModel, _buffers
 from shardfuse.offload import _model as offload_model
 
 pytestmark = pytest.mark.usefixtures("poisoned_slots")
@@ -152,8 +152,8 @@ class _FakeEvent:
 def test_pending_frees_hold_until_the_read_is_over(monkeypatch):
     # What replaces record_stream: a device tensor read by the d2h stream stays alive until its copy's event.
     waited = []
-    monkeypatch.setattr(_engine, "wait_event", lambda stream, ev: waited.append(ev))
-    pending = _engine.PendingFrees()
+    monkeypatch.setattr(_buffers, "wait_event", lambda stream, ev: waited.append(ev))
+    pending = _buffers.PendingFrees()
     a, b = torch.randn(4), torch.randn(4)
     ea, eb = _FakeEvent(), _FakeEvent()
     refs = [StorageWeakRef(t.untyped_storage()) for t in (a, b)]
@@ -173,8 +173,8 @@ def test_pending_frees_are_bounded(monkeypatch):
     # The host may run ahead of the GPU: past MAX_HELD held copies, the oldest is released after the compute stream
     # waits for its read (a device-side wait), so held activations cannot pile up under a tight memory cap.
     waited = []
-    monkeypatch.setattr(_engine, "wait_event", lambda stream, ev: waited.append((stream, ev)))
-    pending = _engine.PendingFrees()
+    monkeypatch.setattr(_buffers, "wait_event", lambda stream, ev: waited.append((stream, ev)))
+    pending = _buffers.PendingFrees()
     tensors = [torch.randn(4) for _ in range(pending.MAX_HELD + 3)]
     events = [_FakeEvent() for _ in tensors]
     refs = [StorageWeakRef(t.untyped_storage()) for t in tensors]
