@@ -78,3 +78,23 @@ def test_floor_arithmetic():
     assert f["phase_floor_ms"] == pytest.approx(100.0)
     assert floor(need, link, compute_ms=150.0)["floor_bound"] == "compute"
     assert floor(need, link, compute_ms=None)["floor_compute_ms"] is None
+
+
+def test_report_renders_the_floor_table():
+    from bench.report._offload import _floor_table
+    from bench.results_io import OffloadFile
+
+    row = {"step_ms": 150.0, "peak_gib": 4.8, "h2d_gbps": 34.0, "d2h_gbps": 34.0, "floor_ms": 93.1,
+           "floor_bound": "h2d", "vs_floor": 150.0 / 93.1, "phase_floor_ms": 117.6, "vs_phase_floor": 150.0 / 117.6,
+           "floor_h2d_gb": 5.10, "floor_d2h_gb": 5.10}  # fmt: skip
+    data = {"config": {"layers": 16, "link": {"h2d_gbps": 54.8, "d2h_gbps": 55.3, "duplex_gbps": 50.1}},
+            "variants": {"plain": {"step_ms": 509.6}, "shardfuse_bf16_opt_in_bwd": row}}  # fmt: skip
+    f = OffloadFile.parse(data)
+    text = "\n".join(_floor_table(f.config, f.variants))
+    assert "pinned host->device 54.8 GB/s, device->host 55.3 GB/s, 50.1 GB/s each way at once" in text
+    assert "| shardfuse `OffloadModel`, bf16 + `optimizer_in_backward` | 150.0 | 5.10 | 5.10 | 93.1 (h2d) | 1.61x |" \
+        " 117.6 | 1.28x |" in text
+    assert "plain GPU" not in text  # no floor: not in this table
+    # a file from before the floor: no table at all
+    old = OffloadFile.parse({"variants": {"shardfuse": {"step_ms": 898.5}}})
+    assert _floor_table(old.config, old.variants) == []
