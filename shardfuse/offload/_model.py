@@ -118,10 +118,12 @@ class _SliceCall(BlockCall):
             # Bound the activations on the device to about three slices' worth: the device copies are
             # freed only once their device->host copy is done, and the host would run ahead of the bus.
             self.prev.prev.wait_parked()
-        self.current = self.engine.acquire(self.slice, Phase.FORWARD)
+        # the last slice stays for its backward, which comes next: loaded for it at once (with its master)
+        self.current = self.engine.acquire(self.slice, Phase.FORWARD, for_backward=self.keep)
         self._fwd_stamp = self.current.stamp
-        if self.slice.index + 1 < len(self.slices):
-            self.engine.prefetch(self.slices[self.slice.index + 1], Phase.FORWARD)
+        nxt = self.slice.index + 1
+        if nxt < len(self.slices):
+            self.engine.prefetch(self.slices[nxt], Phase.FORWARD, for_backward=nxt == len(self.slices) - 1)
         # recompute=False builds the graph now, so the parameters must be leaves that require grad
         self.leaves = self.current.leaves(requires_grad=not self.recompute)
         self._fwd_storage = self.current.slot.buf.untyped_storage().data_ptr()

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from shardfuse.offload import OffloadModel, _engine
+from shardfuse.offload import OffloadModel, _buffers, _engine
 from shardfuse.offload import _model as offload_model
 
 pytestmark = pytest.mark.usefixtures("poisoned_slots")
@@ -152,8 +152,8 @@ class _FakeEvent:
 def test_pending_frees_hold_until_the_read_is_over(monkeypatch):
     # What replaces record_stream: a device tensor read by the d2h stream stays alive until its copy's event.
     waited = []
-    monkeypatch.setattr(_engine, "wait_event", lambda stream, ev: waited.append(ev))
-    pending = _engine.PendingFrees()
+    monkeypatch.setattr(_buffers, "wait_event", lambda stream, ev: waited.append(ev))
+    pending = _buffers.PendingFrees()
     a, b = torch.randn(4), torch.randn(4)
     ea, eb = _FakeEvent(), _FakeEvent()
     refs = [StorageWeakRef(t.untyped_storage()) for t in (a, b)]
@@ -173,8 +173,8 @@ def test_pending_frees_are_bounded(monkeypatch):
     # The host may run ahead of the GPU: past MAX_HELD held copies, the oldest is released after the compute stream
     # waits for its read (a device-side wait), so held activations cannot pile up under a tight memory cap.
     waited = []
-    monkeypatch.setattr(_engine, "wait_event", lambda stream, ev: waited.append((stream, ev)))
-    pending = _engine.PendingFrees()
+    monkeypatch.setattr(_buffers, "wait_event", lambda stream, ev: waited.append((stream, ev)))
+    pending = _buffers.PendingFrees()
     tensors = [torch.randn(4) for _ in range(pending.MAX_HELD + 3)]
     events = [_FakeEvent() for _ in tensors]
     refs = [StorageWeakRef(t.untyped_storage()) for t in tensors]
@@ -243,14 +243,14 @@ def _trace_copy_sources(monkeypatch, hold: bool, **kw: Any) -> list[tuple[str, i
     monkeypatch.setattr(offload_model, "MIN_OFFLOAD_BYTES", 0)
     with monkeypatch.context() as m:
         if not hold:
-            m.setattr(_engine.PendingFrees, "hold", lambda self, t, ev, compute=None: None)
+            m.setattr(_buffers.PendingFrees, "hold", lambda self, t, ev, compute=None: None)
         trace: list[tuple[str, int, int, int]] = []
         real_acquire = _engine.Engine.acquire
 
-        def acquire(self: Any, s: Any, phase: Any, stash: Any = None) -> Any:
+        def acquire(self: Any, s: Any, phase: Any, stash: Any = None, **kw: Any) -> Any:
             gc.collect()
             trace.append((phase.value, s.index, sum(not r.expired() for r in sources), len(self.pending)))
-            return real_acquire(self, s, phase, stash)
+            return real_acquire(self, s, phase, stash, **kw)
 
         m.setattr(_engine.Engine, "acquire", acquire)
         off = OffloadModel(relu_net(depth=8), "cpu", num_slices=4, **kw)
@@ -291,15 +291,15 @@ def test_parked_activations_are_not_held_into_backward(monkeypatch, opt_in_bwd):
     before = _trace_copy_sources(monkeypatch, hold=False, **kw)
     assert [t[:3] for t in now if t[0] == "backward"] == [t[:3] for t in before if t[0] == "backward"]
     assert all(held == 0 for phase, _, _, held in now if phase == "backward")
-    assert all(a - b <= _engine.PendingFrees.MAX_HELD for (_, _, a, _), (_, _, b, _) in zip(now, before))
+    assert all(a - b <= _buffers.PendingFrees.MAX_HELD for (_, _, a, _), (_, _, b, _) in zip(now, before))
 
 
 def test_pending_frees_release_waits_then_drops_only_the_named_copies(monkeypatch):
     # A caller done with a source (its slice's forward is over) drops it without a query: the compute stream waits
     # for that copy first, so the memory is never handed out again under a running copy; the others stay held.
     waited = []
-    monkeypatch.setattr(_engine, "wait_event", lambda stream, ev: waited.append((stream, ev)))
-    pending = _engine.PendingFrees()
+    monkeypatch.setattr(_buffers, "wait_event", lambda stream, ev: waited.append((stream, ev)))
+    pending = _buffers.PendingFrees()
     tensors = [torch.randn(4) for _ in range(2)]
     events = [_FakeEvent() for _ in tensors]
     refs = [StorageWeakRef(t.untyped_storage()) for t in tensors]
