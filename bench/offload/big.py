@@ -258,6 +258,8 @@ def make_row(config: str, impl: str, job: Job, result: dict[str, Any]) -> dict[s
         row.setdefault(k, v)
     if row["step_ms"]:
         row["tokens_per_s"] = cfg.tokens_per_step / (row["step_ms"] / 1e3)
+    if row["host_rss_gib"]:  # issue 20: host bytes per parameter (the fp32 optimizer's minimum is 16)
+        row["host_bytes_per_param"] = row["host_rss_gib"] * GIB / row["params"]
     return row
 
 
@@ -311,7 +313,8 @@ def print_row(r: dict[str, Any]) -> None:
         vs += f", {r['vs_resident']:.2f}x resident" if r.get("vs_resident") else ""
         print(
             f"   {r['step_ms']:.0f} ms/step ({r['step_ms_min']:.0f}-{r['step_ms_max']:.0f}){vs}, GPU peak "
-            f"{r['gpu_peak_gib'] or 0:.1f} GiB, host RSS {r['host_rss_gib'] or 0:.1f} GiB",
+            f"{r['gpu_peak_gib'] or 0:.1f} GiB, host RSS {r['host_rss_gib'] or 0:.1f} GiB "
+            f"({r.get('host_bytes_per_param') or 0:.1f} B/param)",
             flush=True,
         )
         if r.get("host_busy_ms") is not None:

@@ -16,8 +16,8 @@ from bench.results_io import OffloadBigFile, OffloadBigFloor, OffloadBigRow, Res
 
 BOUND_LABEL = {"compute_ms": "GPU compute", "pcie_ms": "PCIe", "cpu_opt_ms": "the CPU optimizer"}
 HEADER = ["implementation", "step ms", "vs floor", "vs resident", "tokens/s", "GPU peak GiB", "host RSS GiB",
-          "status"]  # fmt: skip
-ALIGN = ["l", "r", "r", "r", "r", "r", "r", "l"]
+          "host B/param", "status"]  # fmt: skip
+ALIGN = ["l", "r", "r", "r", "r", "r", "r", "r", "l"]
 
 
 def params_text(n: float | None) -> str:
@@ -97,6 +97,8 @@ def _table(f: OffloadBigFile, config: str) -> list[str]:
                 fmt(r.tokens_per_s or ratio(r.tokens_per_step, (r.step_ms or 0) / 1e3), ",.0f"),
                 fmt(r.gpu_peak_gib, ".1f"),
                 fmt(r.host_rss_gib, ".1f"),
+                # the fp32 optimizer's minimum is 16 (parameter, gradient, two moments)
+                fmt(ratio(r.host_rss_gib * 2**30, r.params) if r.host_rss_gib else None, ".1f"),
                 r.status,
             ]
         )
