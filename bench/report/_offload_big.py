@@ -81,7 +81,7 @@ def _table(f: OffloadBigFile, config: str) -> list[str]:
     for r in ordered_rows(f.rows_of(config)):
         label = row_label(r)
         if not r.measured:
-            body.append([label, DASH, DASH, DASH, DASH, DASH, DASH, r.status])  # the status, not partial numbers
+            body.append([label, *[DASH] * (len(HEADER) - 2), r.status])  # the status, not partial numbers
             extra = f" (forward+backward {r.fwd_bwd_ms:.0f} ms)" if r.fwd_bwd_ms else ""
             notes.append(f"{label}: {r.status}: {r.reason or 'no measurement'}{extra}")
             continue
