@@ -122,7 +122,7 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
                 for i, h in enumerate(handles):
                     self.register_parameter(f"flat_param_{i}", h.flat)
             if config.offload.ssd is not None:  # SSD offload: the shards move into their files (_ssd.py)
-                _ssd.attach(handles, config.offload.ssd, type(module).__name__)
+                _ssd.attach(handles, config.offload.ssd, type(module).__name__, unit)
             self._fsdp_wrapped_module = module
             self.__dict__[UNIT_ATTR] = unit
             object.__setattr__(module, WRAPPED_MARK, unit)

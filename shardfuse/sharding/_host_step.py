@@ -167,6 +167,7 @@ def host_task(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tenso
     def run() -> None:
         if copy_event is not None:
             copy_event.synchronize()  # outside the lock: zero_grad must not wait for a copy
+        host.before_step(in_backward)  # ssd: at most read_ahead updated shards wait for their gathers
         with lock:
             try:
                 if in_backward:

@@ -156,7 +156,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._lock = threading.Lock()
         self.host_threads = host_threads if host_threads is not None else default_host_threads()
         self._worker = StepWorker(self.host_threads)
-        self._finalizer = weakref.finalize(self, self._worker.close)
+        self._finalizer = weakref.finalize(self, _close_worker, self._worker)
         self._plans: list[ShardPlan] = []
         self._plan_of_host: dict[int, ShardPlan] = {}
         self._signature: tuple = ()
@@ -456,6 +456,13 @@ def _make_resident(handle: FlatParamHandle, optimizer: torch.optim.Optimizer, de
                                                                for g in optimizer.param_groups)):
                 state[k] = v.to(device)
     handle.host = None
+
+
+def _close_worker(worker: StepWorker) -> None:
+    """Finish the queued updates and end the worker; an SSD-backed update waiting for room to keep its shard
+    (for a gather that will not come now) goes on."""
+    with _ssd.main_waits():
+        worker.close()
 
 
 def unit_of_root(model: nn.Module) -> Unit:

@@ -25,11 +25,12 @@ in memory, marked as possibly changed, until its next training use writes it bac
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import weakref
-from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -39,33 +40,12 @@ from shardfuse.sharding._flat_param import FlatParamHandle
 from shardfuse.sharding._host_shard import HostShard
 from shardfuse.sharding._registry import handle_of
 from shardfuse.sharding._ssd_config import OffloadConfig
+from shardfuse.sharding._ssd_keep import Keep, OrderLearner
 from shardfuse.sharding._ssd_store import IOOp, SsdStore, TensorFile, store_for
 
 logger = logging.getLogger(__name__)
 
 _STEPPING_ATTR = "_shardfuse_ssd_stepping"  # on an optimizer between its step pre- and post-hook
-
-
-class OrderLearner:
-    """Learns which items follow which: after a pair ``(a, b)`` came the items it returns for it next time."""
-
-    def __init__(self, depth: int) -> None:
-        self.depth = depth
-        self._hist: deque[weakref.ref] = deque(maxlen=depth + 2)
-        self._follow: dict[tuple[int, int], list[weakref.ref]] = {}
-        self._lock = threading.Lock()
-
-    def use(self, item: Any) -> list[Any]:
-        """Record ``item`` as used now; return what followed the last two items the last time."""
-        with self._lock:
-            self._hist.append(weakref.ref(item))
-            h = list(self._hist)
-            if len(h) == self.depth + 2:
-                self._follow[(id(h[0]()), id(h[1]()))] = h[2:]
-            if len(h) < 2:
-                return []
-            nxt = self._follow.get((id(h[-2]()), id(h[-1]())), [])
-        return [x for x in (r() for r in nxt) if x is not None and x is not item]
 
 
 class Tier:
@@ -76,17 +56,19 @@ class Tier:
         self.config = config
         self.store: SsdStore = store_for(config.directory or "", config.io_threads, config.chunk_mb)
         self.gathers = OrderLearner(config.read_ahead)
+        self.keep = Keep(config.read_ahead)  # shards kept in memory between two uses in one step (_ssd_keep.py)
         self.steps = OrderLearner(config.read_ahead)
         self._unused: OrderedDict[int, weakref.ref[Page]] = OrderedDict()
         self._lock = threading.Lock()
         self.largest = 0  # bytes of the largest page: bounds the writes in flight
+        self.pages_per_shard = 1  # the parameter and its offloaded optimizer states (bounds the unused read-ahead)
 
     def read_ahead(self, page: Page) -> None:
         if not page.prefetch():
             return
         with self._lock:
             self._unused[id(page)] = weakref.ref(page)
-            over = len(self._unused) - 4 * self.config.read_ahead
+            over = len(self._unused) - 4 * self.config.read_ahead * self.pages_per_shard
             stale = [self._unused.popitem(last=False)[1]() for _ in range(max(0, over))]
         for p in stale:
             if p is not None:
@@ -101,6 +83,15 @@ class Tier:
 
 
 _TIERS: dict[OffloadConfig, Tier] = {}
+
+
+@contextlib.contextmanager
+def main_waits() -> Iterator[None]:
+    """The caller waits for the ``OffloadOptimizer`` worker (closing it): no update waits for room to keep."""
+    with contextlib.ExitStack() as stack:
+        for tier in list(_TIERS.values()):
+            stack.enter_context(tier.keep.main_waits())
+        yield
 
 
 def tier_for(config: OffloadConfig) -> Tier:
@@ -194,9 +185,9 @@ class Page:
         with self.lock:
             self.pins = max(0, self.pins - 1)
 
-    def page_out(self, event: Any = None) -> None:
+    def page_out(self, event: Any = None, keep: bool = False) -> None:
         """Release a pin; when none is left, write the tensor back if it changed and give its memory back once
-        the write (and ``event``, a copy still reading it) is done."""
+        the write (and ``event``, a copy still reading it) is done; ``keep``: written back, kept in memory."""
         t = self.tensor
         if t is None:
             return
@@ -207,22 +198,24 @@ class Page:
                 if release is not None:
                     release()
                 return
-            self.evict_wanted = True
+            self.evict_wanted = not keep
             if self.clean != t._version:
                 self.clean = t._version
                 self.writes += 1
                 self.file.write(t, on_done=lambda err: self._written(err, release))
             elif release is not None:
                 release()
-        self.file.then(lambda: self._drop(event))
+        if not keep:
+            self.file.then(lambda: self._drop(event))
 
-    def give_back(self) -> None:
-        """Evict a tensor read ahead but not used (nothing to write: it equals its file)."""
+    def give_back(self, event: Any = None) -> None:
+        """Evict a tensor read ahead (or kept) but not used (nothing to write: it equals its file) once ``event``
+        (a copy still reading it) is done."""
         with self.lock:
             if self.pins or not self.resident:
                 return
             self.evict_wanted = True
-        self.file.then(lambda: self._drop(None))
+        self.file.then(lambda: self._drop(event))
 
     def _written(self, err: BaseException | None, release: Any) -> None:
         if release is not None:
@@ -312,6 +305,7 @@ class SsdShard:
                 if file is None:
                     file = self._state_files[(i, key)] = self.tier.store.new_file(f"{self.name}-state{i}-{key}")
                 self.state_pages[(i, key)] = Page(v, file, self.lock, self.tier, strong=False)
+        self.tier.pages_per_shard = max(self.tier.pages_per_shard, 1 + len(self.state_pages))
 
     def pages(self, state: bool) -> list[Page]:
         return [self.param, *self.state_pages.values()] if state else [self.param]
@@ -327,9 +321,10 @@ class SsdShard:
         for page in pages:
             page.page_in(pin)
 
-    def page_out(self, state: bool) -> None:
+    def page_out(self, state: bool, keep: bool = False) -> None:
+        """Write back what changed; evict it once written, except the parameter when ``keep``."""
         for page in self.pages(state):
-            page.page_out()
+            page.page_out(keep=keep and page is self.param)
 
     def leave(self) -> None:
         """The shard leaves the SSD tier (kept resident, e.g. on the GPU from now on); its files go with it."""
@@ -341,10 +336,33 @@ class SsdHostShard(HostShard):
     """A :class:`HostShard` whose fp32 shard is read from its file for each gather (no compute-dtype host copy:
     the file holds the fp32 shard, which the device casts)."""
 
-    def __init__(self, flat: torch.Tensor, ssd: SsdShard, pin: bool) -> None:
+    def __init__(self, flat: torch.Tensor, ssd: SsdShard, pin: bool, unit: Any = None) -> None:
         super().__init__(flat, flat.dtype, pin)
         self.ssd = ssd
         self._gathering = False
+        self._unit = weakref.ref(unit) if unit is not None else None  # the runtime Unit: is a backward gather due?
+
+    def wait_ready(self) -> None:
+        """As :meth:`HostShard.wait_ready`; while blocked, the worker steps on without waiting for room to keep."""
+        if self.ready.is_set():
+            super().wait_ready()
+            return
+        with self.ssd.tier.keep.main_waits(self):
+            super().wait_ready()
+
+    def before_step(self, in_backward: bool) -> None:
+        """Worker thread, before this shard's update: step at most ``read_ahead`` units ahead of the gathers
+        (the updated shards are kept for them). Not for updates in backward: their gathers come after it."""
+        if not in_backward:
+            self.ssd.tier.keep.wait_for_room(self.ssd)
+
+    def _regathered(self) -> bool:
+        """A forward gather whose unit backward gathers again (``reshard_after_forward``)."""
+        unit = self._unit() if self._unit is not None else None
+        rs = unit.root_state if unit is not None else None  # the forward's prefetch gathers a unit still IDLE
+        if unit is None or rs is None or rs.in_backward or not torch.is_grad_enabled():
+            return False
+        return bool(unit.reshard_after_forward) and not unit._keep_full_for_backward()
 
     def source_for_gather(self, flat: torch.Tensor) -> torch.Tensor:
         self.wait_ready()
@@ -355,6 +373,7 @@ class SsdHostShard(HostShard):
             if host is not None and host.ready.is_set() and nxt.flat.grad is None:
                 tier.read_ahead(nxt.param)
         self.ssd.param.page_in(pin=True)
+        tier.keep.gathered(self.ssd)
         self._gathering = True
         return flat.detach()
 
@@ -362,7 +381,12 @@ class SsdHostShard(HostShard):
         super().note_h2d(stream)
         if self._gathering:
             self._gathering = False
-            self.ssd.param.page_out(self.h2d_event)
+            if not self._regathered():
+                self.ssd.param.page_out(self.h2d_event)
+                return
+            self.ssd.param.page_out(keep=True)  # for backward's gather; the one gathered first goes beyond the bound
+            for shard, event in self.ssd.tier.keep.keep_for_backward(self.ssd, self.h2d_event):
+                shard.param.give_back(event)
 
     def reset_for_plain_optimizer(self) -> SsdHostShard:
         """What an ``OffloadOptimizer`` set on this host shard, undone (it closed; a plain optimizer steps now)."""
@@ -399,7 +423,7 @@ def prepare(handles: Iterable[FlatParamHandle]) -> None:
             own_storage(h.flat, torch.cuda.is_available())
 
 
-def attach(handles: Iterable[FlatParamHandle], config: OffloadConfig, unit_name: str) -> None:
+def attach(handles: Iterable[FlatParamHandle], config: OffloadConfig, unit_name: str, unit: Any = None) -> None:
     """Wrap time: move each CPU shard of ``handles`` into its file and give it its file-backed host shard."""
     tier = tier_for(config)
     _install_step_hooks()
@@ -409,7 +433,7 @@ def attach(handles: Iterable[FlatParamHandle], config: OffloadConfig, unit_name:
         name = f"{unit_name}-flat{i}".replace("/", "_").replace(" ", "")[:80]
         if not h.flat.untyped_storage().resizable():
             raise RuntimeError(f"the shards of {unit_name} need prepare() before their views are made")
-        h.host = SsdHostShard(h.flat, SsdShard(h, tier, name), pin=torch.cuda.is_available())
+        h.host = SsdHostShard(h.flat, SsdShard(h, tier, name), pin=torch.cuda.is_available(), unit=unit)
 
 
 def ssd_host(h: FlatParamHandle) -> SsdHostShard | None:
@@ -482,6 +506,7 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     _hook_state_dict(optimizer)
     for s in shards:
         s.adopt_state(optimizer.state)
+        s.tier.keep.gathered(s)  # in use now: no longer kept for a gather
     state = shards[0].tier.config.optimizer_state
     for s in shards:
         for nxt in s.tier.steps.use(s):
@@ -511,7 +536,10 @@ def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
     for s in shards:
         s.adopt_state(optimizer.state)  # state made by this (first) step
         s.steps += 1
-        s.page_out(state=s.tier.config.optimizer_state)
+        host = _host_of(s)
+        # An OffloadOptimizer update (ready cleared meanwhile): kept for this step's forward gather, if room.
+        keep = host is not None and not host.ready.is_set() and s.tier.keep.keep_for_gather(s)
+        s.page_out(state=s.tier.config.optimizer_state, keep=keep)
 
 
 def _page_in_state(optimizer: torch.optim.Optimizer) -> None:

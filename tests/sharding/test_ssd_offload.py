@@ -44,6 +44,8 @@ def _wrap(path: str | None, cfg: dict[str, Any]) -> FSDP:
     if cfg.get("orig"):
         kw["use_orig_params"] = True
     kw.update({k: cfg[k] for k in ("mixed_precision", "compute_dtype") if k in cfg})
+    if "reshard" in cfg:
+        kw["reshard_after_forward"] = cfg["reshard"]
     model = build(cfg)
     for i in range(len(model.blocks)):
         model.blocks[i] = FSDP(model.blocks[i], **kw)
@@ -55,14 +57,21 @@ def _flat_handles(model: FSDP) -> list[Any]:
 
 
 def _assert_on_disk(model: FSDP, path: str) -> None:
-    """Every shard is evicted (no storage) and its file lies in this rank's own directory under ``path``."""
+    """Every shard is evicted (no storage) or kept for the next forward's gather (``OffloadOptimizer``: at most
+    ``read_ahead``, equal to its file), and its file lies in this rank's own directory under ``path``."""
     mine = [d for d in os.listdir(path) if d.startswith(f"shardfuse-ssd-rank{dist.get_rank()}-pid{os.getpid()}-")]
     assert len(mine) == 1, os.listdir(path)
+    kept = 0
     for h in _flat_handles(model):
         host = ssd_host(h)
         assert host is not None
         host.ssd.param.file.then(lambda: None).wait()  # the write-behind and eviction queued on this file
-        assert h.flat.untyped_storage().nbytes() == 0, "a shard stayed in memory between steps"
+        if h.flat.untyped_storage().nbytes():
+            kept += 1
+            page = host.ssd.param
+            assert host.ssd in host.ssd.tier.keep.kept(), "a shard stayed in memory between steps"
+            assert page.clean == h.flat._version and not page.writes, "a kept shard differs from its file"
+        assert kept <= host.ssd.tier.config.read_ahead, f"{kept} shards kept in memory"
         assert os.path.dirname(host.ssd.param.file.path) == os.path.join(path, mine[0])
         assert os.path.getsize(host.ssd.param.file.path) == h.flat.numel() * h.flat.element_size()
 
