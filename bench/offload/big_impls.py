@@ -15,6 +15,9 @@ them. Every implementation sees the same model shape, the same seeded weights an
   ``OffloadConfig(offload_type="ssd_offload")``; ``BIG_SSD_OPTIM_STATE=0`` keeps the optimizer state in host
   memory, ``BIG_SSD_RESHARD=1`` regathers (re-reads) the parameters for backward instead of keeping the bf16
   full parameters on the GPU from forward to backward (the default here: it saves a read of every shard);
+  ``BIG_SSD_DIRECT=0`` uses buffered file I/O instead of ``OffloadConfig(direct_io=True)`` (``O_DIRECT``, the
+  default here: reads come from the disk, not the page cache); the row's ``ssd_io_mode`` is the mode the store
+  actually used (``direct``, or buffered and why where the file system refuses ``O_DIRECT``);
 * ``fairscale``: FairScale 0.4.13's FSDP with the same flags (its parameters must be on the CPU at wrap time);
 * ``fsdp2``: ``fully_shard`` per block + root, ``CPUOffloadPolicy(pin_memory=True)``, bf16 params / fp32 reduce,
   fused CPU AdamW;
@@ -281,7 +284,28 @@ def ssd_settings() -> dict[str, Any]:
     """``shardfuse-ssd``'s directory and choices, from the environment (see the module docstring)."""
     return {"ssd_dir": os.environ.get("BIG_SSD_DIR", SSD_DIR),
             "ssd_optimizer_state": os.environ.get("BIG_SSD_OPTIM_STATE", "1") != "0",
-            "reshard_after_forward": os.environ.get("BIG_SSD_RESHARD", "0") == "1"}  # fmt: skip
+            "reshard_after_forward": os.environ.get("BIG_SSD_RESHARD", "0") == "1",
+            "ssd_direct_io": os.environ.get("BIG_SSD_DIRECT", "1") != "0"}  # fmt: skip
+
+
+def _offload_config_fields() -> set[str]:
+    import dataclasses
+
+    import shardfuse
+
+    return {f.name for f in dataclasses.fields(shardfuse.OffloadConfig)}
+
+
+def ssd_io_mode(directory: str) -> str:
+    """How the SSD store under ``directory`` reads and writes its files (``direct``, ``buffered``, or buffered
+    because the file system refused ``O_DIRECT``, and why); ``buffered`` in a shardfuse without ``direct_io``."""
+    try:
+        from shardfuse.sharding._ssd_store import io_modes
+    except ImportError:
+        return "buffered"
+    root = os.path.abspath(directory)
+    modes = [m for d, m in io_modes().items() if os.path.abspath(os.path.dirname(d)) == root]
+    return " / ".join(sorted(set(modes))) or "unknown"
 
 
 def _wrap_shardfuse(model: nn.Module, device: torch.device, ssd: dict[str, Any] | None = None,
@@ -294,8 +318,9 @@ def _wrap_shardfuse(model: nn.Module, device: torch.device, ssd: dict[str, Any] 
         kwargs["reshard_after_forward"] = False
     if ssd is not None:
         os.makedirs(ssd["ssd_dir"], exist_ok=True)
+        direct = {"direct_io": ssd["ssd_direct_io"]} if "direct_io" in _offload_config_fields() else {}
         kwargs.update(reshard_after_forward=ssd["reshard_after_forward"], offload_config=shardfuse.OffloadConfig(
-            offload_type="ssd_offload", dir=ssd["ssd_dir"], optimizer_state=ssd["ssd_optimizer_state"]))
+            offload_type="ssd_offload", dir=ssd["ssd_dir"], optimizer_state=ssd["ssd_optimizer_state"], **direct))
     policy = shardfuse.ModuleClassWrapPolicy(frozenset({DecoderLayer}))
     with shardfuse.enable_wrap(wrapper_cls=shardfuse.FullyShardedDataParallel, **kwargs):
         model = shardfuse.auto_wrap(model, auto_wrap_policy=policy)
@@ -317,6 +342,8 @@ def make_shardfuse(job: Job, device: torch.device) -> Trainer:
     model = _wrap_shardfuse(build_model(job.cfg, device, job.seed), device, ssd, keep=job.impl.endswith("-keep"))
     opt: Any = fused_adamw(model.parameters(), job)
     info: dict[str, Any] = {"optimizer": "AdamW fused on cpu", "offload_optimizer": has_api, **(ssd or {})}
+    if ssd is not None:
+        info["ssd_io_mode"] = ssd_io_mode(ssd["ssd_dir"])
     if has_api:
         budget = job.budget_gib if job.impl.startswith("shardfuse-budget") else 0.0
         on_gpu = job.accumulate_on_gpu if job.accumulate_on_gpu is not None else job.cfg.accum > 1

@@ -54,7 +54,8 @@ class Tier:
 
     def __init__(self, config: OffloadConfig) -> None:
         self.config = config
-        self.store: SsdStore = store_for(config.directory or "", config.io_threads, config.chunk_mb)
+        self.store: SsdStore = store_for(config.directory or "", config.io_threads, config.chunk_mb,
+                                               config.direct_io)
         self.gathers = OrderLearner(config.read_ahead)
         self.keep = Keep(config.read_ahead)  # shards kept in memory between two uses in one step (_ssd_keep.py)
         self.steps = OrderLearner(config.read_ahead)

@@ -37,6 +37,12 @@ class OffloadConfig:
         io_threads: threads reading and writing the files.
         chunk_mb: size of one read or write call (MiB); a unit's file is read and written in such chunks in
             parallel.
+        direct_io: open the files with ``os.O_DIRECT`` (Linux), so reads come from the disk and not from the
+            page cache (an honest measure of what the disk allows; no cache memory spent on the shards). Each file
+            then holds its tensor padded to a multiple of 4096 bytes; memory that is not 4096-aligned (pinned
+            memory is) and a tensor's last partial block are moved through a page-aligned bounce buffer per I/O
+            thread (up to ``chunk_mb`` each). Where the file system refuses ``O_DIRECT`` (tmpfs on older kernels,
+            some network file systems) the files use buffered I/O, with one warning naming the directory.
     """
 
     offload_type: str | None = None
@@ -46,6 +52,7 @@ class OffloadConfig:
     read_ahead: int = 2
     io_threads: int = 4
     chunk_mb: int = 64
+    direct_io: bool = False
 
     def __post_init__(self) -> None:
         if self.offload_type is not None and self.offload_type not in OFFLOAD_TYPES:
@@ -58,6 +65,8 @@ class OffloadConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"OffloadConfig({name}={value!r}) must be an int >= {low}")
+        if not isinstance(self.direct_io, bool):
+            raise ValueError(f"OffloadConfig(direct_io={self.direct_io!r}) must be a bool")
         if self.offload_type == SSD_OFFLOAD and self.directory is None:
             raise ValueError(f"OffloadConfig(offload_type={SSD_OFFLOAD!r}) needs dir=<an existing directory on an "
                              f"SSD> (FairScale 0.4.3: ssd_filepath_dir=)")

@@ -5,7 +5,9 @@ first file, one :class:`TensorFile` per tensor (a flat shard, one optimizer stat
 ``io_threads`` threads. A transfer is cut into ``chunk_mb`` pieces read or written in parallel with
 ``os.preadv``/``os.pwrite`` (they release the GIL); the operations on one file run in the order they were
 queued (a read queued after a write reads what was written). An error names the file, and is re-raised by
-whoever waits for the operation. A file is deleted when its :class:`TensorFile` is collected (the model freed)
+whoever waits for the operation. With ``direct_io`` the files bypass the page cache (``O_DIRECT``, the rules in
+``_ssd_direct.py``) where the file system takes it, else the store falls back to buffered I/O (``io_mode`` says
+which is in use). A file is deleted when its :class:`TensorFile` is collected (the model freed)
 or at interpreter exit; the directory when its last file is gone. Files of a process killed by a signal stay.
 """
 
@@ -22,6 +24,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from shardfuse.sharding._ssd_direct import O_DIRECT, Bounce, read_direct, refusal, write_direct
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +106,9 @@ class TensorFile:
     def __init__(self, store: SsdStore, path: str) -> None:
         self.store = store
         self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        self.direct = store.direct
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        self.fd = os.open(path, flags | (O_DIRECT if self.direct else 0), 0o600)
         self._last: IOOp | None = None
         self._lock = threading.Lock()
         weakref.finalize(self, store.forget, self.fd, path)
@@ -126,13 +132,14 @@ class TensorFile:
     def _queue(self, buf: memoryview, write: bool, on_done: Callable[[BaseException | None], None] | None) -> IOOp:
         chunk = self.store.chunk_bytes
         starts = list(range(0, len(buf), chunk))
+        base = ctypes.addressof(ctypes.c_ubyte.from_buffer(buf)) if starts and self.direct else 0
         with self._lock:
             prev, op = self._last, IOOp(len(starts), on_done)
             self._last = op
         for start in starts:
             piece = buf[start:start + chunk]
-            io = (lambda p=piece, s=start: self._write_at(p, s)) if write else (
-                lambda p=piece, s=start: self._read_at(p, s))
+            io = (lambda p=piece, s=start: self._write_at(p, s, base + s)) if write else (
+                lambda p=piece, s=start: self._read_at(p, s, base + s))
             self.store.pool.submit(self._job, prev, op, io)
         return op
 
@@ -146,36 +153,60 @@ class TensorFile:
             err = e
         op.chunk_done(err)
 
-    def _write_at(self, piece: memoryview, offset: int) -> None:
+    def _write_all(self, view: memoryview, offset: int) -> None:
         done = 0
         try:
-            while done < len(piece):
-                done += _pwrite(self.fd, piece[done:], offset + done)
-            self.store.count(written=done)
+            while done < len(view):
+                done += _pwrite(self.fd, view[done:], offset + done)
+        except OSError as err:
+            raise OSError(err.errno, f"{err.strerror} after {done} bytes") from err
+
+    def _read_all(self, view: memoryview, offset: int, need: int) -> None:
+        done = 0
+        while done < len(view):
+            got = _preadv(self.fd, [view[done:]], offset + done)
+            if got == 0:
+                if done >= need:
+                    return
+                raise OSError(5, f"the file ends at {offset + done} bytes")
+            done += got
+
+    def _write_at(self, piece: memoryview, offset: int, address: int) -> None:
+        try:
+            if self.direct:
+                write_direct(piece, offset, address, self.store.bounce, self._write_all)
+            else:
+                self._write_all(piece, offset)
+            self.store.count(written=len(piece))
         except OSError as err:
             raise OSError(err.errno, f"SSD offload: writing {len(piece)} bytes at offset {offset} of {self.path} "
-                          f"failed after {done} bytes ({err.strerror}); the file is incomplete: free space "
-                          f"under {self.store.root} or pass another OffloadConfig(dir=...)") from err
+                          f"failed ({err.strerror}); the file is incomplete: free space under {self.store.root} "
+                          f"or pass another OffloadConfig(dir=...)") from err
 
-    def _read_at(self, piece: memoryview, offset: int) -> None:
-        done = 0
+    def _read_at(self, piece: memoryview, offset: int, address: int) -> None:
         try:
-            while done < len(piece):
-                got = _preadv(self.fd, [piece[done:]], offset + done)
-                if got == 0:
-                    raise OSError(5, f"the file ends at {offset + done} bytes")
-                done += got
-            self.store.count(read=done)
+            if self.direct:
+                read_direct(piece, offset, address, self.store.bounce, self._read_all)
+            else:
+                self._read_all(piece, offset, len(piece))
+            self.store.count(read=len(piece))
         except OSError as err:
             raise OSError(err.errno, f"SSD offload: reading {len(piece)} bytes at offset {offset} of {self.path} "
                           f"failed ({err.strerror}): was the file removed or truncated?") from err
 
 
 class SsdStore:
-    """The per-process directory under ``root``, its files and the I/O threads."""
+    """The per-process directory under ``root``, its files and the I/O threads.
 
-    def __init__(self, root: str, threads: int, chunk_mb: int, rank: int) -> None:
+    ``io_mode``: ``"buffered"``, ``"direct"`` (``O_DIRECT``), or with ``direct_io`` on a file system that refuses
+    it ``"buffered (O_DIRECT refused: <why>)"``; decided when the first file is made (``"direct"`` until then)."""
+
+    def __init__(self, root: str, threads: int, chunk_mb: int, rank: int, direct_io: bool = False) -> None:
         self.root = root
+        self.direct_io = direct_io  # asked for; ``direct`` says whether it is in use
+        self.io_mode = "direct" if direct_io else "buffered"
+        self._probed = not direct_io
+        self.bounce = Bounce()  # each I/O thread's aligned buffer (direct I/O of unaligned memory, partial blocks)
         self.dir = os.path.join(root, f"shardfuse-ssd-rank{rank}-pid{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.chunk_bytes = chunk_mb * MIB
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="shardfuse-ssd-io")
@@ -196,6 +227,8 @@ class SsdStore:
     def new_file(self, name: str) -> TensorFile:
         with self._lock:
             os.makedirs(self.dir, exist_ok=True)
+            if not self._probed:
+                self._probe()
             self._serial += 1
             self._count += 1
             path = os.path.join(self.dir, f"{self._serial:05d}-{name}.bin")
@@ -205,6 +238,20 @@ class SsdStore:
             self.forget(-1, path)
             raise OSError(err.errno, f"SSD offload: cannot create {path} ({err.strerror}): pass a writable "
                           f"OffloadConfig(dir=...)") from err
+
+    @property
+    def direct(self) -> bool:
+        """Files are (to be) opened with ``O_DIRECT``."""
+        return self.io_mode == "direct"
+
+    def _probe(self) -> None:
+        """(lock held, first file) Whether the directory takes ``O_DIRECT``; else fall back, warning once."""
+        self._probed = True
+        why = refusal(self.dir)
+        if why is not None:
+            self.io_mode = f"buffered (O_DIRECT refused: {why})"
+            logger.warning("SSD offload: OffloadConfig(direct_io=True) but %s under %s: the files in %s use "
+                           "buffered I/O (reads may come from the page cache)", why, self.root, self.dir)
 
     def forget(self, fd: int, path: str) -> None:
         """A file's last user is gone: close and delete it (and the directory after its last file)."""
@@ -234,19 +281,19 @@ class SsdStore:
         return release
 
 
-_STORES: dict[tuple[str, int, int], SsdStore] = {}
+_STORES: dict[tuple[str, int, int, bool], SsdStore] = {}
 _STORES_LOCK = threading.Lock()
 
 
-def store_for(root: str, threads: int, chunk_mb: int) -> SsdStore:
+def store_for(root: str, threads: int, chunk_mb: int, direct_io: bool = False) -> SsdStore:
     """The process's store under ``root`` (one per directory and I/O settings)."""
     rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() \
         else 0
-    key = (root, threads, chunk_mb)
+    key = (root, threads, chunk_mb, direct_io)
     with _STORES_LOCK:
         store = _STORES.get(key)
         if store is None:
-            store = _STORES[key] = SsdStore(root, threads, chunk_mb, rank)
+            store = _STORES[key] = SsdStore(root, threads, chunk_mb, rank, direct_io)
         return store
 
 
@@ -255,3 +302,9 @@ def io_bytes() -> tuple[int, int]:
     with _STORES_LOCK:
         stores = list(_STORES.values())
     return sum(s.bytes_read for s in stores), sum(s.bytes_written for s in stores)
+
+
+def io_modes() -> dict[str, str]:
+    """Each store's directory and its ``io_mode`` (``"direct"``, ``"buffered"``, or the fallback and why)."""
+    with _STORES_LOCK:
+        return {s.dir: s.io_mode for s in _STORES.values()}

@@ -167,3 +167,43 @@ def test_ssd_row_takes_the_disk_floor(tmp_path) -> None:
     assert rows[0]["floor_ms"] == 1000.0 and "disk_floor_ms" not in rows[0]
     assert rows[1]["floor_ms"] == rows[1]["disk_floor_ms"] == pytest.approx(disk.floor_ms(n, slow, True))
     assert rows[1]["vs_floor"] == pytest.approx(200_000.0 / rows[1]["floor_ms"])
+
+
+def test_ssd_settings_direct_io_and_the_mode_recorded(tmp_path, monkeypatch) -> None:
+    """``BIG_SSD_DIRECT`` (default 1) reaches ``OffloadConfig(direct_io=)``; the row records the mode the store
+    actually used (``direct`` on a file system that takes O_DIRECT, else buffered and why)."""
+    from bench.offload import big_impls
+    from shardfuse.sharding import _ssd_direct, _ssd_store
+
+    monkeypatch.delenv("BIG_SSD_DIRECT", raising=False)
+    assert big_impls.ssd_settings()["ssd_direct_io"] is True
+    monkeypatch.setenv("BIG_SSD_DIRECT", "0")
+    assert big_impls.ssd_settings()["ssd_direct_io"] is False
+    seen: dict[str, Any] = {}
+
+    def config(**kw: Any) -> None:
+        seen.update(kw)
+        raise KeyboardInterrupt  # stop before wrapping (no process group here)
+
+    fields = big_impls._offload_config_fields()
+    assert "direct_io" in fields
+    monkeypatch.setattr(big_impls, "_offload_config_fields", lambda: fields)
+    monkeypatch.setattr(shardfuse, "OffloadConfig", config)
+    with pytest.raises(KeyboardInterrupt):
+        big_impls._wrap_shardfuse(torch.nn.Linear(8, 8), torch.device("cpu"), {
+            "ssd_dir": str(tmp_path), "ssd_optimizer_state": True, "reshard_after_forward": False,
+            "ssd_direct_io": True})
+    assert seen["direct_io"] is True
+    monkeypatch.undo()
+    for direct in (True, False):
+        where = tmp_path / str(direct)
+        where.mkdir()
+        store = _ssd_store.store_for(str(where), 1, 1, direct)
+        f = store.new_file("probe")  # the first file settles the mode
+        if not direct:
+            assert big_impls.ssd_io_mode(str(where)) == "buffered"
+        elif _ssd_direct.refusal(str(tmp_path)) is None:
+            assert big_impls.ssd_io_mode(str(where)) == "direct"
+        else:
+            assert big_impls.ssd_io_mode(str(where)).startswith("buffered (O_DIRECT refused")
+        del f

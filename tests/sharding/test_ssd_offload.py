@@ -34,7 +34,7 @@ STEPS = 3
 
 def _ssd_kwargs(path: str, cfg: dict[str, Any]) -> dict[str, Any]:
     oc = OffloadConfig(offload_type="ssd_offload", dir=path, optimizer_state=cfg.get("state", False),
-                       read_ahead=cfg.get("read_ahead", 2))
+                       read_ahead=cfg.get("read_ahead", 2), direct_io=cfg.get("direct", False))
     return {"offload_config": oc}
 
 
@@ -73,7 +73,9 @@ def _assert_on_disk(model: FSDP, path: str) -> None:
             assert page.clean == h.flat._version and not page.writes, "a kept shard differs from its file"
         assert kept <= host.ssd.tier.config.read_ahead, f"{kept} shards kept in memory"
         assert os.path.dirname(host.ssd.param.file.path) == os.path.join(path, mine[0])
-        assert os.path.getsize(host.ssd.param.file.path) == h.flat.numel() * h.flat.element_size()
+        nbytes = h.flat.numel() * h.flat.element_size()
+        direct = host.ssd.param.file.direct  # O_DIRECT: the file is padded to whole 4096-byte blocks
+        assert os.path.getsize(host.ssd.param.file.path) == (-(-nbytes // 4096) * 4096 if direct else nbytes)
 
 
 def _train(path: str | None, cfg: dict[str, Any], steps: int = STEPS, start: int = 0,
@@ -120,6 +122,11 @@ def _assert_same_optim(osd: dict[str, Any], ref: dict[str, Any]) -> None:
 
 def check_same_as_plain(path: str, cfg: dict[str, Any]) -> bool:
     model, opt, losses = _train(path, cfg)
+    store = ssd_host(_flat_handles(model)[0]).ssd.tier.store  # type: ignore[union-attr]
+    if cfg.get("direct"):  # O_DIRECT, or (a file system that refuses it) the fallback, and why
+        assert store.io_mode == "direct" or store.io_mode.startswith("buffered (O_DIRECT refused"), store.io_mode
+    else:
+        assert store.io_mode == "buffered", store.io_mode
     if isinstance(opt, OffloadOptimizer):
         opt.synchronize()
         _assert_on_disk(model, path)
@@ -152,6 +159,8 @@ CASES = {
     "no-sync-accumulation": dict(overlapped=True, state=True, micro=3, no_sync=True, clip=0.05),
     "synced-accumulation": dict(state=True, micro=2, optim="sgd"),
     "read-ahead-1-orig-params": dict(overlapped=True, state=True, read_ahead=1, orig=True),
+    "direct-io-offload-optimizer-state-clip": dict(overlapped=True, state=True, clip=0.05, direct=True),
+    "direct-io-plain-optimizer-reshard": dict(state=True, reshard=True, direct=True),
 }
 
 
