@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardfuse.sharding import FullyShardedDataParallel as FSDP
+from tests._gpu import on_device
 
 pytestmark = pytest.mark.multigpu
 
@@ -27,22 +28,8 @@ def _models_on_gpu() -> Iterator[None]:
     import tests.sharding._models as m
     import tests.sharding.test_fsdp_parity as tp
 
-    dev = torch.device("cuda", torch.cuda.current_device())
-    orig_build, orig_batch = m.build, m.batch
-
-    def build_on_gpu(c: dict[str, Any]) -> nn.Module:
-        return orig_build(c).to(dev)
-
-    def batch_on_gpu(*a: Any, **k: Any) -> tuple[torch.Tensor, ...]:
-        return tuple(t.to(dev) for t in orig_batch(*a, **k))
-
-    m.build, m.batch = build_on_gpu, batch_on_gpu
-    tp.build, tp.batch = build_on_gpu, batch_on_gpu
-    try:
+    with on_device(m, tp):
         yield
-    finally:
-        m.build, m.batch = orig_build, orig_batch
-        tp.build, tp.batch = orig_build, orig_batch
 
 
 def check_nccl_parity(cfg: dict[str, Any], tol: tuple[float, float] | None) -> bool:

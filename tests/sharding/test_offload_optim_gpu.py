@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests._gpu import on_device
 from tests.dist_pool import DistPool
 
 pytestmark = pytest.mark.gpu
@@ -31,14 +32,8 @@ def _on_gpu() -> Iterator[None]:
     """The CPU test's models and batches on this rank's GPU (wrapped with move_params_to_cpu=True there)."""
     import tests.sharding.test_offload_optim as t
 
-    dev = torch.device("cuda", torch.cuda.current_device())
-    orig_build, orig_batch = t.build, t.batch
-    t.build = lambda c: orig_build(c).to(dev)
-    t.batch = lambda *a, **k: tuple(x.to(dev) for x in orig_batch(*a, **k))
-    try:
+    with on_device(t):
         yield
-    finally:
-        t.build, t.batch = orig_build, orig_batch
 
 
 def check_same_as_plain_gpu(cfg: dict[str, Any]) -> bool:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests._gpu import on_device
 from tests.dist_pool import DistPool
 
 pytestmark = pytest.mark.gpu
@@ -29,13 +30,8 @@ def pool():
 def _batches_on_gpu() -> Iterator[None]:
     import tests.sharding.test_ssd_offload as t
 
-    dev = torch.device("cuda", torch.cuda.current_device())
-    orig = t.batch
-    t.batch = lambda *a, **k: tuple(x.to(dev) for x in orig(*a, **k))
-    try:
+    with on_device(t, models=False):
         yield
-    finally:
-        t.batch = orig
 
 
 def check_gpu(path: str, cfg: dict[str, Any]) -> bool:
