@@ -437,13 +437,23 @@ class OffloadVariant:
     estimated_traffic: bool = False  # the GB/s are estimated from the parameter traffic, not counted
     error: str | None = None
     skipped: str | None = None
+    # the PCIe floor (bench/offload/floor.py; shardfuse variants of files written since it exists)
+    floor_ms: float | None = None
+    vs_floor: float | None = None
+    floor_bound: str | None = None  # "h2d", "d2h" or "compute"
+    phase_floor_ms: float | None = None
+    vs_phase_floor: float | None = None
+    floor_h2d_gb: float | None = None
+    floor_d2h_gb: float | None = None
 
     @classmethod
     def parse(cls, v: dict[str, Any]) -> OffloadVariant:
+        floats = ("step_ms", "peak_gib", "vs_plain", "h2d_gbps", "d2h_gbps", "floor_ms", "vs_floor", "phase_floor_ms",
+                  "vs_phase_floor", "floor_h2d_gb", "floor_d2h_gb")  # fmt: skip
         return cls(
-            **{k: num(v.get(k)) for k in ("step_ms", "peak_gib", "vs_plain", "h2d_gbps", "d2h_gbps")},
+            **{k: num(v.get(k)) for k in floats},
             estimated_traffic=v.get("traffic") == "estimated", error=_text(v.get("error")),
-            skipped=_text(v.get("skipped")) if "skipped" in v else None,
+            skipped=_text(v.get("skipped")) if "skipped" in v else None, floor_bound=_text(v.get("floor_bound")),
         )  # fmt: skip
 
 
@@ -480,13 +490,18 @@ class OffloadConfig:
     warmup: int | None = None
     params_m: float | None = None
     model_gib: float | None = None
+    link_h2d_gbps: float | None = None  # pinned copy bandwidth measured in the same job (``link``)
+    link_d2h_gbps: float | None = None
+    link_duplex_gbps: float | None = None
 
     @classmethod
     def parse(cls, v: Any) -> OffloadConfig:
         c = _obj(v)
+        link = _obj(c.get("link"))
         ints = ("layers", "width", "batch", "slices", "microbatches", "steps", "warmup")
         return cls(bool(c), **{k: _int(c.get(k)) for k in ints}, params_m=num(c.get("params_m")),
-                   model_gib=num(c.get("model_gib")))  # fmt: skip
+                   model_gib=num(c.get("model_gib")), link_h2d_gbps=num(link.get("h2d_gbps")),
+                   link_d2h_gbps=num(link.get("d2h_gbps")), link_duplex_gbps=num(link.get("duplex_gbps")))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -593,12 +608,13 @@ class OffloadBigHardware:
     opt_threads: int | None = None
     opt_impl: str | None = None
     gpu_total_gib: float | None = None
+    host_copy_gbps: float | None = None  # host memory bandwidth (torch copy, read + write)
 
     @classmethod
     def parse(cls, v: Any) -> OffloadBigHardware:
         h = _obj(v)
         keys = ("h2d_gbps", "d2h_gbps", "bw_bytes", "opt_s", "opt_params_measured", "opt_s_per_param",
-                "gpu_total_gib")  # fmt: skip
+                "gpu_total_gib", "host_copy_gbps")  # fmt: skip
         return cls(status=_text(h.get("status")), **{k: num(h.get(k)) for k in keys},
                    opt_threads=_int(h.get("opt_threads")), opt_impl=_text(h.get("opt_impl")))  # fmt: skip
 

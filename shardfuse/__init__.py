@@ -10,6 +10,7 @@ from shardfuse.offload import OffloadModel, checkpoint_wrapper, disable_checkpoi
 from shardfuse.sharding import (
     FullyShardedDataParallel,
     ModuleClassWrapPolicy,
+    OffloadConfig,
     OffloadOptimizer,
     ShardingStrategy,
     TrainingState,
@@ -31,6 +32,7 @@ __all__ = [
     "CapturedStep",
     "FullyShardedDataParallel",
     "ModuleClassWrapPolicy",
+    "OffloadConfig",
     "OffloadModel",
     "OffloadOptimizer",
     "ShardingStrategy",

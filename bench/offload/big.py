@@ -20,6 +20,13 @@ The floor of a configuration is max(GPU compute, PCIe, CPU optimizer): PCIe = th
 (bf16 parameters) host->device and 4 bytes/parameter (fp32 gradients) device->host, once per optimizer step,
 the two directions overlapped; CPU optimizer = the measured fused-AdamW seconds per parameter x parameters.
 
+``shardfuse-ssd`` (shards and AdamW state in files under ``$BIG_SSD_DIR``, see ``big_impls``): before the runs the
+driver measures the sequential write and read bandwidth of that disk (``bench/offload/disk.py``, a
+``$BIG_SSD_PROBE_GIB`` GiB file, default 4, O_DIRECT where possible) and prints the floor it implies: every
+offloaded byte (4 B/param, +8 B/param of AdamW state on disk) read and written once per optimizer step. That
+row's ``floor_ms`` is the larger of the configuration's floor and this disk floor (``disk_floor_ms``); it also
+records the bytes the tier really read and wrote per step.
+
 Writes ``$OUT/offload_big.json`` (``--out``; ./out/offload_big.json without $OUT) after every measurement, and
 with ``--save`` ``bench/results/<gpu>/offload_big.json`` (under $BENCH_OUT when set). A table last.
 """
@@ -37,11 +44,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.offload.big_impls import CONFIGS, DEFAULT_CONFIGS, IMPLS, MODELS, VARIANTS, Job, unavailable_reason
+from bench.offload import disk
+from bench.offload.big_impls import (
+    CONFIGS,
+    DEFAULT_CONFIGS,
+    IMPLS,
+    MODELS,
+    VARIANTS,
+    Job,
+    ssd_settings,
+    unavailable_reason,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 GIB = 2**30
-DEFAULT_IMPLS = tuple(i for i in IMPLS if "-sib" not in i)  # the no-clipping variants: opt-in
+# Opt-in: the no-clipping variants, the other settings' variants, and the SSD tier (disk-bound: a configuration of
+# its own per 10-minute call).
+DEFAULT_IMPLS = tuple(i for i in IMPLS
+                      if "-sib" not in i and not i.endswith(("-keep", "-allcores")) and i != "shardfuse-ssd")
 FLOOR_BYTES = ("bf16 parameters host->device (2 B/param) and fp32 gradients device->host (4 B/param), once per "
                "optimizer step, the two directions overlapped")  # fmt: skip
 # Rough seconds for the time plan (one H100, 16 cores): per child start, setup per billion parameters, and per
@@ -54,6 +74,9 @@ ESTIMATE: dict[str, tuple[float, float, float, float]] = {
     "shardfuse-sib": (12, 5, 0.17, 0.2),
     "shardfuse-budget-sib": (12, 5, 0.1, 0.1),
     "shardfuse-sib-allcores": (12, 5, 0.17, 0.2),
+    "shardfuse-keep": (12, 5, 0.17, 0.2),
+    "shardfuse-sib-keep": (12, 5, 0.17, 0.2),
+    "shardfuse-ssd": (12, 8, 8.0, 4.0),  # disk-bound: ~2 GB/s each way assumed
     "fairscale": (12, 8, 0.17, 0.2),
     "fsdp2": (12, 6, 0.2, 0.22),
     "deepspeed-zero2": (70, 10, 0.25, 0.32),  # the first one compiles DeepSpeedCPUAdam (~50 s)
@@ -235,17 +258,24 @@ def make_row(config: str, impl: str, job: Job, result: dict[str, Any]) -> dict[s
         row.setdefault(k, v)
     if row["step_ms"]:
         row["tokens_per_s"] = cfg.tokens_per_step / (row["step_ms"] / 1e3)
+    if row["host_rss_gib"]:  # issue 20: host bytes per parameter (the fp32 optimizer's minimum is 16)
+        row["host_bytes_per_param"] = row["host_rss_gib"] * GIB / row["params"]
     return row
 
 
-def add_ratios(rows: list[dict[str, Any]], floor: dict[str, Any]) -> None:
-    """floor_ms, vs_floor and vs_resident on the rows of ``floor``'s configuration."""
+def add_ratios(rows: list[dict[str, Any]], floor: dict[str, Any], disk_bw: dict[str, Any] | None = None) -> None:
+    """floor_ms, vs_floor and vs_resident on the rows of ``floor``'s configuration (``shardfuse-ssd``: the larger of
+    that floor and the floor of the disk measured in ``disk_bw``)."""
     mine = [r for r in rows if r["config"] == floor["config"]]
     resident = next((r["step_ms"] for r in mine if r["impl"] == "resident" and r["step_ms"]), None)
     for r in mine:
         r["floor_ms"] = floor["floor_ms"]
-        if r["step_ms"] and floor["floor_ms"]:
-            r["vs_floor"] = r["step_ms"] / floor["floor_ms"]
+        if r["impl"] == "shardfuse-ssd" and disk_bw and disk_bw.get("read_gbps"):
+            state = bool(r.get("ssd_optimizer_state", ssd_settings()["ssd_optimizer_state"]))
+            r["disk_floor_ms"] = disk.floor_ms(r["params"], disk_bw, state)
+            r["floor_ms"] = max(r["disk_floor_ms"], floor["floor_ms"] or 0.0)
+        if r["step_ms"] and r["floor_ms"]:
+            r["vs_floor"] = r["step_ms"] / r["floor_ms"]
         if r["step_ms"] and resident:
             r["vs_resident"] = r["step_ms"] / resident
 
@@ -283,12 +313,17 @@ def print_row(r: dict[str, Any]) -> None:
         vs += f", {r['vs_resident']:.2f}x resident" if r.get("vs_resident") else ""
         print(
             f"   {r['step_ms']:.0f} ms/step ({r['step_ms_min']:.0f}-{r['step_ms_max']:.0f}){vs}, GPU peak "
-            f"{r['gpu_peak_gib'] or 0:.1f} GiB, host RSS {r['host_rss_gib'] or 0:.1f} GiB",
+            f"{r['gpu_peak_gib'] or 0:.1f} GiB, host RSS {r['host_rss_gib'] or 0:.1f} GiB "
+            f"({r.get('host_bytes_per_param') or 0:.1f} B/param)",
             flush=True,
         )
         if r.get("host_busy_ms") is not None:
             print(f"   host optimizer busy {r['host_busy_ms']:.0f} ms/step on {r['host_threads']:.0f} threads, callers "
                   f"waited {r['host_wait_ms']:.0f} ms/step for it", flush=True)
+        if r.get("disk_floor_ms"):
+            print(f"   SSD tier: read {r.get('ssd_read_gb_per_step') or 0:.1f} GB and wrote "
+                  f"{r.get('ssd_written_gb_per_step') or 0:.1f} GB per step; disk floor {r['disk_floor_ms']:.0f} ms, "
+                  f"{r['step_ms'] / r['disk_floor_ms']:.2f}x it", flush=True)
     else:
         extra = f" (forward+backward {r['fwd_bwd_ms']:.0f} ms)" if r.get("fwd_bwd_ms") else ""
         print(f"   {r['status']}: {r.get('reason', '')}{extra}", flush=True)
@@ -303,7 +338,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
           f"{'floor':>6} {'x floor':>7} {'x resid':>7} {'GPU GiB':>7} {'host GiB':>8}")  # fmt: skip
     for r in rows:
         variant = r.get("variant")
-        sib = "+sib+all" if "all cores" in str(variant) else "+sib"
+        sib = "+sib" if "step-in-backward" in str(variant) else ""
+        sib += "+all" if "all cores" in str(variant) else "+keep" if "reshard_after" in str(variant) else ""
         name = r["impl"] + {"host-accum": "+ha", None: ""}.get(variant, sib)
         if not r["step_ms"]:
             print(f"{r['config']:<9} {name:<17} {r['tokens_per_step']:>8} {r['status']}: {r.get('reason', '')[:70]}")
@@ -317,7 +353,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{fmt_key(r, 'host_rss_gib', '8.1f'):>8}"
         )
     print("(+ha: accumulate_on_gpu=False; +sib: step_in_backward=True, no clipping; +all: host_threads = every "
-          "core; x floor / x resident: step time "
+          "core; +keep: reshard_after_forward=False; x floor / x resident: step time "
           "over the floor / resident step)")
 
 
@@ -359,8 +395,27 @@ def resident_extra(config: str, hw: dict[str, Any]) -> dict[str, Any]:
     return {"compute_only": True} if total and 16 * n / GIB + 4 > total else {}
 
 
+def measure_disk(args: argparse.Namespace) -> dict[str, Any] | None:
+    """With ``shardfuse-ssd`` among the implementations: the disk under its directory, and the floors it sets."""
+    if "shardfuse-ssd" not in args.impl_list:
+        return None
+    where = ssd_settings()["ssd_dir"]
+    gib = float(os.environ.get("BIG_SSD_PROBE_GIB", "4"))
+    bw = disk.measure(where, gib)
+    print(f"== disk under {where}: sequential write {bw['write_gbps']:.2f} GB/s, read {bw['read_gbps']:.2f} GB/s "
+          f"({bw['probe_bytes'] / GIB:.1f} GiB file, {bw['method']})")
+    for c in args.config_list:
+        n = MODELS[CONFIGS[c].model].num_params()
+        for state in (True, False):
+            per = disk.bytes_per_param(state)
+            print(f"   {c}: disk floor {disk.floor_ms(n, bw, state) / 1e3:.2f} s per optimizer step ({per} B/param "
+                  f"read and written once: fp32 shards{' + AdamW state' if state else ''})", flush=True)
+    return bw
+
+
 def run_all(args: argparse.Namespace, payload: dict[str, Any], hw: dict[str, Any]) -> None:
     rows: list[dict[str, Any]] = payload["results"]
+    disk_bw = payload.get("disk")
     for config, impl in plan(args):
         job = Job(impl=impl, config=config, steps=args.steps, warmup=args.warmup, lr=args.lr, device=args.device,
                   budget_gib=args.budget_gib if impl.startswith("shardfuse-budget") else None,
@@ -378,7 +433,7 @@ def run_all(args: argparse.Namespace, payload: dict[str, Any], hw: dict[str, Any
             payload["floors"][config] = floor
             print_row(rows[-1])
             print_config_floor(floor)
-        add_ratios(rows, payload["floors"][config])
+        add_ratios(rows, payload["floors"][config], disk_bw)
         if impl != "resident":
             print_row(rows[-1])
         write(payload, args)
@@ -437,6 +492,7 @@ def main(argv: list[str] | None = None) -> None:
         "floors": {},
         "results": [],
     }  # fmt: skip
+    payload["disk"] = measure_disk(args)
     run_all(args, payload, hw)
     payload["wall_s"] = time.perf_counter() - t0
     paths = write(payload, args)

@@ -203,6 +203,14 @@ def timed_steps(trainer: Trainer, job: Job, device: torch.device, split: bool) -
     return out
 
 
+def _ssd_io_bytes() -> tuple[int, int] | None:
+    try:
+        from shardfuse.sharding._ssd_store import io_bytes
+    except ImportError:
+        return None
+    return io_bytes()
+
+
 def measure_impl(job: Job) -> dict[str, Any]:
     device = torch.device(job.device)
     if device.type == "cuda":
@@ -217,7 +225,13 @@ def measure_impl(job: Job) -> dict[str, Any]:
     if device.type == "cuda":
         out["gpu_peak_setup_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         torch.cuda.reset_peak_memory_stats(device)
+    io0 = _ssd_io_bytes() if job.impl == "shardfuse-ssd" else None
     out.update(timed_steps(trainer, job, device, split=job.impl == "resident"))
+    if io0 is not None:  # the SSD tier: bytes it read and wrote per optimizer step (warm-up steps included)
+        io1 = _ssd_io_bytes() or io0
+        count = job.warmup + job.steps
+        out.update(ssd_read_gb_per_step=(io1[0] - io0[0]) / count / 1e9,
+                   ssd_written_gb_per_step=(io1[1] - io0[1]) / count / 1e9)
     if trainer.info.get("compute_only"):
         out["status"] = "compute-only"
         out["reason"] = "fp32 weights, gradients and AdamW state do not fit on this GPU: forward+backward only"

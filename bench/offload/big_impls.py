@@ -10,6 +10,11 @@ them. Every implementation sees the same model shape, the same seeded weights an
   ``mixed_precision=True`` (bf16 compute, fp32 reduce), ``move_params_to_cpu=True``, torch's fused CPU AdamW,
   wrapped in ``shardfuse.OffloadOptimizer`` where it exists (``gpu_budget_gib=0`` for full offload, the
   budget for ``shardfuse-budget``; ``accumulate_on_gpu`` under accumulation unless told otherwise);
+* ``shardfuse-ssd``: as ``shardfuse`` (full offload through ``OffloadOptimizer``), with the fp32 shards and the
+  AdamW state in files under ``$BIG_SSD_DIR`` (default ``/tmp/shardfuse-ssd``), FairScale's
+  ``OffloadConfig(offload_type="ssd_offload")``; ``BIG_SSD_OPTIM_STATE=0`` keeps the optimizer state in host
+  memory, ``BIG_SSD_RESHARD=1`` regathers (re-reads) the parameters for backward instead of keeping the bf16
+  full parameters on the GPU from forward to backward (the default here: it saves a read of every shard);
 * ``fairscale``: FairScale 0.4.13's FSDP with the same flags (its parameters must be on the CPU at wrap time);
 * ``fsdp2``: ``fully_shard`` per block + root, ``CPUOffloadPolicy(pin_memory=True)``, bf16 params / fp32 reduce,
   fused CPU AdamW;
@@ -36,7 +41,7 @@ from torch import nn
 from examples.llama import DecoderLayer, Llama, LlamaConfig, next_token_loss
 
 IMPLS = ("resident", "shardfuse", "shardfuse-budget", "shardfuse-host-accum", "shardfuse-sib",
-         "shardfuse-budget-sib", "shardfuse-sib-allcores",
+         "shardfuse-budget-sib", "shardfuse-sib-allcores", "shardfuse-keep", "shardfuse-sib-keep", "shardfuse-ssd",
          "fairscale", "fsdp2", "deepspeed-zero2", "deepspeed-zero3")  # fmt: skip
 # Variants recorded as another implementation's row with a ``variant`` (internal name -> (row impl, variant)).
 # ``-sib``: OffloadOptimizer(step_in_backward=True), each unit's host update overlapping backward; it cannot clip
@@ -44,8 +49,13 @@ IMPLS = ("resident", "shardfuse", "shardfuse-budget", "shardfuse-host-accum", "s
 VARIANTS = {"shardfuse-host-accum": ("shardfuse", "host-accum"),
             "shardfuse-sib": ("shardfuse", "step-in-backward, no clipping"),
             "shardfuse-budget-sib": ("shardfuse-budget", "step-in-backward, no clipping"),
+            "shardfuse-keep": ("shardfuse", "reshard_after_forward=False"),
+            "shardfuse-sib-keep": ("shardfuse", "step-in-backward, no clipping, reshard_after_forward=False"),
             "shardfuse-sib-allcores": ("shardfuse",
                                        "step-in-backward, no clipping, host_threads=all cores")}  # fmt: skip
+# ``-keep``: wrapped with reshard_after_forward=False: the gathered bf16 parameters stay on the GPU from forward
+# to backward, so each offloaded shard crosses PCIe (and is read from host memory) once per step instead of twice,
+# for the full compute-dtype parameters on the GPU during the step.
 # ``-allcores``: OffloadOptimizer(host_threads=<every core>) instead of its default (the cores less one, left to
 # the thread launching GPU work): the measurement behind that default.
 # ``shardfuse-host-accum``: the shardfuse row of an accumulating configuration with ``accumulate_on_gpu=False``
@@ -124,7 +134,9 @@ def unavailable_reason(impl: str, device: str) -> str | None:
     module = {"fairscale": "fairscale", "deepspeed-zero2": "deepspeed", "deepspeed-zero3": "deepspeed",
               "shardfuse": "shardfuse", "shardfuse-budget": "shardfuse",
               "shardfuse-host-accum": "shardfuse", "shardfuse-sib": "shardfuse",
-              "shardfuse-budget-sib": "shardfuse", "shardfuse-sib-allcores": "shardfuse"}.get(impl)  # fmt: skip
+              "shardfuse-budget-sib": "shardfuse", "shardfuse-sib-allcores": "shardfuse",
+              "shardfuse-keep": "shardfuse", "shardfuse-sib-keep": "shardfuse",
+              "shardfuse-ssd": "shardfuse"}.get(impl)  # fmt: skip
     if module is not None and importlib.util.find_spec(module) is None:
         return f"not installed (no module named {module!r})"
     return None
@@ -262,11 +274,28 @@ def make_resident(job: Job, device: torch.device) -> Trainer:
                            {"optimizer": f"AdamW fused on {device.type}", "autocast": "bf16"})  # fmt: skip
 
 
-def _wrap_shardfuse(model: nn.Module, device: torch.device) -> nn.Module:
+SSD_DIR = "/tmp/shardfuse-ssd"
+
+
+def ssd_settings() -> dict[str, Any]:
+    """``shardfuse-ssd``'s directory and choices, from the environment (see the module docstring)."""
+    return {"ssd_dir": os.environ.get("BIG_SSD_DIR", SSD_DIR),
+            "ssd_optimizer_state": os.environ.get("BIG_SSD_OPTIM_STATE", "1") != "0",
+            "reshard_after_forward": os.environ.get("BIG_SSD_RESHARD", "0") == "1"}  # fmt: skip
+
+
+def _wrap_shardfuse(model: nn.Module, device: torch.device, ssd: dict[str, Any] | None = None,
+                    keep: bool = False) -> nn.Module:
     import shardfuse
 
     kwargs: dict[str, Any] = dict(mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True,
                                   move_params_to_cpu=True, compute_device=device)  # fmt: skip
+    if keep:
+        kwargs["reshard_after_forward"] = False
+    if ssd is not None:
+        os.makedirs(ssd["ssd_dir"], exist_ok=True)
+        kwargs.update(reshard_after_forward=ssd["reshard_after_forward"], offload_config=shardfuse.OffloadConfig(
+            offload_type="ssd_offload", dir=ssd["ssd_dir"], optimizer_state=ssd["ssd_optimizer_state"]))
     policy = shardfuse.ModuleClassWrapPolicy(frozenset({DecoderLayer}))
     with shardfuse.enable_wrap(wrapper_cls=shardfuse.FullyShardedDataParallel, **kwargs):
         model = shardfuse.auto_wrap(model, auto_wrap_policy=policy)
@@ -282,9 +311,12 @@ def make_shardfuse(job: Job, device: torch.device) -> Trainer:
     if job.impl != "shardfuse" and not has_api:
         raise Skip(f"shardfuse.OffloadOptimizer is not in this shardfuse ({job.impl} needs it)")
     sib = "-sib" in job.impl
-    model = _wrap_shardfuse(build_model(job.cfg, device, job.seed), device)
+    ssd = ssd_settings() if job.impl == "shardfuse-ssd" else None
+    if ssd is not None and not hasattr(shardfuse, "OffloadConfig"):
+        raise Skip("shardfuse.OffloadConfig (the SSD tier) is not in this shardfuse")
+    model = _wrap_shardfuse(build_model(job.cfg, device, job.seed), device, ssd, keep=job.impl.endswith("-keep"))
     opt: Any = fused_adamw(model.parameters(), job)
-    info: dict[str, Any] = {"optimizer": "AdamW fused on cpu", "offload_optimizer": has_api}
+    info: dict[str, Any] = {"optimizer": "AdamW fused on cpu", "offload_optimizer": has_api, **(ssd or {})}
     if has_api:
         budget = job.budget_gib if job.impl.startswith("shardfuse-budget") else 0.0
         on_gpu = job.accumulate_on_gpu if job.accumulate_on_gpu is not None else job.cfg.accum > 1
@@ -376,6 +408,9 @@ MAKERS: dict[str, Callable[[Job, torch.device], Trainer]] = {
     "shardfuse-sib": make_shardfuse,
     "shardfuse-budget-sib": make_shardfuse,
     "shardfuse-sib-allcores": make_shardfuse,
+    "shardfuse-keep": make_shardfuse,
+    "shardfuse-sib-keep": make_shardfuse,
+    "shardfuse-ssd": make_shardfuse,
     "fairscale": make_fairscale,
     "fsdp2": make_fsdp2,
     "deepspeed-zero2": make_deepspeed,

@@ -17,7 +17,12 @@ side in one process:
 
 Reported per variant: step time (mean of the timed steps after warm-up), host<->device GB/s (bytes moved
 per step / step time; measured by shardfuse's own counters, estimated from the parameter traffic for the
-others), peak GPU memory. Then a capped run: ``torch.cuda.set_per_process_memory_fraction`` limits the
+others), peak GPU memory, and for shardfuse's variants the PCIe floor: the pinned host<->device bandwidth is
+measured first (``bench.offload.floor.link_bandwidth``), and a variant's floor is max(the bytes its schedule must
+move host->device / H2D GB/s, the bytes device->host / D2H GB/s, the resident step time: ``plain``, or
+``plain_bf16_autocast`` for a bf16 variant); ``floor_terms_gb`` lists those bytes term by term, ``phase_floor_ms``
+adds the forward's and the backward's bus time instead (see ``bench/offload/floor.py``). Then a capped run:
+``torch.cuda.set_per_process_memory_fraction`` limits the
 process to a budget below 1/4 of a second model's size, and shardfuse trains that model anyway.
 Writes ``bench/results/<gpu>/offload.json`` (or under $BENCH_OUT) and prints a table last.
 """
@@ -38,6 +43,7 @@ import torch
 from torch import nn
 
 from bench.common import free_port, write_result
+from bench.offload.floor import Variant, floor, link_bandwidth, necessary_bytes
 from shardfuse.offload import OffloadModel
 
 logger = logging.getLogger(__name__)
@@ -108,6 +114,21 @@ def run_plain(base: nn.Sequential, x: torch.Tensor, cfg: dict[str, Any], autocas
     return {"step_ms": ms, "peak_gib": peak, "losses": [float(v) for v in losses], "h2d_gbps": 0.0, "d2h_gbps": 0.0}
 
 
+def traffic_of(model: OffloadModel, base: nn.Sequential, x: torch.Tensor, **kw: Any) -> Variant:
+    """What decides ``model``'s bus traffic (its slices, dtype, options), for the floor."""
+    layers = list(base)
+    ranges = model.slice_ranges
+    return Variant(
+        slice_params=[sum(p.numel() for m in layers[a:b] for p in m.parameters()) for a, b in ranges],
+        slice_linears=[sum(isinstance(m, nn.Linear) for m in layers[a:b]) for a, b in ranges],
+        act_numel=x.numel(),
+        compute_bytes=(model.compute_dtype or torch.float32).itemsize,
+        opt_in_backward=bool(model.optimizers),
+        checkpoint=model.checkpoint_activation,
+        offload_activations=model.offload_activations,
+    )
+
+
 def run_shardfuse(base: nn.Sequential, x: torch.Tensor, cfg: dict[str, Any], **kw: Any) -> dict[str, Any]:
     lr = cfg["lr"]
     if kw.pop("opt_in_backward", False):
@@ -116,6 +137,7 @@ def run_shardfuse(base: nn.Sequential, x: torch.Tensor, cfg: dict[str, Any], **k
     slices, microbatches = kw.pop("slices", cfg["slices"]), kw.pop("microbatches", cfg["microbatches"])
     model = OffloadModel(copy.deepcopy(base), torch.device("cuda"), num_slices=slices,
                          checkpoint_activation=checkpoint, num_microbatches=microbatches, **kw)  # fmt: skip
+    need = necessary_bytes(traffic_of(model, base, x))
     opt = None if "optimizer_in_backward" in kw else torch.optim.SGD(model.parameters(), lr=lr)
     step = sgd_step(model, opt, x)
     for _ in range(cfg["warmup"]):
@@ -135,7 +157,25 @@ def run_shardfuse(base: nn.Sequential, x: torch.Tensor, cfg: dict[str, Any], **k
         "d2h_gb_per_step": per_step["d2h"] / 1e9,
         "h2d_gbps": per_step["h2d"] / 1e9 / (ms / 1e3),
         "d2h_gbps": per_step["d2h"] / 1e9 / (ms / 1e3),
+        "compute_dtype": str(kw.get("compute_dtype", torch.float32)).removeprefix("torch."),
+        "_need": need,  # replaced by the floor once the resident baselines are in (add_floors)
     }
+
+
+def add_floors(rows: dict[str, dict[str, Any]], link: dict[str, float]) -> None:
+    """Each shardfuse row's floor (bf16 rows against the bf16-autocast resident step), ratio and excess bytes."""
+    for r in rows.values():
+        need = r.pop("_need", None)
+        if need is None:
+            continue
+        resident = rows.get("plain_bf16_autocast" if r["compute_dtype"] == "bfloat16" else "plain", {})
+        r.update(floor(need, link, resident.get("step_ms")))
+        r["link_h2d_gbps"], r["link_d2h_gbps"] = link["h2d_gbps"], link["d2h_gbps"]
+        r["vs_floor"] = r["step_ms"] / r["floor_ms"]
+        r["vs_phase_floor"] = r["step_ms"] / r["phase_floor_ms"]
+        # bytes the engine moved beyond what the schedule needs (alignment padding: a few KB)
+        r["excess_h2d_gb"] = r["h2d_gb_per_step"] - r["floor_h2d_gb"]
+        r["excess_d2h_gb"] = r["d2h_gb_per_step"] - r["floor_d2h_gb"]
 
 
 def run_fairscale(base: nn.Sequential, x: torch.Tensor, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -244,6 +284,10 @@ def main() -> None:
     x = torch.randn(cfg["batch"], cfg["width"], device="cuda")
     logger.info("model: %d x Linear(%d) + ReLU, %.0fM params (%.2f GiB fp32), batch %d",
                 cfg["layers"], cfg["width"], cfg["params_m"], cfg["model_gib"], cfg["batch"])  # fmt: skip
+    link = cfg["link"] = link_bandwidth()
+    logger.info("pinned host->device %.1f GB/s, device->host %.1f GB/s, both at once %.1f GB/s each (%d MiB, median "
+                "of %d)", link["h2d_gbps"], link["d2h_gbps"], link["duplex_gbps"], link["bytes"] / 2**20,
+                link["reps"])  # fmt: skip
 
     variants: list[tuple[str, Callable[..., dict[str, Any]], dict[str, Any]]] = [
         ("plain", run_plain, {}),
@@ -281,7 +325,7 @@ def main() -> None:
             rows[name] = {"error": f"{type(e).__name__}: {e}"}
             traceback.print_exc()
         rows[name]["wall_s"] = time.perf_counter() - t0
-        logger.info("   %s", {k: v for k, v in rows[name].items() if k != "losses"})
+        logger.info("   %s", {k: v for k, v in rows[name].items() if k not in ("losses", "_need")})
         free_gpu()
     del x, base  # the capped run gets a GPU with nothing else allocated
     free_gpu()
@@ -301,20 +345,42 @@ def main() -> None:
     for r in rows.values():
         if plain_ms and "step_ms" in r:
             r["vs_plain"] = r["step_ms"] / plain_ms
+    add_floors(rows, link)
     cfg["total_wall_s"] = time.perf_counter() - t_start
     path = write_result("offload", {"config": cfg, "variants": rows, "capped": capped})
+    print_summary(cfg, rows, capped, path)
 
+
+def print_summary(cfg: dict[str, Any], rows: dict[str, dict[str, Any]], capped: dict[str, Any], path: Any) -> None:
+    """The table of variants (with each shardfuse variant's floor), the bytes behind the floors, the capped run."""
+    nan = float("nan")
+    link = cfg["link"]
     print(f"\nOffload benchmark ({cfg['layers']} x Linear({cfg['width']}) + ReLU, {cfg['params_m']:.0f}M params, "
           f"batch {cfg['batch']}, {cfg['slices']} slices, {cfg['microbatches']} microbatches) -> {path}")  # fmt: skip
-    print(f"{'variant':<38}{'step ms':>10}{'vs plain':>10}{'H2D GB/s':>10}{'D2H GB/s':>10}{'peak GiB':>10}")
+    print(f"pinned PCIe: host->device {link['h2d_gbps']:.1f} GB/s, device->host {link['d2h_gbps']:.1f} GB/s, "
+          f"both at once {link['duplex_gbps']:.1f} GB/s each")  # fmt: skip
+    print(f"{'variant':<38}{'step ms':>10}{'vs plain':>10}{'H2D GB/s':>10}{'D2H GB/s':>10}{'peak GiB':>10}"
+          f"{'floor ms':>10}{'x floor':>9}{'phase ms':>10}{'x phase':>9}")  # fmt: skip
     for name, r in rows.items():
         if "step_ms" not in r:
             print(f"{name:<38}  {r.get('skipped') or r.get('error')}")
             continue
         est = "*" if r.get("traffic") == "estimated" else " "
-        print(f"{name:<38}{r['step_ms']:>10.1f}{r.get('vs_plain', float('nan')):>9.2f}x"
-              f"{r['h2d_gbps']:>9.1f}{est}{r['d2h_gbps']:>9.1f}{est}{r['peak_gib']:>10.2f}")  # fmt: skip
-    print("(* estimated from parameter traffic)")
+        print(f"{name:<38}{r['step_ms']:>10.1f}{r.get('vs_plain', nan):>9.2f}x"
+              f"{r['h2d_gbps']:>9.1f}{est}{r['d2h_gbps']:>9.1f}{est}{r['peak_gib']:>10.2f}"
+              f"{r.get('floor_ms', nan):>10.1f}{r.get('vs_floor', nan):>8.2f}x"
+              f"{r.get('phase_floor_ms', nan):>10.1f}{r.get('vs_phase_floor', nan):>8.2f}x")  # fmt: skip
+    print("(* estimated from parameter traffic; floor: max(H2D bytes / H2D GB/s, D2H bytes / D2H GB/s, resident step);"
+          " phase: forward bus time + backward bus time)")  # fmt: skip
+    for name, r in rows.items():
+        if "floor_terms_gb" not in r:
+            continue
+        print(f"{name}: floor {r['floor_ms']:.1f} ms ({r['floor_bound']}-bound); needs {r['floor_h2d_gb']:.3f} GB "
+              f"H2D ({r['floor_h2d_ms']:.1f} ms), {r['floor_d2h_gb']:.3f} GB D2H ({r['floor_d2h_ms']:.1f} ms); moved "
+              f"{r['h2d_gb_per_step']:.3f} / {r['d2h_gb_per_step']:.3f} GB")  # fmt: skip
+        for direction, terms in r["floor_terms_gb"].items():
+            for term, gb in terms.items():
+                print(f"    {direction} {gb:7.3f} GB  {term}")
     if "step_ms" in capped:
         print(f"capped: {capped['model']} = {capped['model_gib']:.2f} GiB in a {capped['budget_gib']:.2f} GiB budget "
               f"({capped['model_over_budget']:.1f}x): {capped['step_ms']:.1f} ms/step, "

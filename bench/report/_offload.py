@@ -65,6 +65,46 @@ def _variants_table(variants: dict[str, OffloadVariant]) -> list[str]:
     return [*lines, ""]
 
 
+def _floor_table(cfg: OffloadConfig, variants: dict[str, OffloadVariant]) -> list[str]:
+    """Each shardfuse variant against its PCIe floor (files written before the floor existed: nothing)."""
+    names = [n for n in ordered(variants, OFFLOAD_ORDER) if variants[n].floor_ms is not None]
+    if not names:
+        return []
+    link = (
+        f"pinned host->device {fmt(cfg.link_h2d_gbps, '.1f')} GB/s, device->host {fmt(cfg.link_d2h_gbps, '.1f')} GB/s"
+        + (f", {fmt(cfg.link_duplex_gbps, '.1f')} GB/s each way at once" if cfg.link_duplex_gbps else "")
+    )
+    lines = [f"Against the PCIe floor ({link}, measured in the same job):", ""]
+    body = []
+    for name in names:
+        v = variants[name]
+        body.append(
+            [
+                OFFLOAD_LABEL.get(name, name),
+                fmt(v.step_ms, ".1f"),
+                fmt(v.floor_h2d_gb, ".2f"),
+                fmt(v.floor_d2h_gb, ".2f"),
+                f"{fmt(v.floor_ms, '.1f')} ({v.floor_bound or '?'})",
+                fmt(v.vs_floor, ".2f", "x"),
+                fmt(v.phase_floor_ms, ".1f"),
+                fmt(v.vs_phase_floor, ".2f", "x"),
+            ]
+        )
+    header = ["variant", "step ms", "needs H2D GB", "needs D2H GB", "floor ms (bound)", "x floor", "phase floor ms",
+              "x phase floor"]  # fmt: skip
+    lines += table(header, body)
+    lines += [
+        "",
+        "_needs: the bytes one steady step of the variant's schedule must move each way (parameters, fp32 masters, "
+        "gradients, bf16 shadows, activations; `bench/offload/floor.py` lists them). floor: max(H2D bytes / H2D "
+        "GB/s, D2H bytes / D2H GB/s, the resident step, bf16 autocast for bf16 variants). phase floor: the "
+        "forward's bus time plus the backward's (a forward has nothing to send home; the backward's first copy "
+        "home waits for its first gradient)._",
+        "",
+    ]
+    return lines
+
+
 def _capped_table(capped: CappedRun) -> list[str]:
     lines = ["Capped run (the process is held to a GPU memory budget smaller than the model):", ""]
     if capped.step_ms is None:
@@ -89,6 +129,7 @@ def offload_section(res: Result, plots: Plotter, out_dir: Path) -> list[str]:
     lines = [f"### Offload (`{res.name}.json`)", "", env_line(res.env), ""]
     lines += _setup_line(f.config)
     lines += _variants_table(f.variants) if f.variants else ["No variants in this file.", ""]
+    lines += _floor_table(f.config, f.variants)
     if f.capped is not None:
         lines += _capped_table(f.capped)
     img = plots.offload(res, f.variants)

@@ -16,8 +16,8 @@ from bench.results_io import OffloadBigFile, OffloadBigFloor, OffloadBigRow, Res
 
 BOUND_LABEL = {"compute_ms": "GPU compute", "pcie_ms": "PCIe", "cpu_opt_ms": "the CPU optimizer"}
 HEADER = ["implementation", "step ms", "vs floor", "vs resident", "tokens/s", "GPU peak GiB", "host RSS GiB",
-          "status"]  # fmt: skip
-ALIGN = ["l", "r", "r", "r", "r", "r", "r", "l"]
+          "host B/param", "status"]  # fmt: skip
+ALIGN = ["l", "r", "r", "r", "r", "r", "r", "r", "l"]
 
 
 def params_text(n: float | None) -> str:
@@ -81,7 +81,7 @@ def _table(f: OffloadBigFile, config: str) -> list[str]:
     for r in ordered_rows(f.rows_of(config)):
         label = row_label(r)
         if not r.measured:
-            body.append([label, DASH, DASH, DASH, DASH, DASH, DASH, r.status])  # the status, not partial numbers
+            body.append([label, *[DASH] * (len(HEADER) - 2), r.status])  # the status, not partial numbers
             extra = f" (forward+backward {r.fwd_bwd_ms:.0f} ms)" if r.fwd_bwd_ms else ""
             notes.append(f"{label}: {r.status}: {r.reason or 'no measurement'}{extra}")
             continue
@@ -97,6 +97,8 @@ def _table(f: OffloadBigFile, config: str) -> list[str]:
                 fmt(r.tokens_per_s or ratio(r.tokens_per_step, (r.step_ms or 0) / 1e3), ",.0f"),
                 fmt(r.gpu_peak_gib, ".1f"),
                 fmt(r.host_rss_gib, ".1f"),
+                # the fp32 optimizer's minimum is 16 (parameter, gradient, two moments)
+                fmt(ratio(r.host_rss_gib * 2**30, r.params) if r.host_rss_gib else None, ".1f"),
                 r.status,
             ]
         )
@@ -141,6 +143,11 @@ def _hardware_line(f: OffloadBigFile) -> list[str]:
         tail = f" ({', '.join(meta)})" if meta else ""
         what = hw.opt_impl or "the CPU optimizer"
         parts.append(f"{what}: {hw.opt_s_per_param * 1e12:.0f} ms per billion parameters{tail}")
+        if hw.host_copy_gbps is not None:
+            # AdamW reads parameter, gradient and two moments and writes three of them: 28 bytes per parameter.
+            parts.append(f"host memory {hw.host_copy_gbps:.0f} GB/s read+write (torch copy), against which the "
+                         f"optimizer's 28 bytes per parameter run at {28 / hw.opt_s_per_param / 1e9:.0f} GB/s: it is "
+                         f"bound by host memory bandwidth, which the PCIe copies of an offloaded step share")
     if not parts:
         return ["_Floor terms: not measured in this file._", ""]
     lines = ["Floor terms measured in this job: " + "; ".join(parts) + "."]

@@ -14,10 +14,17 @@ Stream discipline (CUDA; on the CPU every stream and event is a no-op and copies
 Lifetimes without ``record_stream``: a device tensor made on the compute stream and read by ``d2h`` (a
 parked activation, optimizer state going home) is held with the copy's event in :class:`PendingFrees` and
 dropped once that event has completed, or after the compute stream waited for it; the end of backward
-synchronises ``d2h`` and drops them all.
+synchronises ``d2h`` and drops them all. The host runs ahead of the GPU, so a query seldom finds a copy done:
+where the code knows the compute stream is done with a source, it drops the hold after a compute-stream wait
+(:meth:`Engine.release_stashed`), so that the source goes when its last other reference does, as it went with
+``record_stream`` (a slice's input at the end of that slice's forward, whose compute the copy overlapped).
 
 Parameter slots: two device buffers of the largest slice, reused (one computes while the other is being
 filled). Gradient slots: two fp32 buffers (one is accumulated while the other drains to the host).
+
+With the optimizer in backward (``Engine.carry``) the bus carries less: the last slice is loaded with its fp32
+master in the forward and kept for its backward (no second load), and the first two slices, whose backward ends
+the step with their updated copy on the device, stay there for the next forward (no load, no shadow home).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from torch import nn
 
 from shardfuse._profiling import profiled
 from shardfuse._streams import current_stream, new_stream, record_event, use_stream, wait_event, wait_stream
+from shardfuse.offload._buffers import GradBuffers, PendingFrees, Slot, SlotPool, Stashed
 from shardfuse.offload._slices import Slice
 
 
@@ -42,100 +50,10 @@ class Phase(enum.Enum):
     BACKWARD = "backward"
 
 
-class PendingFrees:
-    """Device tensors read by the ``d2h`` stream, held until that read is over (instead of ``record_stream``).
-
-    Each entry is a tensor and the event recorded after its last read. :meth:`collect` drops the entries whose
-    event has completed (a query, no wait); :meth:`release_all` makes the compute stream wait for every event
-    first, so that memory the caching allocator hands out again is never written under a running copy.
-    """
-
-    # At most this many tensors held: beyond it the oldest is released after a device-side wait of the compute
-    # stream, so held copies cannot pile up while the host runs ahead of the GPU (record_stream, which this
-    # replaces, let the allocator reclaim each block as soon as its copy finished; a tight memory cap needs that).
-    MAX_HELD = 2
-
-    def __init__(self) -> None:
-        self._items: list[tuple[torch.Tensor, torch.cuda.Event]] = []
-
-    def hold(self, tensor: torch.Tensor, event: torch.cuda.Event | None,
-             compute: torch.cuda.Stream | None = None) -> None:
-        """Keep ``tensor`` alive until ``event`` (None: the read already happened, on the CPU); past
-        :attr:`MAX_HELD`, the oldest goes after ``compute`` waits for its read."""
-        if event is None:
-            return
-        self.collect()
-        self._items.append((tensor, event))
-        while len(self._items) > self.MAX_HELD:
-            _, old_event = self._items.pop(0)
-            wait_event(compute, old_event)
-
-    def collect(self) -> None:
-        """Drop the tensors whose read has finished."""
-        self._items = [(t, ev) for t, ev in self._items if not ev.query()]
-
-    def release_all(self, compute: torch.cuda.Stream | None) -> None:
-        """Drop every tensor after a device-side wait of ``compute`` for its read."""
-        for _, ev in self._items:
-            wait_event(compute, ev)
-        self._items.clear()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
-class _Slot:
-    __slots__ = ("buf", "event")
-
-    def __init__(self, buf: torch.Tensor) -> None:
-        self.buf = buf
-        self.event: torch.cuda.Event | None = None  # last device->host read of ``buf`` still in flight
-
-
-class SlotPool:
-    """At most ``count`` device buffers of ``numel`` elements, allocated on first use and reused."""
-
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, count: int) -> None:
-        self.numel, self.dtype, self.device, self.count = numel, dtype, device, count
-        self._free: list[_Slot] = []
-        self._made = 0
-
-    def has_free(self) -> bool:
-        return bool(self._free) or self._made < self.count
-
-    def acquire(self) -> _Slot:
-        if self._free:
-            return self._free.pop()
-        if self._made >= self.count:
-            raise RuntimeError(f"shardfuse.offload internal error: all {self.count} {self.dtype} slots are in use")
-        self._made += 1
-        return _Slot(self._alloc())
-
-    def _alloc(self) -> torch.Tensor:
-        return torch.empty(self.numel, dtype=self.dtype, device=self.device)
-
-    def release(self, slot: _Slot) -> None:
-        self._free.append(slot)
-
-    def clear(self) -> None:
-        """Give the buffers back to the caching allocator, if none is in use."""
-        if len(self._free) == self._made:
-            self._free, self._made = [], 0
-
-
-class Stashed:
-    """A boundary activation parked in pinned host memory; ``event`` marks the end of its copy."""
-
-    __slots__ = ("host", "device", "event")
-
-    def __init__(self, host: torch.Tensor, device: torch.device, event: torch.cuda.Event | None) -> None:
-        self.host, self.device, self.event = host, device, event
-
-
 class Loaded:
     """A slice resident on the compute device (issued; usable after the compute stream waited ``ready``)."""
 
-    def __init__(self, s: Slice, slot: _Slot, master: _Slot | None, stamp: tuple[int, int]) -> None:
+    def __init__(self, s: Slice, slot: Slot, master: Slot | None, stamp: tuple[int, int]) -> None:
         self.slice = s
         self.slot = slot
         self.master = master  # fp32 master copy on the device (optimizer in backward), may be ``slot``
@@ -145,6 +63,7 @@ class Loaded:
         self.stash: Sequence[Any] | None = None  # whose stashed activations ``inputs`` are
         self.inputs_ready: torch.cuda.Event | None = None
         self.waited = False
+        self.carried = False  # kept on the device from a backward for the next forward (see Engine.carries)
 
     def leaves(self, requires_grad: bool) -> list[torch.Tensor]:
         """Fresh leaf tensors viewing the slot, one per parameter (requiring grad where the master does)."""
@@ -152,22 +71,6 @@ class Loaded:
         return [
             v.detach().requires_grad_(requires_grad and p.requires_grad) for v, p in zip(views, self.slice.params)
         ]
-
-
-class GradBuffers:
-    """The device gradient buffers of one slice's backward."""
-
-    __slots__ = ("slot", "lp_slot", "flat", "lp_flat")
-
-    def __init__(self, slot: _Slot, lp_slot: _Slot | None, n: int) -> None:
-        self.slot, self.lp_slot = slot, lp_slot
-        self.flat = slot.buf[:n]
-        self.lp_flat = lp_slot.buf[:n] if lp_slot is not None else None
-
-    @property
-    def target(self) -> torch.Tensor:
-        """Where autograd accumulates (compute dtype)."""
-        return self.lp_flat if self.lp_flat is not None else self.flat
 
 
 class Step:
@@ -195,6 +98,11 @@ class Engine:
         self.device = device
         self.cuda = device.type == "cuda"
         self.lp = compute_dtype != master_dtype
+        self.num_slices = len(slices)
+        # With the optimizer in backward, fewer loads: the last slice comes with its master in the forward, the
+        # first ones stay from the backward for the next forward (carries). Off: every slice loaded in forward and
+        # backward, every shadow sent home (the schedule before; tests hold the two against each other).
+        self.carry = optimizers is not None
         self.optimizers = list(optimizers) if optimizers is not None else None
         numel = max(s.numel for s in slices)
         self.param_pool = SlotPool(numel, compute_dtype, device, 2)
@@ -243,20 +151,38 @@ class Engine:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self.finish(step))
 
     # ------------------------------------------------------------------ loading
-    def _needs_master(self, s: Slice, phase: Phase) -> bool:
-        return self.optimizers is not None and phase is Phase.BACKWARD and s.trainable
+    def _needs_master(self, s: Slice, phase: Phase, for_backward: bool = False) -> bool:
+        """Whether a load of ``s`` brings its fp32 master copy, which the optimizer in backward steps.
 
-    def _issue(self, s: Slice, phase: Phase, stash: Sequence[Any] | None) -> Loaded:
-        need_master = self._needs_master(s, phase)
+        ``for_backward``: a forward load kept on the device for the backward that follows (the last slice):
+        it comes with its master at once, so that its backward needs no second load.
+        """
+        if self.optimizers is None or not s.trainable:
+            return False
+        return phase is Phase.BACKWARD or (for_backward and self.carry)
+
+    def carries(self, s: Slice) -> bool:
+        """Whether ``s`` stays on the device from its backward to the next forward.
+
+        With the optimizer in backward the slice's device copy is the updated one when its backward ends, and
+        the first slices' backward comes last: they stay (as many as there are parameter slots, the last slice
+        excepted, which the forward loads with its master) and the next forward starts without loading them,
+        nor does their low-precision shadow go home. A forward without autograd or a change of the master
+        (stamp) drops them.
+        """
+        return self.carry and s.index < min(self.param_pool.count, self.num_slices - 1)
+
+    def _issue(self, s: Slice, phase: Phase, stash: Sequence[Any] | None, for_backward: bool = False) -> Loaded:
+        need_master = self._needs_master(s, phase, for_backward)
         compute, h2d = self.compute_stream(), self.h2d
         slot = self.param_pool.acquire()
         ld = Loaded(s, slot, None, s.stamp())
         wait_stream(h2d, compute)
-        wait_event(h2d, slot.event)
         n = s.numel
         with use_stream(h2d), torch.no_grad():
             dst = slot.buf[:n]
             if not self.lp:
+                wait_event(h2d, slot.event)
                 dst.copy_(s.flat, non_blocking=True)
                 self._count("h2d", s.flat)
                 ld.master = slot if need_master else None
@@ -266,6 +192,9 @@ class Engine:
                 mdst = ms.buf[:n]
                 mdst.copy_(s.flat, non_blocking=True)
                 self._count("h2d", s.flat)
+                # only the cast writes the parameter slot: the fp32 copy does not wait for the slot's last
+                # device->host read (a shadow going home), the cast does
+                wait_event(h2d, slot.event)
                 dst.copy_(mdst)  # cast on the device: the fp32 weights crossed the bus once
                 if need_master:
                     ld.master = ms
@@ -277,6 +206,7 @@ class Engine:
             else:
                 shadow = s.lp_shadow()
                 wait_event(h2d, s.shadow_event)  # the shadow may still be landing from its refresh
+                wait_event(h2d, slot.event)
                 dst.copy_(shadow, non_blocking=True)
                 self._count("h2d", shadow)
             ld.ready = record_event(h2d)
@@ -321,10 +251,10 @@ class Engine:
                 out.append(t)
         return out, record_event(h2d)
 
-    def _compatible(self, ld: Loaded, phase: Phase) -> bool:
+    def _compatible(self, ld: Loaded, phase: Phase, for_backward: bool = False) -> bool:
         if ld.stamp != ld.slice.stamp():
             return False  # the master changed since (an optimizer step): reload
-        return not (self._needs_master(ld.slice, phase) and ld.master is None)
+        return not (self._needs_master(ld.slice, phase, for_backward) and ld.master is None)
 
     def _wait(self, ld: Loaded) -> None:
         # parameters and restored activations are waited separately: a slice kept resident since the
@@ -341,44 +271,53 @@ class Engine:
         self._wait(ld)
         self.release(ld)
 
-    def drop_prefetched(self, keep: int | None = None) -> None:
-        for idx in [i for i in self._prefetched if i != keep]:
+    def drop_prefetched(self, keep: int | None = None, keep_carried: bool = False) -> None:
+        """Give back what is parked on the device, except slice ``keep`` (and the carried ones if asked)."""
+        for idx in [i for i, ld in self._prefetched.items() if i != keep and not (keep_carried and ld.carried)]:
             self._drop(self._prefetched.pop(idx))
 
-    def _make_room(self, s: Slice, phase: Phase) -> None:
+    def _make_room(self, s: Slice, phase: Phase, for_backward: bool) -> None:
         if not self.param_pool.has_free() or (
-            self.lp and self._needs_master(s, phase) and not self.master_pool.has_free()
+            self.lp and self._needs_master(s, phase, for_backward) and not self.master_pool.has_free()
         ):
             self.drop_prefetched(keep=s.index)
 
-    def acquire(self, s: Slice, phase: Phase, stash: Sequence[Any] | None = None) -> Loaded:
-        """Make ``s`` resident for ``phase``; the compute stream may use it now."""
+    def acquire(
+        self, s: Slice, phase: Phase, stash: Sequence[Any] | None = None, for_backward: bool = False
+    ) -> Loaded:
+        """Make ``s`` resident for ``phase``; the compute stream may use it now.
+
+        ``for_backward``: a forward load that stays for the backward after it (see :meth:`_needs_master`).
+        """
         self.pending.collect()
         with profiled(f"shardfuse.offload:{phase.value}_load"):
             ld = self._prefetched.pop(s.index, None)
-            if ld is not None and not self._compatible(ld, phase):
+            if ld is not None and not self._compatible(ld, phase, for_backward):
                 self._drop(ld)
                 ld = None
             if ld is None:
-                self._make_room(s, phase)
-                ld = self._issue(s, phase, stash)
+                self._make_room(s, phase, for_backward)
+                ld = self._issue(s, phase, stash, for_backward)
             elif stash is not None and ld.stash is not stash:
                 # parked without activations (kept since the forward), or with another call's
                 ld.inputs, ld.inputs_ready = self._restore(stash)
                 ld.stash = stash
             self._wait(ld)
+            ld.carried = False
             return ld
 
-    def prefetch(self, s: Slice, phase: Phase, stash: Sequence[Any] | None = None) -> None:
+    def prefetch(
+        self, s: Slice, phase: Phase, stash: Sequence[Any] | None = None, for_backward: bool = False
+    ) -> None:
         """Start loading ``s`` on the side stream, if a slot is free; :meth:`acquire` picks it up."""
         with profiled(f"shardfuse.offload:{phase.value}_load"):
             if s.index in self._prefetched:
                 return
             if not self.param_pool.has_free():
                 return
-            if self._needs_master(s, phase) and self.lp and not self.master_pool.has_free():
+            if self._needs_master(s, phase, for_backward) and self.lp and not self.master_pool.has_free():
                 return
-            self._prefetched[s.index] = self._issue(s, phase, stash)
+            self._prefetched[s.index] = self._issue(s, phase, stash, for_backward)
 
     def release(self, ld: Loaded, keep: bool = False) -> None:
         """Done computing with ``ld``; ``keep`` parks it for the backward that follows the forward."""
@@ -391,21 +330,44 @@ class Engine:
             self.master_pool.release(ld.master)
         ld.inputs, ld.stash = [], None
 
+    def _carry(self, ld: Loaded) -> None:
+        """Keep ``ld``'s parameter slot, whose contents are current, for the next forward (see :meth:`carries`)."""
+        if ld.master is not None and ld.master is not ld.slot:
+            self.master_pool.release(ld.master)
+            ld.master = None
+        ld.inputs, ld.stash, ld.inputs_ready = [], None, None
+        ld.stamp = ld.slice.stamp()  # after the optimizer step and the master's copy home
+        ld.carried = True
+        self._prefetched[ld.slice.index] = ld
+
     # ------------------------------------------------------------------ activations
     def stash(self, t: torch.Tensor) -> Any:
         """Park a boundary activation in pinned host memory (device->host on the d2h stream)."""
-        if not t.is_cuda:
+        if not self._on_device(t):
             return t
+        host, event = self._copy_home(t)
+        # made on the compute stream, which may free it at once: hold it until the copy has read it
+        self.pending.hold(t, event, self.compute_stream())
+        return Stashed(host, t.device, event)
+
+    def release_stashed(self, stashed: Sequence[Any]) -> None:
+        """The compute stream no longer reads the device tensors behind ``stashed`` (:meth:`stash` results):
+        drop the engine's hold on them once the compute stream waited for their copies (see
+        :meth:`PendingFrees.release`). The waits cost nothing where those copies overlapped a slice's compute."""
+        self.pending.release([x.event for x in stashed if isinstance(x, Stashed)], self.compute_stream())
+
+    def _on_device(self, t: torch.Tensor) -> bool:
+        return t.is_cuda
+
+    def _copy_home(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """A pinned host copy of ``t``, made on the d2h stream after the compute stream's work so far."""
         d2h = self.d2h
         wait_stream(d2h, self.compute_stream())
         with use_stream(d2h):
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             host.copy_(t, non_blocking=True)
         self._count("d2h", t)
-        event = record_event(d2h)
-        # made on the compute stream, which may free it at once: hold it until the copy has read it
-        self.pending.hold(t, event, self.compute_stream())
-        return Stashed(host, t.device, event)
+        return host, record_event(d2h)
 
     # ------------------------------------------------------------------ gradients
     def grad_buffers(self, s: Slice) -> GradBuffers:
@@ -440,7 +402,10 @@ class Engine:
                 self.grad_pool.release(gb.slot)
                 if gb.lp_slot is not None:
                     self.lp_grad_pool.release(gb.lp_slot)
-            self.release(ld)
+            if self.carries(s):
+                self._carry(ld)
+            else:
+                self.release(ld)
 
     def _optimizer_step(self, ld: Loaded, gb: GradBuffers) -> None:
         s = ld.slice
@@ -470,10 +435,23 @@ class Engine:
             ev = self._copy_out(s.flat, master, None)
             ld.master.event = ev
             if self.lp:
-                dst = ld.slot.buf[:n]
-                dst.copy_(master)
-                ld.slot.event = s.shadow_event = self._copy_out(s.lp_shadow(), dst, None)
-                s.mark_shadow_fresh()
+                self._after_step_lp(ld, master)
+
+    def _after_step_lp(self, ld: Loaded, master: torch.Tensor) -> None:
+        """The compute-dtype copy of a slice stepped on the device: where the next forward finds it.
+
+        A carried slice keeps it in its slot; the last slice gets none (the next forward loads its master);
+        any other slice sends it home as the low-precision shadow. A shadow not refreshed is stale and a forward
+        without the device copy loads the master instead (and refreshes the shadow), as after a host step.
+        """
+        s = ld.slice
+        if self.carry and not self.carries(s) and s.index == self.num_slices - 1:
+            return
+        dst = ld.slot.buf[: s.numel]
+        dst.copy_(master)
+        if not self.carries(s):
+            ld.slot.event = s.shadow_event = self._copy_out(s.lp_shadow(), dst, None)
+            s.mark_shadow_fresh()
 
     def _state_to(self, opt: torch.optim.Optimizer, s: Slice, device: bool) -> None:
         """Keep optimizer state on the host between steps; bring it to the device for the step."""
@@ -525,7 +503,7 @@ class Engine:
         step.grads = []
         step.finish_queued = False
         self._steps.discard(step)
-        self.drop_prefetched()
+        self.drop_prefetched(keep_carried=True)
         if not self._steps:
             self.clear()
 

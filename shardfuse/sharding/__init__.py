@@ -4,6 +4,7 @@ from shardfuse.sharding._fully_sharded import FullyShardedDataParallel
 from shardfuse.sharding._hybrid import ShardingStrategy
 from shardfuse.sharding._offload_optim import OffloadOptimizer
 from shardfuse.sharding._process_hooks import set_process_hooks
+from shardfuse.sharding._ssd_config import OffloadConfig
 from shardfuse.sharding._state import TrainingState
 from shardfuse.sharding._wrap import (
     ModuleClassWrapPolicy,
@@ -20,6 +21,7 @@ from shardfuse.sharding._wrap import (
 __all__ = [
     "FullyShardedDataParallel",
     "ModuleClassWrapPolicy",
+    "OffloadConfig",
     "OffloadOptimizer",
     "ShardingStrategy",
     "TrainingState",

@@ -22,6 +22,7 @@ import torch
 from shardfuse._logging import warn_once
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding import _data_path as dp
+from shardfuse.sharding._ssd_config import OffloadConfig, as_offload_config, check_ssd_dir
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,14 @@ class OffloadPolicy:
                                     "(alias ``cpu_offload``, deprecated).")
     move_grads_to_cpu: bool | None = _opt(None, "keep sharded gradients on the CPU (default: "
                                           "``move_params_to_cpu``; only together with it).")
+    offload_config: OffloadConfig | None = _opt(None, "``OffloadConfig(offload_type='ssd_offload', dir=...)``: "
+                                                "the fp32 shards (optionally the optimizer state) live in files "
+                                                "under ``dir``; implies ``move_params_to_cpu``.")
+
+    @property
+    def ssd(self) -> OffloadConfig | None:
+        """The SSD tier's settings when the shards live on disk, else None."""
+        return self.offload_config if self.offload_config is not None and self.offload_config.ssd else None
 
 
 @dataclass(frozen=True)
@@ -227,6 +236,7 @@ class ConfigView:
     clear_autocast_cache = _Setting[bool]()
     move_params_to_cpu = _Setting[bool]()
     move_grads_to_cpu = _Setting[bool]()
+    offload_config = _Setting["OffloadConfig | None"]()
     bucket_cap_mb = _Setting[int]()
     state_dict_device = _Setting["torch.device | None"]()
     state_dict_on_rank_0_only = _Setting[bool]()
@@ -375,6 +385,15 @@ def _with_defaults(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _offload(opts: dict[str, Any]) -> OffloadPolicy:
+    offload = as_offload_config(opts["offload_config"])
+    if offload is not None and offload.ssd:  # FairScale: the SSD tier keeps parameters and gradients on the CPU
+        offload = dataclasses.replace(offload, dir=check_ssd_dir(offload.directory or ""), ssd_filepath_dir=None)
+        if opts["move_grads_to_cpu"] is False:
+            raise ValueError(
+                "offload_config=OffloadConfig(offload_type='ssd_offload') keeps gradients on the CPU "
+                "(move_grads_to_cpu=True): drop move_grads_to_cpu=False"
+            )
+        opts = {**opts, "move_params_to_cpu": True}
     move_params = bool(opts["move_params_to_cpu"])
     move_grads = move_params if opts["move_grads_to_cpu"] is None else opts["move_grads_to_cpu"]
     if move_grads and not move_params:
@@ -387,7 +406,7 @@ def _offload(opts: dict[str, Any]) -> OffloadPolicy:
             "move_params_to_cpu=True with move_grads_to_cpu=False is not supported (the optimizer would "
             "see CPU parameters with GPU gradients): leave move_grads_to_cpu=None or True"
         )
-    return OffloadPolicy(move_params_to_cpu=move_params, move_grads_to_cpu=move_grads)
+    return OffloadPolicy(move_params_to_cpu=move_params, move_grads_to_cpu=move_grads, offload_config=offload)
 
 
 def _precision(opts: dict[str, Any]) -> PrecisionPolicy:

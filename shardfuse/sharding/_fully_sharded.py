@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from shardfuse._profiling import profiled
-from shardfuse.sharding import _dcp, _optim_state, _process_hooks, _state_dict
+from shardfuse.sharding import _dcp, _optim_state, _process_hooks, _ssd, _state_dict
 from shardfuse.sharding._config import (
     ConfigView,
     check_compute_dtype,
@@ -108,6 +108,8 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
                 agree_on_initial_values(module, groups, f"{type(self).__name__}({type(module).__name__})")
             handles, table, borrowed = flatten_own_params(module, config, groups)
             check_compute_dtype(config, (h.dtype for h in handles), type(module).__name__)
+            if config.offload.ssd is not None:  # SSD offload: storages that can be evicted, before any view
+                _ssd.prepare(handles)
             unit = Unit(module, config, groups, handles, table, borrowed)
             if config.params.use_orig_params:
                 # The original parameters, views of the shard, where they were; compute reads the instance
@@ -119,6 +121,8 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
             else:
                 for i, h in enumerate(handles):
                     self.register_parameter(f"flat_param_{i}", h.flat)
+            if config.offload.ssd is not None:  # SSD offload: the shards move into their files (_ssd.py)
+                _ssd.attach(handles, config.offload.ssd, type(module).__name__, unit)
             self._fsdp_wrapped_module = module
             self.__dict__[UNIT_ATTR] = unit
             object.__setattr__(module, WRAPPED_MARK, unit)
@@ -236,6 +240,7 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
         optimizer keys its state by parameter objects): build a new optimizer on the copy's ``parameters()``
         (and load a state saved with :meth:`gather_full_optim_state_dict` or :meth:`sharded_state_dict`)."""
         units = units_below(self._unit)
+        _ssd.refuse(units, "pickling")
         for u in units:
             check_state(u.training_state, (TrainingState.IDLE,), "pickling", u.name)
             if any(h.full_param is not None and h.full_param.grad is not None for h in u.handles):
@@ -292,6 +297,7 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
         )
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        _ssd.refuse(units_below(self._unit), ".to()/.cuda()/.half()")
         detach_host_engine(self._unit)  # its host buffers belong to the old placement and dtype
         # .to()/.cuda()/.half() move the shards; the runtime (full buffers, streams) is rebuilt lazily.
         return apply_to_unit(self._unit, fn, lambda: super(FullyShardedDataParallel, self)._apply(fn, recurse))

@@ -135,6 +135,10 @@ class HostShard:
             err, self.error = self.error, None
             raise RuntimeError(f"the overlapped optimizer step of an offloaded shard failed: {err}") from err
 
+    def before_step(self, in_backward: bool) -> None:
+        """Worker thread, before this shard's optimizer step (outside the step lock): nothing here (the SSD tier
+        waits for room to keep the updated shard)."""
+
     def source_for_gather(self, flat: torch.Tensor) -> torch.Tensor:
         """What crosses to the device when the unit is gathered: the compute-dtype copy (refreshed if the shard
         was changed outside an optimizer step, e.g. by ``load_state_dict`` or ``summon_full_params``)."""

@@ -41,7 +41,8 @@ class StepWorker:
     the forward order first) and re-keyed by forward position once backward has ended (:meth:`rekey`), so the
     next forward, which needs the first units first, waits for as few updates as possible.
 
-    ``threads``: the intra-op threads the worker's optimizer kernels use (set on the worker thread itself). One
+    ``threads``: the intra-op threads the worker's optimizer kernels use (``torch.set_num_threads`` from the worker
+    thread; torch's count is process-wide, so the main thread gets it too). One
     core is left to the main thread by default, which launches GPU work meanwhile: with every core in the
     optimizer's parallel regions, the thread that shares a core with the launching thread holds up each region.
     """
@@ -166,6 +167,7 @@ def host_task(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tenso
     def run() -> None:
         if copy_event is not None:
             copy_event.synchronize()  # outside the lock: zero_grad must not wait for a copy
+        host.before_step(in_backward)  # ssd: at most read_ahead updated shards wait for their gathers
         with lock:
             try:
                 if in_backward:

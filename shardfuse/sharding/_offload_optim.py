@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from shardfuse.sharding import _collectives as coll
+from shardfuse.sharding import _ssd
 from shardfuse.sharding._flat_param import FlatParamHandle
 from shardfuse.sharding._grad_reduce import clip_grad_norm
 from shardfuse.sharding._host_shard import HostShard
@@ -59,6 +60,7 @@ def finish_host_steps(unit: Unit) -> None:
     engine = engine_of(unit)
     if engine is not None:
         engine.synchronize()
+    _ssd.page_in_tree(units_below(unit))  # ssd: shards on disk are read in for the caller
 
 
 def settle(unit: Unit) -> None:
@@ -128,8 +130,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             so half the bytes cross to the GPU; off by default because the host's fp32->bf16 pass costs more CPU
             time (0.49 s for 2.9B parameters on a 16-core host) than the extra PCIe bytes (0.1 s at 55 GB/s), and
             the host optimizer is the bottleneck of an offloaded step.
-        host_threads: intra-op threads of the host optimizer step. ``None``: the cores this process may use less
-            one, left to the main thread that launches GPU work meanwhile (with every core in the optimizer's
+        host_threads: intra-op threads of the host optimizer step, set with ``torch.set_num_threads`` from the
+            worker thread: torch's intra-op thread count is process-wide, so the main thread's CPU ops use it too.
+            ``None``: the cores this process may use less one (at most torch's current count), left to the main
+            thread that launches GPU work meanwhile (with every core in the optimizer's
             parallel regions, the one shared with the launching thread holds up each region).
 
     ``clip_grad_norm_`` on the model takes the norm from per-unit norms computed on the GPU as gradients are
@@ -156,7 +160,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._lock = threading.Lock()
         self.host_threads = host_threads if host_threads is not None else default_host_threads()
         self._worker = StepWorker(self.host_threads)
-        self._finalizer = weakref.finalize(self, self._worker.close)
+        self._finalizer = weakref.finalize(self, _close_worker, self._worker)
         self._plans: list[ShardPlan] = []
         self._plan_of_host: dict[int, ShardPlan] = {}
         self._signature: tuple = ()
@@ -206,6 +210,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         self.synchronize()
+        _ssd.page_in_optimizer_state(self.optimizer)  # ssd: optimizer state on disk is read in
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -228,8 +233,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             prec = u.config.precision
             compute = prec.compute_dtype if prec.mixed_precision and self.host_compute_copy else None
             for h in u.handles:
-                if h.host is None and h.flat.device.type == "cpu":
-                    h.host = HostShard(h.flat, compute or h.dtype, pin=torch.cuda.is_available())
+                if (h.host is None or _ssd.ssd_host(h)) and h.flat.device.type == "cpu":  # ssd: keep its host
+                    h.host = _ssd.ssd_host(h) or HostShard(h.flat, compute or h.dtype, pin=torch.cuda.is_available())
                     h.host.keep_full_in_no_sync = self.accumulate_on_gpu
                     if self.step_in_backward:
                         h.host.on_grad_sent = self._on_grad_sent
@@ -355,7 +360,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             del _ENGINES[self.root]
         for u in units_below(self.root):
             for h in u.handles:
-                h.host = None
+                h.host = _ssd.host_after_engine(h)  # None, or the SSD host shard (the plain optimizer's path)
 
     # ----------------------------------------------------------------------------------------------
     # clipping
@@ -453,6 +458,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
 def _make_resident(handle: FlatParamHandle, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
     """Move a host shard, its gradient and its optimizer state to ``device``; it is stepped there from now on."""
+    _ssd.leave_tier(handle)  # ssd: read in for good (its files go)
     flat = handle.flat
     flat.data = flat.data.to(device)
     if flat.grad is not None:
@@ -464,6 +470,13 @@ def _make_resident(handle: FlatParamHandle, optimizer: torch.optim.Optimizer, de
                                                                for g in optimizer.param_groups)):
                 state[k] = v.to(device)
     handle.host = None
+
+
+def _close_worker(worker: StepWorker) -> None:
+    """Finish the queued updates and end the worker; an SSD-backed update waiting for room to keep its shard
+    (for a gather that will not come now) goes on."""
+    with _ssd.main_waits():
+        worker.close()
 
 
 def unit_of_root(model: nn.Module) -> Unit:

@@ -11,6 +11,11 @@ At the first wrap, ``FullyShardedDataParallel`` installs (once per process):
 3. a global optimizer step post-hook writes the key :data:`SHARD_MARK_KEY` (``(rank, world_size)``) into the
    state of every sharded parameter of every optimizer, which the pre-hook checks after a load.
 
+The SSD offload tier (``_ssd.py``) installs two more optimizer step hooks, once, at the first wrap with
+``offload_config=OffloadConfig(offload_type="ssd_offload")``: they read the shards an optimizer steps in from their
+files before its step and write them behind after it. The switch below leaves them alone: without them a model
+whose shards live on disk cannot be stepped at all.
+
 Turn them off with the environment variable ``SHARDFUSE_PROCESS_HOOKS=0`` (read at each wrap) or with
 ``shardfuse.set_process_hooks(False)`` (also removes hooks already installed). Without them
 ``torch.nn.utils.clip_grad_norm_`` clips by each rank's local norm (use ``model.clip_grad_norm_()``), and

@@ -116,19 +116,21 @@ def test_section_renders(big_dir: Path, tmp_path: Path) -> None:
     assert "315 ms per billion parameters (measured on 1.00B parameters, 16 threads)" in text
     assert "#### `2.9b-4k`: 2.9B parameters, 4,096 tokens per step (batch 2 x seq 2048)" in text
     assert "Floor 917 ms = max(GPU compute 200 ms, PCIe 286 ms (in 140 ms, out 286 ms), CPU optimizer 917 ms)" in text
-    header = "| implementation | step ms | vs floor | vs resident | tokens/s | GPU peak GiB | host RSS GiB | status |"
+    header = ("| implementation | step ms | vs floor | vs resident | tokens/s | GPU peak GiB | host RSS GiB "
+              "| host B/param | status |")
     assert text.count(header) == 2
     full = "shardfuse `move_params_to_cpu`, `OffloadOptimizer`, full offload"
-    assert f"| {full} | 1500 (1485-1530) | 1.64x | 6.00x | 2,731 | 15.0 | 46.8 | ok |" in text
+    assert f"| {full} | 1500 (1485-1530) | 1.64x | 6.00x | 2,731 | 15.0 | 46.8 | 17.2 | ok |" in text  # 46.8 GiB/2.9B
     assert f"| {full} ({SIB}) | 1300 (1287-1326) | 1.42x | 5.20x |" in text
     assert "GPU budget 40 GiB | 900 (891-918) | 0.98x | 3.60x |" in text
     # Status rows: the status, no numbers, and the reason under the table.
-    assert "| DeepSpeed ZeRO-3, parameters + optimizer offloaded | - | - | - | - | - | - | oom |" in text
+    assert "| DeepSpeed ZeRO-3, parameters + optimizer offloaded | - | - | - | - | - | - | - | oom |" in text
     assert "DeepSpeed ZeRO-3, parameters + optimizer offloaded: oom: GPU out of memory: tried 2 GiB" in text
     resident = "resident (all on the GPU, bf16 autocast, fused AdamW)"
-    assert f"| {resident} | - | - | - | - | - | - | compute-only |" in text
+    assert f"| {resident} | - | - | - | - | - | - | - | compute-only |" in text
     assert "do not fit on this GPU: forward+backward only (forward+backward 310 ms)" in text
-    assert "| FSDP2 `CPUOffloadPolicy(pin_memory=True)`, fused CPU AdamW | - | - | - | - | - | - | skipped |" in text
+    fsdp2 = "FSDP2 `CPUOffloadPolicy(pin_memory=True)`, fused CPU AdamW"
+    assert f"| {fsdp2} | - | - | - | - | - | - | - | skipped |" in text
     assert ": error: killed by signal 9" in text
     # 6.7B: no resident step, so no ratio to it; the floor still holds.
     assert f"| {full} | 2600 (2574-2652) | 1.24x | - |" in text

@@ -149,3 +149,21 @@ def test_gpu_suite_stage_by_name_only() -> None:
     assert "--target /tmp/site" in stage and ".whl/*.whl" in stage and "step offload-big" in stage
     defaults = " ".join(ln for ln in text.splitlines() if "STAGES=(" in ln or "STAGES+=(" in ln)
     assert "offload-big" not in defaults  # slow: asked for by name, one configuration per 10-minute command
+
+
+def test_ssd_row_takes_the_disk_floor(tmp_path) -> None:
+    """``shardfuse-ssd``: the disk probe measures both directions, and that row's floor is the larger of the
+    configuration's floor and read + write of 12 B/param (fp32 shards and AdamW state) at the disk's speed."""
+    from bench.offload import disk
+
+    bw = disk.measure(str(tmp_path), gib=1 / 64)
+    assert bw["read_gbps"] > 0 and bw["write_gbps"] > 0 and not list(tmp_path.iterdir())
+    n = MODELS["6.7b"].num_params()
+    slow = {"read_gbps": 2.0, "write_gbps": 1.0}
+    assert disk.floor_ms(n, slow, True) == pytest.approx((12 * n / 2e9 + 12 * n / 1e9) * 1e3)
+    rows = [{"impl": i, "config": "6.7b-2k", "params": n, "step_ms": 200_000.0, "ssd_optimizer_state": True}
+            for i in ("shardfuse", "shardfuse-ssd")]
+    big.add_ratios(rows, {"config": "6.7b-2k", "floor_ms": 1000.0}, slow)
+    assert rows[0]["floor_ms"] == 1000.0 and "disk_floor_ms" not in rows[0]
+    assert rows[1]["floor_ms"] == rows[1]["disk_floor_ms"] == pytest.approx(disk.floor_ms(n, slow, True))
+    assert rows[1]["vs_floor"] == pytest.approx(200_000.0 / rows[1]["floor_ms"])

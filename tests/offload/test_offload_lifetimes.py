@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from shardfuse.offload import OffloadModel, _engine
+from shardfuse.offload import OffloadModel, _buffers, _engine
 from shardfuse.offload import _model as offload_model
 
 pytestmark = pytest.mark.usefixtures("poisoned_slots")
@@ -152,8 +152,8 @@ class _FakeEvent:
 def test_pending_frees_hold_until_the_read_is_over(monkeypatch):
     # What replaces record_stream: a device tensor read by the d2h stream stays alive until its copy's event.
     waited = []
-    monkeypatch.setattr(_engine, "wait_event", lambda stream, ev: waited.append(ev))
-    pending = _engine.PendingFrees()
+    monkeypatch.setattr(_buffers, "wait_event", lambda stream, ev: waited.append(ev))
+    pending = _buffers.PendingFrees()
     a, b = torch.randn(4), torch.randn(4)
     ea, eb = _FakeEvent(), _FakeEvent()
     refs = [StorageWeakRef(t.untyped_storage()) for t in (a, b)]
@@ -173,8 +173,8 @@ def test_pending_frees_are_bounded(monkeypatch):
     # The host may run ahead of the GPU: past MAX_HELD held copies, the oldest is released after the compute stream
     # waits for its read (a device-side wait), so held activations cannot pile up under a tight memory cap.
     waited = []
-    monkeypatch.setattr(_engine, "wait_event", lambda stream, ev: waited.append((stream, ev)))
-    pending = _engine.PendingFrees()
+    monkeypatch.setattr(_buffers, "wait_event", lambda stream, ev: waited.append((stream, ev)))
+    pending = _buffers.PendingFrees()
     tensors = [torch.randn(4) for _ in range(pending.MAX_HELD + 3)]
     events = [_FakeEvent() for _ in tensors]
     refs = [StorageWeakRef(t.untyped_storage()) for t in tensors]
@@ -199,3 +199,113 @@ def test_offload_package_keeps_the_rules():
         asserts = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Assert)]
         streams = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "record_stream"]
         assert asserts == [] and streams == [], f"{path.name}: assert at {asserts}, record_stream at {streams}"
+
+
+class _BehindD2H:
+    """A device->host stream the host runs ahead of, as in the offload bench (the host queues a whole forward
+    and backward before the GPU is far into the forward): no copy is found done by a query until the host
+    waits for one, and then every copy before it is done too (one stream, in order)."""
+
+    def __init__(self) -> None:
+        self.issued = 0
+        self.done = 0
+
+    def event(self) -> _BehindEvent:
+        self.issued += 1
+        return _BehindEvent(self, self.issued)
+
+
+class _BehindEvent:
+    def __init__(self, stream: _BehindD2H, seq: int) -> None:
+        self.stream, self.seq = stream, seq
+
+    def query(self) -> bool:
+        return self.seq <= self.stream.done
+
+    def synchronize(self) -> None:
+        self.stream.done = max(self.stream.done, self.seq)
+
+
+def _trace_copy_sources(monkeypatch, hold: bool, **kw: Any) -> list[tuple[str, int, int, int]]:
+    """Two steps on the CPU with every stash a device->host copy behind the host (the engine's own hold and
+    release bookkeeping runs as on a GPU). At each slice load: (phase, slice, copy sources still allocated,
+    tensors the engine holds). ``hold=False`` is record_stream's schedule: the engine holds nothing, and a
+    source's memory leaves the allocator's count when its last other reference goes."""
+    d2h = _BehindD2H()
+    sources: list[StorageWeakRef] = []
+
+    def copy_home(self: Any, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        sources.append(StorageWeakRef(t.untyped_storage()))
+        return t.detach().clone(), d2h.event()
+
+    monkeypatch.setattr(_engine.Engine, "_on_device", lambda self, t: True)
+    monkeypatch.setattr(_engine.Engine, "_copy_home", copy_home)
+    monkeypatch.setattr(offload_model, "MIN_OFFLOAD_BYTES", 0)
+    with monkeypatch.context() as m:
+        if not hold:
+            m.setattr(_buffers.PendingFrees, "hold", lambda self, t, ev, compute=None: None)
+        trace: list[tuple[str, int, int, int]] = []
+        real_acquire = _engine.Engine.acquire
+
+        def acquire(self: Any, s: Any, phase: Any, stash: Any = None, **kw: Any) -> Any:
+            gc.collect()
+            trace.append((phase.value, s.index, sum(not r.expired() for r in sources), len(self.pending)))
+            return real_acquire(self, s, phase, stash, **kw)
+
+        m.setattr(_engine.Engine, "acquire", acquire)
+        off = OffloadModel(relu_net(depth=8), "cpu", num_slices=4, **kw)
+        opt = None if kw.get("optimizer_in_backward") else sgd(off.parameters())
+        torch.manual_seed(1)
+        for _ in range(2):
+            x = torch.randn(8, 16)
+            off(x).pow(2).mean().backward()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad()
+            del x
+    return trace
+
+
+def test_stashed_inputs_die_when_their_slice_forward_ends(monkeypatch):
+    # The offload bench's default shape (checkpoint_activation=True, 4 microbatches): each slice's input is
+    # copied home while the slice computes. Held until a query found its copy done, and the host far ahead of
+    # the GPU, the last two inputs stayed allocated through backward (4.28 -> 4.53 GiB on the GPU at the
+    # MAX_HELD commit); record_stream had let each go when the forward dropped it. Now the engine drops its hold
+    # at the end of that slice's forward (after a compute-stream wait): at every slice load the copy sources
+    # still allocated are exactly those of record_stream's schedule, and the engine holds nothing.
+    kw = dict(checkpoint_activation=True, num_microbatches=4)
+    now = _trace_copy_sources(monkeypatch, hold=True, **kw)
+    before = _trace_copy_sources(monkeypatch, hold=False, **kw)
+    assert [t[:3] for t in now] == [t[:3] for t in before], f"now {now}\nrecord_stream's schedule {before}"
+    assert max(held for *_, held in now) == 0
+    assert max(alive for _, _, alive, _ in now) == max(alive for _, _, alive, _ in before)
+
+
+@pytest.mark.parametrize("opt_in_bwd", [False, True], ids=["host-opt", "opt-in-bwd"])
+def test_parked_activations_are_not_held_into_backward(monkeypatch, opt_in_bwd):
+    # offload_activations: what a slice parked goes at the end of the next slice's forward at the latest (its
+    # copies ran while that one computed), so backward starts with the copy sources of record_stream's schedule;
+    # in the forward at most MAX_HELD more are allocated (the bound of the capped run).
+    kw = dict(offload_activations=True, optimizer_in_backward=sgd if opt_in_bwd else None)
+    now = _trace_copy_sources(monkeypatch, hold=True, **kw)
+    before = _trace_copy_sources(monkeypatch, hold=False, **kw)
+    assert [t[:3] for t in now if t[0] == "backward"] == [t[:3] for t in before if t[0] == "backward"]
+    assert all(held == 0 for phase, _, _, held in now if phase == "backward")
+    assert all(a - b <= _buffers.PendingFrees.MAX_HELD for (_, _, a, _), (_, _, b, _) in zip(now, before))
+
+
+def test_pending_frees_release_waits_then_drops_only_the_named_copies(monkeypatch):
+    # A caller done with a source (its slice's forward is over) drops it without a query: the compute stream waits
+    # for that copy first, so the memory is never handed out again under a running copy; the others stay held.
+    waited = []
+    monkeypatch.setattr(_buffers, "wait_event", lambda stream, ev: waited.append((stream, ev)))
+    pending = _buffers.PendingFrees()
+    tensors = [torch.randn(4) for _ in range(2)]
+    events = [_FakeEvent() for _ in tensors]
+    refs = [StorageWeakRef(t.untyped_storage()) for t in tensors]
+    for t, ev in zip(tensors, events):
+        pending.hold(t, ev, compute="compute")
+    del tensors, t
+    pending.release([events[0], None], compute="compute")
+    assert waited == [("compute", events[0])] and len(pending) == 1
+    assert refs[0].expired() and not refs[1].expired()

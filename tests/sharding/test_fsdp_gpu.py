@@ -107,7 +107,7 @@ def _wide_model(units: int, dim: int) -> FSDP:
 def _intervals(prof: Any, needle: str) -> list[tuple[float, float]]:
     out = []
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and needle in e.name.lower():
+        if e.device_type == torch.autograd.DeviceType.CUDA and needle in e.name.lower() and e.time_range.end > 0:
             out.append((e.time_range.start, e.time_range.end))
     return out
 
@@ -132,6 +132,7 @@ def check_overlap() -> dict[str, float]:
         model(x).float().pow(2).mean().backward()
         opt.step()
     torch.cuda.synchronize()
+    dist.barrier()  # both ranks enter the profiled step together (as bench.e2e.overlap does)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         opt.zero_grad(set_to_none=True)
         model(x).float().pow(2).mean().backward()
