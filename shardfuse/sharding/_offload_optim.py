@@ -37,6 +37,10 @@ from shardfuse.sharding._tree import units_below
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
+# The first step() places units by the peak of a fully offloaded step; that peak holds the offloaded path's
+# transient buffers, which the resident units do not add to, so the second step() places more units by the peak
+# measured with the first placement (then the placement is fixed).
+PLACEMENTS = 2
 # Root unit -> its OffloadOptimizer, both weakly (the optimizer holds the model: a strong value would keep the
 # model, its pinned buffers and the optimizer alive forever): clip_grad_norm_ and the state-dict paths find it here.
 _ENGINES: weakref.WeakKeyDictionary[Unit, weakref.ref[OffloadOptimizer]] = weakref.WeakKeyDictionary()
@@ -162,7 +166,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._signature: tuple = ()
         self._coef: torch.Tensor | None = None  # clipping's coefficient, for the host shards' next updates
         self._coef_deferred: set[int] = set()  # id(handle) of the shards whose scaling waits for their update
-        self._placed = False
+        self._placements = 0  # budget placements made (PLACEMENTS at most)
+        self._moved_any = False
         self._optimizer_step_pre_hooks = OrderedDict()
         self._optimizer_step_post_hooks = OrderedDict()
         self._optimizer_state_dict_pre_hooks = OrderedDict()
@@ -273,13 +278,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("OffloadOptimizer.step() takes no closure: compute the loss and backward before step()")
         self.synchronize()
-        if not self._placed:
-            self._place_by_budget()
+        done_on_host: set[int] = set()
+        if self._placements < PLACEMENTS:
+            done_on_host = self._place_by_budget()
         self._refresh_plans()
         coef, self._coef = self._coef, None
         deferred, self._coef_deferred = self._coef_deferred, set()
         for plan in self._plans:
-            if plan.host is None:  # on the GPU (or not a shard): queued there, in order
+            if plan.host is None and id(plan.handle) not in done_on_host:  # on the GPU: queued there, in order
                 # Scaled at the clip already, unless it was a host shard then (made resident by the budget since).
                 late = coef if id(plan.handle) in deferred else None
                 step_plan(plan, settings_of(self.optimizer, plan), late)
@@ -300,7 +306,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _on_grad_sent(self, host: HostShard, event: torch.cuda.Event | None) -> None:
         """``step_in_backward``: a host shard's gradient copy is queued; start its update behind the copy."""
-        if not self._placed and self._budget_applies():
+        if not self._placements and self._budget_applies():
             # The first backward: the budget places units at the first step(), and an update now would make every
             # unit's optimizer state on the host first (the peak of full offload). This step updates after it.
             return
@@ -418,12 +424,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """Whether the first step() may keep units resident (a CUDA compute device and a budget other than 0)."""
         return self.root.compute_device.type == "cuda" and self.gpu_budget_gib != 0
 
-    def _place_by_budget(self) -> None:
-        """Once, at the first step: keep the units that fit the budget resident on the GPU."""
-        self._placed = True
+    def _place_by_budget(self) -> set[int]:
+        """At the first steps (PLACEMENTS): keep the offloaded units that fit the room left under the budget
+        resident on the GPU, the next ones in forward order. Returns the ids of the handles moved whose update
+        already ran on the host in this step's backward (``step_in_backward``): not to be stepped again."""
+        self._placements += 1
         device = self.root.compute_device
-        if not self._budget_applies():
-            return
+        resident_before = sum(1 for h in self._handles_in_order() if h.host is None)
+        if not self._budget_applies() or (self._placements > 1 and not self._moved_any):
+            self._placements = PLACEMENTS  # nothing fitted the first time: the peak will not change
+            return set()
         if self.gpu_budget_gib is None:
             total = torch.cuda.get_device_properties(device).total_memory
             allowed = 0.92 * total - torch.cuda.max_memory_reserved(device)
@@ -433,13 +443,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
         per_element = 4 + 4 + _state_bytes_per_element(self.optimizer)  # shard, gradient, optimizer state
         count = choose_resident([h.flat.numel() for h in handles], allowed, per_element)
         moved = handles[:count]
+        done_on_host = {id(h) for h in moved if h.host is not None and id(h.host) in self._stepped_in_backward}
         for h in moved:
             _make_resident(h, self.optimizer, device)
+        self._moved_any = self._moved_any or bool(moved)
         if moved:
-            logger.info("OffloadOptimizer: %d of %d offloaded shards (%.2f GiB with gradients and state) stay on "
-                        "%s", len(moved), len(handles), sum(h.flat.numel() for h in moved) * per_element / GIB,
-                        device)
+            logger.info("OffloadOptimizer: %d more of %d offloaded shards (%.2f GiB with gradients and state) stay "
+                        "on %s (placement %d; %d resident before)", len(moved), len(handles),
+                        sum(h.flat.numel() for h in moved) * per_element / GIB, device, self._placements,
+                        resident_before)
         self._signature = ()
+        return done_on_host
 
 
 def _make_resident(handle: FlatParamHandle, optimizer: torch.optim.Optimizer, device: torch.device) -> None:

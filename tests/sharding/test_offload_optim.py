@@ -181,6 +181,50 @@ def test_step_in_backward_waits_for_the_budget_placement(pool):
     assert pool.run(check_step_in_backward_waits_for_the_budget) == [True] * WORLD
 
 
+def check_second_placement(step_in_backward: bool) -> bool:
+    """The budget places units at the first step() and adds the next ones in forward order at the second (by the
+    peak measured with the first placement; faked here: the CPU stands in for the GPU); values equal the plain
+    path bit for bit, so no unit moved after its host update in backward is stepped twice."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    cfg: dict[str, Any] = {}
+    model = wrap_model(build(cfg), {"move_params_to_cpu": True})
+    ref = wrap_model(build(cfg), {"move_params_to_cpu": True})
+    handles = [h for u in _units(model) for h in u.handles]
+    budget = 1 << 30
+    opt = OffloadOptimizer(model, make_optim(model.parameters(), cfg), gpu_budget_gib=1.0,
+                           step_in_backward=step_in_backward)
+    opt._budget_applies = lambda: True  # type: ignore[method-assign]  # as on a GPU
+    ref_opt = make_optim(ref.parameters(), cfg)
+    peaks: list[int] = []  # what max_memory_allocated reports at each placement: room for one unit each time
+    real = torch.cuda.max_memory_allocated
+    torch.cuda.max_memory_allocated = lambda *a, **k: peaks.pop(0)  # type: ignore[assignment]
+    try:
+        for step in range(4):
+            ids, target = batch(step, rank, ws)
+            for m, o in ((model, opt), (ref, ref_opt)):
+                loss_fn(m, ids, target, step, cfg).backward()
+                if m is model and step < 2:
+                    order = [h for h in opt._handles_in_order() if h.host is not None]
+                    peaks.append(budget - order[0].flat.numel() * 16 - 1)  # room for the next unit alone
+                o.step()
+                o.zero_grad()
+            resident = [h for h in handles if h.host is None]
+            assert len(resident) == min(step + 1, 2), f"step {step}: {len(resident)} resident"
+    finally:
+        torch.cuda.max_memory_allocated = real  # type: ignore[assignment]
+    assert resident == opt._handles_in_order()[:2], "the resident units are the first two of the forward order"
+    sd, ref_sd = model.state_dict(), ref.state_dict()
+    for k in ref_sd:
+        assert torch.equal(sd[k], ref_sd[k]), k
+    opt.close()
+    return True
+
+
+@pytest.mark.parametrize("step_in_backward", [False, True], ids=["after-backward", "in-backward"])
+def test_second_placement_adds_the_next_units(pool, step_in_backward):
+    assert pool.run(check_second_placement, step_in_backward) == [True] * WORLD
+
+
 def check_step_in_backward_misuse() -> bool:
     rank, ws = dist.get_rank(), dist.get_world_size()
     model = wrap_model(build({}), {"move_params_to_cpu": True})
