@@ -3,6 +3,7 @@
 #
 #   bash bench/gpu_suite.sh [stage ...]     stages: env tests kernels kernels-pb tile-sweep offload e2e overlap
 #                                           train regress (default: all that fit), and by name only (slow):
+#                                           host-step (the host optimizer's passes on this CPU, no GPU needed)
 #                                           e2e-hf (Hugging Face LlamaForCausalLM, 853M, 1 x 1024 tokens per GPU)
 #                                           e2e-7b (the 7B-class decoder, 1 x 4096 tokens per GPU)
 #                                           host-profile (the eager 1K step's host time, cProfile of rank 0)
@@ -82,6 +83,10 @@ for stage in "${STAGES[@]}"; do
       step kernels-pb 240 python3 -m pytest -q -p no:cacheprovider bench/kernels/test_bench_kernels.py \
         --benchmark-enable --benchmark-storage="file://$PB_STORE" --benchmark-autosave \
         ${PB_COMPARE[@]+"${PB_COMPARE[@]}"} --benchmark-json="$OUT/kernels-pytest-benchmark.json" ;;
+    host-step)
+      # the host optimizer step on this machine's CPU: separate passes vs the chunked pass (bench/offload/host_step.py)
+      step host-step 150 python3 -m bench.offload.host_step --out "$OUT/host_step.json" ${HOST_STEP_ARGS:-}
+      cp "$OUT/host_step.json" "$FINAL/" 2>/dev/null ;;
     tile-sweep)
       step tile-sweep 120 python3 -m bench.kernels.sweep_flatten_tile ;;
     offload)

@@ -61,7 +61,7 @@ GIB = 2**30
 # Opt-in: the no-clipping variants, the other settings' variants, and the SSD tier (disk-bound: a configuration of
 # its own per 10-minute call).
 DEFAULT_IMPLS = tuple(i for i in IMPLS
-                      if "-sib" not in i and not i.endswith(("-keep", "-allcores")) and i != "shardfuse-ssd")
+                      if "-sib" not in i and not i.endswith(("-keep", "-allcores", "-hcc")) and i != "shardfuse-ssd")
 FLOOR_BYTES = ("bf16 parameters host->device (2 B/param) and fp32 gradients device->host (4 B/param), once per "
                "optimizer step, the two directions overlapped")  # fmt: skip
 # Rough seconds for the time plan (one H100, 16 cores): per child start, setup per billion parameters, and per
@@ -76,6 +76,8 @@ ESTIMATE: dict[str, tuple[float, float, float, float]] = {
     "shardfuse-sib-allcores": (12, 5, 0.17, 0.2),
     "shardfuse-keep": (12, 5, 0.17, 0.2),
     "shardfuse-sib-keep": (12, 5, 0.17, 0.2),
+    "shardfuse-hcc": (12, 5, 0.17, 0.2),
+    "shardfuse-budget-sib-hcc": (12, 5, 0.1, 0.1),
     "shardfuse-ssd": (12, 8, 8.0, 4.0),  # disk-bound: ~2 GB/s each way assumed
     "fairscale": (12, 8, 0.17, 0.2),
     "fsdp2": (12, 6, 0.2, 0.22),
@@ -340,6 +342,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         variant = r.get("variant")
         sib = "+sib" if "step-in-backward" in str(variant) else ""
         sib += "+all" if "all cores" in str(variant) else "+keep" if "reshard_after" in str(variant) else ""
+        sib += "+hcc" if "host_compute_copy" in str(variant) else ""
         name = r["impl"] + {"host-accum": "+ha", None: ""}.get(variant, sib)
         if not r["step_ms"]:
             print(f"{r['config']:<9} {name:<17} {r['tokens_per_step']:>8} {r['status']}: {r.get('reason', '')[:70]}")
@@ -353,7 +356,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{fmt_key(r, 'host_rss_gib', '8.1f'):>8}"
         )
     print("(+ha: accumulate_on_gpu=False; +sib: step_in_backward=True, no clipping; +all: host_threads = every "
-          "core; +keep: reshard_after_forward=False; x floor / x resident: step time "
+          "core; +keep: reshard_after_forward=False; +hcc: host_compute_copy=True; x floor / x resident: step time "
           "over the floor / resident step)")
 
 

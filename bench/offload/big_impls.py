@@ -45,7 +45,8 @@ from examples.llama import DecoderLayer, Llama, LlamaConfig, next_token_loss
 
 IMPLS = ("resident", "shardfuse", "shardfuse-budget", "shardfuse-host-accum", "shardfuse-sib",
          "shardfuse-budget-sib", "shardfuse-sib-allcores", "shardfuse-keep", "shardfuse-sib-keep", "shardfuse-ssd",
-         "fairscale", "fsdp2", "deepspeed-zero2", "deepspeed-zero3")  # fmt: skip
+         "shardfuse-hcc", "shardfuse-budget-sib-hcc", "fairscale", "fsdp2", "deepspeed-zero2",
+         "deepspeed-zero3")  # fmt: skip
 # Variants recorded as another implementation's row with a ``variant`` (internal name -> (row impl, variant)).
 # ``-sib``: OffloadOptimizer(step_in_backward=True), each unit's host update overlapping backward; it cannot clip
 # by the global norm, so these rows train WITHOUT clipping (every other row clips at MAX_NORM).
@@ -55,12 +56,17 @@ VARIANTS = {"shardfuse-host-accum": ("shardfuse", "host-accum"),
             "shardfuse-keep": ("shardfuse", "reshard_after_forward=False"),
             "shardfuse-sib-keep": ("shardfuse", "step-in-backward, no clipping, reshard_after_forward=False"),
             "shardfuse-sib-allcores": ("shardfuse",
-                                       "step-in-backward, no clipping, host_threads=all cores")}  # fmt: skip
+                                       "step-in-backward, no clipping, host_threads=all cores"),
+            "shardfuse-hcc": ("shardfuse", "host_compute_copy"),
+            "shardfuse-budget-sib-hcc": ("shardfuse-budget",
+                                         "step-in-backward, no clipping, host_compute_copy")}  # fmt: skip
 # ``-keep``: wrapped with reshard_after_forward=False: the gathered bf16 parameters stay on the GPU from forward
 # to backward, so each offloaded shard crosses PCIe (and is read from host memory) once per step instead of twice,
 # for the full compute-dtype parameters on the GPU during the step.
 # ``-allcores``: OffloadOptimizer(host_threads=<every core>) instead of its default (the cores less one, left to
 # the thread launching GPU work): the measurement behind that default.
+# ``-hcc``: OffloadOptimizer(host_compute_copy=True): the host update writes a bf16 copy (in the same cache-sized
+# pass), so 2 instead of 4 bytes per parameter cross to the GPU and are read from host memory.
 # ``shardfuse-host-accum``: the shardfuse row of an accumulating configuration with ``accumulate_on_gpu=False``
 # (gradients go to the host every micro-batch); its row's impl is ``shardfuse`` with ``variant: host-accum``.
 GPU_ONLY = frozenset({"fairscale", "fsdp2", "deepspeed-zero2", "deepspeed-zero3"})
@@ -134,12 +140,8 @@ def unavailable_reason(impl: str, device: str) -> str | None:
     """Why ``impl`` is skipped in this environment, without importing it (the driver asks before spawning)."""
     if impl in GPU_ONLY and device != "cuda":
         return "needs a CUDA GPU"
-    module = {"fairscale": "fairscale", "deepspeed-zero2": "deepspeed", "deepspeed-zero3": "deepspeed",
-              "shardfuse": "shardfuse", "shardfuse-budget": "shardfuse",
-              "shardfuse-host-accum": "shardfuse", "shardfuse-sib": "shardfuse",
-              "shardfuse-budget-sib": "shardfuse", "shardfuse-sib-allcores": "shardfuse",
-              "shardfuse-keep": "shardfuse", "shardfuse-sib-keep": "shardfuse",
-              "shardfuse-ssd": "shardfuse"}.get(impl)  # fmt: skip
+    module = {"fairscale": "fairscale", "deepspeed-zero2": "deepspeed", "deepspeed-zero3": "deepspeed"}.get(
+        impl, "shardfuse" if impl.startswith("shardfuse") else None)
     if module is not None and importlib.util.find_spec(module) is None:
         return f"not installed (no module named {module!r})"
     return None
@@ -353,9 +355,12 @@ def make_shardfuse(job: Job, device: torch.device) -> Trainer:
         extra: dict[str, Any] = {"step_in_backward": True} if sib else {}
         if job.impl.endswith("-allcores"):
             extra["host_threads"] = len(os.sched_getaffinity(0))
+        if job.impl.endswith("-hcc"):
+            extra["host_compute_copy"] = True
         opt = offload_optimizer(model, opt, gpu_budget_gib=budget, accumulate_on_gpu=on_gpu, **extra)
         info.update(gpu_budget_gib=budget, accumulate_on_gpu=on_gpu, step_in_backward=sib, clipping=not sib,
-                    host_threads=getattr(opt, "host_threads", None))
+                    host_threads=getattr(opt, "host_threads", None),
+                    host_compute_copy=bool(getattr(opt, "host_compute_copy", False)))
     return (NoClipTrainer if sib else FairScaleStyleTrainer)(model, opt, job.cfg.accum, info)
 
 
@@ -438,6 +443,8 @@ MAKERS: dict[str, Callable[[Job, torch.device], Trainer]] = {
     "shardfuse-keep": make_shardfuse,
     "shardfuse-sib-keep": make_shardfuse,
     "shardfuse-ssd": make_shardfuse,
+    "shardfuse-hcc": make_shardfuse,
+    "shardfuse-budget-sib-hcc": make_shardfuse,
     "fairscale": make_fairscale,
     "fsdp2": make_fsdp2,
     "deepspeed-zero2": make_deepspeed,

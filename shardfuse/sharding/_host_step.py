@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from shardfuse.sharding._flat_param import FlatParamHandle
+from shardfuse.sharding._host_fused import step_in_chunks
 from shardfuse.sharding._host_shard import HostShard
 
 logger = logging.getLogger(__name__)
@@ -174,8 +175,7 @@ def host_task(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tenso
                     handle.flat.grad = host.grad_buf
                     handle.grads_to_views()  # use_orig_params: the optimizer steps the views
                 host.sync_h2d()
-                step_plan(plan, settings, coef)
-                host.write_compute_copy(handle.flat)
+                _step_host_shard(plan, host, handle, settings, coef)
                 apply_zero_grad(plan, plan.deferred_zero)
             except BaseException as err:  # noqa: BLE001 - handed to the main thread, raised at the next wait
                 host.error = err
@@ -185,6 +185,26 @@ def host_task(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tenso
                 host.ready.set()
 
     return run
+
+
+def _step_host_shard(plan: ShardPlan, host: HostShard, handle: FlatParamHandle, settings: list[dict[str, Any]],
+                     coef: torch.Tensor | None) -> None:
+    """Step one host shard and refresh its compute-dtype copy: chunk by chunk in one cache-sized pass where
+    ``_host_fused`` applies (torch's fused Adam/AdamW, state made), else the optimizer's own step, then the copy.
+    The SSD tier's shards take the optimizer's own step: its step hooks page them in and write them behind."""
+    in_sync = host.compute_buf is not None and host.copy_version == handle.flat._version
+    chunked = type(host) is HostShard and step_in_chunks(
+        [(sub, params, s) for sub, (_, params), s in zip(plan.subs, plan.groups, settings)], coef, handle.flat,
+        host.compute_buf if in_sync else None)
+    if not chunked:
+        step_plan(plan, settings, coef)
+    else:
+        for sub, group_settings in zip(plan.subs, settings):
+            sub.param_groups[0].update(group_settings)
+    if chunked and (in_sync or host.compute_buf is None):
+        host.copy_version = handle.flat._version  # the copy followed each chunk
+    else:
+        host.write_compute_copy(handle.flat)
 
 
 def apply_zero_grad(plan: ShardPlan, set_to_none: bool | None) -> None:

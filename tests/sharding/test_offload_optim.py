@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from shardfuse import OffloadOptimizer
 from shardfuse.sharding import FullyShardedDataParallel as FSDP
+from shardfuse.sharding import _host_fused, _host_step
 from shardfuse.sharding._offload_optim import _make_resident
 from tests.sharding._models import batch, build, loss_fn, make_optim, wrap_model
 
@@ -26,6 +27,29 @@ STEPS = 4
 
 
 def _train(cfg: dict[str, Any], overlapped: bool) -> tuple[FSDP, Any, list[float]]:
+    chunk, real_step_in_chunks = _host_fused.CHUNK_ELEMENTS, _host_step.step_in_chunks
+    chunked: list[bool] = []  # what each host shard's step did: True where it ran in cache-sized chunks
+
+    def spy(*args: Any, **kwargs: Any) -> bool:
+        chunked.append(not cfg.get("no_chunk") and real_step_in_chunks(*args, **kwargs))
+        return chunked[-1]
+
+    _host_fused.CHUNK_ELEMENTS = cfg.get("host_chunk", chunk)
+    _host_step.step_in_chunks = spy  # type: ignore[assignment]
+    try:
+        model, opt, losses = _train_loop(cfg, overlapped)
+        if overlapped and hasattr(opt, "synchronize"):
+            opt.synchronize()
+    finally:
+        _host_fused.CHUNK_ELEMENTS, _host_step.step_in_chunks = chunk, real_step_in_chunks
+    if overlapped:
+        # torch's fused Adam/AdamW takes the chunked pass once its state exists (every step after the first of a
+        # shard); other optimizers never do.
+        assert any(chunked) == bool(cfg.get("fused") and not cfg.get("no_chunk")), f"chunked steps: {chunked}"
+    return model, opt, losses
+
+
+def _train_loop(cfg: dict[str, Any], overlapped: bool) -> tuple[FSDP, Any, list[float]]:
     rank, ws = dist.get_rank(), dist.get_world_size()
     model = wrap_model(build(cfg), {**cfg, "move_params_to_cpu": True})
     if cfg.get("fused"):
@@ -99,6 +123,13 @@ def check_close_to_plain(cfg: dict[str, Any], tol: tuple[float, float]) -> bool:
 CASES = {
     "adamw": dict(),
     "adamw-fused": dict(fused=True),
+    # The chunked host pass (scale, fused update, compute copy per chunk): chunks of 4096 elements split the
+    # shards of the test model, with clipping, accumulation and step_in_backward.
+    "adamw-fused-chunked-clip": dict(fused=True, host_chunk=4096, clip=0.05),
+    "adamw-fused-chunked-no-sync": dict(fused=True, host_chunk=4096, no_sync_micro=3, clip=0.05),
+    "adamw-fused-chunked-step-in-backward": dict(fused=True, host_chunk=4096, step_in_backward=True,
+                                                 scheduler=True),
+    "adamw-fused-chunked-zero-not-none": dict(fused=True, host_chunk=4096, set_to_none=False, clip=0.05),
     "sgd-momentum": dict(optim="sgd"),
     "clip": dict(clip=0.05),
     "clip-sgd": dict(clip=0.05, optim="sgd"),
@@ -142,6 +173,26 @@ def check_mixed_precision(cfg: dict[str, Any]) -> bool:
                          ids=["device-cast", "host-compute-copy"])
 def test_mixed_precision_close(pool, cfg):
     assert pool.run(check_mixed_precision, cfg) == [True] * WORLD
+
+
+def check_chunked_compute_copy(cfg: dict[str, Any]) -> bool:
+    """bf16 compute with the host compute copy: the chunked pass (the copy written chunk by chunk behind the
+    update) equals the optimizer's own step followed by a whole-shard copy, bit for bit."""
+    base = {**cfg, "mixed_precision": True, "compute_dtype": torch.bfloat16, "host_compute_copy": True,
+            "fused": True}
+    model, _, losses = _train({**base, "host_chunk": 4096}, overlapped=True)
+    ref, _, ref_losses = _train({**base, "no_chunk": True}, overlapped=True)
+    assert losses == ref_losses, f"{losses} vs {ref_losses}"
+    sd, ref_sd = model.state_dict(), ref.state_dict()
+    for k in ref_sd:
+        assert torch.equal(sd[k], ref_sd[k]), k
+    return True
+
+
+@pytest.mark.parametrize("cfg", [dict(clip=0.05), dict(step_in_backward=True), dict(no_sync_micro=2, clip=0.05)],
+                         ids=["clip", "step-in-backward", "no-sync"])
+def test_chunked_compute_copy_equals_whole_copy(pool, cfg):
+    assert pool.run(check_chunked_compute_copy, cfg) == [True] * WORLD
 
 
 def check_step_in_backward_waits_for_the_budget() -> bool:

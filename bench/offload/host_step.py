@@ -1,0 +1,116 @@
+"""The host optimizer step of offloaded shards on this machine's CPU: separate passes against the chunked pass.
+
+    python -m bench.offload.host_step [--params 1.0] [--shards 8] [--chunks 524288,2097152,8388608,33554432]
+                                      [--rounds 3] [--threads N] [--out host_step.json]
+
+Per variant and round, one step of torch's fused AdamW over ``--params`` billion fp32 parameters in ``--shards``
+flat shards, as OffloadOptimizer steps a host shard:
+- ``separate``: clipping's scale (``_foreach_mul_``), ``optimizer.step()``, then the bf16 compute copy, each a pass
+  over the whole shard (the path before the chunked one);
+- ``chunk=C``: ``_host_fused.step_in_chunks`` with C elements per chunk (the three in one cache-sized pass).
+Each in two settings: ``clip+copy`` (scale and compute copy) and ``plain`` (neither: step_in_backward without the
+host compute copy). Rounds interleave the variants; medians and ranges are printed with ms per billion parameters
+and the host-memory bandwidth each implies (bytes the passes must move / time). CPU only: no GPU needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from shardfuse.sharding import _host_fused
+
+
+def _shards(params: float, shards: int) -> list[tuple[torch.Tensor, torch.optim.Optimizer, torch.Tensor]]:
+    per = int(params * 1e9 / shards) // _host_fused.ALIGN * _host_fused.ALIGN
+    out = []
+    for _ in range(shards):
+        p = torch.empty(per).normal_(0, 0.02)
+        p.grad = torch.empty(per).normal_(0, 1e-3)
+        opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.1, fused=True)
+        opt.step()  # the state exists, as after an offloaded run's first step
+        out.append((p, opt, torch.empty(per, dtype=torch.bfloat16)))
+    return out
+
+
+def _separate(shards: list, clip: bool, copy: bool) -> None:
+    coef = torch.tensor(0.5)
+    for p, opt, buf in shards:
+        if clip:
+            torch._foreach_mul_([p.grad], coef)
+        opt.step()
+        if copy:
+            buf.copy_(p)
+
+
+def _chunked(shards: list, clip: bool, copy: bool, chunk: int) -> None:
+    coef = torch.tensor(0.5)
+    for p, opt, buf in shards:
+        settings = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+        if not _host_fused.step_in_chunks([(opt, [p], settings)], coef if clip else None, p,
+                                          buf if copy else None, chunk):
+            raise RuntimeError("the chunked path refused a fused AdamW with state")
+
+
+def _bytes_per_param(clip: bool, copy: bool, chunked: bool) -> int:
+    """Host-memory bytes per parameter the passes must move: the update's 28, and when separate the scale's 8 and
+    the copy's 4+2; chunked, the scaled gradient is written back once (4) and the copy writes 2."""
+    if chunked:
+        return 28 + (4 if clip else 0) + (2 if copy else 0)
+    return 28 + (8 if clip else 0) + (6 if copy else 0)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=float, default=1.0, help="billions of fp32 parameters")
+    ap.add_argument("--shards", type=int, default=8)
+    ap.add_argument("--chunks", default="524288,2097152,8388608,33554432")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="default: the cores less one (OffloadOptimizer's)")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "host_step.json"))
+    args = ap.parse_args(argv)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(args.threads or max(1, cores - 1))
+    shards = _shards(args.params, args.shards)
+    n = sum(p.numel() for p, _, _ in shards)
+    chunks = [int(c) for c in args.chunks.split(",") if c]
+    variants: list[tuple[str, bool, bool, int | None]] = []
+    for clip, copy in ((True, True), (False, False)):
+        variants += [("separate", clip, copy, None)] + [(f"chunk={c}", clip, copy, c) for c in chunks]
+    times: dict[tuple, list[float]] = {}
+    for _ in range(args.rounds):
+        for name, clip, copy, chunk in variants:
+            start = time.perf_counter()
+            if chunk is None:
+                _separate(shards, clip, copy)
+            else:
+                _chunked(shards, clip, copy, chunk)
+            times.setdefault((name, clip, copy), []).append(time.perf_counter() - start)
+    rows = []
+    print(f"host step: {n / 1e9:.2f}B fp32 params in {len(shards)} shards, {torch.get_num_threads()} threads, "
+          f"{cores} cores, torch {torch.__version__}")
+    print(f"{'setting':10} {'variant':16} {'ms/B params':>12} {'range':>15} {'GB/s':>7}")
+    for (name, clip, copy), ts in times.items():
+        med = statistics.median(ts) * 1e9 / n
+        gbps = _bytes_per_param(clip, copy, name != "separate") * n / statistics.median(ts) / 1e9
+        setting = "clip+copy" if clip else "plain"
+        lo, hi = min(ts) * 1e12 / n, max(ts) * 1e12 / n
+        print(f"{setting:10} {name:16} {med * 1e3:12.0f} {lo:7.0f}-{hi:<7.0f} {gbps:7.1f}")
+        rows.append({"setting": setting, "variant": name, "ms_per_billion": med * 1e3, "runs_s": ts,
+                     "host_gbps": gbps})
+    result = {"params": n, "threads": torch.get_num_threads(), "cores": cores, "torch": torch.__version__,
+              "rows": rows}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

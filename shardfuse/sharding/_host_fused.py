@@ -1,0 +1,149 @@
+"""The host optimizer step of one offloaded shard as one cache-sized pass per chunk: clipping's scale, torch's fused
+CPU Adam/AdamW kernel and the compute-dtype copy run chunk by chunk, so the gradient the scale just wrote and the
+parameters the update just wrote are still in the CPU's cache when the next operation reads them.
+
+Run separately over a whole shard, each of the three passes streams the shard through host memory (the scale reads
+and writes the gradient, 8 B/param; the copy re-reads the parameters, 4 B/param) on top of the update's 28 B/param,
+and the host optimizer of an offloaded step is bound by host memory bandwidth. The kernel is the one
+``torch.optim.Adam(fused=True)`` calls (per element), so each chunk gets exactly the values a whole-shard step
+gives: chunk boundaries fall on multiples of ``ALIGN`` elements, where the kernel's vector loops split work anyway.
+
+Only torch's own ``Adam``/``AdamW`` with ``fused=True`` and state already made take this path; anything else (the
+first step, which makes the state; SGD; other settings) returns ``False`` and the caller steps the optimizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# Elements per chunk: ~2M fp32 elements keep a chunk's parameters, gradient, both moments and the compute copy
+# (18 B/element, ~36 MiB) within a server CPU's last-level cache while amortising each operation's dispatch and
+# parallel-region start over enough work.
+CHUNK_ELEMENTS = 1 << 21
+ALIGN = 4096  # chunk boundaries: a multiple of every CPU vector width, so results match the unchunked kernel
+
+
+@dataclass
+class _Group:
+    """One optimizer group's tensors for the fused kernel, and its settings."""
+
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    exp_avgs: list[torch.Tensor]
+    exp_avg_sqs: list[torch.Tensor]
+    max_exp_avg_sqs: list[torch.Tensor]
+    steps: list[torch.Tensor]
+    kwargs: dict[str, Any]
+    decoupled: bool
+
+
+def _scalar(value: Any) -> Any:
+    """A setting as the fused kernel takes it (torch's own step turns tensor betas into numbers too)."""
+    return value.item() if isinstance(value, torch.Tensor) else value
+
+
+def _group_of(sub: torch.optim.Optimizer, params: list[torch.Tensor], settings: dict[str, Any]) -> _Group | None:
+    """The fused kernel's inputs for one (shard, group), or None when this path does not apply."""
+    if type(sub) not in (torch.optim.Adam, torch.optim.AdamW):
+        return None
+    if not settings.get("fused") or settings.get("differentiable") or settings.get("capturable"):
+        return None
+    if getattr(sub, "grad_scale", None) is not None or getattr(sub, "found_inf", None) is not None:
+        return None
+    amsgrad = bool(settings.get("amsgrad"))
+    names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
+    group = _Group([], [], [], [], [], [], {}, bool(settings.get("decoupled_weight_decay",
+                                                                 isinstance(sub, torch.optim.AdamW))))
+    for p in params:
+        if p.grad is None:
+            continue
+        state = sub.state.get(p)
+        if not state or "step" not in state or any(n not in state for n in names):
+            return None  # the first step makes the state: the optimizer's own step does that
+        tensors = [p, p.grad] + [state[n] for n in names]
+        if any(t.device.type != "cpu" or not t.is_contiguous() or t.shape != p.shape or t.dtype != p.dtype
+               or t.is_complex() for t in tensors):
+            return None
+        group.params.append(p)
+        group.grads.append(p.grad)
+        group.exp_avgs.append(state["exp_avg"])
+        group.exp_avg_sqs.append(state["exp_avg_sq"])
+        if amsgrad:
+            group.max_exp_avg_sqs.append(state["max_exp_avg_sq"])
+        group.steps.append(state["step"])
+    beta1, beta2 = settings["betas"]
+    group.kwargs = {"amsgrad": amsgrad, "lr": _lr(settings["lr"]), "beta1": _scalar(beta1),
+                    "beta2": _scalar(beta2), "weight_decay": settings["weight_decay"], "eps": settings["eps"],
+                    "maximize": bool(settings.get("maximize")), "grad_scale": None, "found_inf": None}
+    return group
+
+
+def _lr(value: Any) -> Any:
+    """A CPU tensor learning rate goes to the kernel as a tensor, as in torch's own step; others as a number."""
+    return value if isinstance(value, torch.Tensor) and value.device.type == "cpu" else _scalar(value)
+
+
+def _offset_in(flat: torch.Tensor, t: torch.Tensor) -> int | None:
+    """Where the contiguous view ``t`` starts in ``flat`` (elements), or None when it is not a view of it."""
+    if t.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr() or t.dtype != flat.dtype:
+        return None
+    start = int(t.storage_offset()) - int(flat.storage_offset())
+    return start if start >= 0 and start + t.numel() <= flat.numel() else None
+
+
+def _pieces(numel: int, chunk: int) -> list[tuple[int, int]]:
+    if numel <= chunk:
+        return [(0, numel)]
+    return [(a, min(a + chunk, numel)) for a in range(0, numel, chunk)]
+
+
+def step_in_chunks(sub_groups: list[tuple[torch.optim.Optimizer, list[torch.Tensor], dict[str, Any]]],
+                   coef: torch.Tensor | None, flat: torch.Tensor, compute_buf: torch.Tensor | None,
+                   chunk: int | None = None) -> bool:
+    """Step every (optimizer, parameters, settings) of one shard chunk by chunk: scale the gradients by ``coef``
+    (clipping; None: no scaling), update with the fused kernel, and copy the updated parameters into
+    ``compute_buf`` (the shard's compute-dtype copy, in step with ``flat`` before the call; None: no copy).
+    Returns False, having changed nothing, when the path does not apply. ``chunk``: elements per chunk (None:
+    ``CHUNK_ELEMENTS``)."""
+    chunk = CHUNK_ELEMENTS if chunk is None else chunk
+    if chunk <= 0 or chunk % ALIGN:
+        raise ValueError(f"chunk must be a positive multiple of {ALIGN} elements, got {chunk}")
+    groups = []
+    for sub, params, settings in sub_groups:
+        group = _group_of(sub, params, settings)
+        if group is None:
+            return False
+        groups.append(group)
+    offsets = [[_offset_in(flat, p) for p in g.params] for g in groups]
+    if compute_buf is not None and any(o is None for offs in offsets for o in offs):
+        return False  # parameters that are no view of the shard: the caller copies the whole shard
+    scale = coef.to("cpu") if coef is not None else None
+    with torch.no_grad():
+        for group, offs in zip(groups, offsets):
+            if not group.params:
+                continue
+            torch._foreach_add_(group.steps, 1)
+            kernel = torch._fused_adamw_ if group.decoupled else torch._fused_adam_
+            for i, offset in enumerate(offs):
+                _step_one(group, i, kernel, scale, compute_buf, offset, chunk)
+    return True
+
+
+def _step_one(group: _Group, i: int, kernel: Any, scale: torch.Tensor | None, compute_buf: torch.Tensor | None,
+              offset: int | None, chunk: int) -> None:
+    """Parameter ``i`` of ``group``, chunk by chunk."""
+    views = [group.params[i], group.grads[i], group.exp_avgs[i], group.exp_avg_sqs[i]]
+    if group.max_exp_avg_sqs:
+        views.append(group.max_exp_avg_sqs[i])
+    flat_views = [t.view(-1) for t in views]
+    for a, b in _pieces(flat_views[0].numel(), chunk):
+        p, g, m, v = (t[a:b] for t in flat_views[:4])
+        if scale is not None:
+            g.mul_(scale)
+        kernel([p], [g], [m], [v], [flat_views[4][a:b]] if group.max_exp_avg_sqs else [], [group.steps[i]],
+               **group.kwargs)
+        if compute_buf is not None and offset is not None:
+            compute_buf[offset + a:offset + b].copy_(p)
