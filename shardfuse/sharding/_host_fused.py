@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from shardfuse._versions import mark_updated
+
 # Elements per chunk: ~2M fp32 elements keep a chunk's parameters, gradient, both moments and the compute copy
 # (18 B/element, ~36 MiB) within a server CPU's last-level cache while amortising each operation's dispatch and
 # parallel-region start over enough work.
@@ -147,3 +149,4 @@ def _step_one(group: _Group, i: int, kernel: Any, scale: torch.Tensor | None, co
                **group.kwargs)
         if compute_buf is not None and offset is not None:
             compute_buf[offset + a:offset + b].copy_(p)
+    mark_updated(views)  # the kernel writes in place without counting it (see shardfuse._versions)

@@ -16,6 +16,10 @@ The SSD offload tier (``_ssd.py``) installs two more optimizer step hooks, once,
 files before its step and write them behind after it. The switch below leaves them alone: without them a model
 whose shards live on disk cannot be stepped at all.
 
+One more global optimizer step post-hook is installed at the first wrap (and by ``OffloadModel``), also left alone
+by the switch: ``shardfuse._versions`` bumps the version counters of what a ``fused=True`` optimizer step wrote
+(torch's fused kernels do not), which the SSD tier, ``OffloadModel`` and the runtime read to know what changed.
+
 Turn them off with the environment variable ``SHARDFUSE_PROCESS_HOOKS=0`` (read at each wrap) or with
 ``shardfuse.set_process_hooks(False)`` (also removes hooks already installed). Without them
 ``torch.nn.utils.clip_grad_norm_`` clips by each rank's local norm (use ``model.clip_grad_norm_()``), and

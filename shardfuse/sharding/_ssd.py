@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from shardfuse import _versions
 from shardfuse.sharding._flat_param import FlatParamHandle
 from shardfuse.sharding._host_shard import HostShard
 from shardfuse.sharding._registry import handle_of
@@ -582,4 +583,7 @@ def _install_step_hooks() -> None:
     subject to ``set_process_hooks(False)``: without them an SSD-backed model cannot be stepped at all."""
     global _step_hooks
     if _step_hooks is None:
+        # First: the hook that counts a fused optimizer's in-place writes runs before the write-behind reads the
+        # version counters (global post-hooks run in the order they were registered).
+        _versions.install()
         _step_hooks = (register_optimizer_step_pre_hook(_pre_step), register_optimizer_step_post_hook(_post_step))

@@ -359,13 +359,14 @@ def test_two_forwards_then_one_backward():
 # ------------------------------------------------------------------ compute_dtype and optimizer in backward
 
 
-def bf16_reference_train(model_fn, num_slices, steps, batch=6):
+def bf16_reference_train(model_fn, num_slices, steps, batch=6, opt_fn=None):
     """fp32 masters; every step runs a bf16 copy; gradients come back as fp32."""
     ref = model_fn()
     off = OffloadModel(model_fn(), "cpu", num_slices=num_slices, checkpoint_activation=True,
                        compute_dtype=torch.bfloat16)  # fmt: skip
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
-    opt_off = torch.optim.SGD(off.parameters(), lr=0.1)
+    opt_fn = opt_fn or (lambda params: torch.optim.SGD(params, lr=0.1))
+    opt_ref = opt_fn(ref.parameters())
+    opt_off = opt_fn(off.parameters())
     for _ in range(steps):
         x, w = torch.randn(batch, 5), torch.randn(batch, 4, dtype=torch.bfloat16)
         low = copy.deepcopy(ref).bfloat16()
@@ -395,6 +396,35 @@ def test_compute_dtype_bf16_exact_against_bf16_copy():
     # that the low-precision host shadow is refreshed after each optimizer step
     off = bf16_reference_train(mlp, 3, steps=3)
     assert all(s.shadow.dtype == torch.bfloat16 for s in off._slices)
+
+
+def test_fused_optimizer_updates_refresh_the_shadow():
+    # torch's fused AdamW updates in place without bumping the parameters' version counters, by which the
+    # low-precision host shadow knows it is stale: after each step the next forward must see the update
+    off = bf16_reference_train(mlp, 3, steps=3, opt_fn=lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True))
+    assert all(s.shadow.dtype == torch.bfloat16 for s in off._slices)
+
+
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_optimizer_in_backward_equals_normal_step(compute_dtype):
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-2, fused=True)
+
+    kw = dict(num_slices=3, checkpoint_activation=True, num_microbatches=2, compute_dtype=compute_dtype)
+    normal = OffloadModel(mlp(), "cpu", **kw)
+    inbwd = OffloadModel(mlp(), "cpu", optimizer_in_backward=adamw, **kw)
+    opt = adamw(normal.parameters())
+    for step in range(3):
+        x, w = torch.randn(6, 5), torch.randn(6, 4)
+        if compute_dtype is not None:
+            w = w.to(compute_dtype)
+        torch.manual_seed(step)
+        loss_of(normal(x), [w]).backward()
+        opt.step()
+        opt.zero_grad()
+        torch.manual_seed(step)
+        loss_of(inbwd(x), [w]).backward()
+        assert_params_equal(inbwd, normal, grads=False)
 
 
 def test_compute_dtype_bf16_microbatches_close_to_fp32():

@@ -83,7 +83,8 @@ def _train(path: str | None, cfg: dict[str, Any], steps: int = STEPS, start: int
     rank, ws = dist.get_rank(), dist.get_world_size()
     if model is None:
         model = _wrap(path, cfg)
-        opt = make_optim(model.parameters(), cfg)
+        opt = (torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True) if cfg.get("fused")
+               else make_optim(model.parameters(), cfg))
         if cfg.get("overlapped") and path is not None:
             opt = OffloadOptimizer(model, opt, gpu_budget_gib=0)
     micro = cfg.get("micro", 1)
@@ -161,6 +162,11 @@ CASES = {
     "read-ahead-1-orig-params": dict(overlapped=True, state=True, read_ahead=1, orig=True),
     "direct-io-offload-optimizer-state-clip": dict(overlapped=True, state=True, clip=0.05, direct=True),
     "direct-io-plain-optimizer-reshard": dict(state=True, reshard=True, direct=True),
+    # torch's fused AdamW updates in place without bumping the tensors' version counters, which the tier reads to
+    # know what changed since it was last written
+    "fused-offload-optimizer-state-clip": dict(overlapped=True, state=True, clip=0.05, fused=True),
+    "fused-plain-optimizer-state": dict(state=True, fused=True),
+    "fused-plain-optimizer-params-only": dict(fused=True),
 }
 
 
