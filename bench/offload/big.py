@@ -446,7 +446,8 @@ def merge(paths: list[str], args: argparse.Namespace) -> None:
     """One result from the files of several calls on the same GPU model (split to fit a command's time limit).
 
     Each configuration's rows keep the floor of the call that measured them (the resident run is in every call);
-    a (config, impl, variant) measured twice keeps the later file's row.
+    a (config, impl, variant) measured twice keeps the later file's row; the environment (commit, host) is the
+    last file's, and ``merged_from`` lists each file's commit.
     """
     files = [json.loads(Path(p).read_text()) for p in paths]
     gpus = {f.get("env", {}).get("gpu_name") for f in files}
@@ -456,7 +457,7 @@ def merge(paths: list[str], args: argparse.Namespace) -> None:
     for f in files:
         for r in f.get("results", []):
             rows[(r["config"], r["impl"], r.get("variant", ""))] = r
-    payload = dict(files[0])
+    payload = dict(files[-1])
     payload.update(results=list(rows.values()), merged_from=[{"path": p, "commit": f.get("env", {}).get("commit"),
                    "hardware_floor": f.get("hardware_floor")} for p, f in zip(paths, files)])  # fmt: skip
     payload["floors"] = {k: v for f in files for k, v in f.get("floors", {}).items()}

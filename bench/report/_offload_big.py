@@ -92,7 +92,7 @@ def _table(f: OffloadBigFile, config: str) -> list[str]:
             [
                 label,
                 fmt(r.step_ms, ".0f") + spread,
-                fmt(ratio(r.step_ms, floor_ms), ".2f", "x"),
+                fmt(ratio(r.step_ms, r.floor_ms or floor_ms), ".2f", "x"),  # its own call's floor (merged files)
                 fmt(ratio(r.step_ms, resident), ".2f", "x"),
                 fmt(r.tokens_per_s or ratio(r.tokens_per_step, (r.step_ms or 0) / 1e3), ",.0f"),
                 fmt(r.gpu_peak_gib, ".1f"),
@@ -206,7 +206,7 @@ def _ours_cell(f: OffloadBigFile, config: str, ours: OffloadBigRow) -> str:
         return ours.status
     step = ours.step_ms
     parts = []
-    if (x := ratio(step, f.floor_ms(config))) is not None:
+    if (x := ratio(step, ours.floor_ms or f.floor_ms(config))) is not None:
         parts.append(f"{x:.2f}x floor")
     resident = f.find(config, "resident")
     if resident is not None and resident.measured:
@@ -224,9 +224,9 @@ def _ours_cell(f: OffloadBigFile, config: str, ours: OffloadBigRow) -> str:
     return fmt(step, ".0f") + (f" ({'; '.join(parts)})" if parts else "")
 
 
-def _metric(f: OffloadBigFile, config: str) -> str:
+def _metric(f: OffloadBigFile, config: str, ours: OffloadBigRow) -> str:
     extra = []
-    floor = f.floor_ms(config)
+    floor = ours.floor_ms or f.floor_ms(config)  # the floor measured in the call that measured this row
     if floor is not None:
         extra.append(f"floor {floor:.0f}")
     ds = [(name, r) for impl, name in README_DS.items() if (r := f.find(config, impl)) is not None]
@@ -256,5 +256,5 @@ def readme_rows(gpu: str, res: Result) -> list[list[str]]:
             if impl == "shardfuse-budget":
                 budget = f" {ours.gpu_budget_gib:g} GiB" if ours.gpu_budget_gib is not None else ""
                 what += f", GPU budget{budget} (shardfuse-budget)"
-            rows.append([gpu.upper(), what, _metric(f, config), _ours_cell(f, config, ours), *others])
+            rows.append([gpu.upper(), what, _metric(f, config, ours), _ours_cell(f, config, ours), *others])
     return rows

@@ -126,15 +126,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
             are the same as stepping after backward. Where a GPU budget may keep units resident, the first step
             updates after backward: the budget places units at that step(), and no unit's optimizer state is made
             on the host before.
-        host_compute_copy: keep a compute-dtype (bf16) copy of each shard on the host, written after each update,
-            so half the bytes cross to the GPU; off by default because the host's fp32->bf16 pass costs more CPU
-            time (0.49 s for 2.9B parameters on a 16-core host) than the extra PCIe bytes (0.1 s at 55 GB/s), and
-            the host optimizer is the bottleneck of an offloaded step.
+        host_compute_copy: keep a compute-dtype (bf16) copy of each shard on the host, written after each update
+            (with torch's fused Adam/AdamW in the update's own cache-sized pass), so half the bytes cross to the
+            GPU; off by default: it costs host memory bandwidth, and the host optimizer is the bottleneck of an
+            offloaded step (docs/api.md gives the measurements).
         host_threads: intra-op threads of the host optimizer step, set with ``torch.set_num_threads`` from the
             worker thread: torch's intra-op thread count is process-wide, so the main thread's CPU ops use it too.
             ``None``: the cores this process may use less one (at most torch's current count), left to the main
             thread that launches GPU work meanwhile (with every core in the optimizer's
             parallel regions, the one shared with the launching thread holds up each region).
+
+    With torch's ``Adam``/``AdamW`` and ``fused=True`` (the fastest on the CPU) each shard's update runs chunk by
+    chunk, clipping's scale, the fused kernel and the compute copy in one cache-sized pass (``_host_fused``; the
+    values are those of the optimizer's own step, bit for bit).
 
     ``clip_grad_norm_`` on the model takes the norm from per-unit norms computed on the GPU as gradients are
     reduced and scales each unit's gradient just before its update: reading ``.grad`` between the clip and the
