@@ -128,7 +128,10 @@ def check_overlap() -> dict[str, float]:
     # The step's first all-gather has no compute to hide behind, and its kernel also spans the wait for the
     # slower rank to arrive: it measures the ranks' skew, not prefetching. Judge the prefetched ones.
     ag = sorted(_intervals(prof, "allgather"))[1:]
-    rs = _intervals(prof, "reducescatter")
+    # Likewise the step's last reduce-scatter (the first unit's, after the last backward GEMM) has nothing left to
+    # hide behind; with 6 units it is a sixth of the total, which left the judged share at the threshold's edge
+    # (48.8% in one run at 720fc50, a pass in the next). Judge the ones backward can overlap.
+    rs = sorted(_intervals(prof, "reducescatter"))[:-1]
     assert gemm and ag and rs, (len(gemm), len(ag), len(rs))
     return {
         "ag_total": sum(e - s for s, e in ag),
@@ -140,8 +143,8 @@ def check_overlap() -> dict[str, float]:
 
 def test_communication_overlaps_compute(pool):
     # Kernel intervals from torch.profiler: the all-gathers (forward prefetch of unit i+1 during unit i,
-    # backward prefetch; the step's first gather aside) and the reduce-scatters (post-backward stream) must run
-    # concurrently with GEMMs on the compute stream for at least half of their time.
+    # backward prefetch; the step's first gather aside) and the reduce-scatters (post-backward stream; the step's
+    # last aside) must run concurrently with GEMMs on the compute stream for at least half of their time.
     for r in pool.run(check_overlap):
         assert r["ag_overlap"] >= 0.5 * r["ag_total"], r
         assert r["rs_overlap"] >= 0.5 * r["rs_total"], r
