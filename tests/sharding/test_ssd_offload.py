@@ -324,6 +324,8 @@ def test_out_of_space_mid_training_is_raised_and_nothing_is_lost(tmp_path, monke
         model(data[0]).square().sum().backward()
         o.step()
         o.zero_grad()
+    # The first step's write-behind may still be queued (a loaded machine): it must land before the disk "fills".
+    ssd_host(m._unit.handles[0]).ssd.param.file.then(lambda: None).wait()  # type: ignore[union-attr]
     monkeypatch.setattr(_ssd_store, "_pwrite", _enospc)
     m(data[1]).square().sum().backward()
     opt.step()  # the write-behind fails on an I/O thread

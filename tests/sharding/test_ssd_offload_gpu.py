@@ -56,6 +56,9 @@ CASES = {
     "bf16-plain-optimizer": dict(mixed_precision=True, compute_dtype=torch.bfloat16),
     "bf16-no-sync": dict(overlapped=True, state=True, micro=3, no_sync=True, mixed_precision=True,
                          compute_dtype=torch.bfloat16),
+    # torch's fused CPU AdamW, as the offload benchmark steps it (its writes bump no version counter)
+    "bf16-fused-offload-optimizer-state": dict(overlapped=True, state=True, fused=True, mixed_precision=True,
+                                               compute_dtype=torch.bfloat16),
 }
 
 
