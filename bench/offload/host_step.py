@@ -1,7 +1,7 @@
 """The host optimizer step of offloaded shards on this machine's CPU: separate passes against the chunked pass.
 
     python -m bench.offload.host_step [--params 1.0] [--shards 8] [--chunks 524288,2097152,8388608,33554432]
-                                      [--rounds 3] [--threads N] [--out host_step.json]
+                                      [--rounds 3] [--threads 8,16,31] [--out host_step.json]
 
 Per variant and round, one step of torch's fused AdamW over ``--params`` billion fp32 parameters in ``--shards``
 flat shards, as OffloadOptimizer steps a host shard:
@@ -66,46 +66,63 @@ def _bytes_per_param(clip: bool, copy: bool, chunked: bool) -> int:
     return 28 + (8 if clip else 0) + (6 if copy else 0)
 
 
+Variant = tuple[str, bool, bool, "int | None", int]  # (name, clip, copy, chunk or None, threads)
+
+
+def _measure(shards: list, variants: list[Variant], rounds: int) -> dict[Variant, list[float]]:
+    """Seconds per step of each variant, rounds interleaving the variants."""
+    times: dict[Variant, list[float]] = {}
+    for _ in range(rounds):
+        for v in variants:
+            name, clip, copy, chunk, threads = v
+            torch.set_num_threads(threads)
+            start = time.perf_counter()
+            if chunk is None:
+                _separate(shards, clip, copy)
+            else:
+                _chunked(shards, clip, copy, chunk)
+            times.setdefault(v, []).append(time.perf_counter() - start)
+    return times
+
+
+def _report(times: dict[Variant, list[float]], n: int) -> list[dict[str, Any]]:
+    rows = []
+    print(f"{'setting':10} {'variant':16} {'threads':>7} {'ms/B params':>12} {'range':>15} {'GB/s':>7}")
+    for (name, clip, copy, _, threads), ts in times.items():
+        med = statistics.median(ts) * 1e9 / n
+        gbps = _bytes_per_param(clip, copy, name != "separate") * n / statistics.median(ts) / 1e9
+        setting = "clip+copy" if clip else "plain"
+        lo, hi = min(ts) * 1e12 / n, max(ts) * 1e12 / n
+        print(f"{setting:10} {name:16} {threads:7d} {med * 1e3:12.0f} {lo:7.0f}-{hi:<7.0f} {gbps:7.1f}")
+        rows.append({"setting": setting, "variant": name, "threads": threads, "ms_per_billion": med * 1e3,
+                     "runs_s": ts, "host_gbps": gbps})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, default=1.0, help="billions of fp32 parameters")
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--chunks", default="524288,2097152,8388608,33554432")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=None, help="default: the cores less one (OffloadOptimizer's)")
+    ap.add_argument("--threads", default="", help="intra-op thread counts, comma-separated (default: the cores "
+                    "less one, OffloadOptimizer's default); the chunk variants run at the first count only")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "host_step.json"))
     args = ap.parse_args(argv)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(args.threads or max(1, cores - 1))
+    counts = [int(t) for t in args.threads.split(",") if t] or [max(1, cores - 1)]
+    torch.set_num_threads(counts[0])
     shards = _shards(args.params, args.shards)
     n = sum(p.numel() for p, _, _ in shards)
     chunks = [int(c) for c in args.chunks.split(",") if c]
-    variants: list[tuple[str, bool, bool, int | None]] = []
+    variants: list[Variant] = []
     for clip, copy in ((True, True), (False, False)):
-        variants += [("separate", clip, copy, None)] + [(f"chunk={c}", clip, copy, c) for c in chunks]
-    times: dict[tuple, list[float]] = {}
-    for _ in range(args.rounds):
-        for name, clip, copy, chunk in variants:
-            start = time.perf_counter()
-            if chunk is None:
-                _separate(shards, clip, copy)
-            else:
-                _chunked(shards, clip, copy, chunk)
-            times.setdefault((name, clip, copy), []).append(time.perf_counter() - start)
-    rows = []
-    print(f"host step: {n / 1e9:.2f}B fp32 params in {len(shards)} shards, {torch.get_num_threads()} threads, "
-          f"{cores} cores, torch {torch.__version__}")
-    print(f"{'setting':10} {'variant':16} {'ms/B params':>12} {'range':>15} {'GB/s':>7}")
-    for (name, clip, copy), ts in times.items():
-        med = statistics.median(ts) * 1e9 / n
-        gbps = _bytes_per_param(clip, copy, name != "separate") * n / statistics.median(ts) / 1e9
-        setting = "clip+copy" if clip else "plain"
-        lo, hi = min(ts) * 1e12 / n, max(ts) * 1e12 / n
-        print(f"{setting:10} {name:16} {med * 1e3:12.0f} {lo:7.0f}-{hi:<7.0f} {gbps:7.1f}")
-        rows.append({"setting": setting, "variant": name, "ms_per_billion": med * 1e3, "runs_s": ts,
-                     "host_gbps": gbps})
-    result = {"params": n, "threads": torch.get_num_threads(), "cores": cores, "torch": torch.__version__,
-              "rows": rows}
+        variants += [("separate", clip, copy, None, t) for t in counts]
+        variants += [(f"chunk={c}", clip, copy, c, counts[0]) for c in chunks]
+    times = _measure(shards, variants, args.rounds)
+    print(f"host step: {n / 1e9:.2f}B fp32 params in {len(shards)} shards, {cores} cores, torch {torch.__version__}")
+    rows = _report(times, n)
+    result = {"params": n, "threads": counts, "cores": cores, "torch": torch.__version__, "rows": rows}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

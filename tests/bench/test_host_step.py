@@ -1,0 +1,19 @@
+"""bench.offload.host_step on the CPU: every variant measured at the thread counts asked for, in the JSON."""
+
+from __future__ import annotations
+
+import json
+
+from bench.offload import host_step
+
+
+def test_host_step_rows(tmp_path):
+    out = tmp_path / "hs.json"
+    result = host_step.main(["--params", "0.002", "--shards", "2", "--chunks", "4096,8192", "--rounds", "2",
+                             "--threads", "1,2", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    got = {(r["setting"], r["variant"], r["threads"]) for r in result["rows"]}
+    want = {(s, "separate", t) for s in ("clip+copy", "plain") for t in (1, 2)}
+    want |= {(s, f"chunk={c}", 1) for s in ("clip+copy", "plain") for c in (4096, 8192)}
+    assert got == want
+    assert all(r["ms_per_billion"] > 0 and len(r["runs_s"]) == 2 and r["host_gbps"] > 0 for r in result["rows"])
