@@ -27,8 +27,14 @@ _hook: Any = None
 
 def mark_updated(tensors: Iterable[torch.Tensor]) -> None:
     """Bump the version counter of each tensor (written in place by a kernel that did not)."""
-    for t in tensors:
-        increment_version(t)
+    tensors = list(tensors)
+    if not tensors:
+        return
+    try:
+        increment_version(tensors)  # one call for the list
+    except TypeError:  # a torch whose increment_version takes one tensor
+        for t in tensors:
+            increment_version(t)
 
 
 def fused_updates(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
