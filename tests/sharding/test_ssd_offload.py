@@ -65,7 +65,8 @@ def _assert_on_disk(model: FSDP, path: str) -> None:
     for h in _flat_handles(model):
         host = ssd_host(h)
         assert host is not None
-        host.ssd.param.file.then(lambda: None).wait()  # the write-behind and eviction queued on this file
+        for page in host.ssd.pages(state=True):  # the write-behind and eviction queued on its files (shard, state)
+            page.file.then(lambda: None).wait()
         if h.flat.untyped_storage().nbytes():
             kept += 1
             page = host.ssd.param
