@@ -320,8 +320,9 @@ def print_row(r: dict[str, Any]) -> None:
             flush=True,
         )
         if r.get("host_busy_ms") is not None:
-            print(f"   host optimizer busy {r['host_busy_ms']:.0f} ms/step on {r['host_threads']:.0f} threads, callers "
-                  f"waited {r['host_wait_ms']:.0f} ms/step for it", flush=True)
+            updating = f" ({r['host_update_ms']:.0f} updating)" if r.get("host_update_ms") is not None else ""
+            print(f"   host optimizer busy {r['host_busy_ms']:.0f} ms/step{updating} on {r['host_threads']:.0f} "
+                  f"threads, callers waited {r['host_wait_ms']:.0f} ms/step for it", flush=True)
         if r.get("disk_floor_ms"):
             print(f"   SSD tier: read {r.get('ssd_read_gb_per_step') or 0:.1f} GB and wrote "
                   f"{r.get('ssd_written_gb_per_step') or 0:.1f} GB per step; disk floor {r['disk_floor_ms']:.0f} ms, "

@@ -192,10 +192,16 @@ def timed_steps(trainer: Trainer, job: Job, device: torch.device, split: bool) -
         trainer.opt.synchronize()
         marks.append(host_stats())
         # Per timed step (the median over the windows between step starts; a window also holds the tail of the
-        # previous step's host updates, so the first one carries the warm-up's first-touch of the optimizer state):
-        # the worker's busy time and the time callers (mostly the next forward) waited for it.
-        for key, name in (("host_busy_s", "host_busy_ms"), ("wait_s", "host_wait_ms")):
-            out[name] = 1e3 * statistics.median(b[key] - a[key] for a, b in zip(marks, marks[1:]))
+        # previous step's host updates, so the first one carries the warm-up's first-touch of the optimizer state;
+        # the last window, which ends with synchronize() and its wait, is left out where two others exist):
+        # the worker's busy time, the part of it spent updating, and the time callers (mostly the next forward)
+        # waited for it.
+        windows = list(zip(marks, marks[1:]))
+        windows = windows[:-1] if len(windows) > 2 else windows
+        for key, name in (("host_busy_s", "host_busy_ms"), ("wait_s", "host_wait_ms"),
+                          ("update_s", "host_update_ms")):
+            if key in marks[-1]:
+                out[name] = 1e3 * statistics.median(b[key] - a[key] for a, b in windows)
         out["host_threads"] = marks[-1]["host_threads"]
     if split:
         out["fwd_bwd_ms"] = statistics.median(fwd_bwd)

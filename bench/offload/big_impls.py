@@ -21,6 +21,8 @@ them. Every implementation sees the same model shape, the same seeded weights an
 * ``fairscale``: FairScale 0.4.13's FSDP with the same flags (its parameters must be on the CPU at wrap time);
 * ``fsdp2``: ``fully_shard`` per block + root, ``CPUOffloadPolicy(pin_memory=True)``, bf16 params / fp32 reduce,
   fused CPU AdamW;
+* ``BIG_HOST_THREADS=N`` (a diagnostic): ``OffloadOptimizer(host_threads=N)`` in every shardfuse row but
+  ``-allcores`` (the rows record ``host_threads``);
 * ``deepspeed-zero2`` / ``deepspeed-zero3``: ZeRO-2 with the optimizer offloaded (its DeepSpeedCPUAdam), ZeRO-3
   with parameters and optimizer offloaded, bf16, gradient accumulation and clipping through its config.
 
@@ -355,6 +357,8 @@ def make_shardfuse(job: Job, device: torch.device) -> Trainer:
         extra: dict[str, Any] = {"step_in_backward": True} if sib else {}
         if job.impl.endswith("-allcores"):
             extra["host_threads"] = len(os.sched_getaffinity(0))
+        elif os.environ.get("BIG_HOST_THREADS"):  # a diagnostic: the row records host_threads
+            extra["host_threads"] = int(os.environ["BIG_HOST_THREADS"])
         if job.impl.endswith("-hcc"):
             extra["host_compute_copy"] = True
         opt = offload_optimizer(model, opt, gpu_budget_gib=budget, accumulate_on_gpu=on_gpu, **extra)

@@ -1,7 +1,7 @@
 """The host optimizer step of offloaded shards on this machine's CPU: separate passes against the chunked pass.
 
     python -m bench.offload.host_step [--params 1.0] [--shards 8] [--chunks 524288,2097152,8388608,33554432]
-                                      [--rounds 3] [--threads 8,16,31] [--out host_step.json]
+                                      [--rounds 3] [--threads 8,16,31] [--dma] [--out host_step.json]
 
 Per variant and round, one step of torch's fused AdamW over ``--params`` billion fp32 parameters in ``--shards``
 flat shards, as OffloadOptimizer steps a host shard:
@@ -16,9 +16,11 @@ and the host-memory bandwidth each implies (bytes the passes must move / time). 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -66,36 +68,79 @@ def _bytes_per_param(clip: bool, copy: bool, chunked: bool) -> int:
     return 28 + (8 if clip else 0) + (6 if copy else 0)
 
 
-Variant = tuple[str, bool, bool, "int | None", int]  # (name, clip, copy, chunk or None, threads)
+Variant = tuple[str, bool, bool, "int | None", int, bool]  # (name, clip, copy, chunk or None, threads, dma)
 
 
-def _measure(shards: list, variants: list[Variant], rounds: int) -> dict[Variant, list[float]]:
+class _CopyLoad:
+    """Pinned host<->device copies of 1 GiB each way, run back to back on a side thread while active."""
+
+    def __init__(self) -> None:
+        n = 1 << 28  # fp32 elements: 1 GiB
+        self.host_src = torch.empty(n, pin_memory=True).fill_(1.0)
+        self.host_dst = torch.empty(n, pin_memory=True)
+        self.dev_src = torch.ones(n, device="cuda")
+        self.dev_dst = torch.empty(n, device="cuda")
+        self.h2d, self.d2h = torch.cuda.Stream(), torch.cuda.Stream()
+        self.bytes, self.seconds = 0, 0.0
+        self._on = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _loop(self) -> None:
+        start = time.perf_counter()
+        while self._on.is_set():
+            with torch.cuda.stream(self.h2d):
+                self.dev_dst.copy_(self.host_src, non_blocking=True)
+            with torch.cuda.stream(self.d2h):
+                self.host_dst.copy_(self.dev_src, non_blocking=True)
+            self.h2d.synchronize()
+            self.d2h.synchronize()
+            self.bytes += 2 * self.host_src.numel() * 4
+        self.seconds += time.perf_counter() - start
+
+    def __enter__(self) -> _CopyLoad:
+        self._on.set()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._on.clear()
+        if self._thread is not None:
+            self._thread.join()
+
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+
+def _measure(shards: list, variants: list[Variant], rounds: int, load: _CopyLoad | None) -> dict[Variant, list[float]]:
     """Seconds per step of each variant, rounds interleaving the variants."""
     times: dict[Variant, list[float]] = {}
     for _ in range(rounds):
         for v in variants:
-            name, clip, copy, chunk, threads = v
+            name, clip, copy, chunk, threads, dma = v
             torch.set_num_threads(threads)
-            start = time.perf_counter()
-            if chunk is None:
-                _separate(shards, clip, copy)
-            else:
-                _chunked(shards, clip, copy, chunk)
-            times.setdefault(v, []).append(time.perf_counter() - start)
+            with load if dma and load is not None else contextlib.nullcontext():
+                start = time.perf_counter()
+                if chunk is None:
+                    _separate(shards, clip, copy)
+                else:
+                    _chunked(shards, clip, copy, chunk)
+                times.setdefault(v, []).append(time.perf_counter() - start)
     return times
 
 
 def _report(times: dict[Variant, list[float]], n: int) -> list[dict[str, Any]]:
     rows = []
-    print(f"{'setting':10} {'variant':16} {'threads':>7} {'ms/B params':>12} {'range':>15} {'GB/s':>7}")
-    for (name, clip, copy, _, threads), ts in times.items():
+    print(f"{'setting':10} {'variant':16} {'threads':>7} {'copies':>6} {'ms/B params':>12} {'range':>15} {'GB/s':>7}")
+    for (name, clip, copy, _, threads, dma), ts in times.items():
         med = statistics.median(ts) * 1e9 / n
         gbps = _bytes_per_param(clip, copy, name != "separate") * n / statistics.median(ts) / 1e9
         setting = "clip+copy" if clip else "plain"
         lo, hi = min(ts) * 1e12 / n, max(ts) * 1e12 / n
-        print(f"{setting:10} {name:16} {threads:7d} {med * 1e3:12.0f} {lo:7.0f}-{hi:<7.0f} {gbps:7.1f}")
-        rows.append({"setting": setting, "variant": name, "threads": threads, "ms_per_billion": med * 1e3,
-                     "runs_s": ts, "host_gbps": gbps})
+        print(f"{setting:10} {name:16} {threads:7d} {'yes' if dma else 'no':>6} {med * 1e3:12.0f} "
+              f"{lo:7.0f}-{hi:<7.0f} {gbps:7.1f}")
+        rows.append({"setting": setting, "variant": name, "threads": threads, "with_copies": dma,
+                     "ms_per_billion": med * 1e3, "runs_s": ts, "host_gbps": gbps})
     return rows
 
 
@@ -108,7 +153,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--threads", default="", help="intra-op thread counts, comma-separated (default: the cores "
                     "less one, OffloadOptimizer's default); the chunk variants run at the first count only")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "host_step.json"))
+    ap.add_argument("--dma", action="store_true", help="also run every variant under pinned host<->device copies "
+                    "(needs a GPU)")
     args = ap.parse_args(argv)
+    if args.dma and not torch.cuda.is_available():
+        raise SystemExit("--dma runs host<->device copies beside the update: it needs a CUDA device, none is visible")
+    load = _CopyLoad() if args.dma else None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     counts = [int(t) for t in args.threads.split(",") if t] or [max(1, cores - 1)]
     torch.set_num_threads(counts[0])
@@ -116,13 +166,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     n = sum(p.numel() for p, _, _ in shards)
     chunks = [int(c) for c in args.chunks.split(",") if c]
     variants: list[Variant] = []
-    for clip, copy in ((True, True), (False, False)):
-        variants += [("separate", clip, copy, None, t) for t in counts]
-        variants += [(f"chunk={c}", clip, copy, c, counts[0]) for c in chunks]
-    times = _measure(shards, variants, args.rounds)
+    for dma in (False, True) if args.dma else (False,):
+        for clip, copy in ((True, True), (False, False)):
+            variants += [("separate", clip, copy, None, t, dma) for t in counts]
+            variants += [(f"chunk={c}", clip, copy, c, counts[0], dma) for c in chunks]
+    times = _measure(shards, variants, args.rounds, load)
     print(f"host step: {n / 1e9:.2f}B fp32 params in {len(shards)} shards, {cores} cores, torch {torch.__version__}")
     rows = _report(times, n)
     result = {"params": n, "threads": counts, "cores": cores, "torch": torch.__version__, "rows": rows}
+    if load is not None:
+        print(f"copies beside the update: {load.gbps():.1f} GB/s (host->device + device->host, 1 GiB pinned each)")
+        result["copies_gbps"] = load.gbps()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -58,6 +58,7 @@ class HostShard:
         self.ready = threading.Event()
         self.ready.set()
         self.waited_s = 0.0  # time callers spent blocked in wait_ready (OffloadOptimizer.host_stats)
+        self.update_s = 0.0  # time the worker spent updating this shard, its waits for copies left out (host_stats)
         self.error: BaseException | None = None  # an optimizer step that raised on the worker thread
         self.h2d_event: torch.cuda.Event | None = None  # the last host->device copy reading the host copy
         self.landing: torch.Tensor | None = None  # the buffer the in-flight gradient copy writes

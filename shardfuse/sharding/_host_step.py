@@ -175,8 +175,10 @@ def host_task(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tenso
                     handle.flat.grad = host.grad_buf
                     handle.grads_to_views()  # use_orig_params: the optimizer steps the views
                 host.sync_h2d()
+                start = time.perf_counter()
                 _step_host_shard(plan, host, handle, settings, coef)
                 apply_zero_grad(plan, plan.deferred_zero)
+                host.update_s += time.perf_counter() - start
             except BaseException as err:  # noqa: BLE001 - handed to the main thread, raised at the next wait
                 host.error = err
                 logger.error("overlapped optimizer step failed: %s", err)

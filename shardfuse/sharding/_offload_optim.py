@@ -351,9 +351,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def host_stats(self) -> dict[str, float]:
         """Where the overlapped step's time went, in seconds since this optimizer was made: ``host_busy_s`` the
         worker spent in updates, ``wait_s`` callers (the next forward's gathers, backward's gradient copies, state
-        paths) spent blocked waiting for an update. Differences between two calls give one step's share."""
-        wait = sum(h.host.waited_s for u in units_below(self.root) for h in u.handles if h.host is not None)
-        return {"host_busy_s": self._worker.busy_s, "wait_s": wait, "host_threads": float(self.host_threads)}
+        paths) spent blocked waiting for an update, ``update_s`` the part of ``host_busy_s`` spent updating (the
+        worker's waits for gradient and parameter copies left out). Differences between two calls give one step's
+        share."""
+        hosts = [h.host for u in units_below(self.root) for h in u.handles if h.host is not None]
+        return {"host_busy_s": self._worker.busy_s, "wait_s": sum(h.waited_s for h in hosts),
+                "update_s": sum(h.update_s for h in hosts), "host_threads": float(self.host_threads)}
 
     def close(self) -> None:
         """Finish the steps in flight, end the worker thread (also done when this object is collected) and detach
