@@ -77,6 +77,9 @@ ESTIMATE: dict[str, tuple[float, float, float, float]] = {
     "shardfuse-keep": (12, 5, 0.17, 0.2),
     "shardfuse-sib-keep": (12, 5, 0.17, 0.2),
     "shardfuse-hcc": (12, 5, 0.17, 0.2),
+    "shardfuse-sib-hcc": (12, 5, 0.17, 0.2),
+    "shardfuse-keep-hcc": (12, 5, 0.17, 0.2),
+    "shardfuse-sib-keep-hcc": (12, 5, 0.17, 0.2),
     "shardfuse-budget-sib-hcc": (12, 5, 0.1, 0.1),
     "shardfuse-ssd": (12, 8, 8.0, 4.0),  # disk-bound: ~2 GB/s each way assumed
     "fairscale": (12, 8, 0.17, 0.2),
@@ -342,7 +345,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         variant = r.get("variant")
         sib = "+sib" if "step-in-backward" in str(variant) else ""
-        sib += "+all" if "all cores" in str(variant) else "+keep" if "reshard_after" in str(variant) else ""
+        sib += "+all" if "all cores" in str(variant) else ""
+        sib += "+keep" if "reshard_after" in str(variant) else ""
         sib += "+hcc" if "host_compute_copy" in str(variant) else ""
         name = r["impl"] + {"host-accum": "+ha", None: ""}.get(variant, sib)
         if not r["step_ms"]:

@@ -47,7 +47,8 @@ from examples.llama import DecoderLayer, Llama, LlamaConfig, next_token_loss
 
 IMPLS = ("resident", "shardfuse", "shardfuse-budget", "shardfuse-host-accum", "shardfuse-sib",
          "shardfuse-budget-sib", "shardfuse-sib-allcores", "shardfuse-keep", "shardfuse-sib-keep", "shardfuse-ssd",
-         "shardfuse-hcc", "shardfuse-budget-sib-hcc", "fairscale", "fsdp2", "deepspeed-zero2",
+         "shardfuse-hcc", "shardfuse-sib-hcc", "shardfuse-keep-hcc", "shardfuse-sib-keep-hcc",
+         "shardfuse-budget-sib-hcc", "fairscale", "fsdp2", "deepspeed-zero2",
          "deepspeed-zero3")  # fmt: skip
 # Variants recorded as another implementation's row with a ``variant`` (internal name -> (row impl, variant)).
 # ``-sib``: OffloadOptimizer(step_in_backward=True), each unit's host update overlapping backward; it cannot clip
@@ -60,6 +61,10 @@ VARIANTS = {"shardfuse-host-accum": ("shardfuse", "host-accum"),
             "shardfuse-sib-allcores": ("shardfuse",
                                        "step-in-backward, no clipping, host_threads=all cores"),
             "shardfuse-hcc": ("shardfuse", "host_compute_copy"),
+            "shardfuse-sib-hcc": ("shardfuse", "step-in-backward, no clipping, host_compute_copy"),
+            "shardfuse-keep-hcc": ("shardfuse", "reshard_after_forward=False, host_compute_copy"),
+            "shardfuse-sib-keep-hcc": ("shardfuse",
+                                       "step-in-backward, no clipping, reshard_after_forward=False, host_compute_copy"),
             "shardfuse-budget-sib-hcc": ("shardfuse-budget",
                                          "step-in-backward, no clipping, host_compute_copy")}  # fmt: skip
 # ``-keep``: wrapped with reshard_after_forward=False: the gathered bf16 parameters stay on the GPU from forward
@@ -343,7 +348,7 @@ def make_shardfuse(job: Job, device: torch.device) -> Trainer:
     ssd = ssd_settings() if job.impl == "shardfuse-ssd" else None
     if ssd is not None and not hasattr(shardfuse, "OffloadConfig"):
         raise Skip("shardfuse.OffloadConfig (the SSD tier) is not in this shardfuse")
-    model = _wrap_shardfuse(build_model(job.cfg, device, job.seed), device, ssd, keep=job.impl.endswith("-keep"))
+    model = _wrap_shardfuse(build_model(job.cfg, device, job.seed), device, ssd, keep="-keep" in job.impl)
     opt: Any = fused_adamw(model.parameters(), job)
     info: dict[str, Any] = {"optimizer": "AdamW fused on cpu", "offload_optimizer": has_api, **(ssd or {})}
     if ssd is not None:
@@ -438,17 +443,7 @@ def make_deepspeed(job: Job, device: torch.device) -> Trainer:
 
 MAKERS: dict[str, Callable[[Job, torch.device], Trainer]] = {
     "resident": make_resident,
-    "shardfuse": make_shardfuse,
-    "shardfuse-budget": make_shardfuse,
-    "shardfuse-host-accum": make_shardfuse,
-    "shardfuse-sib": make_shardfuse,
-    "shardfuse-budget-sib": make_shardfuse,
-    "shardfuse-sib-allcores": make_shardfuse,
-    "shardfuse-keep": make_shardfuse,
-    "shardfuse-sib-keep": make_shardfuse,
-    "shardfuse-ssd": make_shardfuse,
-    "shardfuse-hcc": make_shardfuse,
-    "shardfuse-budget-sib-hcc": make_shardfuse,
+    **{impl: make_shardfuse for impl in IMPLS if impl.startswith("shardfuse")},
     "fairscale": make_fairscale,
     "fsdp2": make_fsdp2,
     "deepspeed-zero2": make_deepspeed,
