@@ -21,11 +21,10 @@ import torch
 
 from shardfuse._versions import mark_updated
 
-# Elements per chunk: 8M fp32 elements (a chunk's parameters, gradient, both moments and the compute copy take
-# 18 B/element, ~144 MiB, spread over the cores' caches) amortise each operation's dispatch and parallel-region
-# start; measured at 720fc50 on a 32-core H100 host (bench.offload.host_step, ms per billion parameters, scale +
-# update + copy): whole-shard passes 300, chunks of 512K 345, 2M 273, 8M 267, 32M 277.
-CHUNK_ELEMENTS = 1 << 23
+# Elements per chunk: ~2M fp32 elements keep a chunk's parameters, gradient, both moments and the compute copy
+# (18 B/element, ~36 MiB) within a server CPU's last-level cache while amortising each operation's dispatch and
+# parallel-region start over enough work.
+CHUNK_ELEMENTS = 1 << 21
 ALIGN = 4096  # chunk boundaries: a multiple of every CPU vector width, so results match the unchunked kernel
 
 
@@ -124,9 +123,6 @@ def step_in_chunks(sub_groups: list[tuple[torch.optim.Optimizer, list[torch.Tens
     if compute_buf is not None and any(o is None for offs in offsets for o in offs):
         return False  # parameters that are no view of the shard: the caller copies the whole shard
     scale = coef.to("cpu") if coef is not None else None
-    if scale is None and compute_buf is None:
-        chunk = 1 << 62  # nothing shares the update's pass: one kernel call per parameter, as the optimizer makes
-        # (measured at 720fc50: 178 ms per billion parameters whole, 191 in chunks of 2M)
     with torch.no_grad():
         for group, offs in zip(groups, offsets):
             if not group.params:
