@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
 from bench.offload import host_step
 
 
@@ -17,3 +20,10 @@ def test_host_step_rows(tmp_path):
     want |= {(s, f"chunk={c}", 1) for s in ("clip+copy", "plain") for c in (4096, 8192)}
     assert got == want
     assert all(r["ms_per_billion"] > 0 and len(r["runs_s"]) == 2 and r["host_gbps"] > 0 for r in result["rows"])
+    assert not any(r["with_copies"] for r in result["rows"]) and "copies_gbps" not in result
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_dma_needs_a_gpu(tmp_path):
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        host_step.main(["--params", "0.001", "--dma", "--out", str(tmp_path / "hs.json")])

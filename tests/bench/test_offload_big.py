@@ -207,3 +207,18 @@ def test_ssd_settings_direct_io_and_the_mode_recorded(tmp_path, monkeypatch) -> 
         else:
             assert big_impls.ssd_io_mode(str(where)).startswith("buffered (O_DIRECT refused")
         del f
+
+
+def test_merge_keeps_each_rows_commit(tmp_path) -> None:
+    def result(commit: str, impl: str, step_ms: float) -> dict[str, Any]:
+        return {"kind": "offload_big", "env": {"gpu_name": "G", "commit": commit}, "floors": {},
+                "results": [{"config": "tiny", "impl": impl, "step_ms": step_ms, "step_ms_min": step_ms,
+                             "step_ms_max": step_ms, "tokens_per_step": 64, "tokens_per_s": 64e3 / step_ms}]}
+
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "m.json"
+    a.write_text(json.dumps(result("aaaa", "shardfuse", 5.0)))
+    b.write_text(json.dumps(result("bbbb", "deepspeed-zero3", 7.0)))
+    big.main(["--merge", str(a), str(b), "--out", str(out)])
+    merged = json.loads(out.read_text())
+    assert {r["impl"]: r["commit"] for r in merged["results"]} == {"shardfuse": "aaaa", "deepspeed-zero3": "bbbb"}
+    assert merged["env"]["commit"] == "bbbb" and [m["commit"] for m in merged["merged_from"]] == ["aaaa", "bbbb"]
