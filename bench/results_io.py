@@ -549,16 +549,24 @@ class OffloadBigRow:
     host_rss_gib: float | None = None
     gpu_budget_gib: float | None = None
     fwd_bwd_ms: float | None = None
+    # shardfuse-ssd: the floor the disk's measured bandwidth sets, the bytes the tier moved per step, its I/O mode
+    disk_floor_ms: float | None = None
+    ssd_read_gb_per_step: float | None = None
+    ssd_written_gb_per_step: float | None = None
+    ssd_io_mode: str | None = None
+    commit: str | None = None  # the commit of the call that measured the row (merged files)
 
     @classmethod
     def parse(cls, r: dict[str, Any]) -> OffloadBigRow:
         ints = ("tokens_per_step", "micro_batches", "batch", "seq")
         floats = ("params", "step_ms", "step_ms_min", "step_ms_max", "floor_ms", "tokens_per_s", "gpu_peak_gib",
-                  "host_rss_gib", "gpu_budget_gib", "fwd_bwd_ms")  # fmt: skip
+                  "host_rss_gib", "gpu_budget_gib", "fwd_bwd_ms", "disk_floor_ms", "ssd_read_gb_per_step",
+                  "ssd_written_gb_per_step")  # fmt: skip
         return cls(
             impl=str(r["impl"]), config=str(r["config"]), variant=_text(r.get("variant")),
             status=_text(r.get("status")) or "error", reason=_text(r.get("reason")),
             **{k: _int(r.get(k)) for k in ints}, **{k: num(r.get(k)) for k in floats},
+            ssd_io_mode=_text(r.get("ssd_io_mode")), commit=_text(r.get("commit")),
         )  # fmt: skip
 
     @property
@@ -639,6 +647,7 @@ class OffloadBigFile:
     budget_gib: float | None = None
     how: dict[str, str] = field(default_factory=dict)  # config's "step_ms", "gpu_peak", "host_rss", "floor_bytes"
     merged_from: tuple[str, ...] = ()  # the commits of the files ``--merge`` joined (empty: one run)
+    disk: dict[str, Any] = field(default_factory=dict)  # the SSD rows' disk probe: dir, read/write_gbps, ...
 
     @classmethod
     def parse(cls, data: dict[str, Any]) -> OffloadBigFile:
@@ -652,7 +661,7 @@ class OffloadBigFile:
         merged = tuple(str(m.get("commit") or "?") for m in _objs(data.get("merged_from")))
         return cls(Env.parse(data.get("env")), versions, host, OffloadBigHardware.parse(data.get("hardware_floor")),
                    floors, rows, _text(c.get("device")), _int(c.get("steps")), _int(c.get("warmup")),
-                   num(c.get("budget_gib")), how, merged)  # fmt: skip
+                   num(c.get("budget_gib")), how, merged, _obj(data.get("disk")))  # fmt: skip
 
     @property
     def configs(self) -> list[str]:

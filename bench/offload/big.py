@@ -468,6 +468,7 @@ def merge(paths: list[str], args: argparse.Namespace) -> None:
     payload.update(results=list(rows.values()), merged_from=[{"path": p, "commit": f.get("env", {}).get("commit"),
                    "hardware_floor": f.get("hardware_floor")} for p, f in zip(paths, files)])  # fmt: skip
     payload["floors"] = {k: v for f in files for k, v in f.get("floors", {}).items()}
+    payload["disk"] = next((f["disk"] for f in reversed(files) if f.get("disk")), None)  # the SSD rows' disk probe
     written = write(payload, args)
     print_table(payload["results"])
     print(f"merged {len(paths)} files into {', '.join(map(str, written))}", flush=True)

@@ -102,7 +102,20 @@ def _table(f: OffloadBigFile, config: str) -> list[str]:
                 r.status,
             ]
         )
+        if r.disk_floor_ms:
+            notes.append(_ssd_note(label, r))
     return [*table(HEADER, body, ALIGN), "", *notes_block(notes)]
+
+
+def _ssd_note(label: str, r: OffloadBigRow) -> str:
+    """What an SSD row is judged against and what its tier moved."""
+    moved = ""
+    if r.ssd_read_gb_per_step is not None and r.ssd_written_gb_per_step is not None:
+        moved = f"; it read {r.ssd_read_gb_per_step:.1f} GB and wrote {r.ssd_written_gb_per_step:.1f} GB per step"
+    mode = f" ({r.ssd_io_mode} I/O)" if r.ssd_io_mode else ""
+    return (f"{label}: vs floor is against the disk floor {r.disk_floor_ms / 1e3:.2f} s (every byte it keeps on "
+            f"disk read and written once per step at the disk's measured bandwidth){moved}{mode}; worst step "
+            f"{fmt(ratio(r.step_ms_max, r.disk_floor_ms), '.2f', 'x')} the disk floor")
 
 
 def _setup_lines(f: OffloadBigFile) -> list[str]:
@@ -148,6 +161,11 @@ def _hardware_line(f: OffloadBigFile) -> list[str]:
             parts.append(f"host memory {hw.host_copy_gbps:.0f} GB/s read+write (torch copy), against which the "
                          f"optimizer's 28 bytes per parameter run at {28 / hw.opt_s_per_param / 1e9:.0f} GB/s: it is "
                          f"bound by host memory bandwidth, which the PCIe copies of an offloaded step share")
+    disk = f.disk
+    if disk.get("read_gbps") and disk.get("write_gbps"):
+        size = f", {disk['probe_bytes'] / 2**30:.1f} GiB file" if disk.get("probe_bytes") else ""
+        parts.append(f"the disk under the SSD rows' directory: sequential write {disk['write_gbps']:.2f} GB/s, read "
+                     f"{disk['read_gbps']:.2f} GB/s ({disk.get('method') or 'method not recorded'}{size})")
     if not parts:
         return ["_Floor terms: not measured in this file._", ""]
     lines = ["Floor terms measured in this job: " + "; ".join(parts) + "."]

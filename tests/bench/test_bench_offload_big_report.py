@@ -142,6 +142,24 @@ def test_section_renders(big_dir: Path, tmp_path: Path) -> None:
     assert "`python -m bench.offload.big`" in text  # the how-measured bullet
 
 
+def test_ssd_row_is_judged_against_the_disk(tmp_path: Path) -> None:
+    payload = big_payload()
+    payload["disk"] = {"dir": "/tmp/x", "probe_bytes": 4 * 2**30, "method": "O_DIRECT", "write_gbps": 3.07,
+                       "read_gbps": 2.55}  # fmt: skip
+    payload["results"].append(_row("shardfuse-ssd", "6.7b-2k", 60000.0, 26.3, 39.3, floor_ms=58000.0,
+                                   disk_floor_ms=58000.0, ssd_read_gb_per_step=71.9, ssd_written_gb_per_step=80.4,
+                                   ssd_io_mode="direct", ssd_optimizer_state=True))  # fmt: skip
+    root = tmp_path / "results"
+    write_results(root, "h100", offload_big=payload)
+    out = tmp_path / "benchmarks.md"
+    assert report.main(["--results", str(root), "--out", str(out), "--no-plots"]) == 0
+    text = out.read_text()
+    assert "sequential write 3.07 GB/s, read 2.55 GB/s (O_DIRECT, 4.0 GiB file)" in text
+    assert "| 60000 (59400-61200) | 1.03x |" in text  # its own (disk) floor, not the configuration's 2100 ms
+    assert ("vs floor is against the disk floor 58.00 s" in text and "it read 71.9 GB and wrote 80.4 GB per step "
+            "(direct I/O); worst step 1.06x the disk floor" in text)
+
+
 def test_readme_rows(big_dir: Path, tmp_path: Path) -> None:
     rows = [r for r in summary_rows(load_results(big_dir)) if r[1].startswith(README_BENCH)]
     assert [r[1] for r in rows] == [
