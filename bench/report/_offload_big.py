@@ -199,7 +199,7 @@ def offload_big_section(res: Result) -> list[str]:
 README_BENCH = "offload of a model that outgrows the GPU"
 # The README's fixed columns after shardfuse's (FairScale, one GPU, FSDP2, FSDP1) and the implementations in them.
 README_COLUMNS = ("fairscale", "resident", "fsdp2", None)
-README_OURS = ("shardfuse", "shardfuse-budget")  # un-varianted rows only; variants are on the benchmarks page
+README_OURS = ("shardfuse", "shardfuse-budget", "shardfuse-ssd")  # un-varianted rows only (variants: the page)
 README_VS = ("fairscale", "fsdp2", "deepspeed-zero2", "deepspeed-zero3")  # ratio order in shardfuse's cell
 README_DS = {"deepspeed-zero2": "ZeRO-2", "deepspeed-zero3": "ZeRO-3"}  # named after "DeepSpeed" once
 README_NOTE = (
@@ -225,7 +225,9 @@ def _ours_cell(f: OffloadBigFile, config: str, ours: OffloadBigRow) -> str:
     step = ours.step_ms
     parts = []
     if (x := ratio(step, ours.floor_ms or f.floor_ms(config))) is not None:
-        parts.append(f"{x:.2f}x floor")
+        parts.append(f"{x:.2f}x {'disk ' if ours.disk_floor_ms else ''}floor")
+    if ours.disk_floor_ms and ours.host_rss_gib:
+        parts.append(f"{ours.host_rss_gib:.1f} GiB host memory")
     resident = f.find(config, "resident")
     if resident is not None and resident.measured:
         mem = ratio(ours.gpu_peak_gib, resident.gpu_peak_gib)
@@ -246,7 +248,7 @@ def _metric(f: OffloadBigFile, config: str, ours: OffloadBigRow) -> str:
     extra = []
     floor = ours.floor_ms or f.floor_ms(config)  # the floor measured in the call that measured this row
     if floor is not None:
-        extra.append(f"floor {floor:.0f}")
+        extra.append(f"{'disk ' if ours.disk_floor_ms else ''}floor {floor:.0f}")
     ds = [(name, r) for impl, name in README_DS.items() if (r := f.find(config, impl)) is not None]
     if ds:
         extra.append("DeepSpeed " + ", ".join(f"{name} {_cell(r)}" for name, r in ds))
@@ -274,5 +276,7 @@ def readme_rows(gpu: str, res: Result) -> list[list[str]]:
             if impl == "shardfuse-budget":
                 budget = f" {ours.gpu_budget_gib:g} GiB" if ours.gpu_budget_gib is not None else ""
                 what += f", GPU budget{budget} (shardfuse-budget)"
+            elif impl == "shardfuse-ssd":
+                what += ", shards and optimizer state on SSD (shardfuse-ssd)"
             rows.append([gpu.upper(), what, _metric(f, config, ours), _ours_cell(f, config, ours), *others])
     return rows

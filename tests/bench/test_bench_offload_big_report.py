@@ -158,6 +158,9 @@ def test_ssd_row_is_judged_against_the_disk(tmp_path: Path) -> None:
     assert "| 60000 (59400-61200) | 1.03x |" in text  # its own (disk) floor, not the configuration's 2100 ms
     assert ("vs floor is against the disk floor 58.00 s" in text and "it read 71.9 GB and wrote 80.4 GB per step "
             "(direct I/O); worst step 1.06x the disk floor" in text)
+    ssd = [r for r in summary_rows(load_results(root)) if "(shardfuse-ssd)" in r[1]]
+    assert [r[2:4] for r in ssd] == [["step ms (disk floor 58000; DeepSpeed ZeRO-3 error)",
+                                      "60000 (1.03x disk floor; 39.3 GiB host memory)"]]  # fmt: skip
 
 
 def test_readme_rows(big_dir: Path, tmp_path: Path) -> None:
