@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.offload import disk
+from bench.offload import disk, host_timeline
 from bench.offload.big_impls import (
     CONFIGS,
     DEFAULT_CONFIGS,
@@ -326,6 +326,8 @@ def print_row(r: dict[str, Any]) -> None:
             updating = f" ({r['host_update_ms']:.0f} updating)" if r.get("host_update_ms") is not None else ""
             print(f"   host optimizer busy {r['host_busy_ms']:.0f} ms/step{updating} on {r['host_threads']:.0f} "
                   f"threads, callers waited {r['host_wait_ms']:.0f} ms/step for it", flush=True)
+        if r.get("host_timeline"):
+            print("\n".join(host_timeline.table(r["host_timeline"])), flush=True)
         if r.get("disk_floor_ms"):
             print(f"   SSD tier: read {r.get('ssd_read_gb_per_step') or 0:.1f} GB and wrote "
                   f"{r.get('ssd_written_gb_per_step') or 0:.1f} GB per step; disk floor {r['disk_floor_ms']:.0f} ms, "

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from bench.offload import host_timeline
 from bench.offload.big_impls import Job, ResidentTrainer, Skip, Trainer, build_model, make_batches, make_trainer
 
 GIB = 2**30
@@ -167,10 +168,14 @@ def timed_steps(trainer: Trainer, job: Job, device: torch.device, split: bool) -
     times, fwd_bwd, losses = [], [], []
     host_stats = getattr(trainer.opt, "host_stats", None)  # shardfuse.OffloadOptimizer: where the step's time went
     marks: list[dict[str, float]] = []  # at the start of each timed step, and at the end
+    trace, traced = None, (0.0, 0.0)
+    last = job.warmup + job.steps - 1
     for i in range(job.warmup + job.steps):
         sync(device)
         if i >= job.warmup and host_stats is not None:
             marks.append(host_stats())
+        if i == last and os.environ.get("BIG_TRACE") and hasattr(trainer.opt, "trace_host"):
+            trace = trainer.opt.trace_host()  # the last timed step's host timeline (bench.offload.host_timeline)
         t0 = time.perf_counter()
         loss = None
         for m in range(accum):
@@ -186,6 +191,8 @@ def timed_steps(trainer: Trainer, job: Job, device: torch.device, split: bool) -
         if i >= job.warmup:
             times.append(1e3 * (t2 - t0))
             fwd_bwd.append(1e3 * (t1 - t0))
+        if i == last:
+            traced = (t0, t2)
     out: dict[str, Any] = {"step_ms": statistics.median(times), "step_ms_min": min(times),
                            "step_ms_max": max(times), "step_ms_list": times, "losses": losses}  # fmt: skip
     if host_stats is not None:
@@ -203,6 +210,9 @@ def timed_steps(trainer: Trainer, job: Job, device: torch.device, split: bool) -
             if key in marks[-1]:
                 out[name] = 1e3 * statistics.median(b[key] - a[key] for a, b in windows)
         out["host_threads"] = marks[-1]["host_threads"]
+    if trace is not None:  # from the last step's start to the end of its updates (synchronize() above)
+        out["host_timeline"] = host_timeline.summarize(trace.events, traced[0], time.perf_counter(), traced[1])
+        trainer.opt.trace_host(False)
     if split:
         out["fwd_bwd_ms"] = statistics.median(fwd_bwd)
         out["fwd_bwd_ms_list"] = fwd_bwd

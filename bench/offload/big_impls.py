@@ -22,7 +22,8 @@ them. Every implementation sees the same model shape, the same seeded weights an
 * ``fsdp2``: ``fully_shard`` per block + root, ``CPUOffloadPolicy(pin_memory=True)``, bf16 params / fp32 reduce,
   fused CPU AdamW;
 * ``BIG_HOST_THREADS=N`` (a diagnostic): ``OffloadOptimizer(host_threads=N)`` in every shardfuse row but
-  ``-allcores`` (the rows record ``host_threads``);
+  ``-allcores`` (the rows record ``host_threads``); ``BIG_TRACE=1`` (a diagnostic): the last timed step's host
+  timeline (``OffloadOptimizer.trace_host``, ``bench.offload.host_timeline``) in each shardfuse row, printed;
 * ``deepspeed-zero2`` / ``deepspeed-zero3``: ZeRO-2 with the optimizer offloaded (its DeepSpeedCPUAdam), ZeRO-3
   with parameters and optimizer offloaded, bf16, gradient accumulation and clipping through its config.
 

@@ -59,6 +59,7 @@ class HostShard:
         self.ready.set()
         self.waited_s = 0.0  # time callers spent blocked in wait_ready (OffloadOptimizer.host_stats)
         self.update_s = 0.0  # time the worker spent updating this shard, its waits for copies left out (host_stats)
+        self.trace: Callable[[str], None] | None = None  # OffloadOptimizer.trace_host: this shard's event recorder
         self.error: BaseException | None = None  # an optimizer step that raised on the worker thread
         self.h2d_event: torch.cuda.Event | None = None  # the last host->device copy reading the host copy
         self.landing: torch.Tensor | None = None  # the buffer the in-flight gradient copy writes
@@ -129,12 +130,19 @@ class HostShard:
     def wait_ready(self) -> None:
         """Block until no optimizer step of this shard is in flight; re-raise what such a step raised."""
         if not self.ready.is_set():
+            self.note("wait")
             start = time.perf_counter()
             self.ready.wait()
             self.waited_s += time.perf_counter() - start
+            self.note("waited")
         if self.error is not None:
             err, self.error = self.error, None
             raise RuntimeError(f"the overlapped optimizer step of an offloaded shard failed: {err}") from err
+
+    def note(self, kind: str) -> None:
+        """Record an event of this shard's timeline when ``OffloadOptimizer.trace_host`` is on."""
+        if self.trace is not None:
+            self.trace(kind)
 
     def before_step(self, in_backward: bool) -> None:
         """Worker thread, before this shard's optimizer step (outside the step lock): nothing here (the SSD tier

@@ -166,8 +166,11 @@ def host_task(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tenso
         raise RuntimeError("host_task() needs the plan of a host shard (one whose handle has a HostShard)")
 
     def run() -> None:
+        host.note("task")
         if copy_event is not None:
             copy_event.synchronize()  # outside the lock: zero_grad must not wait for a copy
+        if in_backward:
+            host.note("grad_ready")
         host.before_step(in_backward)  # ssd: at most read_ahead updated shards wait for their gathers
         with lock:
             try:
@@ -175,10 +178,12 @@ def host_task(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tenso
                     handle.flat.grad = host.grad_buf
                     handle.grads_to_views()  # use_orig_params: the optimizer steps the views
                 host.sync_h2d()
+                host.note("update")
                 start = time.perf_counter()
                 _step_host_shard(plan, host, handle, settings, coef)
                 apply_zero_grad(plan, plan.deferred_zero)
                 host.update_s += time.perf_counter() - start
+                host.note("done")
             except BaseException as err:  # noqa: BLE001 - handed to the main thread, raised at the next wait
                 host.error = err
                 logger.error("overlapped optimizer step failed: %s", err)

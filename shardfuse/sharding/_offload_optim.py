@@ -29,6 +29,7 @@ from shardfuse.sharding._host_step import (
     settings_of,
     step_plan,
 )
+from shardfuse.sharding._host_trace import HostTrace
 from shardfuse.sharding._registry import handle_of
 from shardfuse.sharding._root import lazy_init
 from shardfuse.sharding._runtime import Unit
@@ -172,6 +173,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._coef_deferred: set[int] = set()  # id(handle) of the shards whose scaling waits for their update
         self._placements = 0  # budget placements made (PLACEMENTS at most)
         self._moved_any = False
+        self._trace: HostTrace | None = None  # trace_host()
         self._optimizer_step_pre_hooks = OrderedDict()
         self._optimizer_step_post_hooks = OrderedDict()
         self._optimizer_state_dict_pre_hooks = OrderedDict()
@@ -275,12 +277,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._plans = plans
         self._plan_of_host = {id(p.host): p for p in plans if p.host is not None}
         self._signature = signature
+        self._attach_trace()
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         """Queue this step's updates (returns at once; the next forward of each unit waits for its own)."""
         if closure is not None:
             raise ValueError("OffloadOptimizer.step() takes no closure: compute the loss and backward before step()")
+        if self._trace is not None:
+            self._trace.mark("step")
         self.synchronize()
         done_on_host: set[int] = set()
         if self._placements < PLACEMENTS:
@@ -304,6 +309,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         host_coef = coef.to("cpu") if coef is not None else None
         for i, plan in enumerate(self._plans):  # forward order
             if plan.host is not None:
+                plan.host.note("queued")
                 plan.host.ready.clear()
                 self._worker.submit(host_task(plan, settings_of(self.optimizer, plan), host_coef, self._lock),
                                     key=i, tag=plan)
@@ -324,6 +330,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "step() after every synced backward (accumulate with no_sync()), or use step_in_backward=False"
             )
         self._stepped_in_backward.add(id(host))
+        host.note("queued")
         host.ready.clear()
         # Keyed after every update queued by an earlier step() (none are, in a step_in_backward loop), FIFO.
         self._worker.submit(host_task(plan, settings_of(self.optimizer, plan), None, self._lock, event,
@@ -357,6 +364,20 @@ class OffloadOptimizer(torch.optim.Optimizer):
         hosts = [h.host for u in units_below(self.root) for h in u.handles if h.host is not None]
         return {"host_busy_s": self._worker.busy_s, "wait_s": sum(h.waited_s for h in hosts),
                 "update_s": sum(h.update_s for h in hosts), "host_threads": float(self.host_threads)}
+
+    def trace_host(self, on: bool = True) -> HostTrace | None:
+        """Start (``on``) or stop recording the host step's timeline (``HostTrace``: per offloaded unit, when its
+        update was queued, taken, had its gradient, ran and finished, and when callers waited for it); returns
+        the trace being recorded (None once stopped). A diagnostic for benchmarks: events accumulate until
+        stopped."""
+        self._trace = HostTrace() if on else None
+        self._attach_trace()
+        return self._trace
+
+    def _attach_trace(self) -> None:
+        for i, plan in enumerate(self._plans):  # the unit's index in the forward order
+            if plan.host is not None:
+                plan.host.trace = self._trace.recorder(i) if self._trace is not None else None
 
     def close(self) -> None:
         """Finish the steps in flight, end the worker thread (also done when this object is collected) and detach
