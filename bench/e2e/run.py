@@ -67,7 +67,6 @@ import contextlib
 import datetime
 import functools
 import gc
-import importlib
 import importlib.util
 import json
 import os
@@ -75,7 +74,6 @@ import statistics
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -86,28 +84,30 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
+# The models (_model_specs) and the wrappers (_wrappers) have their own modules; their names stay importable here.
 from bench.common import free_port, write_result  # noqa: E402
-from examples.llama import DecoderLayer, Llama, LlamaConfig, count_params, next_token_loss  # noqa: E402
+from bench.e2e._model_specs import (  # noqa: E402
+    DECODER_CONFIGS,
+    HF_CONFIGS,
+    MODELS,
+    TRANSFORMERS_MISSING,
+    ModelSpec,
+    model_spec,
+)
+from bench.e2e._wrappers import REF_PACKAGE as REF_PACKAGE  # noqa: E402
+from bench.e2e._wrappers import WRAPPERS, unavailable_reason  # noqa: E402
+from bench.e2e._wrappers import wrap_fairscale as wrap_fairscale  # noqa: E402
+from bench.e2e._wrappers import wrap_fsdp1 as wrap_fsdp1  # noqa: E402
+from bench.e2e._wrappers import wrap_fsdp2 as wrap_fsdp2  # noqa: E402
+from bench.e2e._wrappers import wrap_shardfuse as wrap_shardfuse  # noqa: E402
+from bench.e2e._wrappers import wrap_shardfuse_ref as wrap_shardfuse_ref  # noqa: E402
+from examples.llama import next_token_loss  # noqa: E402
 
 # Where a CPU smoke run writes when $BENCH_OUT is not set (the repository's out/, which .gitignore has).
 SMOKE_OUT = Path(__file__).resolve().parents[2] / "out" / "bench"
 REGIMES: dict[str, tuple[int, int]] = {"8k": (4, 2048), "1k": (1, 1024), "4k": (1, 4096)}  # (batch, seq) per GPU
 REGIME_SETS = {"both": ("8k", "1k")}
-MODELS = ("decoder", "hf-llama")
-DECODER_CONFIGS = ("tiny", "small", "bench", "7b")  # examples.llama.LlamaConfig.named
-# transformers.LlamaConfig arguments of ``--model hf-llama``. ``bench``: the decoder's bench shape with 4 key/value
-# heads (grouped-query attention, as Llama 2/3 and TinyLlama): 852,559,872 parameters.
-HF_CONFIGS: dict[str, dict[str, int]] = {
-    "tiny": dict(vocab_size=257, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=32),
-    "bench": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-                  num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096),
-}
-TRANSFORMERS_MISSING = "needs the transformers package (pip install transformers), which is not importable here"
 IMPLS = ("shardfuse", "shardfuse-graph", "shardfuse-ref", "fsdp2", "fsdp1", "fairscale")
-# ``shardfuse-ref``: another version of shardfuse, importable under this package name (bench/e2e/make_ref.sh
-# builds one from a commit), measured side by side with the working tree's.
-REF_PACKAGE = os.environ.get("SHARDFUSE_REF", "shardfuse_ref")
 DEFAULT_PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
 PROFILE_STEPS = 3
 
@@ -164,199 +164,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but no CUDA GPU is visible: pass --device cpu for a smoke test")
     return args
-
-
-# ------------------------------------------------------------------------------------------------ models
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Everything the benchmark knows of one model, so the wrappers, the step and the flop count are shared."""
-
-    kind: str  # one of MODELS
-    name: str  # its --config
-    tag: str  # "" or what the default result name carries: e2e_<tag>_<N>gpu
-    layer_cls: type[nn.Module]  # the sharded unit
-    make: Callable[[torch.device, int], nn.Module]  # the model on the device, initialised from the seed
-    layers: Callable[[nn.Module], nn.ModuleList]  # the (unwrapped) model's list of decoder layers
-    logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]  # token ids (batch, seq) -> (batch, seq, vocab)
-    num_params: int
-    vocab_size: int
-    dim: int  # width of the embeddings and of attention (heads x head size)
-    n_layers: int
-    max_seq_len: int
-    config: dict[str, Any]  # recorded in the result JSON's config
-
-    def flops_per_step(self, batch: int, seq: int) -> float:
-        """Training flops of one step on one GPU: 6 N T for the matrix products plus causal attention."""
-        n_matmul = self.num_params - self.vocab_size * self.dim  # the input embedding is a lookup, no flops
-        tokens = batch * seq
-        # QK^T and AV: 2 * 2 * seq^2 * dim per sequence and layer forward, halved by causality, x3 for backward.
-        attention = 6.0 * self.n_layers * seq * seq * self.dim * batch
-        return 6.0 * n_matmul * tokens + attention
-
-    def result_name(self, world: int) -> str:
-        """The default result name: e2e_<N>gpu, e2e_hf_<N>gpu or e2e_7b_<N>gpu."""
-        return f"e2e_{self.tag}_{world}gpu" if self.tag else f"e2e_{world}gpu"
-
-
-def _decoder_spec(name: str) -> ModelSpec:
-    cfg = LlamaConfig.named(name)
-
-    def make(device: torch.device, seed: int) -> nn.Module:
-        with torch.device(device):
-            model = Llama(cfg)
-        return model.init_weights(seed)
-
-    return ModelSpec(
-        kind="decoder", name=name, tag="7b" if name == "7b" else "", layer_cls=DecoderLayer, make=make,
-        layers=lambda model: model.layers, logits=lambda model, tokens: model(tokens),
-        num_params=cfg.num_params(), vocab_size=cfg.vocab_size, dim=cfg.dim, n_layers=cfg.n_layers,
-        max_seq_len=cfg.max_seq_len, config=asdict(cfg),
-    )  # fmt: skip
-
-
-def _import_transformers() -> Any:
-    try:
-        import transformers
-    except ImportError as exc:
-        raise ImportError(f"bench.e2e.run --model hf-llama {TRANSFORMERS_MISSING}: {exc}") from exc
-    return transformers
-
-
-def _hf_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """``model(tokens).logits``; by key when a wrapper rebuilt the output as a plain dict."""
-    out = model(tokens)
-    return out["logits"] if isinstance(out, dict) else out.logits
-
-
-def _hf_llama_spec(name: str) -> ModelSpec:
-    transformers = _import_transformers()
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    if name not in HF_CONFIGS:
-        raise ValueError(f"--model hf-llama has the configs {', '.join(HF_CONFIGS)}, not {name!r}")
-    # No KV cache in training; SDPA attention (causal, no mask tensor) as the decoder's.
-    hf_cfg = transformers.LlamaConfig(**HF_CONFIGS[name], use_cache=False, attn_implementation="sdpa")
-    with torch.device("meta"):  # shapes only: the parameter count as transformers builds it
-        num_params = count_params(transformers.LlamaForCausalLM(hf_cfg))
-
-    def make(device: torch.device, seed: int) -> nn.Module:
-        # transformers initialises from the global generator: seed it (the device's too) and put it back after.
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
-            torch.manual_seed(seed)
-            return transformers.LlamaForCausalLM(hf_cfg).float()  # fp32 parameters, as the decoder's
-
-    c = HF_CONFIGS[name]
-    head_dim = c["hidden_size"] // c["num_attention_heads"]
-    return ModelSpec(
-        kind="hf-llama", name=name, tag="hf", layer_cls=LlamaDecoderLayer, make=make,
-        layers=lambda model: model.model.layers, logits=_hf_logits,
-        num_params=num_params, vocab_size=c["vocab_size"], dim=c["num_attention_heads"] * head_dim,
-        n_layers=c["num_hidden_layers"], max_seq_len=c["max_position_embeddings"],
-        config={
-            # The decoder's keys (the report shows them), then transformers' own.
-            "dim": c["hidden_size"], "n_layers": c["num_hidden_layers"], "n_heads": c["num_attention_heads"],
-            "n_kv_heads": c["num_key_value_heads"], "ffn_dim": c["intermediate_size"], "vocab_size": c["vocab_size"],
-            "max_seq_len": c["max_position_embeddings"],
-            "hf_class": "transformers.LlamaForCausalLM", "transformers": transformers.__version__,
-            "hf_config": {**c, "tie_word_embeddings": hf_cfg.tie_word_embeddings, "rms_norm_eps": hf_cfg.rms_norm_eps,
-                          "attn_implementation": hf_cfg._attn_implementation, "use_cache": hf_cfg.use_cache},
-        },
-    )  # fmt: skip
-
-
-def model_spec(kind: str, name: str) -> ModelSpec:
-    """The model ``kind`` (one of MODELS) in its config ``name``."""
-    if kind == "decoder":
-        return _decoder_spec(name)
-    if kind == "hf-llama":
-        return _hf_llama_spec(name)
-    raise ValueError(f"unknown model {kind!r}: choose one of {', '.join(MODELS)}")
-
-
-# ------------------------------------------------------------------------------------------------ wrapping
-
-
-def unavailable_reason(impl: str) -> str | None:
-    """Why ``impl`` cannot run in this environment (the same answer on every rank), or None."""
-    try:
-        if impl in ("shardfuse", "shardfuse-graph"):
-            import shardfuse  # noqa: F401
-        elif impl == "shardfuse-ref":
-            importlib.import_module(REF_PACKAGE)
-        elif impl == "fairscale":
-            import fairscale.nn.data_parallel  # noqa: F401
-        elif impl == "fsdp2":
-            from torch.distributed.fsdp import fully_shard  # noqa: F401
-    except ImportError as exc:
-        return f"not importable: {exc}"
-    return None
-
-
-def _wrap_with(package: str, model: nn.Module, spec: ModelSpec) -> nn.Module:
-    """Each decoder layer, then the root, in ``package``'s FSDP (bf16 compute, fp32 reduce-scatter), through
-    the public wrapping API that every shardfuse version exports."""
-    sf = importlib.import_module(package)
-    kwargs = dict(mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True)
-    with sf.enable_wrap(wrapper_cls=sf.FullyShardedDataParallel, **kwargs):
-        model = sf.auto_wrap(model, auto_wrap_policy=sf.ModuleClassWrapPolicy({spec.layer_cls}))
-        return sf.wrap(model)
-
-
-def wrap_shardfuse(model: nn.Module, spec: ModelSpec, device: torch.device) -> nn.Module:
-    """This working tree's shardfuse."""
-    return _wrap_with("shardfuse", model, spec)
-
-
-def wrap_shardfuse_ref(model: nn.Module, spec: ModelSpec, device: torch.device) -> nn.Module:
-    """The reference version of shardfuse (``SHARDFUSE_REF``)."""
-    return _wrap_with(REF_PACKAGE, model, spec)
-
-
-def wrap_fsdp2(model: nn.Module, spec: ModelSpec, device: torch.device) -> nn.Module:
-    """``fully_shard`` on each decoder layer, then on the root."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in spec.layers(model):
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    return model
-
-
-def wrap_fsdp1(model: nn.Module, spec: ModelSpec, device: torch.device) -> nn.Module:
-    """FSDP1 with a transformer auto-wrap policy on the decoder layer class."""
-    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
-    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
-
-    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
-    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={spec.layer_cls})
-    return FullyShardedDataParallel(
-        model, auto_wrap_policy=policy, mixed_precision=mp, device_id=device, use_orig_params=False
-    )
-
-
-def wrap_fairscale(model: nn.Module, spec: ModelSpec, device: torch.device) -> nn.Module:
-    """FairScale 0.4's FSDP on each decoder layer, then the root, with the flags shardfuse gets."""
-    from fairscale.nn.data_parallel import FullyShardedDataParallel
-
-    kwargs = dict(mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True)
-    layers = spec.layers(model)
-    for i, layer in enumerate(layers):
-        layers[i] = FullyShardedDataParallel(layer, **kwargs)
-    return FullyShardedDataParallel(model, **kwargs)
-
-
-WRAPPERS: dict[str, Callable[[nn.Module, ModelSpec, torch.device], nn.Module]] = {
-    "shardfuse": wrap_shardfuse,
-    "shardfuse-graph": wrap_shardfuse,
-    "shardfuse-ref": wrap_shardfuse_ref,
-    "fsdp2": wrap_fsdp2,
-    "fsdp1": wrap_fsdp1,
-    "fairscale": wrap_fairscale,
-    "baseline": lambda model, spec, device: model,
-}
 
 
 # ------------------------------------------------------------------------------------------------ measuring
