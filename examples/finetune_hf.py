@@ -83,7 +83,8 @@ def evaluate(model: torch.nn.Module, ids: torch.Tensor) -> float:
     return loss.item() / dist.get_world_size()
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
+    """Command-line arguments."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
     p.add_argument("--steps", type=int, default=6)
@@ -92,8 +93,11 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--no-compile", action="store_true", help="train eagerly")
     p.add_argument("--checkpoint-dir", default=None, help="where the sharded checkpoint goes (default: a temp dir)")
-    args = p.parse_args()
+    return p.parse_args()
 
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Join torchrun's process group (NCCL on GPUs, else gloo); returns (rank, world size, this rank's device)."""
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         # Deterministic kernels (cuBLAS workspace, cuDNN attention's backward, no atomics in compiled code), so
@@ -105,8 +109,28 @@ def main() -> int:
     if use_cuda:
         torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def resume_and_replay(
+    cfg: LlamaConfig, device: torch.device, ckpt: str, data: list[torch.Tensor], args: argparse.Namespace
+) -> list[float]:
+    """A fresh model and optimizer loaded from the checkpoint (no dummy step) train the second half again."""
+    half = args.steps // 2
+    fresh = build(cfg, device)
+    fresh_opt = make_optimizer(fresh)
+    state = fresh.sharded_state_dict(fresh_opt)
+    dcp.load(state, checkpoint_id=ckpt)
+    fresh.load_sharded_state_dict(state, fresh_opt)
+    fresh_step = fresh if args.no_compile else torch.compile(fresh)  # the same kernels as the run it resumes
+    return [train_step(fresh_step, fresh, fresh_opt, data[step]) for step in range(half, args.steps)]
+
+
+def main() -> int:
+    """Train, check a run resumed from the halfway checkpoint against it, generate; returns the exit code."""
+    args = parse_args()
+    rank, world, device = init_distributed()
     cfg = LlamaConfig(**CONFIGS[args.config])
     data = batches(cfg, args, rank, device)
     held_out = batches(cfg, args, rank + world, device)[0]
@@ -138,14 +162,7 @@ def main() -> int:
         if step + 1 == half:
             dcp.save(model.sharded_state_dict(opt), checkpoint_id=ckpt)  # each rank writes its own shards
 
-    # Resume from the checkpoint in a fresh model and optimizer (no dummy step) and replay the second half.
-    fresh = build(cfg, device)
-    fresh_opt = make_optimizer(fresh)
-    state = fresh.sharded_state_dict(fresh_opt)
-    dcp.load(state, checkpoint_id=ckpt)
-    fresh.load_sharded_state_dict(state, fresh_opt)
-    fresh_step = fresh if args.no_compile else torch.compile(fresh)  # the same kernels as the run it resumes
-    resumed = [train_step(fresh_step, fresh, fresh_opt, data[step]) for step in range(half, args.steps)]
+    resumed = resume_and_replay(cfg, device, ckpt, data, args)
     diffs = [abs(a - b) for a, b in zip(resumed, losses[half:])]
     diff = max(diffs)
     ok = diff <= (1e-5 if not args.no_compile else 0.0) + 1e-6

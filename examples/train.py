@@ -219,21 +219,8 @@ def compare(
     return ok
 
 
-def run(rank: int, world: int, local_rank: int, args: argparse.Namespace) -> bool:
-    """Train on this rank (the process group is up); returns False if the parity check failed (rank 0)."""
-    use_cuda = torch.cuda.is_available() and not args.cpu
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    cfg = LlamaConfig.named(args.config)
-    with torch.device(device):
-        model = Llama(cfg)
-    model.init_weights(args.seed)
-    parity = not args.no_parity
-    ref_model = copy.deepcopy(model) if parity and rank == 0 else None
-    init = {k: v.detach().clone() for k, v in model.state_dict().items()} if ref_model is not None else {}
-    batches = make_batches(args, cfg.vocab_size, world).to(device)
-
+def wrap_sharded(model: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    """Each decoder layer, then the root, as a shardfuse unit (on the ``--mesh`` device mesh when given)."""
     fsdp = fsdp_class()
     extra: dict[str, object] = {}
     if args.mixed_precision:
@@ -243,16 +230,15 @@ def run(rank: int, world: int, local_rank: int, args: argparse.Namespace) -> boo
     with enable_wrap(wrapper_cls=fsdp, mixed_precision=args.mixed_precision, **extra):
         model = auto_wrap(model, auto_wrap_policy=ModuleClassWrapPolicy({DecoderLayer}))
         model = wrap(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    if rank == 0:
-        layout = f"mesh {args.mesh[0]} replicas x {args.mesh[1]} shards" if args.mesh else "flat sharding"
-        print(f"shardfuse FSDP on {world} x {device.type} ({dist.get_backend()}, {layout}): {args.config} config, "
-              f"{count_params(model):,} params on this rank, {cfg.num_params():,} in all, "
-              f"{cfg.n_layers} decoder layers + root as units, "
-              f"{'bf16 mixed precision, fp32 reduce-scatter' if args.mixed_precision else 'fp32'}, "
-              f"batch {args.batch_size} x {args.seq_len} per rank, {torch.get_num_threads()} CPU thread(s) per rank",
-              flush=True)
+    return model
 
+
+def train_sharded(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, batches: torch.Tensor, args: argparse.Namespace, rank: int,
+    world: int, device: torch.device,
+) -> list[float]:
+    """The sharded training loop on this rank's micro-batches; returns the global batch's loss per step."""
+    use_cuda = device.type == "cuda"
     losses = []
     tokens_per_rank = args.batch_size * args.seq_len
     for step in range(args.steps):
@@ -277,6 +263,36 @@ def run(rank: int, world: int, local_rank: int, args: argparse.Namespace) -> boo
             print(f"step {step + 1:3d}/{args.steps}  loss {losses[-1]:.4f}  {tokens_per_rank / dt:10,.0f} "
                   f"tok/s/{'GPU' if use_cuda else 'rank'}  peak {'mem' if use_cuda else 'RSS'} "
                   f"{peak_memory_gib(device):.2f} GiB", flush=True)
+    return losses
+
+
+def run(rank: int, world: int, local_rank: int, args: argparse.Namespace) -> bool:
+    """Train on this rank (the process group is up); returns False if the parity check failed (rank 0)."""
+    use_cuda = torch.cuda.is_available() and not args.cpu
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    cfg = LlamaConfig.named(args.config)
+    with torch.device(device):
+        model = Llama(cfg)
+    model.init_weights(args.seed)
+    parity = not args.no_parity
+    ref_model = copy.deepcopy(model) if parity and rank == 0 else None
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()} if ref_model is not None else {}
+    batches = make_batches(args, cfg.vocab_size, world).to(device)
+
+    model = wrap_sharded(model, args, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    if rank == 0:
+        layout = f"mesh {args.mesh[0]} replicas x {args.mesh[1]} shards" if args.mesh else "flat sharding"
+        print(f"shardfuse FSDP on {world} x {device.type} ({dist.get_backend()}, {layout}): {args.config} config, "
+              f"{count_params(model):,} params on this rank, {cfg.num_params():,} in all, "
+              f"{cfg.n_layers} decoder layers + root as units, "
+              f"{'bf16 mixed precision, fp32 reduce-scatter' if args.mixed_precision else 'fp32'}, "
+              f"batch {args.batch_size} x {args.seq_len} per rank, {torch.get_num_threads()} CPU thread(s) per rank",
+              flush=True)
+
+    losses = train_sharded(model, opt, batches, args, rank, world, device)
 
     ok = True
     if parity:

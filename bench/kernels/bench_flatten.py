@@ -64,10 +64,8 @@ def _cases(n: int) -> list[KernelCase]:
     def cast_cat_pad():
         return F.pad(torch.cat([t.reshape(-1).to(torch.bfloat16) for t in params]), (0, pad))
 
-    outs = [torch.empty_like(p) for p in params]
-    src = torch.randn(padded, device=dev)
-    views = [v.view(p.shape) for v, p in zip(src[:total].split([p.numel() for p in params]), params)]
     tag = f"{len(params)} params ws{WORLD_SIZE} n={total}"
+    unflatten = _unflatten_case(params, total, padded, tag)
     return [
         KernelCase(
             family=FAMILY,
@@ -99,13 +97,21 @@ def _cases(n: int) -> list[KernelCase]:
             baselines={"cat+pad": lambda: cat_pad(transposed)},
             num_tensors=len(params),
         ),
-        KernelCase(
-            family="unflatten",
-            name=f"fp32 unflatten_into {tag}",
-            numel=total,
-            bytes_moved=total * 4 * 2,
-            shardfuse=lambda: unflatten_into(src, outs),
-            baselines={"foreach_copy_": lambda: torch._foreach_copy_(outs, views)},
-            num_tensors=len(params),
-        ),
+        unflatten,
     ]
+
+
+def _unflatten_case(params: list[torch.Tensor], total: int, padded: int, tag: str) -> KernelCase:
+    """unflatten_into from a padded flat buffer into ``params``' shapes, against ``_foreach_copy_`` of its views."""
+    outs = [torch.empty_like(p) for p in params]
+    src = torch.randn(padded, device=params[0].device)
+    views = [v.view(p.shape) for v, p in zip(src[:total].split([p.numel() for p in params]), params)]
+    return KernelCase(
+        family="unflatten",
+        name=f"fp32 unflatten_into {tag}",
+        numel=total,
+        bytes_moved=total * 4 * 2,
+        shardfuse=lambda: unflatten_into(src, outs),
+        baselines={"foreach_copy_": lambda: torch._foreach_copy_(outs, views)},
+        num_tensors=len(params),
+    )

@@ -257,17 +257,18 @@ def run_capped(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """Command-line arguments."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller models and fewer steps (smoke run)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 5, quick 2)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3, quick 1)")
     ap.add_argument("--only", default="", help="comma-separated variants to run (default: all)")
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if not torch.cuda.is_available():
-        sys.exit("bench.offload.run needs a CUDA GPU")
-    torch.cuda.set_device(0)
+    return ap.parse_args()
+
+
+def make_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The model sizes, steps and learning rate of the run (smaller ones with ``--quick``)."""
     q = args.quick
     cfg: dict[str, Any] = {
         "width": 2048 if q else 8192, "layers": 8 if q else 16, "batch": 1024 if q else 4096,
@@ -277,19 +278,12 @@ def main() -> None:
         "cap_width": 1024 if q else 4096, "cap_layers": 32 if q else 64, "cap_batch": 1024 if q else 4096,
         "cap_ratio": 4.5,
     }  # fmt: skip
-    t_start = time.perf_counter()
-    base = build(cfg["width"], cfg["layers"])
-    cfg["params_m"] = nparams(base) / 1e6
-    cfg["model_gib"] = nparams(base) * 4 / GIB
-    x = torch.randn(cfg["batch"], cfg["width"], device="cuda")
-    logger.info("model: %d x Linear(%d) + ReLU, %.0fM params (%.2f GiB fp32), batch %d",
-                cfg["layers"], cfg["width"], cfg["params_m"], cfg["model_gib"], cfg["batch"])  # fmt: skip
-    link = cfg["link"] = link_bandwidth()
-    logger.info("pinned host->device %.1f GB/s, device->host %.1f GB/s, both at once %.1f GB/s each (%d MiB, median "
-                "of %d)", link["h2d_gbps"], link["d2h_gbps"], link["duplex_gbps"], link["bytes"] / 2**20,
-                link["reps"])  # fmt: skip
+    return cfg
 
-    variants: list[tuple[str, Callable[..., dict[str, Any]], dict[str, Any]]] = [
+
+def variants() -> list[tuple[str, Callable[..., dict[str, Any]], dict[str, Any]]]:
+    """Every variant in the order they run: its name, the function that runs it, that function's options."""
+    return [
         ("plain", run_plain, {}),
         ("plain_bf16_autocast", run_plain, {"autocast": True}),
         ("shardfuse", run_shardfuse, {}),
@@ -310,9 +304,14 @@ def main() -> None:
         ("fairscale", run_fairscale, {}),
         ("fsdp2_cpu_offload", run_fsdp2, {}),
     ]
-    only = {v for v in args.only.split(",") if v}
+
+
+def run_variants(
+    base: nn.Sequential, x: torch.Tensor, cfg: dict[str, Any], only: set[str],
+) -> dict[str, dict[str, Any]]:
+    """Each variant in ``only`` (every one when empty): its row, or why it has none (skipped, error)."""
     rows: dict[str, dict[str, Any]] = {}
-    for name, fn, kw in variants:
+    for name, fn, kw in variants():
         if only and name not in only:
             continue
         logger.info("== %s", name)
@@ -327,6 +326,31 @@ def main() -> None:
         rows[name]["wall_s"] = time.perf_counter() - t0
         logger.info("   %s", {k: v for k, v in rows[name].items() if k not in ("losses", "_need")})
         free_gpu()
+    return rows
+
+
+def main() -> None:
+    """Run the selected variants, then the capped run; write offload.json and print the table."""
+    args = parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not torch.cuda.is_available():
+        sys.exit("bench.offload.run needs a CUDA GPU")
+    torch.cuda.set_device(0)
+    cfg = make_config(args)
+    t_start = time.perf_counter()
+    base = build(cfg["width"], cfg["layers"])
+    cfg["params_m"] = nparams(base) / 1e6
+    cfg["model_gib"] = nparams(base) * 4 / GIB
+    x = torch.randn(cfg["batch"], cfg["width"], device="cuda")
+    logger.info("model: %d x Linear(%d) + ReLU, %.0fM params (%.2f GiB fp32), batch %d",
+                cfg["layers"], cfg["width"], cfg["params_m"], cfg["model_gib"], cfg["batch"])  # fmt: skip
+    link = cfg["link"] = link_bandwidth()
+    logger.info("pinned host->device %.1f GB/s, device->host %.1f GB/s, both at once %.1f GB/s each (%d MiB, median "
+                "of %d)", link["h2d_gbps"], link["d2h_gbps"], link["duplex_gbps"], link["bytes"] / 2**20,
+                link["reps"])  # fmt: skip
+
+    only = {v for v in args.only.split(",") if v}
+    rows = run_variants(base, x, cfg, only)
     del x, base  # the capped run gets a GPU with nothing else allocated
     free_gpu()
     capped: dict[str, Any] = {}
