@@ -19,6 +19,11 @@ them; both trees must accept the arguments):
 - ``offload``: ``python -m bench.offload.run --only plain,shardfuse,shardfuse_offload_acts_opt_in_bwd --steps 3
   --warmup 2`` (the full-size 1074M model, one GPU; CUDA only); a row per variant. ``plain`` does not touch
   shardfuse: its ratio shows the machine's own noise.
+- ``offload-big`` (not in the default set; ``--offload-big-args`` extends it): ``python -m bench.offload.big
+  --configs 2.9b-4k --impls shardfuse,shardfuse-sib --steps 3 --warmup 1 --no-floor --save --out <its $OUT>``
+  (the 2.9B decoder offloaded, with clipping and with step_in_backward; about 70 s per run on one H100/H200);
+  a row per (config, impl and variant): the median step time, GPU peak and host peak RSS (``host_gib``, judged
+  with the memory threshold).
 
 Per benchmark, row and metric: the median over rounds of each tree, after / before, each tree's spread (min-max
 over rounds) and a verdict against the noise threshold (``--time-noise`` 10%, ``--mem-noise`` 5%): PASS within
@@ -67,6 +72,8 @@ E2E_ARGS = ("--regime", "1k", "--impls", "shardfuse", "--steps", "20", "--warmup
 # offloaded and the optimizer in backward.
 OFFLOAD_VARIANTS = ("plain", "shardfuse", "shardfuse_offload_acts_opt_in_bwd")
 OFFLOAD_ARGS = ("--only", ",".join(OFFLOAD_VARIANTS), "--steps", "3", "--warmup", "2")
+OFFLOAD_BIG_ARGS = ("--configs", "2.9b-4k", "--impls", "shardfuse,shardfuse-sib", "--steps", "3", "--warmup", "1",
+                    "--no-floor", "--save")  # fmt: skip
 Rows = dict[str, dict[str, Any]]
 
 
@@ -88,10 +95,13 @@ class Bench:
         return [*launcher, str(bootstrap), self.module, *self.args]
 
 
-def _metrics(step_ms: float, peak_gib: float | None, loss: float | None) -> dict[str, float]:
+def _metrics(step_ms: float, peak_gib: float | None, loss: float | None,
+             host_gib: float | None = None) -> dict[str, float]:
     out = {"time_ms": float(step_ms)}
     if peak_gib is not None:
         out["peak_gib"] = float(peak_gib)
+    if host_gib is not None:
+        out["host_gib"] = float(host_gib)
     if loss is not None:
         out["loss"] = float(loss)
     return out
@@ -124,10 +134,28 @@ def parse_offload(payload: dict[str, Any]) -> Rows:
     return rows
 
 
-def make_benches(e2e_extra: Sequence[str] = (), offload_extra: Sequence[str] = ()) -> dict[str, Bench]:
+def parse_offload_big(payload: dict[str, Any]) -> Rows:
+    """``bench.offload.big``'s rows: ``config/impl`` (``[variant]`` where there is one) -> step time, GPU peak,
+    host peak RSS, last loss (or the row's status and reason)."""
+    rows: Rows = {}
+    for r in payload.get("results", []):
+        key = f"{r['config']}/{r['impl']}" + (f" [{r['variant']}]" if r.get("variant") else "")
+        if r.get("status") == "ok" and r.get("step_ms"):
+            losses = r.get("losses") or [None]
+            rows[key] = _metrics(r["step_ms"], r.get("gpu_peak_gib"), losses[-1], r.get("host_rss_gib"))
+        else:
+            what = "skipped" if r.get("status") == "skipped" else "error"
+            rows[key] = {what: f"{r.get('status')}: {r.get('reason', 'no step time')}"}
+    return rows
+
+
+def make_benches(e2e_extra: Sequence[str] = (), offload_extra: Sequence[str] = (),
+                 offload_big_extra: Sequence[str] = ()) -> dict[str, Bench]:
     return {
         "e2e": Bench("e2e", "bench.e2e.run", (*E2E_ARGS, *e2e_extra), "ab_e2e", parse_e2e, torchrun=True),
         "offload": Bench("offload", "bench.offload.run", (*OFFLOAD_ARGS, *offload_extra), "offload", parse_offload),
+        "offload-big": Bench("offload-big", "bench.offload.big", (*OFFLOAD_BIG_ARGS, *offload_big_extra),
+                             "offload_big", parse_offload_big),
     }
 
 
@@ -194,8 +222,9 @@ def child_env(tree: Tree, bench_out: Path, base: dict[str, str] | None = None) -
     env = dict(os.environ if base is None else base)
     inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
                  if p and not (Path(p) / "shardfuse").exists() and not (Path(p) / "bench").exists()]  # fmt: skip
+    # OUT too: a runner's own default output ($OUT/..., bench.offload.big's --out) lands there, not in the tree.
     env.update(PYTHONPATH=os.pathsep.join([str(tree.path), *inherited]), BENCH_OUT=str(bench_out),
-               SHARDFUSE_COMMIT=tree.commit, PYTHONUNBUFFERED="1")  # fmt: skip
+               OUT=str(bench_out), SHARDFUSE_COMMIT=tree.commit, PYTHONUNBUFFERED="1")  # fmt: skip
     return env
 
 
@@ -293,7 +322,8 @@ def compare_row(values: dict[str, list[float]], metric: str, tol: float | None) 
 
 def compare(runs: list[dict[str, Any]], time_noise: float, mem_noise: float) -> list[dict[str, Any]]:
     """Every (bench, row, metric) any run reported, in the order first seen."""
-    tolerances: dict[str, float | None] = {"time_ms": time_noise, "peak_gib": mem_noise, "loss": None}
+    tolerances: dict[str, float | None] = {"time_ms": time_noise, "peak_gib": mem_noise, "host_gib": mem_noise,
+                                           "loss": None}
     seen: dict[tuple[str, str, str], dict[str, list[float]]] = {}
     for rec in runs:
         for row, metrics in rec["rows"].items():
@@ -320,7 +350,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(f"{r['bench']:8s} {r['row']:38s} {r['metric']:8s} {_fmt(r['before_median'], d):>10s} "
               f"{_fmt(r['after_median'], d):>10s} {ratio:>7s} {spreads[0]:>17s} {spreads[1]:>17s}  "
               f"{r['verdict']}{note}")
-    print("(ratio: after / before median; time_ms step time, peak_gib peak GPU memory, loss the last step's;"
+    print("(ratio: after / before median; time_ms step time, peak_gib peak GPU memory, host_gib peak host RSS, "
+          "loss the last step's;"
           " FAIL above the threshold, BETTER below it)", flush=True)
 
 
@@ -399,7 +430,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--before", required=True, help="the tree before the change (shardfuse/ and bench/ in it)")
     p.add_argument("--after", required=True, help="the tree after it")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--bench", default="e2e,offload", help="comma-separated, from e2e, offload")
+    p.add_argument("--bench", default="e2e,offload", help="comma-separated, from e2e, offload, offload-big")
     p.add_argument("--out", default="ab.json", help="the JSON written (after every run)")
     p.add_argument("--logs", default=None, help="one log per run (default: <out without .json>_logs/)")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per run")
@@ -411,10 +442,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "round's pace): whole rounds only, so both trees keep the same number of samples")
     p.add_argument("--e2e-args", default="", help="more arguments for bench.e2e.run (after the defaults)")
     p.add_argument("--offload-args", default="", help="more arguments for bench.offload.run (after the defaults)")
+    p.add_argument("--offload-big-args", default="",
+                   help="more arguments for bench.offload.big (after the defaults)")
     p.add_argument("--before-commit", default=None, help="the before tree's commit (else .git, else COMMIT)")
     p.add_argument("--after-commit", default=None, help="the after tree's commit (else .git, else COMMIT)")
     args = p.parse_args(argv)
-    benches = make_benches(shlex.split(args.e2e_args), shlex.split(args.offload_args))
+    benches = make_benches(shlex.split(args.e2e_args), shlex.split(args.offload_args),
+                           shlex.split(args.offload_big_args))
     names = [b.strip() for b in args.bench.split(",") if b.strip()]
     if not names or any(n not in benches for n in names) or len(set(names)) != len(names):
         p.error(f"--bench {args.bench!r}: distinct names from {', '.join(benches)}")

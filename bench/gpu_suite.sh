@@ -112,10 +112,13 @@ for stage in "${STAGES[@]}"; do
       # the medians (10% time, 5% memory) -> ab.json (here and in $FINAL), one log per run under ab_logs/. The
       # before tree is .before/ (ignored by git; carry it): git archive cd970f2 | tar -x -C .before &&
       # echo cd970f2 > .before/COMMIT. This tree's commit: SHARDFUSE_COMMIT (the device copy has no .git).
+      # AB_BENCH=offload-big compares the 2.9B offloaded decoder (clipping and step_in_backward)
+      # without the floor or resident runs: ~70 s a run, 3 rounds x 2 trees in one call.
       if [ -d .before/shardfuse ]; then
         step ab "${AB_TIMEOUT:-540}" python3 -m bench.ab --before .before --after . --rounds "${AB_ROUNDS:-3}" \
           --bench "${AB_BENCH:-e2e,offload}" --deadline "${AB_DEADLINE:-520}" --out "$OUT/ab.json" \
           --e2e-args "${AB_E2E_ARGS:-}" --offload-args "${AB_OFFLOAD_ARGS:-}" \
+          --offload-big-args "${AB_OFFLOAD_BIG_ARGS:-}" \
           ${SHARDFUSE_COMMIT:+--after-commit "$SHARDFUSE_COMMIT"} ${AB_ARGS:-}
         cp "$OUT/ab.json" "$FINAL/" 2>/dev/null
       else

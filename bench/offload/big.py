@@ -15,10 +15,11 @@ Each measurement runs in its own process (``bench.offload.big_child``) under a t
 host peak RSS are its own and an out-of-memory kill ends only it. First a process measures the hardware floor
 (pinned host->device / device->host bandwidth, torch's fused CPU AdamW time per parameter); then per
 configuration the resident run comes first (always: its forward + backward is the floor's GPU compute term; for
-a model whose fp32 weights, gradients and AdamW state do not fit, forward + backward on bf16 parameters only).
-The floor of a configuration is max(GPU compute, PCIe, CPU optimizer): PCIe = the larger of 2 bytes/parameter
-(bf16 parameters) host->device and 4 bytes/parameter (fp32 gradients) device->host, once per optimizer step,
-the two directions overlapped; CPU optimizer = the measured fused-AdamW seconds per parameter x parameters.
+a model whose fp32 weights, gradients and AdamW state do not fit, forward + backward on bf16 parameters only;
+``--no-floor`` skips both, for a before/after of shardfuse's own rows). The floor of a configuration is
+max(GPU compute, PCIe, CPU optimizer): PCIe = the larger of 2 bytes/parameter (bf16 parameters) host->device
+and 4 bytes/parameter (fp32 gradients) device->host, once per optimizer step, the two directions overlapped;
+CPU optimizer = the measured fused-AdamW seconds per parameter x parameters.
 
 ``shardfuse-ssd`` (shards and AdamW state in files under ``$BIG_SSD_DIR``, see ``big_impls``): before the runs the
 driver measures the sequential write and read bandwidth of that disk (``bench/offload/disk.py``, a
@@ -113,6 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1e9,
         help="fp32 parameters the CPU AdamW floor is measured on (scaled linearly to each model)",
     )
+    p.add_argument("--no-floor", action="store_true",
+                   help="skip the hardware floor and the resident runs (shardfuse's rows alone, e.g. bench.ab's "
+                        "offload-big): the rows get no floor or resident ratio")
     p.add_argument("--estimate", action="store_true", help="print the time plan and exit")
     p.add_argument(
         "--merge",
@@ -138,7 +142,8 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str]]:
     """(config, impl) in run order: per configuration the resident run first."""
     out = []
     for c in args.config_list:
-        for impl in ["resident"] + [i for i in args.impl_list if i != "resident"]:
+        first = [] if args.no_floor else ["resident"]
+        for impl in first + [i for i in args.impl_list if i != "resident"]:
             if impl == "shardfuse-host-accum" and CONFIGS[c].accum == 1:
                 continue  # the same run as the shardfuse row without accumulation
             out.append((c, impl))
@@ -156,9 +161,10 @@ def estimate_s(config: str, impl: str, args: argparse.Namespace) -> float:
 
 def print_plan(todo: list[tuple[str, str]], args: argparse.Namespace) -> float:
     """The time plan; returns the total estimate in seconds (with --estimate, also of what is not installed here)."""
-    total = FLOOR_ESTIMATE_S
+    total = 0.0 if args.no_floor else FLOOR_ESTIMATE_S
     print(f"offload_big plan ({args.warmup} warm-up + {args.steps} timed steps; rough seconds on one H100):")
-    print(f"  {'floor':<10} {'-':<22} ~{FLOOR_ESTIMATE_S:.0f} s")
+    if not args.no_floor:
+        print(f"  {'floor':<10} {'-':<22} ~{FLOOR_ESTIMATE_S:.0f} s")
     for config, impl in todo:
         reason = unavailable_reason(impl, args.device)
         est = estimate_s(config, impl, args)
@@ -393,8 +399,9 @@ def measure_hardware(args: argparse.Namespace) -> dict[str, Any]:
     n = min(int(args.opt_params), max(m.num_params() for m in cfgs))
     chunk = max(4 * m.dim * m.dim + 3 * m.dim * m.ffn_dim for m in cfgs)  # one decoder block's flat parameter
     job = Job(impl="floor", config=args.config_list[0], device=args.device,
-              extra={"opt_params": n, "chunk": chunk})  # fmt: skip
-    print("== floor: copy bandwidth and CPU optimizer ...", flush=True)
+              extra={"opt_params": n, "chunk": chunk, "env_only": bool(args.no_floor)})  # fmt: skip
+    print("== environment only (--no-floor) ..." if args.no_floor else "== floor: copy bandwidth and CPU optimizer ...",
+          flush=True)
     return run_child(job, timeout=args.child_timeout or 300)
 
 
@@ -443,7 +450,8 @@ def run_all(args: argparse.Namespace, payload: dict[str, Any], hw: dict[str, Any
             payload["floors"][config] = floor
             print_row(rows[-1])
             print_config_floor(floor)
-        add_ratios(rows, payload["floors"][config], disk_bw)
+        if config in payload["floors"]:  # not with --no-floor
+            add_ratios(rows, payload["floors"][config], disk_bw)
         if impl != "resident":
             print_row(rows[-1])
         write(payload, args)

@@ -124,6 +124,8 @@ def measure_floor(job: Job) -> dict[str, Any]:
             out["env"][pkg] = None
     out["host"] = {"cpu_count": os.cpu_count(), "affinity_cores": len(os.sched_getaffinity(0)),
                    "torch_threads": torch.get_num_threads()}  # fmt: skip
+    if job.extra.get("env_only"):  # bench.offload.big --no-floor: the environment alone
+        return out
     if job.device == "cuda":
         torch.cuda.set_device(0)
         nbytes = int(job.extra.get("bw_bytes", 1 << 30))

@@ -161,6 +161,28 @@ def test_child_env_puts_the_tree_first_and_drops_other_trees(tmp_path: Path) -> 
     env = ab.child_env(tree, tmp_path / "o", {"PYTHONPATH": os.pathsep.join([str(other), str(plain)]), "X": "1"})
     assert env["PYTHONPATH"].split(os.pathsep) == [str(tree.path), str(plain)]
     assert (env["BENCH_OUT"], env["SHARDFUSE_COMMIT"], env["X"]) == (str(tmp_path / "o"), "c0ffee", "1")
+    assert env["OUT"] == str(tmp_path / "o")  # a runner's default output stays out of the tree
+
+
+def test_parse_offload_big_rows() -> None:
+    payload = {"results": [
+        {"config": "2.9b-4k", "impl": "shardfuse", "status": "ok", "step_ms": 990.0, "gpu_peak_gib": 15.0,
+         "host_rss_gib": 46.8, "losses": [11.0, 10.5]},
+        {"config": "2.9b-4k", "impl": "shardfuse", "variant": "step-in-backward, no clipping", "status": "ok",
+         "step_ms": 800.0, "gpu_peak_gib": 15.0, "host_rss_gib": 46.9, "losses": [11.0, 10.6]},
+        {"config": "2.9b-4k", "impl": "fsdp2", "status": "skipped", "reason": "not importable"},
+        {"config": "2.9b-4k", "impl": "shardfuse-budget", "status": "oom", "reason": "GPU out of memory"},
+    ]}  # fmt: skip
+    assert ab.parse_offload_big(payload) == {
+        "2.9b-4k/shardfuse": {"time_ms": 990.0, "peak_gib": 15.0, "host_gib": 46.8, "loss": 10.5},
+        "2.9b-4k/shardfuse [step-in-backward, no clipping]": {"time_ms": 800.0, "peak_gib": 15.0, "host_gib": 46.9,
+                                                              "loss": 10.6},
+        "2.9b-4k/fsdp2": {"skipped": "skipped: not importable"},
+        "2.9b-4k/shardfuse-budget": {"error": "oom: GPU out of memory"},
+    }  # fmt: skip
+    rows = ab.compare([{"bench": "offload-big", "tree": t, "rows": {"r": {"time_ms": 1.0, "host_gib": g}}}
+                       for t, g in (("before", 40.0), ("after", 44.0))], 0.10, 0.05)  # fmt: skip
+    assert {r["metric"]: r["verdict"] for r in rows} == {"time_ms": "PASS", "host_gib": "FAIL"}  # host RSS judged
 
 
 def test_origin_error_wants_exactly_the_trees_packages(tmp_path: Path) -> None:
@@ -202,6 +224,12 @@ def test_cli_arguments() -> None:
 
 def test_default_arguments_fit_the_benchmarks() -> None:
     from bench.e2e import run as e2e_run
+    from bench.offload import big
+
+    big_args = big.parse_args(list(ab.OFFLOAD_BIG_ARGS))
+    assert big_args.no_floor and big_args.save and big_args.impl_list == ["shardfuse", "shardfuse-sib"]
+    assert big.plan(big_args) == [("2.9b-4k", "shardfuse"), ("2.9b-4k", "shardfuse-sib")]  # no resident run
+    assert ab.make_benches()["offload-big"].result == "offload_big"
 
     args = e2e_run.parse_args(list(ab.E2E_ARGS))
     assert args.impl_list == ["shardfuse"] and args.regime_list == ["1k"] and args.no_baseline
