@@ -60,7 +60,7 @@ class Result:
     gpu: str  # the folder name under results/, e.g. "h200"
     name: str  # the file stem, e.g. "e2e_2gpu"
     path: Path
-    kind: str  # "kernels", "e2e", "offload", "offload_big", "unknown" or "unreadable"
+    kind: str  # "kernels", "e2e", "offload", "offload_big", "host_step", "unknown" or "unreadable"
     data: dict[str, Any] = field(default_factory=dict)
     problem: str | None = None
 
@@ -98,6 +98,9 @@ def detect_kind(name: str, data: Any) -> str:
     if data.get("kind") == "offload_big":  # bench.offload.big: a ``results`` list too, but not an e2e file
         return "offload_big"
     rows = data.get("rows")
+    if data.get("kind") == "host_step" or (name == "host_step" and isinstance(rows, list) and rows
+                                           and all(isinstance(r, dict) and "setting" in r for r in rows)):
+        return "host_step"  # bench.offload.host_step (files before its "kind" are told by name and rows)
     if isinstance(rows, list) and (not rows or any(isinstance(r, dict) and "family" in r for r in rows)):
         return "kernels"
     if isinstance(data.get("results"), list):
@@ -128,7 +131,7 @@ def load_file(path: Path, gpu: str | None = None) -> Result:
 
 
 def _result_sort_key(r: Result) -> tuple[int, int, str]:
-    order = {"e2e": 0, "offload": 1, "offload_big": 2, "kernels": 3, "unknown": 4, "unreadable": 5}
+    order = {"e2e": 0, "offload": 1, "offload_big": 2, "kernels": 3, "host_step": 4, "unknown": 5, "unreadable": 6}
     m = re.search(r"(\d+)gpu", r.name)
     return order.get(r.kind, 6), int(m.group(1)) if m else 0, r.name
 

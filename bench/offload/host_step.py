@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from bench.common import env_info
 from shardfuse.sharding import _host_fused
 
 
@@ -173,7 +174,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     times = _measure(shards, variants, args.rounds, load)
     print(f"host step: {n / 1e9:.2f}B fp32 params in {len(shards)} shards, {cores} cores, torch {torch.__version__}")
     rows = _report(times, n)
-    result = {"params": n, "threads": counts, "cores": cores, "torch": torch.__version__, "rows": rows}
+    result = {"kind": "host_step", "env": env_info(), "params": n, "threads": counts, "cores": cores,
+              "torch": torch.__version__, "rows": rows}
     if load is not None:
         print(f"copies beside the update: {load.gbps():.1f} GB/s (host->device + device->host, 1 GiB pinned each)")
         result["copies_gbps"] = load.gbps()

@@ -7,6 +7,7 @@ from typing import Any
 
 from bench.report._common import anchor, gpu_label
 from bench.report._e2e import e2e_section
+from bench.report._host_step import host_step_section
 from bench.report._kernels import kernels_section
 from bench.report._models import DECODER_KIND, HF_LLAMA_KIND, e2e_models
 from bench.report._offload import offload_section
@@ -172,6 +173,8 @@ def gpu_section(gpu: str, rs: list[Result], plots: Plotter, out_dir: Path) -> li
             lines += offload_section(r, plots, out_dir)
         elif r.kind == "offload_big":
             lines += offload_big_section(r)
+        elif r.kind == "host_step":
+            lines += host_step_section(r)
         else:
             others += other_section(r)
     if others:
