@@ -380,8 +380,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 plan.host.trace = self._trace.recorder(i) if self._trace is not None else None
 
     def close(self) -> None:
-        """Finish the steps in flight, end the worker thread (also done when this object is collected) and detach
-        from the model, whose shards then train with a plain optimizer again."""
+        """Finish the steps in flight (and their SSD write-backs), end the worker thread (also done when this object
+        is collected) and detach from the model, whose shards then train with a plain optimizer again."""
         self.synchronize()
         self._finalizer()
         if engine_of(self.root) is self:
@@ -389,6 +389,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for u in units_below(self.root):
             for h in u.handles:
                 h.host = _ssd.host_after_engine(h)  # None, or the SSD host shard (the plain optimizer's path)
+                _ssd.settle(h)  # the write-backs done: nothing in flight keeps the files once the model is freed
 
     # ----------------------------------------------------------------------------------------------
     # clipping

@@ -328,6 +328,11 @@ class SsdShard:
         for page in self.pages(state):
             page.page_out(keep=keep and page is self.param)
 
+    def settle(self) -> None:
+        """Wait for the reads and write-backs queued on this shard's files."""
+        for page in self.pages(state=True):
+            page.file.settle()
+
     def leave(self) -> None:
         """The shard leaves the SSD tier (kept resident, e.g. on the GPU from now on); its files go with it."""
         for page in self.pages(state=True):
@@ -447,6 +452,13 @@ def host_after_engine(h: FlatParamHandle) -> SsdHostShard | None:
     """What ``handle.host`` becomes when an ``OffloadOptimizer`` lets go: the SSD host shard (reset) or None."""
     host = ssd_host(h)
     return host.reset_for_plain_optimizer() if host is not None else None
+
+
+def settle(h: FlatParamHandle) -> None:
+    """Wait for the I/O queued on the handle's files, if it has any (``OffloadOptimizer.close()``)."""
+    host = ssd_host(h)
+    if host is not None:
+        host.ssd.settle()
 
 
 def leave_tier(h: FlatParamHandle) -> None:

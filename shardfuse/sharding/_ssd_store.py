@@ -7,8 +7,9 @@ first file, one :class:`TensorFile` per tensor (a flat shard, one optimizer stat
 queued (a read queued after a write reads what was written). An error names the file, and is re-raised by
 whoever waits for the operation. With ``direct_io`` the files bypass the page cache (``O_DIRECT``, the rules in
 ``_ssd_direct.py``) where the file system takes it, else the store falls back to buffered I/O (``io_mode`` says
-which is in use). A file is deleted when its :class:`TensorFile` is collected (the model freed)
-or at interpreter exit; the directory when its last file is gone. Files of a process killed by a signal stay.
+which is in use). A file is deleted when its :class:`TensorFile` is collected (the model freed and the I/O queued on
+it done: no I/O thread keeps a file past its last operation) or at interpreter exit; the directory when its last
+file is gone. Files of a process killed by a signal stay.
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ class IOOp:
             self._finish()
 
     def _finish(self) -> None:
+        on_done, self._on_done = self._on_done, None  # a done operation keeps nobody alive (its file: deletion)
         try:
-            if self._on_done is not None:
-                self._on_done(self.error)
+            if on_done is not None:
+                on_done(self.error)
         except BaseException as err:  # noqa: BLE001 - kept for the waiter
             logger.exception("SSD offload: completing an I/O operation failed")
             self.error = self.error or err
@@ -100,6 +102,23 @@ def _logged(fn: Callable[[], None], path: str) -> None:
         raise
 
 
+def _run_job(task: list) -> None:
+    """One queued chunk on an I/O thread. ``task`` is emptied first and the chunk's closure dropped before it is
+    marked done: once a file's last operation is done no thread holds the file, so freeing the model deletes it
+    at once (the pool's work item would otherwise keep it alive a moment longer)."""
+    prev, op, io = task
+    task.clear()
+    if prev is not None:
+        prev.wait_quietly()  # queued earlier on a FIFO pool: running or done, never behind this job
+    err: BaseException | None = None
+    try:
+        io()
+    except BaseException as e:  # noqa: BLE001 - handed to the waiter
+        err = e
+    del io
+    op.chunk_done(err)
+
+
 class TensorFile:
     """The file of one tensor: queued whole-tensor reads and writes, in order."""
 
@@ -126,8 +145,16 @@ class TensorFile:
         with self._lock:
             prev, op = self._last, IOOp(1, None)
             self._last = op
-        self.store.pool.submit(self._job, prev, op, lambda: _logged(fn, self.path))
+        path = self.path
+        self.store.pool.submit(_run_job, [prev, op, lambda: _logged(fn, path)])
         return op
+
+    def settle(self) -> None:
+        """Wait until every operation queued on this file so far is done (errors are the waiters' to raise)."""
+        with self._lock:
+            last = self._last
+        if last is not None:
+            last.wait_quietly()
 
     def _queue(self, buf: memoryview, write: bool, on_done: Callable[[BaseException | None], None] | None) -> IOOp:
         chunk = self.store.chunk_bytes
@@ -140,18 +167,8 @@ class TensorFile:
             piece = buf[start:start + chunk]
             io = (lambda p=piece, s=start: self._write_at(p, s, base + s)) if write else (
                 lambda p=piece, s=start: self._read_at(p, s, base + s))
-            self.store.pool.submit(self._job, prev, op, io)
+            self.store.pool.submit(_run_job, [prev, op, io])
         return op
-
-    def _job(self, prev: IOOp | None, op: IOOp, io: Callable[[], None]) -> None:
-        if prev is not None:
-            prev.wait_quietly()  # queued earlier on a FIFO pool: running or done, never behind this job
-        err: BaseException | None = None
-        try:
-            io()
-        except BaseException as e:  # noqa: BLE001 - handed to the waiter
-            err = e
-        op.chunk_done(err)
 
     def _write_all(self, view: memoryview, offset: int) -> None:
         done = 0

@@ -382,3 +382,38 @@ def test_storages_that_cannot_be_evicted_are_copied_once():
     ptr = mine.data_ptr()
     own_storage(mine, pin=False)
     assert mine.data_ptr() == ptr, "a tensor that owns a resizable storage keeps it"
+
+
+def test_close_finishes_the_write_backs_and_freeing_the_model_deletes_its_files(tmp_path, monkeypatch):
+    """``OffloadOptimizer.close()`` returns with no I/O in flight: the files hold the trained values, and once the
+    model is freed nothing (not a queued write, not an I/O thread) keeps them: they are gone at once."""
+    import time
+
+    torch.manual_seed(3)
+    m = _one_rank(nn.Sequential(nn.Linear(6, 11), nn.Tanh(), nn.Linear(11, 5)), str(tmp_path))
+    opt = OffloadOptimizer(m, torch.optim.AdamW(m.parameters(), lr=1e-2), gpu_budget_gib=0)
+    real = _ssd_store._pwrite
+
+    def slow(*args: Any) -> int:
+        time.sleep(0.3)  # write-backs still running when close() is called
+        return real(*args)
+
+    monkeypatch.setattr(_ssd_store, "_pwrite", slow)
+    for _ in range(2):
+        m(torch.randn(4, 6)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    files = [ssd_host(h).ssd.param.file for h in _flat_handles(m)]  # type: ignore[union-attr]
+    paths = [f.path for f in files]
+    opt.close()
+    busy = [f.path for f in files if f._last is None or not f._last.done()]
+    assert not busy, f"write-backs still in flight after close(): {busy}"
+    want = {k: v.clone() for k, v in m.state_dict().items()}
+    del files
+    for i, p in enumerate(paths):  # what is on disk is what the model holds (nothing lost)
+        on_disk = torch.from_file(p, size=os.path.getsize(p) // 4, dtype=torch.float32)
+        assert on_disk.numel() == sum(v.numel() for v in want.values()), f"file {i}: {on_disk.numel()} values"
+        assert torch.equal(on_disk, torch.cat([v.reshape(-1) for v in want.values()]))
+    del m, opt
+    gc.collect()
+    assert not [p for p in paths if os.path.exists(p)], "the shard files outlived the model"
