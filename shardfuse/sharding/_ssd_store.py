@@ -66,6 +66,7 @@ class IOOp:
             logger.exception("SSD offload: completing an I/O operation failed")
             self.error = self.error or err
         finally:
+            on_done = None  # dropped before the waiters wake, not when this frame ends
             self._done.set()
 
     def done(self) -> bool:
