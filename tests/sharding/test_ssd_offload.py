@@ -87,7 +87,7 @@ def _train(path: str | None, cfg: dict[str, Any], steps: int = STEPS, start: int
         opt = (torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True) if cfg.get("fused")
                else make_optim(model.parameters(), cfg))
         if cfg.get("overlapped") and path is not None:
-            opt = OffloadOptimizer(model, opt, gpu_budget_gib=0)
+            opt = OffloadOptimizer(model, opt, gpu_budget_gib=0, step_in_backward=cfg.get("sib", False))
     micro = cfg.get("micro", 1)
     losses = []
     for step in range(start, start + steps):
@@ -168,6 +168,9 @@ CASES = {
     "fused-offload-optimizer-state-clip": dict(overlapped=True, state=True, clip=0.05, fused=True),
     "fused-plain-optimizer-state": dict(state=True, fused=True),
     "fused-plain-optimizer-params-only": dict(fused=True),
+    # updates start as gradients land and run on into the next forward
+    "step-in-backward-state": dict(overlapped=True, state=True, sib=True),
+    "fused-step-in-backward-params-only": dict(overlapped=True, sib=True, fused=True),
 }
 
 
