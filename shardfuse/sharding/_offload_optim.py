@@ -286,7 +286,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise ValueError("OffloadOptimizer.step() takes no closure: compute the loss and backward before step()")
         if self._trace is not None:
             self._trace.mark("step")
-        self.synchronize()
+        if not (self.step_in_backward and self._stepped_in_backward) or self._placements < PLACEMENTS:
+            # Updates still in flight from an earlier step must end before this one queues its own (and before a
+            # budget placement moves shards). Under step_in_backward this step's updates are already queued and
+            # running: they overlap the next forward, whose gathers wait for each unit's own update.
+            self.synchronize()
         done_on_host: set[int] = set()
         if self._placements < PLACEMENTS:
             done_on_host = self._place_by_budget()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 from typing import Any
 
 import pytest
@@ -275,6 +276,59 @@ def check_second_placement(step_in_backward: bool) -> bool:
 @pytest.mark.parametrize("step_in_backward", [False, True], ids=["after-backward", "in-backward"])
 def test_second_placement_adds_the_next_units(pool, step_in_backward):
     assert pool.run(check_second_placement, step_in_backward) == [True] * WORLD
+
+
+def _train_held(steps: int, hold_at: int | None) -> tuple[FSDP, list[bool]]:
+    """step_in_backward over ``steps`` steps; at step ``hold_at`` the host updates wait for a gate that opens only
+    after ``step()`` has been called (from a thread, so a step() that waits for them cannot hang the test).
+    Returns the model and, per held step, whether step() returned with updates still held."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    model = wrap_model(build({}), {"move_params_to_cpu": True})
+    opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if hold_at is not None:
+        opt = OffloadOptimizer(model, opt, gpu_budget_gib=0, step_in_backward=True)
+    real, gate, returned = _host_step._step_host_shard, threading.Event(), []
+
+    def held(*args: Any, **kwargs: Any) -> None:
+        gate.wait(timeout=60)
+        real(*args, **kwargs)
+
+    try:
+        for step in range(steps):
+            if step == hold_at:
+                _host_step._step_host_shard = held  # type: ignore[assignment]
+            ids, target = batch(step, rank, ws)
+            loss_fn(model, ids, target, step, {}).backward()
+            stepper = threading.Thread(target=opt.step)
+            stepper.start()
+            stepper.join(timeout=10)
+            if step == hold_at:
+                returned.append(not stepper.is_alive())
+                gate.set()
+                stepper.join()
+            opt.zero_grad(set_to_none=True)
+        if hold_at is not None:
+            opt.synchronize()
+    finally:
+        _host_step._step_host_shard = real
+        gate.set()
+    return model, returned
+
+
+def check_step_in_backward_overlaps_the_next_forward() -> bool:
+    """step() returns while the updates its backward queued still run (the next forward's gathers wait for each
+    unit's own); the parameters are those of the plain path."""
+    model, returned = _train_held(4, hold_at=2)
+    ref, _ = _train_held(4, hold_at=None)
+    assert returned == [True], "step() waited for the updates queued in its own backward"
+    sd, ref_sd = model.state_dict(), ref.state_dict()
+    for k in ref_sd:
+        assert torch.equal(sd[k], ref_sd[k]), f"{k}: max |diff| {(sd[k] - ref_sd[k]).abs().max().item():.3e}"
+    return True
+
+
+def test_step_in_backward_overlaps_the_next_forward(pool):
+    assert pool.run(check_step_in_backward_overlaps_the_next_forward) == [True] * WORLD
 
 
 def check_step_in_backward_misuse() -> bool:
