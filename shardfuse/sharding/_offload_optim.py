@@ -393,7 +393,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for u in units_below(self.root):
             for h in u.handles:
                 h.host = _ssd.host_after_engine(h)  # None, or the SSD host shard (the plain optimizer's path)
-                _ssd.settle(h)  # the write-backs done: nothing in flight keeps the files once the model is freed
 
     # ----------------------------------------------------------------------------------------------
     # clipping

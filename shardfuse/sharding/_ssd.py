@@ -449,16 +449,13 @@ def ssd_host(h: FlatParamHandle) -> SsdHostShard | None:
 
 
 def host_after_engine(h: FlatParamHandle) -> SsdHostShard | None:
-    """What ``handle.host`` becomes when an ``OffloadOptimizer`` lets go: the SSD host shard (reset) or None."""
+    """What ``handle.host`` becomes when an ``OffloadOptimizer`` lets go: the SSD host shard (reset, its queued
+    write-backs done: nothing in flight keeps the files once the model is freed) or None."""
     host = ssd_host(h)
-    return host.reset_for_plain_optimizer() if host is not None else None
-
-
-def settle(h: FlatParamHandle) -> None:
-    """Wait for the I/O queued on the handle's files, if it has any (``OffloadOptimizer.close()``)."""
-    host = ssd_host(h)
-    if host is not None:
-        host.ssd.settle()
+    if host is None:
+        return None
+    host.ssd.settle()
+    return host.reset_for_plain_optimizer()
 
 
 def leave_tier(h: FlatParamHandle) -> None:
