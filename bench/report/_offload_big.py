@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 from bench.report._common import (
     DASH,
     OFFLOAD_BIG_LABEL,
@@ -18,6 +21,14 @@ BOUND_LABEL = {"compute_ms": "GPU compute", "pcie_ms": "PCIe", "cpu_opt_ms": "th
 HEADER = ["implementation", "step ms", "vs floor", "vs resident", "tokens/s", "GPU peak GiB", "host RSS GiB",
           "host B/param", "status"]  # fmt: skip
 ALIGN = ["l", "r", "r", "r", "r", "r", "r", "r", "l"]
+REPO = Path(__file__).resolve().parents[2]
+# Changes to a variant's code path made after rows of it were measured: (part of the variant, commit, what changed).
+# A row measured before the commit gets a note saying so (its numbers are what the code gave then) until a newer
+# measurement replaces it.
+PATH_CHANGES = (
+    ("step-in-backward", "ebce2e1", "under step_in_backward, step() no longer waits for the updates queued during "
+     "backward: they overlap the next forward"),
+)  # fmt: skip
 
 
 def params_text(n: float | None) -> str:
@@ -104,7 +115,27 @@ def _table(f: OffloadBigFile, config: str) -> list[str]:
         )
         if r.disk_floor_ms:
             notes.append(_ssd_note(label, r))
+        notes.extend(_change_notes(label, r, r.commit or f.env.commit))
     return [*table(HEADER, body, ALIGN), "", *notes_block(notes)]
+
+
+def predates(measured: str | None, change: str, repo: Path = REPO) -> bool:
+    """Whether commit ``measured`` lacks commit ``change`` (git; False where git cannot tell: an unknown commit,
+    no history)."""
+    if not measured:
+        return False
+    try:
+        run = subprocess.run(["git", "merge-base", "--is-ancestor", change, measured], cwd=repo,
+                             capture_output=True, timeout=30, check=False)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return run.returncode == 1  # 0: it has the change; 128: git cannot tell
+
+
+def _change_notes(label: str, r: OffloadBigRow, commit: str | None) -> list[str]:
+    return [f"{label}: measured at {commit}, before {change} ({what}); not measured since"
+            for part, change, what in PATH_CHANGES
+            if r.variant and part in r.variant and predates(commit, change)]  # fmt: skip
 
 
 def _ssd_note(label: str, r: OffloadBigRow) -> str:

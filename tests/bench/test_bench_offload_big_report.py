@@ -266,3 +266,43 @@ def _e2e(tmp_path: Path) -> Path:
     p = tmp_path / "e2e_2gpu.json"
     p.write_text(json.dumps(e2e_payload()))
     return p
+
+
+def _git(repo: Path, *args: str) -> str:
+    import subprocess
+
+    run = subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                         capture_output=True, text=True)  # fmt: skip
+    return run.stdout.strip()
+
+
+def test_predates_asks_git(tmp_path: Path) -> None:
+    from bench.report._offload_big import predates
+
+    _git(tmp_path, "init", "-q")
+    shas = []
+    for name in ("a", "b"):
+        (tmp_path / name).write_text(name)
+        _git(tmp_path, "add", name)
+        _git(tmp_path, "commit", "-qm", name)
+        shas.append(_git(tmp_path, "rev-parse", "--short", "HEAD"))
+    older, newer = shas
+    assert predates(older, newer, tmp_path)
+    assert not predates(newer, older, tmp_path) and not predates(newer, newer, tmp_path)
+    assert not predates("0000000", older, tmp_path) and not predates(None, older, tmp_path)  # git cannot tell
+
+
+def test_rows_measured_before_a_change_to_their_path_say_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench.report import _offload_big
+
+    payload = big_payload()
+    payload["env"]["commit"] = "1111111"
+    payload["results"][1]["commit"] = "2222222"  # the plain shardfuse row: no change to its path is listed
+    monkeypatch.setattr(_offload_big, "predates", lambda measured, change, repo=None: measured == "1111111")
+    root = tmp_path / "results"
+    write_results(root, "h100", offload_big=payload)
+    out = tmp_path / "benchmarks.md"
+    assert report.main(["--results", str(root), "--out", str(out), "--no-plots"]) == 0
+    notes = [line for line in out.read_text().splitlines() if "before ebce2e1" in line]
+    assert len(notes) == 2, notes  # the two step-in-backward rows of 2.9b-4k, nothing else
+    assert all(f"({SIB}): measured at 1111111, before ebce2e1 (under step_in_backward" in n for n in notes)
