@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -360,24 +361,41 @@ def test_step_in_backward_refuses_what_it_cannot_do(pool):
 
 
 def check_consistent_reads_after_step() -> bool:
-    """Right after step() (updates possibly in flight) state dicts and summon see the updated values."""
+    """Right after step(), with updates in flight (slowed down on the host), state dicts and summon see the updated
+    values: overlapped after step(), and under step_in_backward once the placements are done (step() then
+    returns without waiting for the updates its backward queued)."""
     rank, ws = dist.get_rank(), dist.get_world_size()
+    real = _host_step._step_host_shard
+
+    def slow(*args: Any, **kwargs: Any) -> None:
+        time.sleep(0.05)  # still running when the reads below start
+        real(*args, **kwargs)
+
     outs = []
-    for overlapped in (True, False):
+    for mode in ("overlapped", "step_in_backward", "plain"):
         model = wrap_model(build({}), {"move_params_to_cpu": True})
         opt = make_optim(model.parameters(), {})
-        if overlapped:
-            opt = OffloadOptimizer(model, opt, gpu_budget_gib=0)
-        ids, target = batch(0, rank, ws)
-        loss_fn(model, ids, target, 0, {}).backward()
-        opt.step()
-        with model.summon_full_params():
-            summoned = {n: p.detach().clone() for n, p in model.named_parameters()}
-        outs.append((model.state_dict(), summoned, opt.state_dict()))
-    (sd, summ, osd), (ref_sd, ref_summ, ref_osd) = outs
-    assert all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
-    assert all(torch.equal(summ[k], ref_summ[k]) for k in ref_summ)
-    assert all(torch.equal(osd["state"][i]["exp_avg"], ref_osd["state"][i]["exp_avg"]) for i in ref_osd["state"])
+        if mode != "plain":
+            opt = OffloadOptimizer(model, opt, gpu_budget_gib=0, step_in_backward=mode == "step_in_backward")
+        try:
+            for step in range(3):
+                if step == 2:
+                    _host_step._step_host_shard = slow  # type: ignore[assignment]
+                ids, target = batch(step, rank, ws)
+                loss_fn(model, ids, target, step, {}).backward()
+                opt.step()
+                if step < 2:
+                    opt.zero_grad(set_to_none=True)
+            with model.summon_full_params():
+                summoned = {n: p.detach().clone() for n, p in model.named_parameters()}
+            outs.append((model.state_dict(), summoned, opt.state_dict()))
+        finally:
+            _host_step._step_host_shard = real
+    *got, (ref_sd, ref_summ, ref_osd) = outs
+    for sd, summ, osd in got:
+        assert all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
+        assert all(torch.equal(summ[k], ref_summ[k]) for k in ref_summ)
+        assert all(torch.equal(osd["state"][i]["exp_avg"], ref_osd["state"][i]["exp_avg"]) for i in ref_osd["state"])
     return True
 
 
