@@ -1,8 +1,8 @@
 """OffloadOptimizer on a GPU (one rank, NCCL): the overlapped path against the plain offload path, bit for bit in
-fp32 and in bf16 (on the GPU the shard cast kernel rounds to nearest-even like the host copy) and with
-``accumulate_on_gpu``; with clipping to fp32 rounding (the overlapped path takes each unit's norm on the GPU, the
-plain one on the host); partial offload under a budget against full offload (the resident shards are stepped by
-the GPU's AdamW, the others by the host's: equal to fp32 rounding)."""
+fp32 and in bf16 (on the GPU the shard cast kernel rounds to nearest-even like the host copy), with
+``accumulate_on_gpu`` and under ``step_in_backward``; with clipping to fp32 rounding (the overlapped path takes
+each unit's norm on the GPU, the plain one on the host); partial offload under a budget against full offload (the
+resident shards are stepped by the GPU's AdamW, the others by the host's: equal to fp32 rounding)."""
 
 from __future__ import annotations
 
@@ -56,6 +56,11 @@ CASES = {
     "bf16-no-sync-accumulate-on-gpu": dict(no_sync_micro=3, accumulate_on_gpu=True,
                                            mixed_precision=True, compute_dtype=torch.bfloat16),
     "sgd-keep-grads": dict(optim="sgd", keep_grads=True),
+    # step() returns before the updates queued in backward end (after the first two steps): the next forward's
+    # gathers and host-to-device copies run beside them
+    "fp32-fused-step-in-backward": dict(fused=True, step_in_backward=True),
+    "bf16-fused-step-in-backward": dict(fused=True, step_in_backward=True, mixed_precision=True,
+                                        compute_dtype=torch.bfloat16),
 }
 CLIP_CASES = {
     "fp32-fused-clip": dict(fused=True, clip=0.05),
