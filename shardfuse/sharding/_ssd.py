@@ -3,7 +3,9 @@
 Where the data of an SSD-backed flat parameter is, at each phase of a step:
 
 - between uses: in its file only; the parameter (and each offloaded optimizer-state tensor) keeps its shape and
-  dtype but its storage is resized to 0 bytes, so a path that forgets to page it in fails loudly;
+  dtype but its storage is resized to 0 bytes, and from the moment the tier stops using it it wears its on-disk
+  face (``_ssd_face.py``): any read raises an error naming it, on every rank, whether or not the I/O thread has given
+  the memory back yet (a tensor :class:`~shardfuse.sharding._ssd_page.Page` manages);
 - gather (forward, backward): :class:`SsdHostShard` reads the file into the shard's own storage (pinned memory
   from torch's caching host allocator on a GPU machine, so the storage of an evicted shard is reused by the next
   one), the host-to-device copy reads it there, and the storage is given back once that copy's event completed;
@@ -41,12 +43,18 @@ from shardfuse.sharding._flat_param import FlatParamHandle
 from shardfuse.sharding._host_shard import HostShard
 from shardfuse.sharding._registry import handle_of
 from shardfuse.sharding._ssd_config import OffloadConfig
+from shardfuse.sharding._ssd_face import Label
 from shardfuse.sharding._ssd_keep import Keep, OrderLearner
-from shardfuse.sharding._ssd_store import IOOp, SsdStore, TensorFile, store_for
+from shardfuse.sharding._ssd_page import Page
+from shardfuse.sharding._ssd_store import SsdStore, TensorFile, store_for
+from shardfuse.sharding._tree import clean_key, unit_of
 
 logger = logging.getLogger(__name__)
 
 _STEPPING_ATTR = "_shardfuse_ssd_stepping"  # on an optimizer between its step pre- and post-hook
+_READ_PARAMS = ("read the parameters inside `with model.summon_full_params():` or through model.state_dict() "
+                "(each reads the shards in from disk first)")
+_READ_STATE = "read the optimizer state through optimizer.state_dict() (it reads the state in from disk first)"
 
 
 class Tier:
@@ -103,152 +111,6 @@ def tier_for(config: OffloadConfig) -> Tier:
     return tier
 
 
-class Page:
-    """One tensor whose memory comes and goes; while evicted its values live in ``file`` only.
-
-    Every change of state happens under the shard's ``lock``; waits for I/O happen outside it. ``clean`` is the
-    tensor's version when its memory last equalled the file (None: unknown, written back before eviction).
-    """
-
-    def __init__(self, tensor: torch.Tensor, file: TensorFile, lock: threading.Lock, tier: Tier,
-                 strong: bool) -> None:
-        self._strong = tensor if strong else None
-        self._weak = weakref.ref(tensor)
-        self.file = file
-        self.lock = lock
-        self.tier = tier
-        self.nbytes = tensor.numel() * tensor.element_size()
-        tier.largest = max(tier.largest, self.nbytes)
-        self.resident = True
-        self.pins = 0
-        self.clean: int | None = None
-        self.evict_wanted = False
-        self.detached = False
-        self.reading: IOOp | None = None
-        self.writes = 0  # queued writes not done yet: a write reads the memory until it is done
-        self.error: BaseException | None = None
-
-    @property
-    def tensor(self) -> torch.Tensor | None:
-        return self._strong if self._strong is not None else self._weak()
-
-    def _start_read(self, t: torch.Tensor) -> IOOp | None:
-        """(lock held) Allocate and queue the read of an evicted tensor; return the read in flight, if any."""
-        if not self.resident:
-            t.untyped_storage().resize_(self.nbytes)
-            self.resident = True
-            self.clean = t._version
-            self.reading = self.file.read(t, on_done=self._read_done)
-        return self.reading
-
-    def _read_done(self, err: BaseException | None) -> None:
-        with self.lock:
-            self.reading = None
-            t = self.tensor
-            if err is not None and t is not None:  # the memory holds garbage: the waiters raise
-                t.untyped_storage().resize_(0)
-                self.resident = False
-
-    def prefetch(self) -> bool:
-        """Start reading an evicted tensor in; False when there was nothing to do."""
-        t = self.tensor
-        with self.lock:
-            if t is None or self.resident or self.detached:
-                return False
-            self._start_read(t)
-            return True
-
-    def page_in(self, pin: bool) -> None:
-        """Make the tensor resident (wait for its read); ``pin``: keep it so until :meth:`page_out`."""
-        t = self.tensor
-        if t is None:
-            return
-        self.tier.used(self)
-        with self.lock:
-            self.evict_wanted = False
-            err, self.error = self.error, None
-            reading = self._start_read(t)
-            if pin:
-                self.pins += 1
-        if err is not None:
-            if pin:
-                self.unpin()
-            raise RuntimeError(f"{err} (the values are kept in memory; the next eviction writes them again)") \
-                from err
-        if reading is not None:
-            try:
-                reading.wait()
-            except OSError:
-                if pin:
-                    self.unpin()
-                raise
-
-    def unpin(self) -> None:
-        with self.lock:
-            self.pins = max(0, self.pins - 1)
-
-    def page_out(self, event: Any = None, keep: bool = False) -> None:
-        """Release a pin; when none is left, write the tensor back if it changed and give its memory back once
-        the write (and ``event``, a copy still reading it) is done; ``keep``: written back, kept in memory."""
-        t = self.tensor
-        if t is None:
-            return
-        release = self.tier.write_room(self.nbytes) if self.clean != t._version else None
-        with self.lock:
-            self.pins = max(0, self.pins - 1)
-            if self.pins or not self.resident or self.detached:
-                if release is not None:
-                    release()
-                return
-            self.evict_wanted = not keep
-            if self.clean != t._version:
-                self.clean = t._version
-                self.writes += 1
-                self.file.write(t, on_done=lambda err: self._written(err, release))
-            elif release is not None:
-                release()
-        if not keep:
-            self.file.then(lambda: self._drop(event))
-
-    def give_back(self, event: Any = None) -> None:
-        """Evict a tensor read ahead (or kept) but not used (nothing to write: it equals its file) once ``event``
-        (a copy still reading it) is done."""
-        with self.lock:
-            if self.pins or not self.resident:
-                return
-            self.evict_wanted = True
-        self.file.then(lambda: self._drop(event))
-
-    def _written(self, err: BaseException | None, release: Any) -> None:
-        if release is not None:
-            release()
-        if err is not None:
-            logger.error("%s", err)
-        with self.lock:
-            self.writes -= 1
-            if err is not None:
-                self.error = err
-                self.clean = None  # the file is stale: the memory is kept and written again at the next eviction
-
-    def _drop(self, event: Any) -> None:
-        if event is not None:
-            event.synchronize()  # a host-to-device copy still reading the memory
-        t = self.tensor
-        with self.lock:
-            if (t is None or not self.evict_wanted or self.pins or self.writes or not self.resident or self.detached
-                    or self.error is not None or self.clean != t._version):
-                return
-            t.untyped_storage().resize_(0)
-            self.resident = False
-            self.evict_wanted = False
-
-    def detach(self) -> None:
-        """Stay resident for good (the tensor leaves the SSD tier)."""
-        self.page_in(pin=False)
-        with self.lock:
-            self.detached = True
-
-
 def own_storage(t: torch.Tensor, pin: bool) -> None:
     """Give ``t`` a storage of its own that can be resized (evicted), pinned when ``pin`` (torch's caching host
     allocator: an evicted tensor's block is reused by the next one read in). ``pin_memory()`` and numpy-shared
@@ -264,13 +126,18 @@ def own_storage(t: torch.Tensor, pin: bool) -> None:
 class SsdShard:
     """The file-backed home of one flat shard and (``optimizer_state=True``) its per-element optimizer state."""
 
-    def __init__(self, handle: FlatParamHandle, tier: Tier, name: str) -> None:
+    def __init__(self, handle: FlatParamHandle, tier: Tier, name: str, unit: Any = None, index: int = 0) -> None:
         self.tier = tier
         self.name = name
+        self.unit = weakref.ref(unit) if unit is not None else None  # the runtime Unit, to name the parameters
+        self.index = index  # the handle's index in its unit: flat_param_<index>
         self.lock = threading.Lock()
         self.handle = weakref.ref(handle)
         self.flat = handle.flat
-        self.param = Page(self.flat, tier.store.new_file(name), self.lock, tier, strong=True)
+        self._faces: tuple[Any, list[tuple[torch.Tensor, Label]]] = (False, [])
+        self.param = Page(self.flat, tier.store.new_file(name), self.lock, tier, strong=True, faces=self.param_faces)
+        self._source = self.flat.detach()
+        self.param.internal = 1  # _source
         self.state_pages: dict[tuple[int, str], Page] = {}
         self._state_files: dict[tuple[int, str], TensorFile] = {}
         self.steps = 0  # optimizer steps taken (read-ahead of the steps skips shards already stepped this round)
@@ -282,6 +149,38 @@ class SsdShard:
         if self.flat.untyped_storage().nbytes():
             raise RuntimeError(f"SSD offload: the shard {name} was written to {self.param.file.path} but its memory "
                                f"could not be given back (its storage cannot be resized): please report this")
+
+    def param_faces(self) -> list[tuple[torch.Tensor, Label]]:
+        """The flat parameter and its original-parameter views, with their labels (made again when the views are)."""
+        h = self.handle()
+        views = h.orig_views if h is not None else None
+        if self._faces[0] is not views:
+            faces: list[tuple[torch.Tensor, Label]] = [(self.flat, _labeller(self, None))]
+            faces += [(v, _labeller(self, j)) for j, v in enumerate(views or ())]
+            self._faces = (views, faces)
+        return self._faces[1]
+
+    def label(self, view: int | None, state: str | None = None) -> tuple[str, str]:
+        """What the on-disk face's error says of the flat parameter (``view`` None) or of an original-parameter
+        view, or of its optimizer state ``state``: its name in the model (FairScale's clean names), and the fix."""
+        h, unit = self.handle(), self.unit() if self.unit is not None else None
+        names = h.names if h is not None else []
+        prefix = _unit_path(unit)
+        if view is None:
+            held = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            name = f"{prefix}flat_param_{self.index} (the flat shard of {held})"
+        else:
+            name = f"{prefix}{names[view] if view < len(names) else view}"
+        if state is not None:
+            return f"the optimizer state {state!r} of {name}", _READ_STATE
+        return name, _READ_PARAMS
+
+    def source(self, flat: torch.Tensor) -> torch.Tensor:
+        """The flat shard as a plain tensor for a gather's copy: one alias kept by the tier (counted among the
+        page's holders), so a caller still holding it does not keep the memory from being given back."""
+        if self._source.data_ptr() != flat.data_ptr():  # ``flat.data`` was replaced
+            self._source = flat.detach()
+        return self._source
 
     def params(self) -> list[torch.Tensor]:
         """The tensors an optimizer may hold for this shard: the flat parameter, or its original-parameter views."""
@@ -306,7 +205,9 @@ class SsdShard:
                 file = self._state_files.get((i, key))
                 if file is None:
                     file = self._state_files[(i, key)] = self.tier.store.new_file(f"{self.name}-state{i}-{key}")
-                self.state_pages[(i, key)] = Page(v, file, self.lock, self.tier, strong=False)
+                label = _labeller(self, None if self.params()[0] is self.flat else i, key)
+                self.state_pages[(i, key)] = Page(v, file, self.lock, self.tier, strong=False,
+                                                  faces=_state_faces(v, label))
         self.tier.pages_per_shard = max(self.tier.pages_per_shard, 1 + len(self.state_pages))
 
     def pages(self, state: bool) -> list[Page]:
@@ -382,7 +283,7 @@ class SsdHostShard(HostShard):
         self.ssd.param.page_in(pin=True)
         tier.keep.gathered(self.ssd)
         self._gathering = True
-        return flat.detach()
+        return self.ssd.source(flat)
 
     def note_h2d(self, stream: torch.cuda.Stream | None) -> None:
         super().note_h2d(stream)
@@ -403,6 +304,41 @@ class SsdHostShard(HostShard):
 
     def __getstate__(self) -> dict:
         raise TypeError("an SSD-offloaded shard cannot be pickled: its values live in a file of this process")
+
+
+def _labeller(shard: SsdShard, view: int | None, state: str | None = None) -> Label:
+    """``shard.label(view, state)`` for a face's error, without a reference from the tensor to its shard."""
+    ref = weakref.ref(shard)
+
+    def label() -> tuple[str, str]:
+        s = ref()
+        return s.label(view, state) if s is not None else ("a tensor of a freed SSD-offloaded model", "")
+
+    return label
+
+
+def _state_faces(v: torch.Tensor, label: Label) -> Any:
+    """An optimizer-state page's faces: the state tensor (held weakly, as the page holds it)."""
+    ref = weakref.ref(v)
+
+    def faces() -> list[tuple[torch.Tensor, Label]]:
+        t = ref()
+        return [] if t is None else [(t, label)]
+
+    return faces
+
+
+def _unit_path(unit: Any) -> str:
+    """The path of ``unit`` in its tree, as the model's clean names start (``"blocks.0."``; ``""`` at the root)."""
+    top = unit
+    while getattr(top, "parent", None) is not None:
+        top = top.parent
+    if top is None or top is unit:
+        return ""
+    for path, m in top.module.named_modules():
+        if unit_of(m) is unit:
+            return f"{clean_key(path)}."
+    return f"{unit.name}: "
 
 
 def _host_of(shard: SsdShard) -> SsdHostShard | None:
@@ -440,7 +376,7 @@ def attach(handles: Iterable[FlatParamHandle], config: OffloadConfig, unit_name:
         name = f"{unit_name}-flat{i}".replace("/", "_").replace(" ", "")[:80]
         if not h.flat.untyped_storage().resizable():
             raise RuntimeError(f"the shards of {unit_name} need prepare() before their views are made")
-        h.host = SsdHostShard(h.flat, SsdShard(h, tier, name), pin=torch.cuda.is_available(), unit=unit)
+        h.host = SsdHostShard(h.flat, SsdShard(h, tier, name, unit, i), pin=torch.cuda.is_available(), unit=unit)
 
 
 def ssd_host(h: FlatParamHandle) -> SsdHostShard | None:

@@ -84,7 +84,8 @@ class IOOp:
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (any dtype, bf16 included)."""
-    flat = t.detach().reshape(-1)
+    with torch._C.DisableTorchFunctionSubclass():  # the tier's own access to a tensor on disk (_ssd_face.py)
+        flat = t.detach().reshape(-1)
     if not flat.is_contiguous() or flat.device.type != "cpu":
         raise ValueError(f"SSD offload reads and writes contiguous CPU tensors, got {flat.device} "
                          f"contiguous={flat.is_contiguous()}")
