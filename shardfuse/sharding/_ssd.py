@@ -69,6 +69,7 @@ class Tier:
         self.keep = Keep(config.read_ahead)  # shards kept in memory between two uses in one step (_ssd_keep.py)
         self.steps = OrderLearner(config.read_ahead)
         self._unused: OrderedDict[int, weakref.ref[Page]] = OrderedDict()
+        self._failures: dict[int, tuple[weakref.ref[Page], BaseException]] = {}  # write-behinds not reported yet
         self._lock = threading.Lock()
         self.largest = 0  # bytes of the largest page: bounds the writes in flight
         self.pages_per_shard = 1  # the parameter and its offloaded optimizer states (bounds the unused read-ahead)
@@ -84,12 +85,47 @@ class Tier:
             if p is not None:
                 p.give_back()
 
-    def used(self, page: Page) -> None:
+    def used(self, page: Page, report: bool = False) -> None:
+        """``page`` is used now (no longer read ahead but unused); ``report``: raise the write-behinds that failed
+        since the last report, all of them at once."""
         with self._lock:
             self._unused.pop(id(page), None)
+            if not (report and self._failures):
+                return
+            failures, self._failures = self._failures, {}
+        _raise_failures(list(failures.values()))
+
+    def failed(self, page: Page, err: BaseException) -> None:
+        """I/O thread: the write-behind of ``page`` failed (its values stay in memory): the next use raises it."""
+        with self._lock:
+            self._failures[id(page)] = (weakref.ref(page), err)
+
+    def forget_failure(self, page: Page) -> None:
+        with self._lock:
+            self._failures.pop(id(page), None)
 
     def write_room(self, nbytes: int) -> Any:
         return self.store.reserve(nbytes, self.config.read_ahead * max(self.largest, nbytes))
+
+
+def _raise_failures(failures: list[tuple[weakref.ref[Page], BaseException]]) -> None:
+    """Raise one error for the failed write-behinds of these pages (each page's error reported: cleared)."""
+    lines = []
+    for ref, err in failures:
+        page = ref()
+        if page is None:
+            continue
+        with page.lock:
+            page.error = None
+        lines.append(f"{page.name()}: {err}")
+    if not lines:
+        return
+    first = failures[0][1]
+    raise RuntimeError(
+        f"SSD offload: writing the values of {len(lines)} tensor(s) behind to their files failed: "
+        + "; ".join(lines) + ". Nothing is lost: the values are kept in memory (state dicts and checkpoints read "
+        "them) and written again at their next eviction; free space on the disk (or fix its fault) and go on, or "
+        "save a checkpoint now") from first
 
 
 _TIERS: dict[OffloadConfig, Tier] = {}
@@ -145,6 +181,7 @@ class SsdShard:
         self.param.page_out()
         self.param.file.then(lambda: None).wait()
         if self.param.error is not None:
+            tier.forget_failure(self.param)  # raised here, at wrap time
             raise self.param.error
         if self.flat.untyped_storage().nbytes():
             raise RuntimeError(f"SSD offload: the shard {name} was written to {self.param.file.path} but its memory "
@@ -280,7 +317,9 @@ class SsdHostShard(HostShard):
             # Not a shard with an update pending: its file is about to change.
             if host is not None and host.ready.is_set() and nxt.flat.grad is None:
                 tier.read_ahead(nxt.param)
-        self.ssd.param.page_in(pin=True)
+        unit = self._unit() if self._unit is not None else None
+        rs = unit.root_state if unit is not None else None
+        self.ssd.param.page_in(pin=True, report=rs is None or not rs.in_backward)  # failed writes: before compute
         tier.keep.gathered(self.ssd)
         self._gathering = True
         return self.ssd.source(flat)

@@ -83,33 +83,35 @@ class Page:
             self._start_read(t)
             return True
 
-    def page_in(self, pin: bool) -> None:
-        """Make the tensor resident (wait for its read) and readable; ``pin``: keep it so until :meth:`page_out`."""
+    def page_in(self, pin: bool, report: bool = False) -> None:
+        """Make the tensor resident (wait for its read) and readable; ``pin``: keep it so until :meth:`page_out`;
+        ``report``: first raise the write-behinds of the tier that failed (a forward's gather: before the step
+        computes anything). Other uses read the values kept in memory and write them again."""
         t = self.tensor
         if t is None:
             return
-        self.tier.used(self)
+        self.tier.used(self, report)
         with self.lock:
             self.evict_wanted = False
-            err, self.error = self.error, None
-            reading = self._start_read(t)
             if pin:
                 self.pins += 1
-        if err is not None:
-            if pin:
-                self.unpin()
-            raise RuntimeError(f"{err} (the values are kept in memory; the next eviction writes them again)") \
-                from err
+            reading = self._start_read(t)
         if reading is not None:
             try:
                 reading.wait()
-            except OSError:
+            except BaseException as read_err:
                 if pin:
                     self.unpin()
-                raise
+                raise RuntimeError(f"SSD offload: reading {self.name()} in from {self.file.path} failed: {read_err}; "
+                                   f"its file is kept, the next use reads it again") from read_err
         with self.lock:
             if self.resident:
                 show(self.faces())
+
+    def name(self) -> str:
+        """The tensor as the user's model names it (its first face's label), else its file."""
+        faces = self.faces()
+        return faces[0][1]()[0] if faces else self.file.path
 
     def unpin(self) -> None:
         with self.lock:
@@ -139,7 +141,14 @@ class Page:
             if self.clean != t._version:
                 self.clean = t._version
                 self.writes += 1
-                self.file.write(t, on_done=lambda err: self._written(err, release))
+                try:
+                    self.file.write(t, on_done=lambda err: self._written(err, release))
+                except BaseException:  # not queued: nothing will call _written
+                    self.writes -= 1
+                    self.clean = None
+                    if release is not None:
+                        release()
+                    raise
             elif release is not None:
                 release()
         if not keep:
@@ -159,12 +168,15 @@ class Page:
         if release is not None:
             release()
         if err is not None:
-            logger.error("%s", err)
+            logger.error("SSD offload: %s: %s (the values are kept in memory; raised at the next use of the tier)",
+                         self.name(), err)
         with self.lock:
             self.writes -= 1
             if err is not None:
                 self.error = err
                 self.clean = None  # the file is stale: the memory is kept and written again at the next eviction
+        if err is not None:
+            self.tier.failed(self, err)
 
     def _drop(self, event: Any) -> None:
         if event is not None:
@@ -176,18 +188,18 @@ class Page:
                 return
             faces = self.faces()
             if held_elsewhere(t, len(faces) + self.internal):
-                self._warn_held(faces)
+                self._warn_held()
                 return  # kept in memory (equal to its file) until its next use, which tries again
             t.untyped_storage().resize_(0)
             self.resident = False
             self.evict_wanted = False
 
-    def _warn_held(self, faces: list[tuple[torch.Tensor, Label]]) -> None:
+    def _warn_held(self) -> None:
         if not self.held_warned:
             self.held_warned = True
             logger.warning("SSD offload: %s stays in memory after its use: a tensor taken from it while it was "
                            "readable (p.data, p.detach()) still holds its memory; drop such references to let the "
-                           "tier give the memory back", faces[0][1]()[0] if faces else self.file.path)
+                           "tier give the memory back", self.name())
 
     def detach(self) -> None:
         """Stay resident for good (the tensor leaves the SSD tier)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import os
 import threading
@@ -148,8 +149,21 @@ class TensorFile:
             prev, op = self._last, IOOp(1, None)
             self._last = op
         path = self.path
-        self.store.pool.submit(_run_job, [prev, op, lambda: _logged(fn, path)])
+        self._submit(op, [[prev, op, lambda: _logged(fn, path)]])
         return op
+
+    def _submit(self, op: IOOp, jobs: list[list]) -> None:
+        """Queue ``jobs`` (the chunks of ``op``) on the pool. A pool that takes no more work (the interpreter is
+        exiting) fails the chunks it did not take at once: nobody waits for them forever."""
+        for i, job in enumerate(jobs):
+            try:
+                self.store.pool.submit(_run_job, job)
+            except RuntimeError as err:
+                failed = OSError(errno.ECANCELED, f"SSD offload: an operation on {self.path} could not be queued "
+                                 f"({err}); the file is incomplete")
+                for _ in jobs[i:]:
+                    op.chunk_done(failed)
+                return
 
     def settle(self) -> None:
         """Wait until every operation queued on this file so far is done (errors are the waiters' to raise)."""
@@ -165,11 +179,13 @@ class TensorFile:
         with self._lock:
             prev, op = self._last, IOOp(len(starts), on_done)
             self._last = op
+        jobs = []
         for start in starts:
             piece = buf[start:start + chunk]
             io = (lambda p=piece, s=start: self._write_at(p, s, base + s)) if write else (
                 lambda p=piece, s=start: self._read_at(p, s, base + s))
-            self.store.pool.submit(_run_job, [prev, op, io])
+            jobs.append([prev, op, io])
+        self._submit(op, jobs)
         return op
 
     def _write_all(self, view: memoryview, offset: int) -> None:
@@ -201,6 +217,9 @@ class TensorFile:
             raise OSError(err.errno, f"SSD offload: writing {len(piece)} bytes at offset {offset} of {self.path} "
                           f"failed ({err.strerror}); the file is incomplete: free space under {self.store.root} "
                           f"or pass another OffloadConfig(dir=...)") from err
+        except Exception as err:  # not the disk's: named with the file all the same
+            raise RuntimeError(f"SSD offload: writing {len(piece)} bytes at offset {offset} of {self.path} failed "
+                               f"({type(err).__name__}: {err}); the file is incomplete") from err
 
     def _read_at(self, piece: memoryview, offset: int, address: int) -> None:
         try:
@@ -212,6 +231,9 @@ class TensorFile:
         except OSError as err:
             raise OSError(err.errno, f"SSD offload: reading {len(piece)} bytes at offset {offset} of {self.path} "
                           f"failed ({err.strerror}): was the file removed or truncated?") from err
+        except Exception as err:
+            raise RuntimeError(f"SSD offload: reading {len(piece)} bytes at offset {offset} of {self.path} failed "
+                               f"({type(err).__name__}: {err})") from err
 
 
 class SsdStore:
