@@ -52,9 +52,23 @@ def fused_updates(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return out
 
 
+_COUNTED_ATTR = "_shardfuse_fused_step_counted"  # on an optimizer: this step's fused writes are counted already
+
+
+def count_fused_step(optimizer: torch.optim.Optimizer) -> None:
+    """Count the fused writes of the step ``optimizer`` just took, now: for an optimizer step post-hook of the
+    optimizer's own (those run before the global ones) that reads the version counters. The global hook then leaves
+    this step alone (each write counted once)."""
+    if not optimizer.__dict__.get(_COUNTED_ATTR):
+        mark_updated(fused_updates(optimizer))
+        optimizer.__dict__[_COUNTED_ATTR] = True
+
+
 def fused_step_post_hook(optimizer: torch.optim.Optimizer, args: Any = None, kwargs: Any = None) -> None:
-    """Global optimizer step post-hook: count the in-place writes of a fused step (see the module)."""
-    mark_updated(fused_updates(optimizer))
+    """Global optimizer step post-hook: count the in-place writes of a fused step (see the module), unless
+    :func:`count_fused_step` did already."""
+    if not optimizer.__dict__.pop(_COUNTED_ATTR, False):
+        mark_updated(fused_updates(optimizer))
 
 
 def install() -> None:

@@ -165,7 +165,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._lock = threading.Lock()
         self.host_threads = host_threads if host_threads is not None else default_host_threads()
         self._worker = StepWorker(self.host_threads)
-        self._finalizer = weakref.finalize(self, _close_worker, self._worker)
+        self._finalizer = weakref.finalize(self, _close_worker, self._worker, _ssd.tiers_below(self.root))
         self._plans: list[ShardPlan] = []
         self._plan_of_host: dict[int, ShardPlan] = {}
         self._signature: tuple = ()
@@ -504,10 +504,10 @@ def _make_resident(handle: FlatParamHandle, optimizer: torch.optim.Optimizer, de
     handle.host = None
 
 
-def _close_worker(worker: StepWorker) -> None:
+def _close_worker(worker: StepWorker, tiers: list[Any]) -> None:
     """Finish the queued updates and end the worker; an SSD-backed update waiting for room to keep its shard
     (for a gather that will not come now) goes on."""
-    with _ssd.main_waits():
+    with _ssd.main_waits(tiers):
         worker.close()
 
 

@@ -11,10 +11,12 @@ At the first wrap, ``FullyShardedDataParallel`` installs (once per process):
 3. a global optimizer step post-hook writes the key :data:`SHARD_MARK_KEY` (``(rank, world_size)``) into the
    state of every sharded parameter of every optimizer, which the pre-hook checks after a load.
 
-The SSD offload tier (``_ssd.py``) installs two more optimizer step hooks, once, at the first wrap with
-``offload_config=OffloadConfig(offload_type="ssd_offload")``: they read the shards an optimizer steps in from their
-files before its step and write them behind after it. The switch below leaves them alone: without them a model
-whose shards live on disk cannot be stepped at all.
+The SSD offload tier (``_ssd.py``) installs one more global optimizer step pre-hook, once, at the first wrap with
+``offload_config=OffloadConfig(offload_type="ssd_offload")`` (``_ssd._dispatch``): at an optimizer's first step it
+finds the SSD-backed parameters the optimizer holds (parameter -> handle -> shard -> its model's tier, no registry)
+and gives that optimizer step pre- and post-hooks and a state-dict pre-hook of its own, which read the shards in
+from their files before its step and write them behind after it. The switch below leaves it alone: without it a
+model whose shards live on disk cannot be stepped at all.
 
 One more global optimizer step post-hook is installed at the first wrap (and by ``OffloadModel``), also left alone
 by the switch: ``shardfuse._versions`` bumps the version counters of what a ``fused=True`` optimizer step wrote

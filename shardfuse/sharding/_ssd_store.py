@@ -1,6 +1,7 @@
 """The files of the SSD offload tier and the threads that read and write them.
 
-One :class:`SsdStore` per directory and process: it makes ``<dir>/shardfuse-ssd-rank<r>-pid<p>-<token>/`` at its
+One :class:`SsdStore` per directory and I/O settings in a process, shared by the models that use them and gone
+with the last of them (its files hold it): it makes ``<dir>/shardfuse-ssd-rank<r>-pid<p>-<token>/`` at its
 first file, one :class:`TensorFile` per tensor (a flat shard, one optimizer state of it), and a pool of
 ``io_threads`` threads. A transfer is cut into ``chunk_mb`` pieces read or written in parallel with
 ``os.preadv``/``os.pwrite`` (they release the GIL); the operations on one file run in the order they were
@@ -322,12 +323,14 @@ class SsdStore:
         return release
 
 
-_STORES: dict[tuple[str, int, int, bool], SsdStore] = {}
+# The live stores, held weakly: a store belongs to the tiers and files that use it (so to their models), and
+# goes (its I/O threads with it) after the last of them; this only lets models with the same settings share one.
+_STORES: weakref.WeakValueDictionary[tuple[str, int, int, bool], SsdStore] = weakref.WeakValueDictionary()
 _STORES_LOCK = threading.Lock()
 
 
 def store_for(root: str, threads: int, chunk_mb: int, direct_io: bool = False) -> SsdStore:
-    """The process's store under ``root`` (one per directory and I/O settings)."""
+    """The process's store under ``root`` (one per directory and I/O settings while any model uses it)."""
     rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() \
         else 0
     key = (root, threads, chunk_mb, direct_io)
@@ -339,7 +342,7 @@ def store_for(root: str, threads: int, chunk_mb: int, direct_io: bool = False) -
 
 
 def io_bytes() -> tuple[int, int]:
-    """Bytes read and written by every store of this process so far."""
+    """Bytes read and written so far by every live store of this process."""
     with _STORES_LOCK:
         stores = list(_STORES.values())
     return sum(s.bytes_read for s in stores), sum(s.bytes_written for s in stores)

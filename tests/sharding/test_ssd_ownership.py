@@ -1,0 +1,105 @@
+"""Who owns the SSD tier (issue 29): the model the user holds, not a module-level registry.
+
+The units of one model share one tier (learned orders, bounds); two models have two; freeing a model frees its tier,
+its store and the store's I/O threads. One process-wide optimizer step hook remains (the optimizer is made after
+wrapping): it gives each optimizer over SSD-backed parameters hooks of its own at its first step.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+from shardfuse import OffloadConfig, OffloadOptimizer
+from shardfuse.sharding import FullyShardedDataParallel as FSDP
+from shardfuse.sharding import _ssd
+from shardfuse.sharding._ssd import ssd_host
+from tests.sharding.test_ssd_offload import _assert_same_model, _flat_handles, _Group
+
+
+def _model(path: str, seed: int = 5) -> FSDP:
+    torch.manual_seed(seed)
+    oc = OffloadConfig(offload_type="ssd_offload", dir=path, optimizer_state=True)
+    net = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 7), nn.Tanh(), nn.Linear(7, 3))
+    net[0] = FSDP(net[0], process_group=_Group(), offload_config=oc)
+    net[2] = FSDP(net[2], process_group=_Group(), offload_config=oc)
+    return FSDP(net, process_group=_Group(), offload_config=oc)
+
+
+def _tiers(model: FSDP) -> list[Any]:
+    return list({id(t): t for h in _flat_handles(model) if (t := ssd_host(h).ssd.tier) is not None}.values())  # type: ignore[union-attr]
+
+
+def _train(model: FSDP, opt: Any, steps: int = 2) -> None:
+    for _ in range(steps):
+        model(torch.randn(4, 5)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_one_tier_per_model_freed_with_it(tmp_path):
+    """Before: one tier per setting in a module-level dict that never shrank, shared by every model."""
+    a, b = _model(str(tmp_path)), _model(str(tmp_path))
+    (ta,), (tb,) = _tiers(a), _tiers(b)  # the nested units and the root share one tier
+    assert ta is not tb, "two models share a tier (learned orders, bounds)"
+    assert len(_flat_handles(a)) == 3
+    assert ta.store is tb.store  # same directory and settings: one store (one set of I/O threads)
+    opt = OffloadOptimizer(a, torch.optim.AdamW(a.parameters(), lr=1e-2), gpu_budget_gib=0)
+    _train(a, opt)
+    opt.close()
+    refs = [weakref.ref(ta), weakref.ref(ta.store)]
+    pool = weakref.ref(ta.store.pool)
+    threads = list(ta.store.pool._threads)
+    assert threads
+    del a, opt, ta
+    gc.collect()
+    assert refs[0]() is None, "the tier outlived its model"
+    assert refs[1]() is not None  # b uses the store
+    del b, tb
+    gc.collect()
+    assert refs[1]() is None and pool() is None, "the store (and its I/O threads) outlived the models"
+    for t in threads:
+        t.join(timeout=10)
+    assert not [t.name for t in threads if t.is_alive()], "I/O threads outlived their store"
+
+
+def test_one_process_wide_hook_and_per_optimizer_hooks(tmp_path):
+    """The tier's only global hook is the dispatching pre-hook; an optimizer over SSD-backed parameters gets its own
+    step and state-dict hooks at its first step, another optimizer none; the fused step's writes are counted once
+    (the shard is written once per step, and equals the in-memory path)."""
+    m = _model(str(tmp_path))
+    assert [h for h in _global_optimizer_pre_hooks.values() if getattr(h, "__module__", "") == _ssd.__name__] \
+        == [_ssd._dispatch]
+    assert not [h for h in _global_optimizer_post_hooks.values() if getattr(h, "__module__", "") == _ssd.__name__]
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+    other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    assert not opt._optimizer_step_pre_hooks
+    torch.manual_seed(5)
+    plain_net = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 7), nn.Tanh(), nn.Linear(7, 3))
+    plain_net[0] = FSDP(plain_net[0], process_group=_Group(), move_params_to_cpu=True)
+    plain_net[2] = FSDP(plain_net[2], process_group=_Group(), move_params_to_cpu=True)
+    plain = FSDP(plain_net, process_group=_Group(), move_params_to_cpu=True)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, fused=True)
+    written = []
+    for x in [torch.randn(4, 5) for _ in range(4)]:
+        for model, o in ((m, opt), (plain, plain_opt)):
+            model(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+        for h in _flat_handles(m):
+            for page in ssd_host(h).ssd.pages(state=True):  # type: ignore[union-attr]
+                page.file.then(lambda: None).wait()
+        written.append(_tiers(m)[0].store.bytes_written)
+        assert all(h.flat.untyped_storage().nbytes() == 0 for h in _flat_handles(m))
+    assert len(opt._optimizer_step_pre_hooks) == 1 and len(opt._optimizer_step_post_hooks) == 1
+    other.step()
+    assert not other._optimizer_step_pre_hooks and not other._optimizer_step_post_hooks
+    floor = sum(p.nbytes for h in _flat_handles(m) for p in ssd_host(h).ssd.pages(state=True))  # type: ignore[union-attr]
+    per_step = [b - a for a, b in zip(written[1:], written[2:])]  # after the first step made the state
+    assert per_step == [floor] * len(per_step), f"written per step {per_step}, each shard and state once: {floor}"
+    _assert_same_model(m.state_dict(), plain.state_dict())
