@@ -19,7 +19,7 @@ from shardfuse.sharding._registry import handle_of
 from shardfuse.sharding._ssd_config import OffloadConfig
 from shardfuse.sharding._ssd_face import Label
 from shardfuse.sharding._ssd_keep import Keep, OrderLearner
-from shardfuse.sharding._ssd_page import Page
+from shardfuse.sharding._ssd_page import Page, PageState
 from shardfuse.sharding._ssd_store import SsdStore, TensorFile, store_for
 from shardfuse.sharding._tree import clean_key, unit_of
 
@@ -82,14 +82,12 @@ class Tier:
 
 
 def _raise_failures(failures: list[tuple[weakref.ref[Page], BaseException]]) -> None:
-    """Raise one error for the failed write-behinds of these pages (each page's error reported: cleared)."""
+    """Raise one error for the failed write-behinds of these pages (each stays FAILED until written again)."""
     lines = []
     for ref, err in failures:
         page = ref()
         if page is None:
             continue
-        with page.lock:
-            page.error = None
         lines.append(f"{page.name()}: {err}")
     if not lines:
         return
@@ -134,9 +132,9 @@ class SsdShard:
         # The first write, synchronous: a directory that cannot take it fails at wrap time.
         self.param.page_out()
         self.param.file.then(lambda: None).wait()
-        if self.param.error is not None:
+        if self.param.state is PageState.FAILED:
             tier.forget_failure(self.param)  # raised here, at wrap time
-            raise self.param.error
+            raise self.param.failure  # type: ignore[misc]
         if self.flat.untyped_storage().nbytes():
             raise RuntimeError(f"SSD offload: the shard {name} was written to {self.param.file.path} but its memory "
                                f"could not be given back (its storage cannot be resized): please report this")
