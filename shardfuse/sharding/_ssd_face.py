@@ -18,6 +18,7 @@ storage back (:func:`held_elsewhere`), so the reference keeps valid memory.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -80,15 +81,22 @@ _FACE_OF: dict[type, type] = {}  # a tensor class -> its on-disk face (classes o
 _BASE_OF: dict[type, type] = {}  # the face -> the class it stands for
 
 
+_FACES_LOCK = threading.Lock()  # making a face: two threads hiding tensors of a new class make one face
+
+
 def _face_of(base: type) -> type:
     face = _FACE_OF.get(base)
     if face is None:
-        face = type(f"{base.__name__}OnDisk", (base,), {
-            "__module__": __name__,
-            "__torch_function__": classmethod(_on_disk_torch_function),
-            "__doc__": f"A {base.__name__} of the SSD offload tier whose values are on disk (see {__name__}).",
-        })
-        _FACE_OF[base], _BASE_OF[face] = face, base
+        with _FACES_LOCK:
+            face = _FACE_OF.get(base)
+            if face is None:
+                face = type(f"{base.__name__}OnDisk", (base,), {
+                    "__module__": __name__,
+                    "__torch_function__": classmethod(_on_disk_torch_function),
+                    "__doc__": f"A {base.__name__} of the SSD offload tier whose values are on disk (see {__name__}).",
+                })
+                _BASE_OF[face] = base
+                _FACE_OF[base] = face
     return face
 
 

@@ -252,7 +252,7 @@ class SsdStore:
         self.dir = os.path.join(root, f"shardfuse-ssd-rank{rank}-pid{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.chunk_bytes = chunk_mb * MIB
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="shardfuse-ssd-io")
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a finalizer (forget) may run on a thread holding it
         self._count = 0
         self._serial = 0
         # Bytes of writes in flight, bounded by reserve(): what the write-behind may hold in memory.
@@ -268,11 +268,17 @@ class SsdStore:
 
     def new_file(self, name: str) -> TensorFile:
         with self._lock:
-            os.makedirs(self.dir, exist_ok=True)
-            if not self._probed:
-                self._probe()
-            self._serial += 1
+            # Counted first: a file freed meanwhile (a finalizer run by a collection on this thread) cannot make
+            # the count 0 and remove the directory under this one.
             self._count += 1
+            self._serial += 1
+            try:
+                os.makedirs(self.dir, exist_ok=True)
+                if not self._probed:
+                    self._probe()
+            except BaseException:
+                self._count -= 1
+                raise
             path = os.path.join(self.dir, f"{self._serial:05d}-{name}.bin")
         try:
             return TensorFile(self, path)
