@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.offload import disk, host_timeline
+from bench.offload import disk, gpu_timeline, host_timeline
 from bench.offload.big_impls import (
     CONFIGS,
     DEFAULT_CONFIGS,
@@ -334,6 +334,11 @@ def print_row(r: dict[str, Any]) -> None:
                   f"threads, callers waited {r['host_wait_ms']:.0f} ms/step for it", flush=True)
         if r.get("host_timeline"):
             print("\n".join(host_timeline.table(r["host_timeline"])), flush=True)
+        if r.get("gpu_timeline"):
+            print(gpu_timeline.table(r["gpu_timeline"]), flush=True)
+        if r.get("profiled_host_timeline"):
+            print("   (profiled step, host side)\n" + "\n".join(host_timeline.table(r["profiled_host_timeline"])),
+                  flush=True)
         if r.get("disk_floor_ms"):
             print(f"   SSD tier: read {r.get('ssd_read_gb_per_step') or 0:.1f} GB and wrote "
                   f"{r.get('ssd_written_gb_per_step') or 0:.1f} GB per step; disk floor {r['disk_floor_ms']:.0f} ms, "

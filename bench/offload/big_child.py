@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from bench.offload import host_timeline
+from bench.offload import gpu_timeline, host_timeline
 from bench.offload.big_impls import Job, ResidentTrainer, Skip, Trainer, build_model, make_batches, make_trainer
 
 GIB = 2**30
@@ -218,6 +218,31 @@ def timed_steps(trainer: Trainer, job: Job, device: torch.device, split: bool) -
     if split:
         out["fwd_bwd_ms"] = statistics.median(fwd_bwd)
         out["fwd_bwd_ms_list"] = fwd_bwd
+    if os.environ.get("BIG_PROFILE") and device.type == "cuda":
+        out.update(profiled_step(trainer, job, device, data, job.warmup + job.steps))
+    return out
+
+
+def profiled_step(trainer: Trainer, job: Job, device: torch.device, data: list[torch.Tensor], i: int) -> dict:
+    """One more optimizer step (after the timed ones) under the profiler, to the end of its host updates: the GPU
+    engines' busy times (``bench.offload.gpu_timeline``) and, for shardfuse, the host timeline of the same window."""
+    accum, tracer = job.cfg.accum, getattr(trainer.opt, "trace_host", None)
+    sync(device)
+    trace = tracer() if tracer is not None else None
+    with gpu_timeline.profiled_step(True, f"{job.config}_{job.impl}") as attribution:
+        t0 = time.perf_counter()
+        for m in range(accum):
+            trainer.micro(data[(i * accum + m) % len(data)], last=m == accum - 1)
+        trainer.finish()
+        sync(device)
+        t1 = time.perf_counter()
+        if hasattr(trainer.opt, "synchronize"):
+            trainer.opt.synchronize()
+        t2 = time.perf_counter()
+    out: dict[str, Any] = {"profiled_step_ms": 1e3 * (t1 - t0), "gpu_timeline": attribution()}
+    if trace is not None and tracer is not None:
+        out["profiled_host_timeline"] = host_timeline.summarize(trace.events, t0, t2, t1)
+        tracer(False)
     return out
 
 
