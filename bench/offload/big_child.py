@@ -264,7 +264,8 @@ def measure_impl(job: Job) -> dict[str, Any]:
         trainer = setup(job, device)
     except Skip as exc:
         return {"status": "skipped", "reason": str(exc)}
-    out: dict[str, Any] = {"status": "ok", "setup_s": time.perf_counter() - t0, **trainer.info}
+    out: dict[str, Any] = {"status": "ok", "setup_s": time.perf_counter() - t0, **trainer.info,
+                           "switch_interval_s": sys.getswitchinterval()}
     if device.type == "cuda":
         out["gpu_peak_setup_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         torch.cuda.reset_peak_memory_stats(device)
@@ -293,6 +294,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--result", required=True, help="where to write the result JSON")
     args = ap.parse_args(argv)
     job = Job(**json.loads(args.job))
+    if os.environ.get("BIG_SWITCH_INTERVAL"):  # a diagnostic: how long a thread waits for the GIL at most
+        sys.setswitchinterval(float(os.environ["BIG_SWITCH_INTERVAL"]))
     try:
         result = measure_floor(job) if job.impl == "floor" else measure_impl(job)
     except torch.cuda.OutOfMemoryError as exc:

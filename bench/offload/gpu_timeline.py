@@ -84,7 +84,10 @@ def attribute(events: list[dict[str, Any]], window: Interval | None = None) -> d
 
     ``window``: (start, end) in the trace's microseconds; by default the ``WINDOW_NAME`` range's."""
     if window is None:
-        marks = [e for e in events if e.get("name") == WINDOW_NAME and e.get("ph") == "X"]
+        # the CPU range (the profiler mirrors it on the GPU timeline as a gpu_user_annotation spanning only the
+        # kernels launched inside it)
+        marks = [e for e in events if e.get("name") == WINDOW_NAME and e.get("ph") == "X"
+                 and e.get("cat") != "gpu_user_annotation"]
         if not marks:
             raise ValueError(f"no {WINDOW_NAME!r} range in the trace: profile the step inside profiled_step()")
         window = (float(marks[-1]["ts"]), float(marks[-1]["ts"]) + float(marks[-1]["dur"]))

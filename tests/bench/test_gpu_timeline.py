@@ -31,6 +31,7 @@ def test_union_and_intersection_match_a_brute_force_count_on_random_intervals() 
 def test_attribute_splits_the_window_by_engine_and_counts_overlaps_once() -> None:
     events = [
         ev("user_annotation", gt.WINDOW_NAME, 1000, 10_000),
+        ev("gpu_user_annotation", gt.WINDOW_NAME, 1500, 20),  # the GPU mirror of the range: not the window
         ev("kernel", "gemm", 1000, 3000),  # compute 1000-4000
         ev("kernel", "gemm2", 2000, 3000),  # concurrent: 2000-5000, union 1000-5000
         ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 4000, 2000),  # 4000-6000: 1000 hidden under compute
