@@ -319,7 +319,7 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
             # Under torch.compile the unit's bookkeeping runs eagerly (a graph break on each side) and only the
             # wrapped module is traced; eager calls skip the disable wrapper's cost.
             compiling = torch.compiler.is_compiling()
-            pre, post, abort = (_PRE_FORWARD, _POST_FORWARD, _ABORT_FORWARD) if compiling else (
+            pre, post, abort = _compiled_forward_hooks() if compiling else (
                 _pre_forward, Unit.post_forward, Unit.abort_forward)
             args, kwargs, recomputing = pre(unit, args, kwargs)
             try:
@@ -584,9 +584,19 @@ def _pre_forward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict, bo
     return unit.pre_forward(args, kwargs)
 
 
-_PRE_FORWARD = torch.compiler.disable(_pre_forward)
-_POST_FORWARD = torch.compiler.disable(Unit.post_forward)
-_ABORT_FORWARD = torch.compiler.disable(Unit.abort_forward)
+_Hooks = tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]
+_COMPILED_FORWARD_HOOKS: _Hooks | None = None
+
+
+def _compiled_forward_hooks() -> _Hooks:
+    """The forward hooks wrapped in ``torch.compiler.disable``, made on first use under ``torch.compile``:
+    ``disable`` imports ``torch._dynamo`` (~0.5 s), which ``import shardfuse`` should not pay. Dynamo runs the
+    ``disable`` calls eagerly (a graph break) the one time it traces through here."""
+    global _COMPILED_FORWARD_HOOKS
+    if _COMPILED_FORWARD_HOOKS is None:
+        disable = torch.compiler.disable
+        _COMPILED_FORWARD_HOOKS = (disable(_pre_forward), disable(Unit.post_forward), disable(Unit.abort_forward))
+    return _COMPILED_FORWARD_HOOKS
 
 
 # The options come from the policies' fields: the docstring's Args and the signature help() and IDEs show.
