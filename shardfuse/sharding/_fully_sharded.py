@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from shardfuse import _versions
+from shardfuse._lazy_disable import disabled_on_first_use
 from shardfuse._profiling import profiled
 from shardfuse.sharding import _dcp, _optim_state, _process_hooks, _ssd, _state_dict
 from shardfuse.sharding._config import (
@@ -584,19 +585,7 @@ def _pre_forward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict, bo
     return unit.pre_forward(args, kwargs)
 
 
-_Hooks = tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]
-_COMPILED_FORWARD_HOOKS: _Hooks | None = None
-
-
-def _compiled_forward_hooks() -> _Hooks:
-    """The forward hooks wrapped in ``torch.compiler.disable``, made on first use under ``torch.compile``:
-    ``disable`` imports ``torch._dynamo`` (~0.5 s), which ``import shardfuse`` should not pay. Dynamo runs the
-    ``disable`` calls eagerly (a graph break) the one time it traces through here."""
-    global _COMPILED_FORWARD_HOOKS
-    if _COMPILED_FORWARD_HOOKS is None:
-        disable = torch.compiler.disable
-        _COMPILED_FORWARD_HOOKS = (disable(_pre_forward), disable(Unit.post_forward), disable(Unit.abort_forward))
-    return _COMPILED_FORWARD_HOOKS
+_compiled_forward_hooks = disabled_on_first_use(_pre_forward, Unit.post_forward, Unit.abort_forward)
 
 
 # The options come from the policies' fields: the docstring's Args and the signature help() and IDEs show.
