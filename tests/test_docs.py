@@ -340,3 +340,15 @@ def test_denial_check_catches_the_old_contradictions() -> None:
     ]
     assert [denied_features(s) for s in fixed] == [[], []]
     assert _resolves("shardfuse.kernels.cast_shard") and not _resolves("shardfuse.kernels.cast_shardz")
+
+
+def test_readme_stays_short_and_its_snippets_parse() -> None:
+    """README is the first page a user reads: under 150 lines (the full results are on the benchmarks page), a
+    "Choose your setup" section, and Python snippets that are valid Python (their names are checked above)."""
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) < 150, f"README.md has {len(text.splitlines())} lines: move detail to docs/"
+    assert re.search(r"^## Choose your setup$", text, re.MULTILINE), "README.md lost its 'Choose your setup'"
+    blocks = [code for _, info, code in code_blocks(REPO / "README.md") if info == "python"]
+    assert len(blocks) >= 6, len(blocks)
+    for code in blocks:
+        ast.parse(code)
