@@ -395,6 +395,7 @@ class OffloadVariant:
     vs_phase_floor: float | None = None
     floor_h2d_gb: float | None = None
     floor_d2h_gb: float | None = None
+    commit: str | None = None  # set where the variant was carried over from a run at another commit
 
     @classmethod
     def parse(cls, v: dict[str, Any]) -> OffloadVariant:
@@ -404,6 +405,7 @@ class OffloadVariant:
             **{k: num(v.get(k)) for k in floats},
             estimated_traffic=v.get("traffic") == "estimated", error=_text(v.get("error")),
             skipped=_text(v.get("skipped")) if "skipped" in v else None, floor_bound=_text(v.get("floor_bound")),
+            commit=_text(v.get("commit")),
         )  # fmt: skip
 
 

@@ -140,6 +140,9 @@ COMMIT > .before/COMMIT`, carry `.before/` and run `SHARDFUSE_COMMIT=<this commi
 """
 
 
+NOTES_HEADING = "### Where these rows come from"
+NOTES_FILE = "NOTES.md"  # beside the <gpu>/ folders: what the files cannot say (calls joined, changes since)
+
 HEADER = [
     "# Benchmark results",
     "",
@@ -183,8 +186,9 @@ def gpu_section(gpu: str, rs: list[Result], plots: Plotter, out_dir: Path) -> li
 
 
 def render(results: dict[str, list[Result]], out_path: Path, plots: Plotter,
-           scale: dict[str, Any] | None = None) -> str:
-    """The whole ``benchmarks.md`` text (``scale``: the scale model's file, when there is one)."""
+           scale: dict[str, Any] | None = None, notes: str | None = None) -> str:
+    """The whole ``benchmarks.md`` text (``scale``: the scale model's file, when there is one; ``notes``: the
+    provenance of the stored rows, ``NOTES.md`` beside the result folders, shown under the summary)."""
     lines = list(HEADER)
     if not results:
         return "\n".join([*lines, *NO_RESULTS, HOW_MEASURED, REGRESSION_NOTE])
@@ -196,6 +200,8 @@ def render(results: dict[str, list[Result]], out_path: Path, plots: Plotter,
     if not plots.available:
         lines += [f"_Plots were skipped: {plots.reason}._", ""]
     lines += ["## Summary", ""] + summary_table(results, link=None) + [""]
+    if notes and notes.strip():
+        lines += [NOTES_HEADING, "", notes.strip(), ""]
     for gpu, rs in results.items():
         lines += gpu_section(gpu, rs, plots, out_path.parent)
     if scale is not None:

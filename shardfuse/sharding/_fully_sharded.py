@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from shardfuse import _versions
+from shardfuse._lazy_disable import disabled_on_first_use
 from shardfuse._profiling import profiled
 from shardfuse.sharding import _dcp, _optim_state, _process_hooks, _ssd, _state_dict
 from shardfuse.sharding._config import (
@@ -319,7 +320,7 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
             # Under torch.compile the unit's bookkeeping runs eagerly (a graph break on each side) and only the
             # wrapped module is traced; eager calls skip the disable wrapper's cost.
             compiling = torch.compiler.is_compiling()
-            pre, post, abort = (_PRE_FORWARD, _POST_FORWARD, _ABORT_FORWARD) if compiling else (
+            pre, post, abort = _compiled_forward_hooks() if compiling else (
                 _pre_forward, Unit.post_forward, Unit.abort_forward)
             args, kwargs, recomputing = pre(unit, args, kwargs)
             try:
@@ -584,9 +585,7 @@ def _pre_forward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict, bo
     return unit.pre_forward(args, kwargs)
 
 
-_PRE_FORWARD = torch.compiler.disable(_pre_forward)
-_POST_FORWARD = torch.compiler.disable(Unit.post_forward)
-_ABORT_FORWARD = torch.compiler.disable(Unit.abort_forward)
+_compiled_forward_hooks = disabled_on_first_use(_pre_forward, Unit.post_forward, Unit.abort_forward)
 
 
 # The options come from the policies' fields: the docstring's Args and the signature help() and IDEs show.
