@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bench.report._attribution import attribution_section
 from bench.report._common import anchor, gpu_label
 from bench.report._e2e import e2e_section
 from bench.report._host_step import host_step_section
@@ -178,6 +179,9 @@ def gpu_section(gpu: str, rs: list[Result], plots: Plotter, out_dir: Path) -> li
             lines += offload_big_section(r)
         elif r.kind == "host_step":
             lines += host_step_section(r)
+        elif r.kind == "offload_attribution":
+            note = r.path.with_suffix(".md")
+            lines += attribution_section(r, note.read_text(encoding="utf-8") if note.exists() else None)
         else:
             others += other_section(r)
     if others:

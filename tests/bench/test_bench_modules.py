@@ -107,7 +107,7 @@ def test_report_and_regress_run_as_modules(tmp_path: Path) -> None:
     results = make_results_dir(tmp_path / "results")
     proc = _run([sys.executable, "-m", "bench.report", "--results", str(results), "--summary"], timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert "tokens/s/GPU" in proc.stdout
+    assert "tok/s/GPU" in proc.stdout and "best peer, same job" in proc.stdout  # the README's headline table
     new = tmp_path / "e2e_2gpu.json"
     new.write_text(json.dumps(e2e_payload(2, (113.7 * 1.2, 52.3))))
     stored = results / "h200" / "e2e_2gpu.json"
