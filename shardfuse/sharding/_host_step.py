@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from shardfuse._versions import hook_optimizer
 from shardfuse.sharding._flat_param import FlatParamHandle
 from shardfuse.sharding._host_fused import step_in_chunks
 from shardfuse.sharding._host_shard import HostShard
@@ -130,6 +131,9 @@ def make_sub_optimizers(optimizer: torch.optim.Optimizer, plan: ShardPlan) -> No
         settings = {k: v for k, v in optimizer.param_groups[gi].items() if k != "params"}
         sub = type(optimizer)([{"params": params, **settings}])  # type: ignore[call-arg]  # defaults in the group
         sub.state = optimizer.state
+        # Counts its fused writes itself (the compute copy and the SSD write-behind read the version counters), so
+        # the host tier needs no process-wide hook for the optimizers it builds.
+        hook_optimizer(sub)
         plan.subs.append(sub)
 
 

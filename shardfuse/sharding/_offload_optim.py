@@ -42,18 +42,16 @@ GIB = 1 << 30
 # transient buffers, which the resident units do not add to, so the second step() places more units by the peak
 # measured with the first placement (then the placement is fixed).
 PLACEMENTS = 2
-# Root unit -> its OffloadOptimizer, both weakly (the optimizer holds the model: a strong value would keep the
-# model, its pinned buffers and the optimizer alive forever): clip_grad_norm_ and the state-dict paths find it here.
-_ENGINES: weakref.WeakKeyDictionary[Unit, weakref.ref[OffloadOptimizer]] = weakref.WeakKeyDictionary()
 
 
 def engine_of(unit: Unit) -> OffloadOptimizer | None:
-    """The OffloadOptimizer attached to the tree of ``unit`` (None when there is none)."""
+    """The OffloadOptimizer attached to the tree of ``unit`` (None when there is none): the top unit, the state of
+    the root wrapper the user holds, keeps a weak reference to it (``Unit.host_engine``)."""
     top = unit
     while top.parent is not None:
         top = top.parent
-    ref = _ENGINES.get(top)
-    return ref() if ref is not None else None
+    engine = top.host_engine() if top.host_engine is not None else None
+    return engine if isinstance(engine, OffloadOptimizer) else None
 
 
 def finish_host_steps(unit: Unit) -> None:
@@ -181,7 +179,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self._attach()
-        _ENGINES[self.root] = weakref.ref(self)
+        self.root.host_engine = weakref.ref(self)
 
     # ----------------------------------------------------------------------------------------------
     # the user's optimizer, seen through this one
@@ -389,7 +387,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.synchronize()
         self._finalizer()
         if engine_of(self.root) is self:
-            del _ENGINES[self.root]
+            self.root.host_engine = None
         for u in units_below(self.root):
             for h in u.handles:
                 h.host = _ssd.host_after_engine(h)  # None, or the SSD host shard (the plain optimizer's path)

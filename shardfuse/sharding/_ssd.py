@@ -34,9 +34,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from shardfuse import _versions
+from shardfuse.sharding import _process_hooks
 from shardfuse.sharding._flat_param import FlatParamHandle
 from shardfuse.sharding._host_shard import HostShard
 from shardfuse.sharding._registry import handle_of
@@ -584,15 +583,8 @@ def page_in_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     _page_in_state(optimizer)
 
 
-_step_hooks: Any = None
-
-
 def _install_step_hooks() -> None:
-    """Once per process: the optimizer step hooks that page SSD-backed shards in and out around any step. Not
-    subject to ``set_process_hooks(False)``: without them an SSD-backed model cannot be stepped at all."""
-    global _step_hooks
-    if _step_hooks is None:
-        # First: the hook that counts a fused optimizer's in-place writes runs before the write-behind reads the
-        # version counters (global post-hooks run in the order they were registered).
-        _versions.install()
-        _step_hooks = (register_optimizer_step_pre_hook(_pre_step), register_optimizer_step_post_hook(_post_step))
+    """Once per process: the optimizer step hooks that page SSD-backed shards in and out around any step, installed
+    where every process-wide hook is (``_process_hooks``, after the hook that counts a fused optimizer's writes).
+    Not subject to ``set_process_hooks(False)``: without them an SSD-backed model cannot be stepped at all."""
+    _process_hooks.require_step_hooks("ssd_step_hooks", _pre_step, _post_step)
