@@ -236,12 +236,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for u in units_below(self.root):
             prec = u.config.precision
             compute = prec.compute_dtype if prec.mixed_precision and self.host_compute_copy else None
-            for h in u.handles:
+            for i, h in enumerate(u.handles):
                 if (h.host is None or _ssd.ssd_host(h)) and h.flat.device.type == "cpu":  # ssd: keep its host
-                    h.host = _ssd.ssd_host(h) or HostShard(h.flat, compute or h.dtype, pin=torch.cuda.is_available())
-                    h.host.keep_full_in_no_sync = self.accumulate_on_gpu
+                    host = _ssd.ssd_host(h) or HostShard(h.flat, compute or h.dtype, pin=torch.cuda.is_available(),
+                                                         name=f"{u.name}.flat_param_{i}")
+                    host.keep_full_in_no_sync = self.accumulate_on_gpu
                     if self.step_in_backward:
-                        h.host.on_grad_sent = self._on_grad_sent
+                        host.on_grad_sent = self._on_grad_sent
+                    h.host = host
 
     def _handles_in_order(self) -> list[FlatParamHandle]:
         rs = self.root.root_state
@@ -311,8 +313,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         host_coef = coef.to("cpu") if coef is not None else None
         for i, plan in enumerate(self._plans):  # forward order
             if plan.host is not None:
-                plan.host.note("queued")
-                plan.host.ready.clear()
+                plan.host.queue()
                 self._worker.submit(host_task(plan, settings_of(self.optimizer, plan), host_coef, self._lock),
                                     key=i, tag=plan)
 
@@ -332,8 +333,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "step() after every synced backward (accumulate with no_sync()), or use step_in_backward=False"
             )
         self._stepped_in_backward.add(id(host))
-        host.note("queued")
-        host.ready.clear()
+        host.queue()
         # Keyed after every update queued by an earlier step() (none are, in a step_in_backward loop), FIFO.
         self._worker.submit(host_task(plan, settings_of(self.optimizer, plan), None, self._lock, event,
                                       in_backward=True), key=len(self._plans), tag=plan)
@@ -345,7 +345,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return
         with self._lock:
             for plan in self._plans:
-                if plan.host is not None and not plan.host.ready.is_set():
+                if plan.host is not None and plan.host.in_flight:
                     plan.deferred_zero = set_to_none
                 else:
                     apply_zero_grad(plan, set_to_none)
@@ -363,9 +363,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         paths) spent blocked waiting for an update, ``update_s`` the part of ``host_busy_s`` spent updating (the
         worker's waits for gradient and parameter copies left out). Differences between two calls give one step's
         share."""
-        hosts = [h.host for u in units_below(self.root) for h in u.handles if h.host is not None]
-        return {"host_busy_s": self._worker.busy_s, "wait_s": sum(h.waited_s for h in hosts),
-                "update_s": sum(h.update_s for h in hosts), "host_threads": float(self.host_threads)}
+        hosts = [h.host for u in units_below(self.root) for h in u.handles if isinstance(h.host, HostShard)]
+        return {"host_busy_s": self._worker.busy_s, "wait_s": sum(h.stats.waited_s for h in hosts),
+                "update_s": sum(h.stats.update_s for h in hosts), "host_threads": float(self.host_threads)}
 
     def trace_host(self, on: bool = True) -> HostTrace | None:
         """Start (``on``) or stop recording the host step's timeline (``HostTrace``: per offloaded unit, when its
@@ -415,8 +415,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if g is None or not g.numel():
                 continue
             h = handle_of(p)
-            host = h.host if h is not None and h.flat is p else None
-            norm = host.grad_norm if host is not None and host.norm_valid and g is host.grad_buf else None
+            host = h.host if h is not None and h.flat is p and isinstance(h.host, HostShard) else None
+            sent = host.grad_copy if host is not None and g is host.grad_buf else None
+            norm = sent.norm if sent is not None and sent.norm_valid else None
             norms.append(norm if norm is not None else torch._foreach_norm([g], 2.0)[0])
         device = unit.compute_device
         if norms:

@@ -350,7 +350,7 @@ class SsdHostShard(HostShard):
 
     def wait_ready(self) -> None:
         """As :meth:`HostShard.wait_ready`; while blocked, the worker steps on without waiting for room to keep."""
-        if self.ready.is_set():
+        if not self.in_flight:
             super().wait_ready()
             return
         with self.ssd.tier.keep.main_waits(self):
@@ -376,7 +376,7 @@ class SsdHostShard(HostShard):
         for nxt in tier.gathers.use(self.ssd):
             host = _host_of(nxt)
             # Not a shard with an update pending: its file is about to change.
-            if host is not None and host.ready.is_set() and nxt.flat.grad is None:
+            if host is not None and not host.in_flight and nxt.flat.grad is None:
                 tier.read_ahead(nxt.param)
         self.ssd.param.page_in(pin=True)
         tier.keep.gathered(self.ssd)
@@ -547,8 +547,8 @@ def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
         s.adopt_state(optimizer.state)  # state made by this (first) step
         s.steps += 1
         host = _host_of(s)
-        # An OffloadOptimizer update (ready cleared meanwhile): kept for this step's forward gather, if room.
-        keep = host is not None and not host.ready.is_set() and s.tier.keep.keep_for_gather(s)
+        # An OffloadOptimizer update (in flight): kept for this step's forward gather, if room.
+        keep = host is not None and host.in_flight and s.tier.keep.keep_for_gather(s)
         s.page_out(state=s.tier.config.optimizer_state, keep=keep)
 
 
