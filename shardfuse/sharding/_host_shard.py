@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from shardfuse._streams import record_event, use_stream
+from shardfuse._torch_private import foreach_norm
 
 # Pinned memory allocated by torch's caching host allocator is rounded up to a power of two (a 450 MB shard takes
 # 512 MiB, a 540 MB one 1 GiB); registering plain memory with the driver pins exactly what is asked for.
@@ -220,7 +221,7 @@ class HostShard:
             # Clipping's per-shard norm, taken on the device as torch.nn.utils' foreach path takes it on the
             # host; an accumulated gradient's norm is not this one's, so it is computed on the host if asked.
             valid = flat.grad is None and dest.numel() > 0
-            norm = torch._foreach_norm([dest], 2.0)[0] if valid else None
+            norm = foreach_norm([dest], 2.0)[0] if valid else None
         self.grad_copy = GradCopy(target, norm, valid)
         if self.on_grad_sent is not None:
             self.on_grad_sent(self, record_event(stream))

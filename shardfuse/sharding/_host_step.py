@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from shardfuse._torch_private import foreach_mul_
 from shardfuse._versions import hook_optimizer
 from shardfuse.sharding._flat_param import FlatParamHandle
 from shardfuse.sharding._host_fused import step_in_chunks
@@ -151,7 +152,7 @@ def step_plan(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tenso
             if coef is not None:
                 grads = [p.grad for p in params if p.grad is not None]
                 if grads:
-                    torch._foreach_mul_(grads, coef.to(grads[0].device))
+                    foreach_mul_(grads, coef.to(grads[0].device))
             sub.param_groups[0].update(group_settings)
             sub.step()
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardfuse._torch_private import foreach_mul_, foreach_norm
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding import _ssd
 from shardfuse.sharding._flat_param import FlatParamHandle
@@ -418,7 +419,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             host = h.host if h is not None and h.flat is p and isinstance(h.host, HostShard) else None
             sent = host.grad_copy if host is not None and g is host.grad_buf else None
             norm = sent.norm if sent is not None and sent.norm_valid else None
-            norms.append(norm if norm is not None else torch._foreach_norm([g], 2.0)[0])
+            norms.append(norm if norm is not None else foreach_norm([g], 2.0)[0])
         device = unit.compute_device
         if norms:
             local = torch.stack([n.float().to(device) for n in norms]).pow(2.0).sum()
@@ -437,7 +438,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 continue
             grads = [p.grad for _, params in plan.groups for p in params if p.grad is not None]
             if grads:
-                torch._foreach_mul_(grads, coef.to(grads[0].device))
+                foreach_mul_(grads, coef.to(grads[0].device))
         self._coef = coef if self._coef is None else self._coef * coef
         self._coef_deferred |= {id(plan.handle) for plan in self._plans if plan.host is not None}
 
