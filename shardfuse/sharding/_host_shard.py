@@ -190,8 +190,8 @@ class HostShard:
             self.note("waited")
         err = self.life.take_error() if self.life.state is UpdateState.FAILED else None
         if err is not None:
-            raise RuntimeError(f"the overlapped optimizer step of offloaded shard {self.life.name} failed: {err}") \
-                from err
+            raise RuntimeError(f"the overlapped optimizer step of an offloaded shard failed ({self.life.name}): "
+                               f"{err}") from err
 
     # ----------------------------------------------------------------------------------------------
     # gradients: device -> host on the post-backward stream, landed at the end of backward
