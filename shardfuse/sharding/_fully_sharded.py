@@ -17,7 +17,6 @@ from typing import Any, NamedTuple, cast
 import torch
 from torch import nn
 
-from shardfuse import _versions
 from shardfuse._lazy_disable import disabled_on_first_use
 from shardfuse._profiling import profiled
 from shardfuse.sharding import _dcp, _optim_state, _process_hooks, _ssd, _state_dict
@@ -136,7 +135,7 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
             if not config.params.allow_reset_parameters:
                 guard_reset_parameters(module)
             _process_hooks.install()
-            _versions.install()  # a fused optimizer's updates must change the shards' version counters
+            _process_hooks.require_fused_versions()  # a fused optimizer's updates must change the version counters
 
     # ----------------------------------------------------------------------------------------------
     # properties and nn.Module plumbing

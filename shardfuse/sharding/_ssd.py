@@ -34,9 +34,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from shardfuse import _versions
+from shardfuse.sharding import _process_hooks
 from shardfuse.sharding._flat_param import FlatParamHandle
 from shardfuse.sharding._host_shard import HostShard
 from shardfuse.sharding._registry import handle_of
@@ -351,7 +350,7 @@ class SsdHostShard(HostShard):
 
     def wait_ready(self) -> None:
         """As :meth:`HostShard.wait_ready`; while blocked, the worker steps on without waiting for room to keep."""
-        if self.ready.is_set():
+        if not self.in_flight:
             super().wait_ready()
             return
         with self.ssd.tier.keep.main_waits(self):
@@ -377,7 +376,7 @@ class SsdHostShard(HostShard):
         for nxt in tier.gathers.use(self.ssd):
             host = _host_of(nxt)
             # Not a shard with an update pending: its file is about to change.
-            if host is not None and host.ready.is_set() and nxt.flat.grad is None:
+            if host is not None and not host.in_flight and nxt.flat.grad is None:
                 tier.read_ahead(nxt.param)
         self.ssd.param.page_in(pin=True)
         tier.keep.gathered(self.ssd)
@@ -548,8 +547,8 @@ def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
         s.adopt_state(optimizer.state)  # state made by this (first) step
         s.steps += 1
         host = _host_of(s)
-        # An OffloadOptimizer update (ready cleared meanwhile): kept for this step's forward gather, if room.
-        keep = host is not None and not host.ready.is_set() and s.tier.keep.keep_for_gather(s)
+        # An OffloadOptimizer update (in flight): kept for this step's forward gather, if room.
+        keep = host is not None and host.in_flight and s.tier.keep.keep_for_gather(s)
         s.page_out(state=s.tier.config.optimizer_state, keep=keep)
 
 
@@ -584,15 +583,8 @@ def page_in_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     _page_in_state(optimizer)
 
 
-_step_hooks: Any = None
-
-
 def _install_step_hooks() -> None:
-    """Once per process: the optimizer step hooks that page SSD-backed shards in and out around any step. Not
-    subject to ``set_process_hooks(False)``: without them an SSD-backed model cannot be stepped at all."""
-    global _step_hooks
-    if _step_hooks is None:
-        # First: the hook that counts a fused optimizer's in-place writes runs before the write-behind reads the
-        # version counters (global post-hooks run in the order they were registered).
-        _versions.install()
-        _step_hooks = (register_optimizer_step_pre_hook(_pre_step), register_optimizer_step_post_hook(_post_step))
+    """Once per process: the optimizer step hooks that page SSD-backed shards in and out around any step, installed
+    where every process-wide hook is (``_process_hooks``, after the hook that counts a fused optimizer's writes).
+    Not subject to ``set_process_hooks(False)``: without them an SSD-backed model cannot be stepped at all."""
+    _process_hooks.require_step_hooks("ssd_step_hooks", _pre_step, _post_step)
