@@ -234,8 +234,10 @@ def _check_layout(meta: dict[str, Any], flats: list[FlatEntry], entries: list[En
 
 
 @torch.no_grad()
-def load_sharded_state_dict(root: nn.Module, state: Mapping[str, Any], optim: torch.optim.Optimizer | None) -> None:
-    """See ``FullyShardedDataParallel.load_sharded_state_dict`` and the module docstring."""
+def load_sharded_state_dict(root: nn.Module, state: Mapping[str, Any], optim: torch.optim.Optimizer | None,
+                            trust_checkpoint: bool = False) -> None:
+    """See ``FullyShardedDataParallel.load_sharded_state_dict`` and the module docstring. Packed entries load as
+    plain data only (no code runs); objects only full pickle rebuilds need ``trust_checkpoint``."""
     action = "load_sharded_state_dict()"
     unit = root_unit(root, action)
     meta = _read_meta(state, action)
@@ -256,14 +258,14 @@ def load_sharded_state_dict(root: nn.Module, state: Mapping[str, Any], optim: to
                     f"the dict this model's sharded_state_dict() made"
                 )
         else:
-            v = unpack(v, key)
+            v = unpack(v, key, trust_checkpoint)
         values.append(v)
     if optim is None and OPTIM_GROUPS in state:
         raise ValueError(
             f"{action}: the dict holds optimizer state (it was made by sharded_state_dict(optim)): pass the "
             f"optimizer too, load_sharded_state_dict(state, optim), or make the dict without it"
         )
-    osd = load_optim(state, meta, flats, optim, action) if optim is not None else None
+    osd = load_optim(state, meta, flats, optim, action, trust_checkpoint) if optim is not None else None
     # Every check passed: write. dcp.load wrote into this model's own shards and buffers already when the dict
     # came from its sharded_state_dict(); a copy is needed only for a dict made elsewhere (another model).
     for f, piece in zip(flats, pieces):

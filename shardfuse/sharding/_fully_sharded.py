@@ -441,7 +441,6 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
 
     # ----------------------------------------------------------------------------------------------
     # summon_full_params (implemented in _summon.py)
-    # ----------------------------------------------------------------------------------------------
 
     def summon_full_params(self, recurse: bool = True, volatile: bool = False) -> contextlib.AbstractContextManager:
         """Gather the full fp32 parameters and expose them as the module's original parameters in the block.
@@ -464,7 +463,6 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
 
     # ----------------------------------------------------------------------------------------------
     # state dicts and optimizer state (implemented in _state_dict.py / _optim_state.py)
-    # ----------------------------------------------------------------------------------------------
 
     # FairScale's legacy positional form too: one signature cannot match nn.Module's two overloads.
     def state_dict(self, *args: Any, destination: dict | None = None, prefix: str = "",  # type: ignore[override]
@@ -562,15 +560,17 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
             settle(self._unit)  # finishes host optimizer steps in flight, then lazy init
             return _dcp.sharded_state_dict(self, optim)
 
-    def load_sharded_state_dict(self, state_dict: dict[str, Any], optim: torch.optim.Optimizer | None = None) -> None:
+    def load_sharded_state_dict(self, state_dict: dict[str, Any], optim: torch.optim.Optimizer | None = None, *,
+                                trust_checkpoint: bool = False) -> None:
         """Load a dict made by :meth:`sharded_state_dict` (with the same ``optim`` argument) on this model and
         filled by ``torch.distributed.checkpoint.load``: the shards, buffers and (with ``optim``) the optimizer
         state and hyper-parameters, also into a fresh optimizer. A checkpoint of another wrapping, a dict that was
-        not filled, or optimizer groups that differ from the saved ones raise before anything is written. Root
-        only; every rank must call."""
+        not filled, or optimizer groups that differ from the saved ones raise before anything is written. Packed
+        values load as plain data (no code runs); an object only full pickle rebuilds raises UnsafeCheckpointError
+        unless ``trust_checkpoint=True``, which runs any code it carries. Root only; every rank must call."""
         with profiled("shardfuse.sharding:load_sharded_state_dict"):
             settle(self._unit)  # finishes host optimizer steps in flight, then lazy init
-            _dcp.load_sharded_state_dict(self, state_dict, optim)
+            _dcp.load_sharded_state_dict(self, state_dict, optim, trust_checkpoint)
 
     def _fqn_modifiers(self) -> dict[str, str]:
         """Asked by ``torch.distributed.checkpoint.state_dict`` (only): the wrapped module's modifiers, after
