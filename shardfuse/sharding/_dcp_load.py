@@ -15,8 +15,10 @@ refused with an error naming the entry and the opt-in, ``trust_checkpoint=True``
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -24,7 +26,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-from shardfuse.sharding._dcp_layout import UnsafeCheckpointError, refusal
+from shardfuse.sharding._dcp_layout import KIND, META_KEY, MODEL, UnsafeCheckpointError, refusal
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 # Globals a DCP metadata file refers to besides the classes of _METADATA_MODULE: each builds plain data.
@@ -91,13 +93,49 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
+def check_wrapping(state_dict: Mapping[str, Any], metadata: Any) -> None:
+    """Before DCP plans the reads of a dict that ``sharded_state_dict()`` made: the checkpoint's flat parameters
+    must be this model's, with the same sizes; otherwise the wrapping differs, which is said here with the sizes
+    and names (torch would only say "Size mismatch" or "Missing key"). Other dicts pass untouched."""
+    saved = getattr(metadata, "state_dict_metadata", None)
+    text = state_dict.get(META_KEY)
+    try:
+        meta = json.loads(text) if isinstance(text, str) and isinstance(saved, Mapping) else None
+    except ValueError:
+        return  # not shardfuse's entry: load_sharded_state_dict says so later
+    if not isinstance(meta, dict) or meta.get("kind") != KIND or not isinstance(meta.get("flat_params"), dict):
+        return
+    assert isinstance(saved, Mapping)  # checked above, with the text
+    flats = {MODEL + k: (v.get("numel"), list(v.get("names", []))) for k, v in meta["flat_params"].items()}
+    saved_flats = {k: tuple(getattr(md, "size", ())) for k, md in saved.items()
+                   if k.startswith(MODEL) and k.rsplit(".", 1)[-1].startswith("flat_param_")}
+    sizes = [f"{k}: {saved_flats[k][0] if saved_flats[k] else '?'} elements in the checkpoint, {numel} here "
+             f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+             for k, (numel, names) in flats.items() if k in saved_flats and saved_flats[k] != (numel,)]
+    only_here = [k for k in flats if k not in saved_flats]
+    only_saved = [k for k in saved_flats if k not in flats]
+    if sizes or only_here:
+        raise ValueError(
+            f"dcp.load of sharded_state_dict(): the checkpoint was saved from another wrapping of the model: flat "
+            f"parameters of other sizes {sizes[:4]}, only in this model {only_here[:4]}, only in the checkpoint "
+            f"{only_saved[:4]}: wrap the model the same way as when it was saved (the same modules in the same "
+            f"FullyShardedDataParallel units, the same dtypes and requires_grad); only the world size may change"
+        )
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """torch's ``DefaultLoadPlanner`` that reads non-tensor entries with torch's weights-only unpickler (no code
-    can run), unless ``trust_checkpoint=True``. Pass it as ``dcp.load(..., planner=...)``."""
+    can run), unless ``trust_checkpoint=True``, and, for a dict that ``sharded_state_dict()`` made, tells a
+    checkpoint of another wrapping apart before planning (:func:`check_wrapping`). Pass it as
+    ``dcp.load(..., planner=...)``."""
 
     def __init__(self, *args: Any, trust_checkpoint: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.trust_checkpoint = trust_checkpoint
+
+    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+        check_wrapping(state_dict, metadata)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn

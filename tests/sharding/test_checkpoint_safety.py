@@ -217,7 +217,8 @@ def check_metadata_refused(base: str, how: str) -> bool:
     errors = _dcp_load_errors(state, path)
     want = r"\.metadata' refers to [\w.]*test_checkpoint_safety\.payload, which is not part of DCP's metadata.*" \
            r"trust_checkpoint=True"
-    assert errors and all(isinstance(e, UnsafeCheckpointError) and re.search(want, str(e)) for e in errors), errors
+    # torch may wrap the reader's error (its fallback to per-rank metadata re-raises with the first error's text)
+    assert errors and all(re.search(want, str(e)) for e in errors), errors
     assert not _ran(marker), "the checkpoint's payload ran"
     return True
 
