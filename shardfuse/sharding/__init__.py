@@ -1,5 +1,7 @@
 """The sharding layer: ``FullyShardedDataParallel`` on flat shards, side streams and shardfuse kernels."""
 
+from shardfuse.sharding._dcp_layout import UnsafeCheckpointError
+from shardfuse.sharding._dcp_load import SafeFileSystemReader, SafeLoadPlanner
 from shardfuse.sharding._fully_sharded import FullyShardedDataParallel
 from shardfuse.sharding._hybrid import ShardingStrategy
 from shardfuse.sharding._offload_optim import OffloadOptimizer
@@ -23,8 +25,11 @@ __all__ = [
     "ModuleClassWrapPolicy",
     "OffloadConfig",
     "OffloadOptimizer",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
     "ShardingStrategy",
     "TrainingState",
+    "UnsafeCheckpointError",
     "auto_wrap",
     "config_auto_wrap_policy",
     "default_auto_wrap_policy",

@@ -6,6 +6,7 @@ non-tensor values, and the keys and constants the save, load and optimizer modul
 from __future__ import annotations
 
 import io
+import pickle
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -188,13 +189,41 @@ def pack(value: Any) -> bytes:
     return buf.getvalue()
 
 
-def unpack(data: Any, what: str) -> Any:
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint entry holds a pickled object that only code can rebuild; loading it could run that code."""
+
+
+# The opt-in named in the refusal (every public load entry point takes it).
+TRUST_HINT = ("trust_checkpoint=True (e.g. model.load_sharded_state_dict(state, optim, trust_checkpoint=True)), "
+              "which unpickles it with weights_only=False and so runs whatever code it carries")
+
+
+def refusal(what: str, err: BaseException, hint: str = TRUST_HINT) -> UnsafeCheckpointError:
+    """The error for an entry ``what`` that torch's weights-only unpickler refused with ``err``."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    why = next((ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln), lines[-1] if lines else repr(err))
+    return UnsafeCheckpointError(
+        f"checkpoint entry {what!r} holds a pickled object that is not plain data (tensors, numbers, strings, None, "
+        f"lists, tuples, dicts) and would run code when loaded ({why}); nothing of it was run. Load it only from a "
+        f"checkpoint you trust (you wrote it, or its source is trusted), with {hint}; see "
+        f"docs/troubleshooting.md, 'Loading checkpoints you did not write'"
+    )
+
+
+def unpack(data: Any, what: str, trust: bool = False) -> Any:
+    """A value :func:`pack` stored, read with torch's weights-only unpickler (plain data and tensors: no code can
+    run); an object only full pickle can rebuild is refused (:func:`refusal`) unless ``trust``."""
     if not isinstance(data, bytes):
         raise ValueError(
             f"{what} holds a {type(data).__name__}, not the bytes sharded_state_dict() put there: pass the dict "
             f"sharded_state_dict() made, filled by torch.distributed.checkpoint.load"
         )
-    return torch.load(io.BytesIO(data), weights_only=False)
+    if trust:  # the caller's explicit opt-in (trust_checkpoint=True): full pickle, code and all
+        return torch.load(io.BytesIO(data), weights_only=False)
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise refusal(what, err) from None
 
 
 def first_difference(a: list[Any], b: list[Any]) -> int:
