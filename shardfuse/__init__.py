@@ -27,6 +27,16 @@ from shardfuse.sharding import (
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    """``shardfuse.plan``: the planner, imported on first use (``import shardfuse`` stays as fast as before)."""
+    if name == "plan":
+        import importlib
+
+        return importlib.import_module("shardfuse.plan")  # a callable module: shardfuse.plan(...) plans
+    raise AttributeError(f"module 'shardfuse' has no attribute {name!r}")
+
+
 __all__ = [
     "CaptureError",
     "CapturedStep",
@@ -46,6 +56,7 @@ __all__ = [
     "enable_wrap",
     "kernels",
     "no_split_modules_policy",
+    "plan",
     "set_process_hooks",
     "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",
