@@ -154,6 +154,8 @@ def resolve_model(model: Any) -> ModelShape:
     """A :class:`ModelShape` from whatever the user gave (see the module docstring)."""
     if isinstance(model, ModelShape):
         return model
+    if isinstance(model, Path):
+        return from_hf_config(model)
     if isinstance(model, str):
         key = ALIASES.get(model.lower(), model.lower())
         if key in BUILTIN:
