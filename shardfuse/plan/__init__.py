@@ -46,7 +46,7 @@ class Plan:
     def text(self) -> str:
         from shardfuse.plan._render import render
 
-        return render(self)
+        return render(self.shape, self.machine, self.workload, self.floors, self.predictions, self.recommended)
 
     def code(self) -> str | None:
         """The Python that starts the recommended setup (None when nothing fits)."""

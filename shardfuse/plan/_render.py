@@ -7,8 +7,10 @@ from typing import TYPE_CHECKING
 from shardfuse.plan._memory import GIB
 
 if TYPE_CHECKING:
-    from shardfuse.plan import Plan
+    from shardfuse.plan._hardware import Floors, Machine
     from shardfuse.plan._planner import Prediction
+    from shardfuse.plan._setup import Workload
+    from shardfuse.plan._shapes import ModelShape
 
 __all__ = ["render", "snippet"]
 
@@ -22,9 +24,9 @@ def _row(p: Prediction) -> str:
             f"{p.tokens_per_s_gpu:9,.0f}  {t.bound:15s} {fits}")
 
 
-def render(plan: Plan) -> str:
+def render(s: ModelShape, mc: Machine, w: Workload, f: Floors, predictions: list[Prediction],
+           best: Prediction | None) -> str:
     """The table of every setup and the recommendation, with the code to start it."""
-    s, mc, w, f = plan.shape, plan.machine, plan.workload, plan.floors
     lines = [
         f"model {s.name}: {s.params / 1e9:.2f}B parameters, {s.n_layers} blocks + root as units "
         f"(dim {s.dim}, vocab {s.vocab_size})",
@@ -39,15 +41,14 @@ def render(plan: Plan) -> str:
         f"{'setup':44s} {'GPU GiB':>8s} {'host GiB':>9s} {'disk GiB':>8s} {'step ms':>9s} {'tok/s/GPU':>9s}  "
         f"{'bound':15s} fits",
     ]
-    lines += [_row(p) for p in plan.predictions]
-    best = plan.recommended
+    lines += [_row(p) for p in predictions]
     if best is None:
         lines += ["", "No setup fits this machine. Give it more GPUs (--gpus, --nodes), host memory or disk (the SSD "
                       "tier), or fewer tokens per GPU (--tokens; accumulate with --micro-batches)."]  # fmt: skip
     else:
         lines += ["", f"recommended: {best.setup.name} (~{best.time.step_ms:,.0f} ms/step, "
                       f"{best.tokens_per_s_gpu:,.0f} tokens/s/GPU, {best.time.bound}-bound)", "",
-                  snippet(best, plan.machine.nodes, plan.machine.gpus_per_node, plan.workload.optimizer)]  # fmt: skip
+                  snippet(best, mc.nodes, mc.gpus_per_node, w.optimizer)]  # fmt: skip
     return "\n".join(lines)
 
 
