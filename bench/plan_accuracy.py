@@ -34,7 +34,7 @@ BIG_CONFIGS = {"2.9b-4k": ("2.9b", 2, 2048, 1), "2.9b-32k": ("2.9b", 2, 2048, 8)
 # The variants of bench.offload.big's shardfuse rows, as Setup fields.
 VARIANT_FLAGS = {"step-in-backward": ("step_in_backward", True), "host_compute_copy": ("host_compute_copy", True),
                  "reshard_after_forward=False": ("reshard_after_forward", False), "no clipping": None,
-                 "host-accum": ("accumulate_on_gpu", False)}  # fmt: skip
+                 "host-accum": ("accumulate_on_gpu", False), "host_threads=all cores": None}  # fmt: skip
 
 
 @dataclass(frozen=True)

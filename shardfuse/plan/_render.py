@@ -34,9 +34,9 @@ def render(s: ModelShape, mc: Machine, w: Workload, f: Floors, predictions: list
         f"host and {mc.disk_gib:g} GiB disk per node",
         f"step: {w.tokens:,} tokens per GPU ({w.micro_batches} micro-batch(es), seq {w.seq}), {w.optimizer} "
         f"({w.optimizer_impl}), {'clipping' if w.clip else 'no clipping'}",
-        f"floors ({f.source}): {f.tflops:g} TFLOP/s, pinned H2D/D2H {f.h2d_gbps:g}/{f.d2h_gbps:g} GB/s, CPU AdamW "
-        f"{f.cpu_adamw_ps:g} ps/param (x{f.host_slowdown_calibrated:g} in training), disk "
-        f"{f.disk_read_gbps:g}/{f.disk_write_gbps:g} GB/s",
+        f"floors ({f.source}): {f.tflops:.4g} TFLOP/s, pinned H2D/D2H {f.h2d_gbps:.3g}/{f.d2h_gbps:.3g} GB/s, CPU "
+        f"AdamW {f.cpu_adamw_ps:.4g} ps/param (x{f.host_slowdown_calibrated:g} in training), disk read/write "
+        f"{f.disk_read_gbps:.3g}/{f.disk_write_gbps:.3g} GB/s",
         "",
         f"{'setup':44s} {'GPU GiB':>8s} {'host GiB':>9s} {'disk GiB':>8s} {'step ms':>9s} {'tok/s/GPU':>9s}  "
         f"{'bound':15s} fits",
