@@ -307,3 +307,11 @@ def test_probe_measures_this_machine(tmp_path):
     assert not list(tmp_path.iterdir())  # the probe file is gone
     with pytest.raises(ValueError, match="is not a directory"):
         probe("h100", str(tmp_path / "missing"), cpu_params=1000)
+
+
+def test_docs_accuracy_table_is_current():
+    """docs/planner.md shows what ``python -m bench.plan_accuracy`` prints for the stored rows."""
+    table = plan_accuracy.markdown(plan_accuracy.collect(DEFAULT_RESULTS))
+    text = (REPO / "docs" / "planner.md").read_text()
+    assert table in text, ("docs/planner.md's accuracy table is out of date: paste the output of "
+                           "`python -m bench.plan_accuracy` into its Accuracy section")
