@@ -358,10 +358,7 @@ def run(rank: int, world: int, local_rank: int, args: argparse.Namespace) -> boo
               flush=True)
 
     losses, rates = train_sharded(model, opt, batches, args, rank, world, device)
-    if rank == 0:
-        plot = write_plot(args.plot, losses, rates, "GPU" if use_cuda else "rank")
-        if plot is not None:
-            print(f"plot of loss and throughput: {plot}", flush=True)
+    plot = write_plot(args.plot, losses, rates, "GPU" if use_cuda else "rank") if rank == 0 else None
 
     ok = True
     if parity:
@@ -372,6 +369,8 @@ def run(rank: int, world: int, local_rank: int, args: argparse.Namespace) -> boo
             ref_losses = train_reference(ref_model, batches, args, world, device)
             ok = compare(losses, ref_losses, state, ref_model, init, args.mixed_precision)
         dist.barrier()
+    if plot is not None:
+        print(f"plot of loss and throughput: {plot}", flush=True)
     return ok
 
 
