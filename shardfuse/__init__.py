@@ -30,6 +30,17 @@ from shardfuse.sharding import (
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    """``shardfuse.plan``: the planner, imported on first use (``import shardfuse`` stays as fast as before). Not in
+    ``__all__`` until docs/api.md documents it (tests/test_docs.py holds every name of ``__all__`` to that)."""
+    if name == "plan":
+        import importlib
+
+        return importlib.import_module("shardfuse.plan")  # a callable module: shardfuse.plan(...) plans
+    raise AttributeError(f"module 'shardfuse' has no attribute {name!r}")
+
+
 __all__ = [
     "CaptureError",
     "CapturedStep",

@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench._progress import Progress
 from bench.offload import disk, gpu_timeline, host_timeline
 from bench.offload.big_impls import (
     CONFIGS,
@@ -438,12 +439,15 @@ def measure_disk(args: argparse.Namespace) -> dict[str, Any] | None:
 def run_all(args: argparse.Namespace, payload: dict[str, Any], hw: dict[str, Any]) -> None:
     rows: list[dict[str, Any]] = payload["results"]
     disk_bw = payload.get("disk")
-    for config, impl in plan(args):
+    todo = plan(args)
+    progress = Progress(len(todo), [estimate_s(c, i, args) if unavailable_reason(i, args.device) is None else 0.0
+                                    for c, i in todo])  # fmt: skip
+    for config, impl in todo:
         job = Job(impl=impl, config=config, steps=args.steps, warmup=args.warmup, lr=args.lr, device=args.device,
                   budget_gib=args.budget_gib if impl.startswith("shardfuse-budget") else None,
                   extra=resident_extra(config, hw) if impl == "resident" else {})  # fmt: skip
         reason = unavailable_reason(impl, args.device)
-        print(f"-- {config} {impl} ...", flush=True)
+        print(progress.line(f"{config} {impl} ..."), flush=True)
         if reason is not None:
             result: dict[str, Any] = {"status": "skipped", "reason": reason}
         else:
