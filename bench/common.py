@@ -95,3 +95,4 @@ def copy_bandwidth_gbps(numel: int = 1 << 28, reps: int = 20) -> float:
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
     return 2 * numel * src.element_size() / (ms * 1e-3) / 1e9
+

@@ -60,7 +60,8 @@ class Result:
     gpu: str  # the folder name under results/, e.g. "h200"
     name: str  # the file stem, e.g. "e2e_2gpu"
     path: Path
-    kind: str  # "kernels", "e2e", "offload", "offload_big", "host_step", "unknown" or "unreadable"
+    kind: str  # "kernels", "e2e", "offload", "offload_big", "offload_attribution", "host_step", "unknown" or
+    # "unreadable"
     data: dict[str, Any] = field(default_factory=dict)
     problem: str | None = None
 
@@ -97,6 +98,8 @@ def detect_kind(name: str, data: Any) -> str:
         return "unknown"
     if data.get("kind") == "offload_big":  # bench.offload.big: a ``results`` list too, but not an e2e file
         return "offload_big"
+    if data.get("kind") == "offload_attribution":  # a profiled offload_big run (bench.report._attribution)
+        return "offload_attribution"
     rows = data.get("rows")
     if data.get("kind") == "host_step" or (name == "host_step" and isinstance(rows, list) and rows
                                            and all(isinstance(r, dict) and "setting" in r for r in rows)):
@@ -131,7 +134,8 @@ def load_file(path: Path, gpu: str | None = None) -> Result:
 
 
 def _result_sort_key(r: Result) -> tuple[int, int, str]:
-    order = {"e2e": 0, "offload": 1, "offload_big": 2, "kernels": 3, "host_step": 4, "unknown": 5, "unreadable": 6}
+    order = {"e2e": 0, "offload": 1, "offload_big": 2, "offload_attribution": 2, "kernels": 3, "host_step": 4,
+             "unknown": 5, "unreadable": 6}
     m = re.search(r"(\d+)gpu", r.name)
     return order.get(r.kind, 6), int(m.group(1)) if m else 0, r.name
 
@@ -395,6 +399,7 @@ class OffloadVariant:
     vs_phase_floor: float | None = None
     floor_h2d_gb: float | None = None
     floor_d2h_gb: float | None = None
+    commit: str | None = None  # set where the variant was carried over from a run at another commit
 
     @classmethod
     def parse(cls, v: dict[str, Any]) -> OffloadVariant:
@@ -404,6 +409,7 @@ class OffloadVariant:
             **{k: num(v.get(k)) for k in floats},
             estimated_traffic=v.get("traffic") == "estimated", error=_text(v.get("error")),
             skipped=_text(v.get("skipped")) if "skipped" in v else None, floor_bound=_text(v.get("floor_bound")),
+            commit=_text(v.get("commit")),
         )  # fmt: skip
 
 

@@ -20,6 +20,11 @@ output). With ``--mesh R,S`` every unit is wrapped with ``device_mesh=`` a 2-D m
 The data are seeded random token ids, cycled through a few distinct global batches so that the loss visibly drops
 (the model memorises them); the objective is next-token prediction; the optimizer AdamW.
 
+Rank 0 prints one line per step: the loss, tokens/s per GPU (per rank on the CPU), the peak memory, the time so
+far and the estimated time left. At the end it writes a plot of the loss and the throughput per step to
+``--plot`` (default ``out/train.png``; ``--plot ''`` for none) when matplotlib is installed (``pip install
+matplotlib``; without it there is no plot and no complaint) and prints its path.
+
 At the end rank 0 replays the same training on the unsharded model, on the same global batches, each rank's
 micro-batch separately with the gradients summed in fp32 and averaged (what sharded data parallelism
 computes), and reports the largest difference of the per-step losses and of the final parameters: PASS or FAIL
@@ -100,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-parity", action="store_true", help="skip the unsharded reference run")
     p.add_argument("--cpu", action="store_true", help="use gloo on the CPU even if GPUs are present")
+    p.add_argument("--plot", default=os.path.join("out", "train.png"),
+                   help="PNG of loss and throughput per step, written at the end if matplotlib is installed "
+                        "(default out/train.png; '' for none)")
     args = p.parse_args(argv)
     if args.world_size is None:
         args.world_size = args.mesh[0] * args.mesh[1] if args.mesh else 2
@@ -233,14 +241,66 @@ def wrap_sharded(model: torch.nn.Module, args: argparse.Namespace, device: torch
     return model
 
 
+def fmt_seconds(s: float) -> str:
+    """``42s``, ``3m05s``, ``1h02m``: short, for a progress line."""
+    s = max(0.0, s)
+    if s < 60:
+        return f"{s:.1f}s" if s < 10 else f"{s:.0f}s"
+    if s < 3600:
+        return f"{int(s // 60)}m{int(s % 60):02d}s"
+    return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
+
+
+def progress_line(step: int, steps: int, loss: float, tok_s: float, unit: str, peak: str, times: list[float]) -> str:
+    """One compact line per step: loss, throughput, peak memory, elapsed and the time left (from the steps after
+    the first, which pays for warm-up, when there are any)."""
+    elapsed = sum(times)
+    recent = times[1:] if len(times) > 1 else times
+    eta = (steps - step) * sum(recent) / len(recent)
+    return (f"step {step:3d}/{steps}  loss {loss:.4f}  {tok_s:10,.0f} tok/s/{unit}  {peak}  "
+            f"elapsed {fmt_seconds(elapsed)}  eta {fmt_seconds(eta)}")
+
+
+def write_plot(path: str, losses: list[float], tok_s: list[float], unit: str) -> str | None:
+    """Loss and throughput per step as a PNG at ``path``; None (nothing written) without matplotlib or path."""
+    if not path:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        return None
+    steps = list(range(1, len(losses) + 1))
+    fig, (ax_loss, ax_tok) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    ax_loss.plot(steps, losses, marker="o")
+    ax_loss.set_ylabel("loss")
+    ax_loss.set_title("examples/train.py")
+    ax_tok.plot(steps, tok_s, marker="o", color="tab:green")
+    ax_tok.set_ylabel(f"tokens/s/{unit}")
+    ax_tok.set_xlabel("step")
+    ax_tok.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def train_sharded(
     model: torch.nn.Module, opt: torch.optim.Optimizer, batches: torch.Tensor, args: argparse.Namespace, rank: int,
     world: int, device: torch.device,
-) -> list[float]:
-    """The sharded training loop on this rank's micro-batches; returns the global batch's loss per step."""
+) -> tuple[list[float], list[float]]:
+    """The sharded training loop on this rank's micro-batches; returns the global batch's loss per step and this
+    rank's tokens/s per step."""
     use_cuda = device.type == "cuda"
-    losses = []
+    losses: list[float] = []
+    rates: list[float] = []
+    times: list[float] = []
     tokens_per_rank = args.batch_size * args.seq_len
+    unit = "GPU" if use_cuda else "rank"
     for step in range(args.steps):
         micro = batches[step % args.num_batches, rank * args.batch_size:(rank + 1) * args.batch_size]
         if use_cuda:
@@ -259,11 +319,16 @@ def train_sharded(
         global_loss = loss.detach().float().clone()
         dist.all_reduce(global_loss)
         losses.append(global_loss.item() / world)
+        rates.append(tokens_per_rank / dt)
+        times.append(dt)
         if rank == 0:
-            print(f"step {step + 1:3d}/{args.steps}  loss {losses[-1]:.4f}  {tokens_per_rank / dt:10,.0f} "
-                  f"tok/s/{'GPU' if use_cuda else 'rank'}  peak {'mem' if use_cuda else 'RSS'} "
-                  f"{peak_memory_gib(device):.2f} GiB", flush=True)
-    return losses
+            peak = f"peak {'mem' if use_cuda else 'RSS'} {peak_memory_gib(device):.2f} GiB"
+            print(progress_line(step + 1, args.steps, losses[-1], rates[-1], unit, peak, times), flush=True)
+    if rank == 0:
+        later = rates[1:] or rates
+        print(f"trained {args.steps} steps in {fmt_seconds(sum(times))}: {sum(later) / len(later):,.0f} tok/s/{unit} "
+              f"on average{' after the first step' if len(rates) > 1 else ''}", flush=True)
+    return losses, rates
 
 
 def run(rank: int, world: int, local_rank: int, args: argparse.Namespace) -> bool:
@@ -292,7 +357,8 @@ def run(rank: int, world: int, local_rank: int, args: argparse.Namespace) -> boo
               f"batch {args.batch_size} x {args.seq_len} per rank, {torch.get_num_threads()} CPU thread(s) per rank",
               flush=True)
 
-    losses = train_sharded(model, opt, batches, args, rank, world, device)
+    losses, rates = train_sharded(model, opt, batches, args, rank, world, device)
+    plot = write_plot(args.plot, losses, rates, "GPU" if use_cuda else "rank") if rank == 0 else None
 
     ok = True
     if parity:
@@ -303,6 +369,8 @@ def run(rank: int, world: int, local_rank: int, args: argparse.Namespace) -> boo
             ref_losses = train_reference(ref_model, batches, args, world, device)
             ok = compare(losses, ref_losses, state, ref_model, init, args.mixed_precision)
         dist.barrier()
+    if plot is not None:
+        print(f"plot of loss and throughput: {plot}", flush=True)
     return ok
 
 

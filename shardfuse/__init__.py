@@ -3,6 +3,8 @@
 The public API; everything else in the package is private. Kernels live in ``shardfuse.kernels``.
 """
 
+from typing import TYPE_CHECKING
+
 from shardfuse import kernels
 from shardfuse._capture import CapturedStep, capture_step
 from shardfuse._graph_guard import CaptureError
@@ -14,6 +16,7 @@ from shardfuse.sharding import (
     OffloadOptimizer,
     ShardingStrategy,
     TrainingState,
+    UnsafeCheckpointError,
     auto_wrap,
     config_auto_wrap_policy,
     default_auto_wrap_policy,
@@ -25,7 +28,27 @@ from shardfuse.sharding import (
     wrap,
 )
 
+if TYPE_CHECKING:
+    from shardfuse.sharding._dcp_load import SafeFileSystemReader, SafeLoadPlanner
+
 __version__ = "0.1.0"
+
+# Names whose modules load heavy parts of torch (``torch.distributed.checkpoint``): imported on first use, so
+# ``import shardfuse`` stays light (tests/test_import_light.py).
+_LAZY = {"SafeFileSystemReader": "shardfuse.sharding._dcp_load", "SafeLoadPlanner": "shardfuse.sharding._dcp_load"}
+
+
+def __getattr__(name: str) -> object:
+    """Names imported on first use: ``shardfuse.plan`` (the planner) and the DCP reader and planner that load
+    ``torch.distributed.checkpoint``."""
+    import importlib
+
+    if name == "plan":
+        return importlib.import_module("shardfuse.plan")  # a callable module: shardfuse.plan(...) plans
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'shardfuse' has no attribute {name!r}")
+
 
 __all__ = [
     "CaptureError",
@@ -35,8 +58,11 @@ __all__ = [
     "OffloadConfig",
     "OffloadModel",
     "OffloadOptimizer",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
     "ShardingStrategy",
     "TrainingState",
+    "UnsafeCheckpointError",
     "auto_wrap",
     "capture_step",
     "checkpoint_wrapper",
@@ -46,6 +72,7 @@ __all__ = [
     "enable_wrap",
     "kernels",
     "no_split_modules_policy",
+    "plan",
     "set_process_hooks",
     "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",

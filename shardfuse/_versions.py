@@ -8,9 +8,10 @@ optimizer kernels (``Adam``/``AdamW``/``SGD``/``Adagrad`` with ``fused=True``) w
 in place without bumping their counters, so without this module their updates would look like no change at all.
 
 :func:`fused_step_post_hook` bumps the counters of what a fused optimizer step wrote (every parameter of its
-``fused=True`` groups and their tensor state); :func:`install` registers it once per process as a global optimizer
-step post-hook (always: it is a correctness fix, not a convenience, so ``set_process_hooks(False)`` leaves it);
-code that calls the fused kernels itself calls :func:`mark_updated`.
+``fused=True`` groups and their tensor state). Where shardfuse builds the optimizer itself it attaches the hook to
+it (:func:`hook_optimizer`); the user's optimizers, built after wrapping, get it from one global post-hook that
+``shardfuse.sharding._process_hooks.require_fused_versions`` installs (the one place for process-wide hooks; it
+skips hooked optimizers). Code that calls the fused kernels itself calls :func:`mark_updated`.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import increment_version
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
-_hook: Any = None
+# Attribute set on an optimizer that carries fused_step_post_hook itself (hook_optimizer): the global hook skips it.
+HOOKED_ATTR = "_shardfuse_counts_fused_writes"
 
 
 def mark_updated(tensors: Iterable[torch.Tensor]) -> None:
@@ -52,28 +53,21 @@ def fused_updates(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return out
 
 
-_COUNTED_ATTR = "_shardfuse_fused_step_counted"  # on an optimizer: this step's fused writes are counted already
-
-
-def count_fused_step(optimizer: torch.optim.Optimizer) -> None:
-    """Count the fused writes of the step ``optimizer`` just took, now: for an optimizer step post-hook of the
-    optimizer's own (those run before the global ones) that reads the version counters. The global hook then leaves
-    this step alone (each write counted once)."""
-    if not optimizer.__dict__.get(_COUNTED_ATTR):
-        mark_updated(fused_updates(optimizer))
-        optimizer.__dict__[_COUNTED_ATTR] = True
-
-
 def fused_step_post_hook(optimizer: torch.optim.Optimizer, args: Any = None, kwargs: Any = None) -> None:
-    """Global optimizer step post-hook: count the in-place writes of a fused step (see the module), unless
-    :func:`count_fused_step` did already."""
-    if not optimizer.__dict__.pop(_COUNTED_ATTR, False):
+    """Optimizer step post-hook: count the in-place writes of a fused step (see the module)."""
+    mark_updated(fused_updates(optimizer))
+
+
+def global_fused_step_post_hook(optimizer: torch.optim.Optimizer, args: Any = None, kwargs: Any = None) -> None:
+    """The process-wide form of :func:`fused_step_post_hook`: optimizers with their own (:func:`hook_optimizer`)
+    are left to it."""
+    if not getattr(optimizer, HOOKED_ATTR, False):
         mark_updated(fused_updates(optimizer))
 
 
-def install() -> None:
-    """Register :func:`fused_step_post_hook` once per process (wrapping a model and building an OffloadModel
-    call this)."""
-    global _hook
-    if _hook is None:
-        _hook = register_optimizer_step_post_hook(fused_step_post_hook)
+def hook_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Attach :func:`fused_step_post_hook` to ``optimizer`` alone (an optimizer shardfuse builds itself), so its
+    fused writes are counted without any process-wide hook."""
+    if not getattr(optimizer, HOOKED_ATTR, False):
+        optimizer.register_step_post_hook(fused_step_post_hook)
+        setattr(optimizer, HOOKED_ATTR, True)

@@ -219,3 +219,136 @@ def test_migration_claims_no_missing_argument_that_exists() -> None:
     wrong = sorted(set(missing) & _api_arguments())
     assert not wrong, f"migration.md says these have no equivalent, api.md documents them: {wrong}"
     assert "use_orig_params" in _api_arguments()  # the check sees the tables
+
+
+# ------------------------------------------------------------------------------------ pages agree with the code
+
+# Written ``shardfuse.<name>`` that are not APIs: the sharded checkpoint's metadata key (docs/api.md's dict table).
+NOT_API = {"shardfuse.meta"}
+# Named in the docs before its branch lands (issue #33's planner): remove once `shardfuse.plan` imports.
+PENDING_API: set[str] = set()
+DOTTED = re.compile(r"(?<![\w/.-])shardfuse(?:\.[A-Za-z_]\w*)+")
+# ``model.<name>`` in inline code: a FullyShardedDataParallel (or OffloadModel) method or attribute, else one of
+# the user's own model that the docs show (a Hugging Face model's, the example decoder's layers).
+MODEL_ATTR = re.compile(r"\bmodel\.([A-Za-z_]\w*)")
+USER_MODEL_ATTRS = {"save_pretrained", "layers", "blocks"}
+INSTANCE_ATTRS = {"module"}  # set in FullyShardedDataParallel.__init__ (not on the class)
+
+
+def _pages() -> list[Path]:
+    return [REPO / "README.md", *doc_files()]
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether ``shardfuse.a.b.c`` names a module or an attribute reachable from one."""
+    import importlib
+
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+def test_pages_name_only_existing_api() -> None:
+    """Every ``shardfuse.X`` a page names exists, and every ``model.method`` in its inline code is a method or
+    attribute of the wrapper (or of nn.Module)."""
+    from torch import nn
+
+    import shardfuse
+
+    known = set(dir(shardfuse.FullyShardedDataParallel)) | set(dir(shardfuse.OffloadModel)) | set(dir(nn.Module))
+    missing = []
+    for page in _pages():
+        text = page.read_text()
+        for dotted in sorted(set(DOTTED.findall(text)) - NOT_API - PENDING_API):
+            if not _resolves(dotted):
+                missing.append(f"{page.name}: {dotted}")
+        for code in re.findall(r"`([^`\n]+)`", text):
+            for name in MODEL_ATTR.findall(code):
+                if name not in known | USER_MODEL_ATTRS | INSTANCE_ATTRS:
+                    missing.append(f"{page.name}: model.{name} (in `{code}`)")
+    assert not missing, f"pages name APIs that do not exist (rename them, or fix the page): {missing}"
+
+
+# Features that exist, how pages name them, and the phrases that would deny them. A page's sentence or table row
+# naming a feature with such a phrase within ``_NEAR`` characters contradicts the code.
+DENIALS = ("not supported", "no equivalent", "not covered", "not offered", "unsupported", "not available",
+           "not implemented")  # fmt: skip
+FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "the SSD tier (OffloadConfig)": (r"nvme|ssd[ _-]?offload|ssd tier|zero-infinity", DENIALS),
+    "hybrid sharding (2-D mesh, HYBRID_SHARD)": (r"hybrid|hsdp|2-d (?:device )?mesh|\(2, 8\)", DENIALS),
+    "OffloadOptimizer (overlapped CPU offload)": (r"offloadoptimizer|cpu offload|zero-offload", DENIALS),
+    "sharded checkpoints through DCP": (r"torch\.distributed\.checkpoint\b|\bdcp\b", DENIALS),
+    "capture_step (CUDA graphs)": (r"capture_step|cuda graph", DENIALS),
+    "torch.compile": (r"torch\.compile\b", DENIALS),
+    "torch.nn.utils.clip_grad_norm_ raises under step_in_backward": (
+        r"torch\.nn\.utils\.clip_grad_norm_", ("not refused", "is allowed", "silently")),
+}
+_NEAR = 100
+
+
+def _statements(text: str) -> list[str]:
+    """Table rows and prose sentences (code blocks left out)."""
+    text = FENCE.sub("", text)
+    out = []
+    for para in re.split(r"\n\s*\n", text):
+        if para.lstrip().startswith("|"):
+            out += [line for line in para.splitlines() if line.strip()]
+        else:
+            out += re.split(r"(?<=[.:;])\s+(?=[A-Z`*(\[])", " ".join(para.split()))
+    return out
+
+
+def denied_features(text: str) -> list[str]:
+    found = []
+    for statement in _statements(text):
+        low = statement.lower()
+        for feature, (pattern, phrases) in FEATURES.items():
+            names = [m.start() for m in re.finditer(pattern, low)]
+            denials = [low.find(p) for p in phrases if p in low]
+            if any(abs(n - d) <= _NEAR for n in names for d in denials if d >= 0):
+                found.append(f"{feature}: {statement.strip()[:200]}")
+    return found
+
+
+def test_pages_do_not_deny_existing_features() -> None:
+    wrong = [f"{page.name}: {hit}" for page in _pages() for hit in denied_features(page.read_text())]
+    assert not wrong, "pages call an existing feature unsupported or missing (fix the page):\n" + "\n".join(wrong)
+
+
+def test_denial_check_catches_the_old_contradictions() -> None:
+    """The check itself: the sentences these pages used to say are caught, their corrections are not."""
+    old = [
+        "| tensor/pipeline parallelism, NVMe offload, DTensor-based composition | not covered by shardfuse |",
+        "| `device: nvme` (ZeRO-Infinity) | not supported |",
+        "| `mesh=` a 1-D device mesh | `process_group=` the group; 2-D (HSDP) meshes have no equivalent |",
+        "Clipping needs every gradient, and `torch.nn.utils.clip_grad_norm_` would come too late (it is not "
+        "refused: do not call it).",
+    ]
+    assert [len(denied_features(s)) for s in old] == [1, 1, 1, 1], [denied_features(s) for s in old]
+    fixed = [
+        "| tensor/pipeline parallelism, DTensor-based composition (FSDP2 with TP) | not covered by shardfuse |",
+        "| `device: nvme` (ZeRO-Infinity) | the SSD tier: `OffloadConfig(offload_type=\"ssd_offload\")` |",
+    ]
+    assert [denied_features(s) for s in fixed] == [[], []]
+    assert _resolves("shardfuse.kernels.cast_shard") and not _resolves("shardfuse.kernels.cast_shardz")
+
+
+def test_readme_stays_short_and_its_snippets_parse() -> None:
+    """README is the first page a user reads: under 150 lines (the full results are on the benchmarks page), a
+    "Choose your setup" section, and Python snippets that are valid Python (their names are checked above)."""
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) < 150, f"README.md has {len(text.splitlines())} lines: move detail to docs/"
+    assert re.search(r"^## Choose your setup$", text, re.MULTILINE), "README.md lost its 'Choose your setup'"
+    blocks = [code for _, info, code in code_blocks(REPO / "README.md") if info == "python"]
+    assert len(blocks) >= 6, len(blocks)
+    for code in blocks:
+        ast.parse(code)

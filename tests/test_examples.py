@@ -8,8 +8,10 @@ kernel tests and would make these runs slow).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -138,14 +140,29 @@ def test_bad_config_and_input_errors():
 # ------------------------------------------------------------------------------------------------ the scripts
 
 
-def test_train_script_runs_and_passes_parity():
+def test_train_script_runs_and_passes_parity(tmp_path):
+    plot = tmp_path / "plots" / "train.png"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "train.py"), "--steps", "4"],
+        [sys.executable, str(REPO / "examples" / "train.py"), "--steps", "4", "--plot", str(plot)],
         cwd=REPO, env=_script_env(), capture_output=True, text=True, timeout=120,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "step   4/4" in proc.stdout, out[-4000:]
+    # One progress line per step (loss, throughput, peak, elapsed, time left), then the run's summary.
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("step ")]
+    assert len(lines) == 4, out[-4000:]
+    pattern = re.compile(r"^step +(\d+)/4  loss \d+\.\d{4} +[\d,]+ tok/s/rank  peak RSS [\d.]+ GiB  "
+                         r"elapsed [\d.ms]+  eta [\d.ms]+$")
+    assert [int(pattern.match(ln).group(1)) for ln in lines] == [1, 2, 3, 4], lines
+    assert lines[-1].endswith("eta 0.0s"), lines[-1]
+    assert re.search(r"^trained 4 steps in [\d.ms]+: [\d,]+ tok/s/rank on average after the first step$",
+                     proc.stdout, re.MULTILINE), out[-4000:]
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert proc.stdout.rstrip().endswith(f"plot of loss and throughput: {plot}"), out[-4000:]  # the last line
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert not plot.exists() and "plot" not in proc.stdout
     threads = max(1, len(os.sched_getaffinity(0)) // 2)  # 2 ranks share the cores, as under torchrun
     assert f", {threads} CPU thread(s) per rank" in proc.stdout, out[-4000:]
     assert "parity vs unsharded (fp32)" in proc.stdout and "\nPASS" in proc.stdout, out[-4000:]
@@ -229,3 +246,28 @@ def test_mesh_argument():
     check_mesh((2, 2), 4)
     with pytest.raises(SystemExit, match="--mesh 2,3 needs R \\* S = 6 processes, but the world size is 4"):
         check_mesh((2, 3), 4)
+
+
+def test_progress_line_and_time_left():
+    from examples.train import fmt_seconds, progress_line
+
+    assert [fmt_seconds(s) for s in (0.04, 9.96, 42.4, 185.0, 3725.0, -1.0)] == [
+        "0.0s", "10.0s", "42s", "3m05s", "1h02m", "0.0s"]
+    # The first step (warm-up) is left out of the estimate once there are others: 7 steps left x 2 s.
+    line = progress_line(3, 10, 2.5, 12345.6, "GPU", "peak mem 1.00 GiB", [30.0, 2.0, 2.0])
+    assert line == ("step   3/10  loss 2.5000      12,346 tok/s/GPU  peak mem 1.00 GiB  elapsed 34s  eta 14s")
+    assert progress_line(1, 4, 1.0, 1.0, "rank", "p", [3.0]).endswith("eta 9.0s")
+
+
+def test_plot_is_written_or_skipped_quietly(tmp_path, monkeypatch):
+    from examples.train import write_plot
+
+    assert write_plot("", [1.0, 0.5], [10.0, 12.0], "rank") is None
+    path = tmp_path / "sub" / "train.png"
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert write_plot(str(path), [3.0, 2.0, 1.5], [10.0, 12.0, 11.0], "rank") == str(path)
+        assert path.read_bytes()[:4] == b"\x89PNG"
+        path.unlink()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: the import raises ImportError
+    assert write_plot(str(path), [3.0, 2.0], [10.0, 12.0], "rank") is None
+    assert not path.exists()

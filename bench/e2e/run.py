@@ -85,6 +85,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 # The models (_model_specs) and the wrappers (_wrappers) have their own modules; their names stay importable here.
+from bench._progress import Progress  # noqa: E402
 from bench.common import free_port, write_result  # noqa: E402
 from bench.e2e._model_specs import (  # noqa: E402
     DECODER_CONFIGS,
@@ -484,10 +485,12 @@ def main(argv: list[str] | None = None) -> None:
             rows.extend({"impl": impl, "regime": regime, "skipped": reason} for regime in regimes)
             if rank == 0:
                 print(f"-- {impl}: skipped ({reason})", flush=True)
+    runs = [(r, i) for r in regimes for i in impls if unavailable[i] is None]
+    progress = Progress(args.rounds * len(runs))
     for rnd in range(args.rounds):
-        for regime, impl in ((r, i) for r in regimes for i in impls if unavailable[i] is None):
+        for regime, impl in runs:
             if rank == 0:
-                print(f"-- round {rnd} {impl} {regime} ...", flush=True)
+                print(progress.line(f"round {rnd} {impl} {regime} ..."), flush=True)
             row = run_one(impl, regime, spec, args, device, rank, world, host_group)
             row["round"] = rnd
             rows.append(row)

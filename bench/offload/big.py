@@ -45,7 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.offload import disk, host_timeline
+from bench._progress import Progress
+from bench.offload import disk, gpu_timeline, host_timeline
 from bench.offload.big_impls import (
     CONFIGS,
     DEFAULT_CONFIGS,
@@ -334,6 +335,11 @@ def print_row(r: dict[str, Any]) -> None:
                   f"threads, callers waited {r['host_wait_ms']:.0f} ms/step for it", flush=True)
         if r.get("host_timeline"):
             print("\n".join(host_timeline.table(r["host_timeline"])), flush=True)
+        if r.get("gpu_timeline"):
+            print(gpu_timeline.table(r["gpu_timeline"]), flush=True)
+        if r.get("profiled_host_timeline"):
+            print("   (profiled step, host side)\n" + "\n".join(host_timeline.table(r["profiled_host_timeline"])),
+                  flush=True)
         if r.get("disk_floor_ms"):
             print(f"   SSD tier: read {r.get('ssd_read_gb_per_step') or 0:.1f} GB and wrote "
                   f"{r.get('ssd_written_gb_per_step') or 0:.1f} GB per step; disk floor {r['disk_floor_ms']:.0f} ms, "
@@ -433,12 +439,15 @@ def measure_disk(args: argparse.Namespace) -> dict[str, Any] | None:
 def run_all(args: argparse.Namespace, payload: dict[str, Any], hw: dict[str, Any]) -> None:
     rows: list[dict[str, Any]] = payload["results"]
     disk_bw = payload.get("disk")
-    for config, impl in plan(args):
+    todo = plan(args)
+    progress = Progress(len(todo), [estimate_s(c, i, args) if unavailable_reason(i, args.device) is None else 0.0
+                                    for c, i in todo])  # fmt: skip
+    for config, impl in todo:
         job = Job(impl=impl, config=config, steps=args.steps, warmup=args.warmup, lr=args.lr, device=args.device,
                   budget_gib=args.budget_gib if impl.startswith("shardfuse-budget") else None,
                   extra=resident_extra(config, hw) if impl == "resident" else {})  # fmt: skip
         reason = unavailable_reason(impl, args.device)
-        print(f"-- {config} {impl} ...", flush=True)
+        print(progress.line(f"{config} {impl} ..."), flush=True)
         if reason is not None:
             result: dict[str, Any] = {"status": "skipped", "reason": reason}
         else:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from bench.offload import host_timeline
+from bench.offload import gpu_timeline, host_timeline
 from bench.offload.big_impls import Job, ResidentTrainer, Skip, Trainer, build_model, make_batches, make_trainer
 
 GIB = 2**30
@@ -218,6 +218,31 @@ def timed_steps(trainer: Trainer, job: Job, device: torch.device, split: bool) -
     if split:
         out["fwd_bwd_ms"] = statistics.median(fwd_bwd)
         out["fwd_bwd_ms_list"] = fwd_bwd
+    if os.environ.get("BIG_PROFILE") and device.type == "cuda":
+        out.update(profiled_step(trainer, job, device, data, job.warmup + job.steps))
+    return out
+
+
+def profiled_step(trainer: Trainer, job: Job, device: torch.device, data: list[torch.Tensor], i: int) -> dict:
+    """One more optimizer step (after the timed ones) under the profiler, to the end of its host updates: the GPU
+    engines' busy times (``bench.offload.gpu_timeline``) and, for shardfuse, the host timeline of the same window."""
+    accum, tracer = job.cfg.accum, getattr(trainer.opt, "trace_host", None)
+    sync(device)
+    trace = tracer() if tracer is not None else None
+    with gpu_timeline.profiled_step(True, f"{job.config}_{job.impl}") as attribution:
+        t0 = time.perf_counter()
+        for m in range(accum):
+            trainer.micro(data[(i * accum + m) % len(data)], last=m == accum - 1)
+        trainer.finish()
+        sync(device)
+        t1 = time.perf_counter()
+        if hasattr(trainer.opt, "synchronize"):
+            trainer.opt.synchronize()
+        t2 = time.perf_counter()
+    out: dict[str, Any] = {"profiled_step_ms": 1e3 * (t1 - t0), "gpu_timeline": attribution()}
+    if trace is not None and tracer is not None:
+        out["profiled_host_timeline"] = host_timeline.summarize(trace.events, t0, t2, t1)
+        tracer(False)
     return out
 
 
@@ -239,7 +264,8 @@ def measure_impl(job: Job) -> dict[str, Any]:
         trainer = setup(job, device)
     except Skip as exc:
         return {"status": "skipped", "reason": str(exc)}
-    out: dict[str, Any] = {"status": "ok", "setup_s": time.perf_counter() - t0, **trainer.info}
+    out: dict[str, Any] = {"status": "ok", "setup_s": time.perf_counter() - t0, **trainer.info,
+                           "switch_interval_s": sys.getswitchinterval()}
     if device.type == "cuda":
         out["gpu_peak_setup_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         torch.cuda.reset_peak_memory_stats(device)
@@ -268,6 +294,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--result", required=True, help="where to write the result JSON")
     args = ap.parse_args(argv)
     job = Job(**json.loads(args.job))
+    if os.environ.get("BIG_SWITCH_INTERVAL"):  # a diagnostic: how long a thread waits for the GIL at most
+        sys.setswitchinterval(float(os.environ["BIG_SWITCH_INTERVAL"]))
     try:
         result = measure_floor(job) if job.impl == "floor" else measure_impl(job)
     except torch.cuda.OutOfMemoryError as exc:

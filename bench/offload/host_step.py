@@ -28,14 +28,20 @@ import torch
 
 from bench.common import env_info
 from shardfuse.sharding import _host_fused
+from shardfuse.sharding._host_shard import host_buffer
 
 
-def _shards(params: float, shards: int) -> list[tuple[torch.Tensor, torch.optim.Optimizer, torch.Tensor]]:
+def _shards(params: float, shards: int, pinned: bool = False) -> list[tuple[torch.Tensor, torch.optim.Optimizer,
+                                                                            torch.Tensor]]:
+    """``pinned``: the parameters and gradients page-locked as OffloadOptimizer keeps them (the shard through
+    ``pin_memory()``, the gradient buffer registered with the driver); the optimizer state stays pageable."""
     per = int(params * 1e9 / shards) // _host_fused.ALIGN * _host_fused.ALIGN
     out = []
     for _ in range(shards):
         p = torch.empty(per).normal_(0, 0.02)
-        p.grad = torch.empty(per).normal_(0, 1e-3)
+        if pinned:
+            p = p.pin_memory()
+        p.grad = host_buffer(per, torch.float32, pinned).normal_(0, 1e-3)
         opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.1, fused=True)
         opt.step()  # the state exists, as after an offloaded run's first step
         out.append((p, opt, torch.empty(per, dtype=torch.bfloat16)))
@@ -156,14 +162,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "host_step.json"))
     ap.add_argument("--dma", action="store_true", help="also run every variant under pinned host<->device copies "
                     "(needs a GPU)")
+    ap.add_argument("--pinned", action="store_true", help="parameters and gradients page-locked, as OffloadOptimizer "
+                    "keeps them (needs a GPU)")
     args = ap.parse_args(argv)
+    if args.pinned and not torch.cuda.is_available():
+        raise SystemExit("--pinned page-locks host memory through CUDA: it needs a CUDA device, none is visible")
     if args.dma and not torch.cuda.is_available():
         raise SystemExit("--dma runs host<->device copies beside the update: it needs a CUDA device, none is visible")
     load = _CopyLoad() if args.dma else None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     counts = [int(t) for t in args.threads.split(",") if t] or [max(1, cores - 1)]
     torch.set_num_threads(counts[0])
-    shards = _shards(args.params, args.shards)
+    shards = _shards(args.params, args.shards, args.pinned)
     n = sum(p.numel() for p, _, _ in shards)
     chunks = [int(c) for c in args.chunks.split(",") if c]
     variants: list[Variant] = []
@@ -172,10 +182,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             variants += [("separate", clip, copy, None, t, dma) for t in counts]
             variants += [(f"chunk={c}", clip, copy, c, counts[0], dma) for c in chunks]
     times = _measure(shards, variants, args.rounds, load)
-    print(f"host step: {n / 1e9:.2f}B fp32 params in {len(shards)} shards, {cores} cores, torch {torch.__version__}")
+    print(f"host step: {n / 1e9:.2f}B fp32 params in {len(shards)} shards ({'pinned' if args.pinned else 'pageable'}), "
+          f"{cores} cores, torch {torch.__version__}")
     rows = _report(times, n)
     result = {"kind": "host_step", "env": env_info(), "params": n, "threads": counts, "cores": cores,
-              "torch": torch.__version__, "rows": rows}
+              "torch": torch.__version__, "rows": rows, "pinned": args.pinned}
     if load is not None:
         print(f"copies beside the update: {load.gbps():.1f} GB/s (host->device + device->host, 1 GiB pinned each)")
         result["copies_gbps"] = load.gbps()

@@ -2,8 +2,8 @@
 
     python -m bench.report                            # docs/benchmarks.md + docs/img/*.png from bench/results
     python -m bench.report --results DIR --out FILE --img-dir DIR      # other places (e.g. a scratch copy)
-    python -m bench.report --summary                  # print only the short README table
-    python -m bench.report --readme README.md         # also rewrite the README's results table
+    python -m bench.report --summary                  # print only the README's headline table
+    python -m bench.report --readme README.md         # also rewrite the README's headline table
     python -m bench.report --compare NEW.json         # regression check of an e2e/offload file, see bench.regress
 
 Run from the repository root (``python -m`` puts it on ``sys.path``).
@@ -14,11 +14,15 @@ GPU architecture: ``bench/results/<gpu>/kernels.json`` (``bench.kernels.run``),
 its other models, named in their rows and sections from the file's ``config.model_kind`` and ``config.model``,
 see ``e2e_model``) and ``bench/results/<gpu>/offload.json`` (``bench.offload.run``), read through
 ``bench.results_io``. Every file carries an ``"env"`` entry (GPU, versions, date, commit) that is printed above
-each table. Missing files and keys are tolerated; with no results at all the page says so.
+each table. Missing files and keys are tolerated; with no results at all the page says so. ``NOTES.md`` beside
+the GPU folders (optional) holds what the files cannot say about where their rows come from; the page shows it
+under its summary.
 
-The README table goes between the lines ``<!-- results:start -->`` and ``<!-- results:end -->``; a README
-that has neither marker but a line that is exactly ``RESULTS_TABLE`` gets that line replaced by the
-markers and the table, so the next run finds the markers.
+The page opens with the full summary table (every file and regime, ``_readme``) and the provenance of its rows;
+the README gets the short headline table (``_headline``: at most ten chosen rows, each with its GPUs, tokens per
+GPU, commit and speedup over the best peer of the same job) between the lines ``<!-- results:start -->`` and
+``<!-- results:end -->``; a README that has neither marker but a line that is exactly ``RESULTS_TABLE`` gets that
+line replaced by the markers and the table, so the next run finds the markers.
 
 Plots need matplotlib (``pip install -e .[plot]``); without it the page is written without them and says
 so. Only the standard library is needed otherwise (no torch import), so the report runs anywhere.
@@ -28,7 +32,8 @@ runs of the runners, not measurements) are left out of the page and the table.
 
 The package, by section: ``_common`` (names, orders, markdown), ``_models`` (what an e2e file trained),
 ``_plots``, ``_e2e`` / ``_e2e_common`` / ``_rounds`` (end-to-end files), ``_kernels``, ``_offload``, ``_readme``
-(the short table and the README's markers) and ``_page`` (the whole page); every file is read through the typed
+(the full summary table and the README's markers), ``_headline`` (the README's table) and ``_page`` (the whole
+page); every file is read through the typed
 records of ``bench.results_io``.
 """
 
@@ -38,8 +43,9 @@ import argparse
 from pathlib import Path
 
 from bench.report._common import REGIME_LABEL, REGIME_ORDER, anchor, ordered, rel
+from bench.report._headline import HEADLINES, headline_rows, headline_table
 from bench.report._models import E2EModel, e2e_model
-from bench.report._page import render
+from bench.report._page import NOTES_FILE, render
 from bench.report._plots import Plotter
 from bench.report._readme import END_MARK, PLACEHOLDER, START_MARK, summary_table, update_readme
 from bench.report._scale import load_scale
@@ -53,6 +59,7 @@ __all__ = [
     "DEFAULT_IMG",
     "DEFAULT_OUT",
     "END_MARK",
+    "HEADLINES",
     "PLACEHOLDER",
     "REGIME_LABEL",
     "REGIME_ORDER",
@@ -61,6 +68,8 @@ __all__ = [
     "Plotter",
     "e2e_model",
     "gpu_results",
+    "headline_rows",
+    "headline_table",
     "main",
     "parse_args",
     "render",
@@ -108,11 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     results = gpu_results(loaded)
     skipped = sum(len(v) for v in loaded.values()) - sum(len(v) for v in results.values())
     if args.summary:
-        print("\n".join(summary_table(results)))
+        print("\n".join(headline_table(results)))
         return 0
     img_dir = args.img_dir if args.img_dir is not None else args.out.parent / "img"
     plots = Plotter(img_dir, enabled=not args.no_plots)
-    text = render(results, args.out, plots, load_scale(args.results))
+    notes = args.results / NOTES_FILE
+    text = render(results, args.out, plots, load_scale(args.results), notes.read_text() if notes.is_file() else None)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text if text.endswith("\n") else text + "\n")
     n_files = sum(len(v) for v in results.values())
@@ -122,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if not plots.available and results:
         print(f"plots skipped: {plots.reason}")
     readme_link = rel(args.out, args.readme.parent) if args.readme is not None else "docs/benchmarks.md"
-    table_lines = summary_table(results, readme_link)
+    table_lines = headline_table(results, readme_link)
     if args.readme is not None:
         args.readme.write_text(update_readme(args.readme.read_text(), table_lines))
         print(f"updated the results table of {args.readme}")

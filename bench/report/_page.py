@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bench.report._attribution import attribution_section
 from bench.report._common import anchor, gpu_label
 from bench.report._e2e import e2e_section
 from bench.report._host_step import host_step_section
@@ -140,6 +141,9 @@ COMMIT > .before/COMMIT`, carry `.before/` and run `SHARDFUSE_COMMIT=<this commi
 """
 
 
+NOTES_HEADING = "### Where these rows come from"
+NOTES_FILE = "NOTES.md"  # beside the <gpu>/ folders: what the files cannot say (calls joined, changes since)
+
 HEADER = [
     "# Benchmark results",
     "",
@@ -175,6 +179,9 @@ def gpu_section(gpu: str, rs: list[Result], plots: Plotter, out_dir: Path) -> li
             lines += offload_big_section(r)
         elif r.kind == "host_step":
             lines += host_step_section(r)
+        elif r.kind == "offload_attribution":
+            note = r.path.with_suffix(".md")
+            lines += attribution_section(r, note.read_text(encoding="utf-8") if note.exists() else None)
         else:
             others += other_section(r)
     if others:
@@ -183,8 +190,9 @@ def gpu_section(gpu: str, rs: list[Result], plots: Plotter, out_dir: Path) -> li
 
 
 def render(results: dict[str, list[Result]], out_path: Path, plots: Plotter,
-           scale: dict[str, Any] | None = None) -> str:
-    """The whole ``benchmarks.md`` text (``scale``: the scale model's file, when there is one)."""
+           scale: dict[str, Any] | None = None, notes: str | None = None) -> str:
+    """The whole ``benchmarks.md`` text (``scale``: the scale model's file, when there is one; ``notes``: the
+    provenance of the stored rows, ``NOTES.md`` beside the result folders, shown under the summary)."""
     lines = list(HEADER)
     if not results:
         return "\n".join([*lines, *NO_RESULTS, HOW_MEASURED, REGRESSION_NOTE])
@@ -196,6 +204,8 @@ def render(results: dict[str, list[Result]], out_path: Path, plots: Plotter,
     if not plots.available:
         lines += [f"_Plots were skipped: {plots.reason}._", ""]
     lines += ["## Summary", ""] + summary_table(results, link=None) + [""]
+    if notes and notes.strip():
+        lines += [NOTES_HEADING, "", notes.strip(), ""]
     for gpu, rs in results.items():
         lines += gpu_section(gpu, rs, plots, out_path.parent)
     if scale is not None:

@@ -18,13 +18,13 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_map
 
-from shardfuse import _versions
 from shardfuse._graph_guard import refuse_in_capture
 from shardfuse._profiling import profiled
 from shardfuse.offload._engine import Engine, GradBuffers, Loaded, Phase, Stashed, Step, make_optimizers
 from shardfuse.offload._function import BlockCall, apply_block
 from shardfuse.offload._microbatch import Packed
 from shardfuse.offload._slices import Slice, partition
+from shardfuse.sharding import _process_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -330,7 +330,7 @@ class OffloadModel(nn.Module):
             for s in self._slices:
                 s.make_shadow(lp_dtype, pin)
         self._optimizers = make_optimizers(self._slices, optimizer_in_backward) if optimizer_in_backward else None
-        _versions.install()  # a fused optimizer's updates must change the slices' stamps
+        _process_hooks.require_fused_versions()  # a fused optimizer's updates must change the slices' stamps
         self._engine = Engine(self._slices, device, lp_dtype or master_dtype, master_dtype, self._optimizers)
         logger.info(
             "OffloadModel: %d layers in %d slices %s, device=%s, checkpoint=%s, microbatches=%d, compute=%s",

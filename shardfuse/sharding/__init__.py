@@ -1,5 +1,8 @@
 """The sharding layer: ``FullyShardedDataParallel`` on flat shards, side streams and shardfuse kernels."""
 
+from typing import TYPE_CHECKING
+
+from shardfuse.sharding._dcp_layout import UnsafeCheckpointError
 from shardfuse.sharding._fully_sharded import FullyShardedDataParallel
 from shardfuse.sharding._hybrid import ShardingStrategy
 from shardfuse.sharding._offload_optim import OffloadOptimizer
@@ -18,13 +21,29 @@ from shardfuse.sharding._wrap import (
     wrap,
 )
 
+if TYPE_CHECKING:
+    from shardfuse.sharding._dcp_load import SafeFileSystemReader, SafeLoadPlanner
+
+
+def __getattr__(name: str) -> object:
+    """The DCP reader and planner, imported on first use (their module loads ``torch.distributed.checkpoint``)."""
+    if name in ("SafeFileSystemReader", "SafeLoadPlanner"):
+        from shardfuse.sharding import _dcp_load
+
+        return getattr(_dcp_load, name)
+    raise AttributeError(f"module 'shardfuse.sharding' has no attribute {name!r}")
+
+
 __all__ = [
     "FullyShardedDataParallel",
     "ModuleClassWrapPolicy",
     "OffloadConfig",
     "OffloadOptimizer",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
     "ShardingStrategy",
     "TrainingState",
+    "UnsafeCheckpointError",
     "auto_wrap",
     "config_auto_wrap_policy",
     "default_auto_wrap_policy",

@@ -41,9 +41,7 @@ state-dict API (``_dcp_guard``), ``_dcp_optim`` the optimizer's part.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Mapping
-from types import FrameType
 from typing import Any
 
 import torch
@@ -70,64 +68,21 @@ from shardfuse.sharding._dcp_layout import (
 from shardfuse.sharding._dcp_optim import load_optim, save_optim
 from shardfuse.sharding._tree import Entry, buffer_value, entry_buffer, units_below
 
-_DCP_LOADER = "torch.distributed.checkpoint.state_dict_loader"
-
 
 class _MetaEntry(str):
     """The ``shardfuse.meta`` entry of a dict :func:`sharded_state_dict` made: the JSON string, which DCP also
-    treats as a ``Stateful`` (it has ``state_dict`` / ``load_state_dict``). ``dcp.save`` writes the string.
-    ``dcp.load`` calls ``state_dict()`` before it plans the reads, which is when a checkpoint saved from another
-    wrapping is told apart (:func:`_check_checkpoint_wrapping`) before torch's bare size mismatch; it hands the
-    checkpoint's string to ``load_state_dict()`` after reading (``loaded``) and leaves this object in the dict."""
+    treats as a ``Stateful`` (it has ``state_dict`` / ``load_state_dict``). ``dcp.save`` writes the string;
+    ``dcp.load`` hands the checkpoint's string to ``load_state_dict()`` after reading (``loaded``) and leaves this
+    object in the dict. A checkpoint of another wrapping is told apart inside ``dcp.load`` by ``SafeLoadPlanner``
+    (``_dcp_load``), which reads this string and the checkpoint's metadata before planning the reads."""
 
-    flats: dict[str, tuple[int, list[str]]]  # this model's checkpoint keys -> (numel, original names)
     loaded: str | None
 
     def state_dict(self) -> str:
-        _check_checkpoint_wrapping(self.flats)
         return str(self)
 
     def load_state_dict(self, value: Any) -> None:
         self.loaded = value if isinstance(value, str) else None
-
-
-def _checkpoint_metadata() -> Any:
-    """The metadata of the checkpoint that the ``dcp.load`` on the call stack reads, or None outside one (a
-    save) or when it cannot be read here (DCP then reports that itself)."""
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None and not (frame.f_code.co_name == "load" and frame.f_globals.get("__name__") == _DCP_LOADER):
-        frame = frame.f_back
-    reader = frame.f_locals.get("storage_reader") if frame is not None else None
-    if reader is None or not callable(getattr(reader, "read_metadata", None)):
-        return None
-    try:
-        return reader.read_metadata()
-    except OSError:  # no metadata file: torch's own read fails next, with its message
-        return None
-
-
-def _check_checkpoint_wrapping(flats: dict[str, tuple[int, list[str]]]) -> None:
-    """Inside ``dcp.load``: the checkpoint's flat parameters must be this model's, with the same sizes; otherwise
-    the wrapping differs, which is said here with the sizes and names (torch would only say "Size mismatch" or
-    "Missing key")."""
-    metadata = _checkpoint_metadata()
-    saved = getattr(metadata, "state_dict_metadata", None)
-    if not isinstance(saved, Mapping):
-        return
-    saved_flats = {k: tuple(getattr(md, "size", ())) for k, md in saved.items()
-                   if k.startswith(MODEL) and k.rsplit(".", 1)[-1].startswith("flat_param_")}
-    sizes = [f"{k}: {saved_flats[k][0] if saved_flats[k] else '?'} elements in the checkpoint, {numel} here "
-             f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
-             for k, (numel, names) in flats.items() if k in saved_flats and saved_flats[k] != (numel,)]
-    only_here = [k for k in flats if k not in saved_flats]
-    only_saved = [k for k in saved_flats if k not in flats]
-    if sizes or only_here:
-        raise ValueError(
-            f"dcp.load of sharded_state_dict(): the checkpoint was saved from another wrapping of the model: flat "
-            f"parameters of other sizes {sizes[:4]}, only in this model {only_here[:4]}, only in the checkpoint "
-            f"{only_saved[:4]}: wrap the model the same way as when it was saved (the same modules in the same "
-            f"FullyShardedDataParallel units, the same dtypes and requires_grad); only the world size may change"
-        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -160,7 +115,6 @@ def sharded_state_dict(root: nn.Module, optim: torch.optim.Optimizer | None) -> 
     if optim is not None:
         meta["optim"] = save_optim(sd, unit, flats, optim, action)
     entry = _MetaEntry(json.dumps(meta, sort_keys=True))
-    entry.flats = {MODEL + f.key: (f.handle.numel, f.names) for f in flats}
     entry.loaded = None
     sd[META_KEY] = entry
     return sd
@@ -234,8 +188,10 @@ def _check_layout(meta: dict[str, Any], flats: list[FlatEntry], entries: list[En
 
 
 @torch.no_grad()
-def load_sharded_state_dict(root: nn.Module, state: Mapping[str, Any], optim: torch.optim.Optimizer | None) -> None:
-    """See ``FullyShardedDataParallel.load_sharded_state_dict`` and the module docstring."""
+def load_sharded_state_dict(root: nn.Module, state: Mapping[str, Any], optim: torch.optim.Optimizer | None,
+                            trust_checkpoint: bool = False) -> None:
+    """See ``FullyShardedDataParallel.load_sharded_state_dict`` and the module docstring. Packed entries load as
+    plain data only (no code runs); objects only full pickle rebuilds need ``trust_checkpoint``."""
     action = "load_sharded_state_dict()"
     unit = root_unit(root, action)
     meta = _read_meta(state, action)
@@ -256,14 +212,14 @@ def load_sharded_state_dict(root: nn.Module, state: Mapping[str, Any], optim: to
                     f"the dict this model's sharded_state_dict() made"
                 )
         else:
-            v = unpack(v, key)
+            v = unpack(v, key, trust_checkpoint)
         values.append(v)
     if optim is None and OPTIM_GROUPS in state:
         raise ValueError(
             f"{action}: the dict holds optimizer state (it was made by sharded_state_dict(optim)): pass the "
             f"optimizer too, load_sharded_state_dict(state, optim), or make the dict without it"
         )
-    osd = load_optim(state, meta, flats, optim, action) if optim is not None else None
+    osd = load_optim(state, meta, flats, optim, action, trust_checkpoint) if optim is not None else None
     # Every check passed: write. dcp.load wrote into this model's own shards and buffers already when the dict
     # came from its sharded_state_dict(); a copy is needed only for a dict made elsewhere (another model).
     for f, piece in zip(flats, pieces):

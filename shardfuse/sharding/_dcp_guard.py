@@ -20,9 +20,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from shardfuse.sharding._dcp_layout import RECIPE, FlatEntry, as_dtensor, check_dtensor, flat_entries, padded_shard
+from shardfuse.sharding._dcp_layout import (
+    RECIPE,
+    FlatEntry,
+    as_dtensor,
+    check_dtensor,
+    flat_entries,
+    is_dtensor,
+    padded_shard,
+)
 from shardfuse.sharding._flat_param import SHARD_MARK_KEY
 from shardfuse.sharding._tree import require_unit, units_below
 
@@ -104,7 +111,7 @@ def _load_dtensors_as_shards(optimizer: torch.optim.Optimizer, state_dict: dict[
     """``load_state_dict`` pre-hook: DTensors made by :func:`_state_dict_as_dtensors` (and filled by a DCP load)
     become this rank's padded shard again."""
     st_all = state_dict.get("state", {})
-    if not any(isinstance(v, DTensor) for st in st_all.values() if isinstance(st, dict) for v in st.values()):
+    if not any(is_dtensor(v) for st in st_all.values() if isinstance(st, dict) for v in st.values()):
         return None
     flats = _flats_by_param(optimizer)
     params = _params_by_key(optimizer, state_dict["param_groups"])
@@ -115,7 +122,7 @@ def _load_dtensors_as_shards(optimizer: torch.optim.Optimizer, state_dict: dict[
         for k, v in st.items():
             if k == SHARD_MARK_KEY:
                 continue  # torch's dict carries none of its own (an unflattened one may hold a stand-in)
-            if isinstance(v, DTensor):
+            if is_dtensor(v):
                 if f is None:
                     raise ValueError(
                         f"load_state_dict: optimizer state {k!r} of entry {key!r} is a DTensor, but that entry's "

@@ -6,14 +6,18 @@ non-tensor values, and the keys and constants the save, load and optimizer modul
 from __future__ import annotations
 
 import io
+import pickle
+import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+
+if TYPE_CHECKING:  # imported where used: torch.distributed.tensor costs ~0.6 s, and `import shardfuse` stays light
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
 
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding._flat_param import FlatParamHandle
@@ -121,7 +125,16 @@ def _group_ranks(unit: Unit, action: str) -> list[int]:
     return list(dist.get_process_group_ranks(group))
 
 
+def is_dtensor(value: Any) -> bool:
+    """``isinstance(value, DTensor)`` without importing ``torch.distributed.tensor``: no DTensor exists before it
+    is loaded."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(value, mod.DTensor)
+
+
 def _mesh(unit: Unit, device_type: str) -> DeviceMesh:
+    from torch.distributed.device_mesh import DeviceMesh
+
     group = unit.groups.process_group
     key = (id(group), device_type)
     hit = _MESHES.get(key)
@@ -134,6 +147,8 @@ def _mesh(unit: Unit, device_type: str) -> DeviceMesh:
 def as_dtensor(padded: torch.Tensor, f: FlatEntry) -> DTensor:
     """``padded`` (this rank's shard-long tensor) as the DTensor of the whole flat range; its local tensor is a
     view of the first ``valid`` elements (a DCP load writes straight into ``padded``)."""
+    from torch.distributed.tensor import DTensor, Shard
+
     local = padded.narrow(0, 0, f.valid)
     dt = DTensor.from_local(local, _mesh(f.unit, local.device.type), [Shard(0)], run_check=False,
                             shape=torch.Size([f.handle.numel]), stride=(1,))
@@ -142,11 +157,11 @@ def as_dtensor(padded: torch.Tensor, f: FlatEntry) -> DTensor:
 
 
 def check_dtensor(value: Any, f: FlatEntry, key: str, action: str) -> DTensor:
-    ok = (isinstance(value, DTensor) and tuple(value.shape) == (f.handle.numel,)
+    ok = (is_dtensor(value) and tuple(value.shape) == (f.handle.numel,)
           and tuple(value.to_local().shape) == (f.valid,))
     if not ok:
         got = (f"a DTensor of shape {tuple(value.shape)} with a local piece of {tuple(value.to_local().shape)}"
-               if isinstance(value, DTensor) else type(value).__name__)
+               if is_dtensor(value) else type(value).__name__)
         raise ValueError(
             f"{action}: state[{key!r}] is {got}, not the DTensor of shape ({f.handle.numel},) with a local piece of "
             f"({f.valid},) that sharded_state_dict() makes here: pass the dict this model's sharded_state_dict() made"
@@ -174,13 +189,41 @@ def pack(value: Any) -> bytes:
     return buf.getvalue()
 
 
-def unpack(data: Any, what: str) -> Any:
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint entry holds a pickled object that only code can rebuild; loading it could run that code."""
+
+
+# The opt-in named in the refusal (every public load entry point takes it).
+TRUST_HINT = ("trust_checkpoint=True (e.g. model.load_sharded_state_dict(state, optim, trust_checkpoint=True)), "
+              "which unpickles it with weights_only=False and so runs whatever code it carries")
+
+
+def refusal(what: str, err: BaseException, hint: str = TRUST_HINT) -> UnsafeCheckpointError:
+    """The error for an entry ``what`` that torch's weights-only unpickler refused with ``err``."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    why = next((ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln), lines[-1] if lines else repr(err))
+    return UnsafeCheckpointError(
+        f"checkpoint entry {what!r} holds a pickled object that is not plain data (tensors, numbers, strings, None, "
+        f"lists, tuples, dicts) and would run code when loaded ({why}); nothing of it was run. Load it only from a "
+        f"checkpoint you trust (you wrote it, or its source is trusted), with {hint}; see "
+        f"docs/troubleshooting.md, 'Loading checkpoints you did not write'"
+    )
+
+
+def unpack(data: Any, what: str, trust: bool = False) -> Any:
+    """A value :func:`pack` stored, read with torch's weights-only unpickler (plain data and tensors: no code can
+    run); an object only full pickle can rebuild is refused (:func:`refusal`) unless ``trust``."""
     if not isinstance(data, bytes):
         raise ValueError(
             f"{what} holds a {type(data).__name__}, not the bytes sharded_state_dict() put there: pass the dict "
             f"sharded_state_dict() made, filled by torch.distributed.checkpoint.load"
         )
-    return torch.load(io.BytesIO(data), weights_only=False)
+    if trust:  # the caller's explicit opt-in (trust_checkpoint=True): full pickle, code and all
+        return torch.load(io.BytesIO(data), weights_only=False)
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise refusal(what, err) from None
 
 
 def first_difference(a: list[Any], b: list[Any]) -> int:

@@ -249,7 +249,8 @@ def _check_saved_groups(saved_groups: list[dict[str, Any]], groups: list[list[Sl
         )
 
 
-def _loaded_slot_state(state: Mapping[str, Any], s: Slot, info: dict[str, Any], action: str) -> dict[str, Any]:
+def _loaded_slot_state(state: Mapping[str, Any], s: Slot, info: dict[str, Any], action: str,
+                       trust: bool) -> dict[str, Any]:
     """One slot's optimizer state, read from the filled dict in the optimizer's own layout."""
     entry: dict[str, Any] = {}
     keys = [(k, f"{OPTIM_STATE}{s.flat.key}.{k}", True) for k in info.get("per_element", [])]
@@ -267,16 +268,17 @@ def _loaded_slot_state(state: Mapping[str, Any], s: Slot, info: dict[str, Any], 
             entry[k] = (padded if not s.flat.orig
                         else padded.narrow(0, s.offset, s.length).reshape(s.param.shape).clone())
         else:
-            entry[k] = v if isinstance(v, torch.Tensor) else unpack(v, key)
+            entry[k] = v if isinstance(v, torch.Tensor) else unpack(v, key, trust)
     return entry
 
 
 def load_optim(state: Mapping[str, Any], meta: dict[str, Any], flats: list[FlatEntry], optim: torch.optim.Optimizer,
-               action: str) -> dict[str, Any]:
-    """The ``optim.load_state_dict`` argument rebuilt from a filled dict; raises before anything is modified."""
+               action: str, trust: bool = False) -> dict[str, Any]:
+    """The ``optim.load_state_dict`` argument rebuilt from a filled dict; raises before anything is modified.
+    Packed values load as plain data only, unless ``trust`` (``trust_checkpoint=True``)."""
     saved = _check_saved_optim(state, meta, flats, action)
     groups = _optim_slots(flats, optim, action)
-    saved_groups = unpack(state[OPTIM_GROUPS], OPTIM_GROUPS)
+    saved_groups = unpack(state[OPTIM_GROUPS], OPTIM_GROUPS, trust)
     _check_saved_groups(saved_groups, groups, action)
     order = [s for g in groups for s in g]
     index = {s.name: i for i, s in enumerate(order)}
@@ -285,7 +287,7 @@ def load_optim(state: Mapping[str, Any], meta: dict[str, Any], flats: list[FlatE
     for s in order:
         info = slots_meta.get(s.name) or {}
         if info.get("state"):
-            osd_state[index[s.name]] = _loaded_slot_state(state, s, info, action)
+            osd_state[index[s.name]] = _loaded_slot_state(state, s, info, action, trust)
     osd_groups = []
     for sg, g in zip(saved_groups, groups):
         # "params" first: a group loaded without state from here is no sign of a dropped checkpoint (_resume_guard)

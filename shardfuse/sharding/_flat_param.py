@@ -28,6 +28,7 @@ from shardfuse._streams import Streams, record_event, use_stream, wait_event, wa
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding import _data_path as dp
 from shardfuse.sharding._config import MISSING_GROUP, Groups
+from shardfuse.sharding._host_protocol import HostSide
 from shardfuse.sharding._registry import (  # SHARD_MARK_KEY: re-exported for _dcp, _dcp_guard, _optim_state
     SHARD_MARK_ATTR,
     SHARD_MARK_KEY,
@@ -147,7 +148,7 @@ class FlatParamHandle:
         self.orig_views: list[nn.Parameter] | None = None
         self.view_ranges: list[tuple[int, int]] = []
         # Host buffers of a shard stepped by an OffloadOptimizer (_host_shard.HostShard), else None.
-        self.host: Any = None
+        self.host: HostSide | None = None
 
     @property
     def group(self) -> coll.ProcessGroup:

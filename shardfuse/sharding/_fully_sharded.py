@@ -17,9 +17,10 @@ from typing import Any, NamedTuple, cast
 import torch
 from torch import nn
 
-from shardfuse import _versions
+from shardfuse._lazy_disable import disabled_on_first_use
 from shardfuse._profiling import profiled
 from shardfuse.sharding import _dcp, _optim_state, _process_hooks, _ssd, _state_dict
+from shardfuse.sharding._arrival import arrive, collective_call
 from shardfuse.sharding._config import (
     ConfigView,
     check_compute_dtype,
@@ -135,11 +136,10 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
             if not config.params.allow_reset_parameters:
                 guard_reset_parameters(module)
             _process_hooks.install()
-            _versions.install()  # a fused optimizer's updates must change the shards' version counters
+            _process_hooks.require_fused_versions()  # a fused optimizer's updates must change the version counters
 
     # ----------------------------------------------------------------------------------------------
     # properties and nn.Module plumbing
-    # ----------------------------------------------------------------------------------------------
 
     @property
     def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
@@ -319,7 +319,7 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
             # Under torch.compile the unit's bookkeeping runs eagerly (a graph break on each side) and only the
             # wrapped module is traced; eager calls skip the disable wrapper's cost.
             compiling = torch.compiler.is_compiling()
-            pre, post, abort = (_PRE_FORWARD, _POST_FORWARD, _ABORT_FORWARD) if compiling else (
+            pre, post, abort = _compiled_forward_hooks() if compiling else (
                 _pre_forward, Unit.post_forward, Unit.abort_forward)
             args, kwargs, recomputing = pre(unit, args, kwargs)
             try:
@@ -351,7 +351,6 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
 
     # ----------------------------------------------------------------------------------------------
     # public API: sync control, divide factors, norms
-    # ----------------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -441,7 +440,6 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
 
     # ----------------------------------------------------------------------------------------------
     # summon_full_params (implemented in _summon.py)
-    # ----------------------------------------------------------------------------------------------
 
     def summon_full_params(self, recurse: bool = True, volatile: bool = False) -> contextlib.AbstractContextManager:
         """Gather the full fp32 parameters and expose them as the module's original parameters in the block.
@@ -450,6 +448,7 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
         exit, in-place changes are written back to the shards (each rank keeps its own slice) unless
         ``volatile``. Not allowed during forward/backward.
         """
+        arrive(self._unit, "summon_full_params()")  # every rank, before lazy init's collectives
         settle(self._unit)  # finishes host optimizer steps in flight, then lazy init
         return summon_full_params(self._units() if recurse else [self], volatile)
 
@@ -464,7 +463,6 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
 
     # ----------------------------------------------------------------------------------------------
     # state dicts and optimizer state (implemented in _state_dict.py / _optim_state.py)
-    # ----------------------------------------------------------------------------------------------
 
     # FairScale's legacy positional form too: one signature cannot match nn.Module's two overloads.
     def state_dict(self, *args: Any, destination: dict | None = None, prefix: str = "",  # type: ignore[override]
@@ -477,7 +475,7 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
         if args:  # legacy positional form state_dict(destination, prefix, keep_vars)
             destination = args[0]
             prefix = args[1] if len(args) > 1 else prefix
-        with profiled("shardfuse.sharding:state_dict"):
+        with collective_call(self._unit, "state_dict"):
             lazy_init(self._unit)
             sd = _state_dict.full_state_dict(self)
             if destination is None:
@@ -490,7 +488,7 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
         """Load a full state dict (original names, e.g. from an unwrapped model); every rank must call."""
         if assign:
             raise NotImplementedError("load_state_dict(assign=True) is not supported: parameters are flat shards")
-        with profiled("shardfuse.sharding:load_state_dict"):
+        with collective_call(self._unit, "load_state_dict"):
             settle(self._unit)  # finishes host optimizer steps in flight, then lazy init
             missing, unexpected = _state_dict.load_full_state_dict(self, state_dict, strict)
             return _IncompatibleKeys(missing, unexpected)
@@ -535,7 +533,7 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
         """
         if ignored:
             raise TypeError(f"gather_full_optim_state_dict got unsupported arguments {sorted(ignored)}")
-        with profiled("shardfuse.sharding:gather_full_optim_state_dict"):
+        with collective_call(self._unit, "gather_full_optim_state_dict"):
             settle(self._unit)  # finishes host optimizer steps in flight, then lazy init
             full = _optim_state.gather_full_optim_state_dict(self, optim, recipient_rank)
             # Hybrid sharding: each replica gathered the same dict over its shard group; replica 0's recipient has it.
@@ -558,19 +556,21 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
         (``Shard(0)``) whose local tensor is a view of this rank's piece (no copy); buffers are plain tensors. A
         fresh optimizer's state is laid out without stepping it. Root only; every rank must call.
         """
-        with profiled("shardfuse.sharding:sharded_state_dict"):
+        with collective_call(self._unit, "sharded_state_dict"):
             settle(self._unit)  # finishes host optimizer steps in flight, then lazy init
             return _dcp.sharded_state_dict(self, optim)
 
-    def load_sharded_state_dict(self, state_dict: dict[str, Any], optim: torch.optim.Optimizer | None = None) -> None:
+    def load_sharded_state_dict(self, state_dict: dict[str, Any], optim: torch.optim.Optimizer | None = None, *,
+                                trust_checkpoint: bool = False) -> None:
         """Load a dict made by :meth:`sharded_state_dict` (with the same ``optim`` argument) on this model and
         filled by ``torch.distributed.checkpoint.load``: the shards, buffers and (with ``optim``) the optimizer
         state and hyper-parameters, also into a fresh optimizer. A checkpoint of another wrapping, a dict that was
-        not filled, or optimizer groups that differ from the saved ones raise before anything is written. Root
-        only; every rank must call."""
-        with profiled("shardfuse.sharding:load_sharded_state_dict"):
+        not filled, or optimizer groups that differ from the saved ones raise before anything is written. Packed
+        values load as plain data (no code runs); an object only full pickle rebuilds raises UnsafeCheckpointError
+        unless ``trust_checkpoint=True``, which runs any code it carries. Root only; every rank must call."""
+        with collective_call(self._unit, "load_sharded_state_dict"):
             settle(self._unit)  # finishes host optimizer steps in flight, then lazy init
-            _dcp.load_sharded_state_dict(self, state_dict, optim)
+            _dcp.load_sharded_state_dict(self, state_dict, optim, trust_checkpoint)
 
     def _fqn_modifiers(self) -> dict[str, str]:
         """Asked by ``torch.distributed.checkpoint.state_dict`` (only): the wrapped module's modifiers, after
@@ -584,9 +584,7 @@ def _pre_forward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict, bo
     return unit.pre_forward(args, kwargs)
 
 
-_PRE_FORWARD = torch.compiler.disable(_pre_forward)
-_POST_FORWARD = torch.compiler.disable(Unit.post_forward)
-_ABORT_FORWARD = torch.compiler.disable(Unit.abort_forward)
+_compiled_forward_hooks = disabled_on_first_use(_pre_forward, Unit.post_forward, Unit.abort_forward)
 
 
 # The options come from the policies' fields: the docstring's Args and the signature help() and IDEs show.

@@ -197,7 +197,8 @@ def finish_host_grads(pending: PendingFrees, streams: Streams) -> None:
     if streams.post_backward is not None:
         streams.post_backward.synchronize()
     for handle in pending.landing:
-        handle.host.land_grad(handle.flat)
+        if handle.host is not None:  # always: only handles with a host side are queued here
+            handle.host.land_grad(handle.flat)
     pending.landing.clear()
     for flat, host, _ in pending.host_grads:
         if flat.grad is None:

@@ -9,7 +9,9 @@ and the host optimizer of an offloaded step is bound by host memory bandwidth. T
 gives: chunk boundaries fall on multiples of ``ALIGN`` elements, where the kernel's vector loops split work anyway.
 
 Only torch's own ``Adam``/``AdamW`` with ``fused=True`` and state already made take this path; anything else (the
-first step, which makes the state; SGD; other settings) returns ``False`` and the caller steps the optimizer.
+first step, which makes the state; SGD; other settings) returns ``False`` and the caller steps the optimizer. So does
+a torch whose private kernel is gone or moved (``shardfuse._torch_private.fused_adam_kernels``, checked once
+against the public ``fused=True`` step).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import torch
 
+from shardfuse._torch_private import FusedKernel, call_fused_adam, foreach_add_, fused_adam_kernels
 from shardfuse._versions import mark_updated
 
 # Elements per chunk: ~2M fp32 elements keep a chunk's parameters, gradient, both moments and the compute copy
@@ -113,6 +116,9 @@ def step_in_chunks(sub_groups: list[tuple[torch.optim.Optimizer, list[torch.Tens
     chunk = CHUNK_ELEMENTS if chunk is None else chunk
     if chunk <= 0 or chunk % ALIGN:
         raise ValueError(f"chunk must be a positive multiple of {ALIGN} elements, got {chunk}")
+    kernels = fused_adam_kernels()  # torch's private kernel, checked once against the public step (_torch_private)
+    if kernels is None:
+        return False
     groups = []
     for sub, params, settings in sub_groups:
         group = _group_of(sub, params, settings)
@@ -127,14 +133,14 @@ def step_in_chunks(sub_groups: list[tuple[torch.optim.Optimizer, list[torch.Tens
         for group, offs in zip(groups, offsets):
             if not group.params:
                 continue
-            torch._foreach_add_(group.steps, 1)
-            kernel = torch._fused_adamw_ if group.decoupled else torch._fused_adam_
+            foreach_add_(group.steps, 1)
+            kernel = kernels[1] if group.decoupled else kernels[0]
             for i, offset in enumerate(offs):
                 _step_one(group, i, kernel, scale, compute_buf, offset, chunk)
     return True
 
 
-def _step_one(group: _Group, i: int, kernel: Any, scale: torch.Tensor | None, compute_buf: torch.Tensor | None,
+def _step_one(group: _Group, i: int, kernel: FusedKernel, scale: torch.Tensor | None, compute_buf: torch.Tensor | None,
               offset: int | None, chunk: int) -> None:
     """Parameter ``i`` of ``group``, chunk by chunk."""
     views = [group.params[i], group.grads[i], group.exp_avgs[i], group.exp_avg_sqs[i]]
@@ -145,8 +151,8 @@ def _step_one(group: _Group, i: int, kernel: Any, scale: torch.Tensor | None, co
         p, g, m, v = (t[a:b] for t in flat_views[:4])
         if scale is not None:
             g.mul_(scale)
-        kernel([p], [g], [m], [v], [flat_views[4][a:b]] if group.max_exp_avg_sqs else [], [group.steps[i]],
-               **group.kwargs)
+        call_fused_adam(kernel, [p], [g], [m], [v], [flat_views[4][a:b]] if group.max_exp_avg_sqs else [],
+                        [group.steps[i]], group.kwargs)
         if compute_buf is not None and offset is not None:
             compute_buf[offset + a:offset + b].copy_(p)
     mark_updated(views)  # the kernel writes in place without counting it (see shardfuse._versions)

@@ -8,8 +8,21 @@ fp32 shard ``flat``:
   ``flat.grad`` already holds one (accumulation across backward passes);
 - ``compute_buf``: the parameters in the compute dtype (bf16), written by the optimizer step right after it
   updated the shard, so only 2 bytes per parameter cross to the GPU when the unit is gathered again;
-- ``ready``: set while no optimizer step of this shard is in flight; a gather waits for it, so the next forward
-  of a unit waits for that unit's update alone.
+- ``life``: where this shard's overlapped update is (:class:`UpdateState`, below); a gather waits until no update
+  is in flight, so the next forward of a unit waits for that unit's update alone.
+
+The update's lifecycle crosses threads, so it is an explicit state machine; each state has one owner, the only
+thread that moves it on (so a state is never changed under a thread that acts on it):
+
+    caller side (main thread, or autograd's device thread)       host worker thread (``_host_step.StepWorker``)
+    IDLE / DONE --queue()--> QUEUED ----------------------------> GRAD_COPYING (waits for the gradient copy, the
+                                                                   last host->device copy, SSD room)
+                                                                  -> UPDATING (under the step lock)
+    DONE <--------------------------------------------------------  ok
+    FAILED <------------------------------------------------------  raised (in any worker state)
+    FAILED --wait_ready() raises the error--> IDLE
+
+A move not in :data:`TRANSITIONS` raises :class:`IllegalTransition` naming the shard and both states.
 
 Lifetimes are held by events, never ``record_stream``: the optimizer step waits for the last host-to-device copy
 that read ``compute_buf``/``flat`` before it writes them again, and the end of backward waits for the gradient
@@ -18,14 +31,17 @@ copies before ``flat.grad`` is read by anybody.
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from shardfuse._streams import record_event, use_stream
+from shardfuse._torch_private import foreach_norm
 
 # Pinned memory allocated by torch's caching host allocator is rounded up to a power of two (a 450 MB shard takes
 # 512 MiB, a 540 MB one 1 GiB); registering plain memory with the driver pins exactly what is asked for.
@@ -44,10 +60,93 @@ def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return t
 
 
+class UpdateState(enum.Enum):
+    """Where the overlapped update of one host shard is (see the module's diagram)."""
+
+    IDLE = "idle"  # no update since the last error was raised (or ever)
+    QUEUED = "queued"  # queued on the worker by step() (or, step_in_backward, by the gradient copy)
+    GRAD_COPYING = "grad_copying"  # taken by the worker: waiting for the copies into and out of its buffers
+    UPDATING = "updating"  # the optimizer step and the compute-dtype copy run (under the step lock)
+    DONE = "done"  # the last update finished
+    FAILED = "failed"  # the last update raised; the error waits for the next caller of wait_ready()
+
+
+IN_FLIGHT = frozenset({UpdateState.QUEUED, UpdateState.GRAD_COPYING, UpdateState.UPDATING})
+TRANSITIONS: dict[UpdateState, frozenset[UpdateState]] = {
+    UpdateState.IDLE: frozenset({UpdateState.QUEUED}),
+    UpdateState.DONE: frozenset({UpdateState.QUEUED}),
+    UpdateState.QUEUED: frozenset({UpdateState.GRAD_COPYING, UpdateState.FAILED}),
+    UpdateState.GRAD_COPYING: frozenset({UpdateState.UPDATING, UpdateState.FAILED}),
+    UpdateState.UPDATING: frozenset({UpdateState.DONE, UpdateState.FAILED}),
+    UpdateState.FAILED: frozenset({UpdateState.IDLE}),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A host shard's update was moved to a state its current state does not lead to."""
+
+
+class UpdateLifecycle:
+    """The state of one shard's update, its error, and the event callers block on (set while not in flight)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.state = UpdateState.IDLE
+        self.error: BaseException | None = None  # set with FAILED, taken by take_error()
+        self._lock = threading.Lock()  # makes check-and-move atomic (the caller side has two threads)
+        self.settled = threading.Event()  # set iff the state is not in flight
+        self.settled.set()
+
+    def move(self, to: UpdateState, error: BaseException | None = None) -> None:
+        """Move to ``to``; raise :class:`IllegalTransition` if the current state does not lead there."""
+        with self._lock:
+            came = self.state
+            if to not in TRANSITIONS[came]:
+                allowed = ", ".join(sorted(s.name for s in TRANSITIONS[came]))
+                raise IllegalTransition(
+                    f"host shard {self.name}: update state {came.name} -> {to.name} is not allowed (from {came.name} "
+                    f"only {allowed}); an update was queued twice, or a state moved by the wrong thread")
+            self.state = to
+            if to is UpdateState.FAILED:
+                self.error = error
+            if to in IN_FLIGHT:
+                self.settled.clear()
+            else:
+                self.settled.set()
+
+    def take_error(self) -> BaseException | None:
+        """FAILED -> IDLE, returning the error (None, and no move, in any other state)."""
+        with self._lock:
+            if self.state is not UpdateState.FAILED:
+                return None
+            err, self.error = self.error, None
+            self.state = UpdateState.IDLE
+            return err
+
+
+@dataclass
+class GradCopy:
+    """The gradient on its way to the host (caller side: written by send_grad, read at the end of backward)."""
+
+    target: torch.Tensor | None = None  # the buffer the in-flight copy writes (None: no copy in flight)
+    # The gradient's L2 norm on the device, per reduction (invalid once accumulated on the host: that sum's norm
+    # is computed on the host when asked for).
+    norm: torch.Tensor | None = None
+    norm_valid: bool = False
+
+
+@dataclass
+class HostStats:
+    """Seconds for ``OffloadOptimizer.host_stats``."""
+
+    waited_s: float = 0.0  # callers blocked in wait_ready
+    update_s: float = 0.0  # the worker updating this shard, its waits for copies left out
+
+
 class HostShard:
     """Host buffers, gradient landing and the compute-dtype copy of one offloaded flat parameter."""
 
-    def __init__(self, flat: torch.Tensor, compute_dtype: torch.dtype, pin: bool) -> None:
+    def __init__(self, flat: torch.Tensor, compute_dtype: torch.dtype, pin: bool, name: str = "flat_param") -> None:
         numel = flat.numel()
         self.pin = pin
         self.grad_buf = host_buffer(numel, flat.dtype, pin)
@@ -55,24 +154,44 @@ class HostShard:
         # fp32 compute copies nothing: the shard itself crosses to the GPU.
         self.compute_buf = None if compute_dtype == flat.dtype else host_buffer(numel, compute_dtype, pin)
         self.copy_version = -1  # flat._version when compute_buf was last written
-        self.ready = threading.Event()
-        self.ready.set()
-        self.waited_s = 0.0  # time callers spent blocked in wait_ready (OffloadOptimizer.host_stats)
-        self.update_s = 0.0  # time the worker spent updating this shard, its waits for copies left out (host_stats)
-        self.trace: Callable[[str], None] | None = None  # OffloadOptimizer.trace_host: this shard's event recorder
-        self.error: BaseException | None = None  # an optimizer step that raised on the worker thread
         self.h2d_event: torch.cuda.Event | None = None  # the last host->device copy reading the host copy
-        self.landing: torch.Tensor | None = None  # the buffer the in-flight gradient copy writes
-        # Per reduction: the gradient's L2 norm on the device (invalid once accumulated on the host: that sum's
-        # norm is computed on the host when asked for).
-        self.grad_norm: torch.Tensor | None = None
-        self.norm_valid = False
+        self.life = UpdateLifecycle(name)
+        self.grad_copy = GradCopy()
+        self.stats = HostStats()
+        self.trace: Callable[[str], None] | None = None  # OffloadOptimizer.trace_host: this shard's event recorder
         # Set by OffloadOptimizer(accumulate_on_gpu=True): under no_sync the gathered compute-dtype parameters
         # stay on the GPU between micro-steps, so the host round trip happens once per optimizer step.
         self.keep_full_in_no_sync = False
         # Set by OffloadOptimizer(step_in_backward=True): called with the copy's event once this shard's gradient
         # copy is queued, to start its update while the rest of backward runs.
         self.on_grad_sent: Callable[[HostShard, torch.cuda.Event | None], None] | None = None
+
+    # ----------------------------------------------------------------------------------------------
+    # the update's lifecycle
+    # ----------------------------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> bool:
+        """An update of this shard is queued or running."""
+        return not self.life.settled.is_set()
+
+    def queue(self) -> None:
+        """Caller side, right before the update is submitted to the worker."""
+        self.life.move(UpdateState.QUEUED)
+        self.note("queued")
+
+    def wait_ready(self) -> None:
+        """Block until no optimizer step of this shard is in flight; re-raise what such a step raised."""
+        if not self.life.settled.is_set():
+            self.note("wait")
+            start = time.perf_counter()
+            self.life.settled.wait()
+            self.stats.waited_s += time.perf_counter() - start
+            self.note("waited")
+        err = self.life.take_error() if self.life.state is UpdateState.FAILED else None
+        if err is not None:
+            raise RuntimeError(f"the overlapped optimizer step of an offloaded shard failed ({self.life.name}): "
+                               f"{err}") from err
 
     # ----------------------------------------------------------------------------------------------
     # gradients: device -> host on the post-backward stream, landed at the end of backward
@@ -85,7 +204,7 @@ class HostShard:
         the device from the same tensor, so clipping never reads the host gradients.
         """
         self.wait_ready()  # the optimizer may still read grad_buf from the last step
-        if self.landing is not None:
+        if self.grad_copy.target is not None:
             # A second reduction in one backward (a unit whose hook fired twice): land the first one now.
             if stream is not None:
                 stream.synchronize()
@@ -101,9 +220,9 @@ class HostShard:
             target.copy_(dest, non_blocking=True)
             # Clipping's per-shard norm, taken on the device as torch.nn.utils' foreach path takes it on the
             # host; an accumulated gradient's norm is not this one's, so it is computed on the host if asked.
-            self.norm_valid = flat.grad is None and dest.numel() > 0
-            self.grad_norm = torch._foreach_norm([dest], 2.0)[0] if self.norm_valid else None
-        self.landing = target
+            valid = flat.grad is None and dest.numel() > 0
+            norm = foreach_norm([dest], 2.0)[0] if valid else None
+        self.grad_copy = GradCopy(target, norm, valid)
         if self.on_grad_sent is not None:
             self.on_grad_sent(self, record_event(stream))
 
@@ -115,7 +234,7 @@ class HostShard:
     def land_grad(self, flat: torch.Tensor) -> None:
         """After the copies finished (the caller synchronised the post-backward stream): ``flat.grad`` holds the
         gradient, accumulated on the host when it already held one (as the plain offload path does)."""
-        target, self.landing = self.landing, None
+        target, self.grad_copy.target = self.grad_copy.target, None
         if target is None:
             return
         if target is self.grad_buf or flat.grad is None:  # the staging buffer is used only when a gradient was held
@@ -126,18 +245,6 @@ class HostShard:
     # ----------------------------------------------------------------------------------------------
     # parameters: host -> device when the unit is gathered
     # ----------------------------------------------------------------------------------------------
-
-    def wait_ready(self) -> None:
-        """Block until no optimizer step of this shard is in flight; re-raise what such a step raised."""
-        if not self.ready.is_set():
-            self.note("wait")
-            start = time.perf_counter()
-            self.ready.wait()
-            self.waited_s += time.perf_counter() - start
-            self.note("waited")
-        if self.error is not None:
-            err, self.error = self.error, None
-            raise RuntimeError(f"the overlapped optimizer step of an offloaded shard failed: {err}") from err
 
     def note(self, kind: str) -> None:
         """Record an event of this shard's timeline when ``OffloadOptimizer.trace_host`` is on."""

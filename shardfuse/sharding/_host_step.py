@@ -3,9 +3,9 @@
 ``OffloadOptimizer.step()`` returns at once. Each offloaded flat parameter is stepped on the worker thread in
 the recorded forward order (its gradient scaled by the clipping coefficient first, then the user's optimizer
 class over that shard alone, sharing the user's optimizer state, then the compute-dtype copy written), and its
-:class:`HostShard`'s ``ready`` event is set: the next forward of that unit waits for it and nothing else, so the
-CPU update of later units runs while the GPU computes earlier ones. torch's CPU kernels release the GIL, so the
-main thread keeps launching GPU work while the worker steps.
+:class:`HostShard`'s update moves to ``DONE`` (``_host_shard.UpdateState``): the next forward of that unit waits
+for it and nothing else, so the CPU update of later units runs while the GPU computes earlier ones. torch's CPU
+kernels release the GIL, so the main thread keeps launching GPU work while the worker steps.
 
 Per-element optimizers (Adam, AdamW, SGD) give the same values stepped per shard as stepped all at once, so the
 parameters equal the non-overlapped path's bit for bit.
@@ -24,9 +24,11 @@ from typing import Any
 
 import torch
 
+from shardfuse._torch_private import foreach_mul_
+from shardfuse._versions import hook_optimizer
 from shardfuse.sharding._flat_param import FlatParamHandle
 from shardfuse.sharding._host_fused import step_in_chunks
-from shardfuse.sharding._host_shard import HostShard
+from shardfuse.sharding._host_shard import HostShard, UpdateState
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +70,7 @@ class StepWorker:
             if task is None:
                 return
             start = time.perf_counter()
-            task()  # tasks catch their own errors (HostShard.error) and always set their event
+            task()  # tasks catch their own errors (HostShard.life: FAILED) and always leave the in-flight states
             self.busy_s += time.perf_counter() - start
 
     def submit(self, task: Callable[[], None], key: float = 0.0, tag: Any = None) -> None:
@@ -119,7 +121,8 @@ class ShardPlan:
 
     @property
     def host(self) -> HostShard | None:
-        return self.handle.host if self.handle is not None else None
+        host = self.handle.host if self.handle is not None else None
+        return host if isinstance(host, HostShard) else None
 
 
 def make_sub_optimizers(optimizer: torch.optim.Optimizer, plan: ShardPlan) -> None:
@@ -130,6 +133,9 @@ def make_sub_optimizers(optimizer: torch.optim.Optimizer, plan: ShardPlan) -> No
         settings = {k: v for k, v in optimizer.param_groups[gi].items() if k != "params"}
         sub = type(optimizer)([{"params": params, **settings}])  # type: ignore[call-arg]  # defaults in the group
         sub.state = optimizer.state
+        # Counts its fused writes itself (the compute copy and the SSD write-behind read the version counters), so
+        # the host tier needs no process-wide hook for the optimizers it builds.
+        hook_optimizer(sub)
         plan.subs.append(sub)
 
 
@@ -146,7 +152,7 @@ def step_plan(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tenso
             if coef is not None:
                 grads = [p.grad for p in params if p.grad is not None]
                 if grads:
-                    torch._foreach_mul_(grads, coef.to(grads[0].device))
+                    foreach_mul_(grads, coef.to(grads[0].device))
             sub.param_groups[0].update(group_settings)
             sub.step()
 
@@ -167,13 +173,19 @@ def host_task(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tenso
 
     def run() -> None:
         host.note("task")
-        if copy_event is not None:
-            copy_event.synchronize()  # outside the lock: zero_grad must not wait for a copy
-        if in_backward:
-            host.note("grad_ready")
-        host.before_step(in_backward)  # ssd: at most read_ahead updated shards wait for their gathers
+        try:
+            host.life.move(UpdateState.GRAD_COPYING)
+            if copy_event is not None:
+                copy_event.synchronize()  # outside the lock: zero_grad must not wait for a copy
+            if in_backward:
+                host.note("grad_ready")
+            host.before_step(in_backward)  # ssd: at most read_ahead updated shards wait for their gathers
+        except BaseException as err:  # noqa: BLE001 - handed to the caller side, raised at the next wait
+            _failed(host, err)
+            return
         with lock:
             try:
+                host.life.move(UpdateState.UPDATING)
                 if in_backward:
                     handle.flat.grad = host.grad_buf
                     handle.grads_to_views()  # use_orig_params: the optimizer steps the views
@@ -182,16 +194,20 @@ def host_task(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tenso
                 start = time.perf_counter()
                 _step_host_shard(plan, host, handle, settings, coef)
                 apply_zero_grad(plan, plan.deferred_zero)
-                host.update_s += time.perf_counter() - start
+                host.stats.update_s += time.perf_counter() - start
                 host.note("done")
-            except BaseException as err:  # noqa: BLE001 - handed to the main thread, raised at the next wait
-                host.error = err
-                logger.error("overlapped optimizer step failed: %s", err)
-            finally:
                 plan.deferred_zero = None
-                host.ready.set()
+                host.life.move(UpdateState.DONE)  # under the lock: zero_grad sees it queued (defers) or done
+            except BaseException as err:  # noqa: BLE001 - handed to the caller side, raised at the next wait
+                plan.deferred_zero = None
+                _failed(host, err)
 
     return run
+
+
+def _failed(host: HostShard, err: BaseException) -> None:
+    logger.error("overlapped optimizer step of %s failed: %s", host.life.name, err)
+    host.life.move(UpdateState.FAILED, err)
 
 
 def _step_host_shard(plan: ShardPlan, host: HostShard, handle: FlatParamHandle, settings: list[dict[str, Any]],

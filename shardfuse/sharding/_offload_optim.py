@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardfuse._torch_private import foreach_mul_, foreach_norm
 from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding import _ssd
 from shardfuse.sharding._flat_param import FlatParamHandle
@@ -42,18 +43,16 @@ GIB = 1 << 30
 # transient buffers, which the resident units do not add to, so the second step() places more units by the peak
 # measured with the first placement (then the placement is fixed).
 PLACEMENTS = 2
-# Root unit -> its OffloadOptimizer, both weakly (the optimizer holds the model: a strong value would keep the
-# model, its pinned buffers and the optimizer alive forever): clip_grad_norm_ and the state-dict paths find it here.
-_ENGINES: weakref.WeakKeyDictionary[Unit, weakref.ref[OffloadOptimizer]] = weakref.WeakKeyDictionary()
 
 
 def engine_of(unit: Unit) -> OffloadOptimizer | None:
-    """The OffloadOptimizer attached to the tree of ``unit`` (None when there is none)."""
+    """The OffloadOptimizer attached to the tree of ``unit`` (None when there is none): the top unit, the state of
+    the root wrapper the user holds, keeps a weak reference to it (``Unit.host_engine``)."""
     top = unit
     while top.parent is not None:
         top = top.parent
-    ref = _ENGINES.get(top)
-    return ref() if ref is not None else None
+    engine = top.host_engine() if top.host_engine is not None else None
+    return engine if isinstance(engine, OffloadOptimizer) else None
 
 
 def finish_host_steps(unit: Unit) -> None:
@@ -181,7 +180,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self._attach()
-        _ENGINES[self.root] = weakref.ref(self)
+        self.root.host_engine = weakref.ref(self)
 
     # ----------------------------------------------------------------------------------------------
     # the user's optimizer, seen through this one
@@ -238,12 +237,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for u in units_below(self.root):
             prec = u.config.precision
             compute = prec.compute_dtype if prec.mixed_precision and self.host_compute_copy else None
-            for h in u.handles:
+            for i, h in enumerate(u.handles):
                 if (h.host is None or _ssd.ssd_host(h)) and h.flat.device.type == "cpu":  # ssd: keep its host
-                    h.host = _ssd.ssd_host(h) or HostShard(h.flat, compute or h.dtype, pin=torch.cuda.is_available())
-                    h.host.keep_full_in_no_sync = self.accumulate_on_gpu
+                    host = _ssd.ssd_host(h) or HostShard(h.flat, compute or h.dtype, pin=torch.cuda.is_available(),
+                                                         name=f"{u.name}.flat_param_{i}")
+                    host.keep_full_in_no_sync = self.accumulate_on_gpu
                     if self.step_in_backward:
-                        h.host.on_grad_sent = self._on_grad_sent
+                        host.on_grad_sent = self._on_grad_sent
+                    h.host = host
 
     def _handles_in_order(self) -> list[FlatParamHandle]:
         rs = self.root.root_state
@@ -313,8 +314,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         host_coef = coef.to("cpu") if coef is not None else None
         for i, plan in enumerate(self._plans):  # forward order
             if plan.host is not None:
-                plan.host.note("queued")
-                plan.host.ready.clear()
+                plan.host.queue()
                 self._worker.submit(host_task(plan, settings_of(self.optimizer, plan), host_coef, self._lock),
                                     key=i, tag=plan)
 
@@ -334,8 +334,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "step() after every synced backward (accumulate with no_sync()), or use step_in_backward=False"
             )
         self._stepped_in_backward.add(id(host))
-        host.note("queued")
-        host.ready.clear()
+        host.queue()
         # Keyed after every update queued by an earlier step() (none are, in a step_in_backward loop), FIFO.
         self._worker.submit(host_task(plan, settings_of(self.optimizer, plan), None, self._lock, event,
                                       in_backward=True), key=len(self._plans), tag=plan)
@@ -347,7 +346,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return
         with self._lock:
             for plan in self._plans:
-                if plan.host is not None and not plan.host.ready.is_set():
+                if plan.host is not None and plan.host.in_flight:
                     plan.deferred_zero = set_to_none
                 else:
                     apply_zero_grad(plan, set_to_none)
@@ -365,9 +364,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         paths) spent blocked waiting for an update, ``update_s`` the part of ``host_busy_s`` spent updating (the
         worker's waits for gradient and parameter copies left out). Differences between two calls give one step's
         share."""
-        hosts = [h.host for u in units_below(self.root) for h in u.handles if h.host is not None]
-        return {"host_busy_s": self._worker.busy_s, "wait_s": sum(h.waited_s for h in hosts),
-                "update_s": sum(h.update_s for h in hosts), "host_threads": float(self.host_threads)}
+        hosts = [h.host for u in units_below(self.root) for h in u.handles if isinstance(h.host, HostShard)]
+        return {"host_busy_s": self._worker.busy_s, "wait_s": sum(h.stats.waited_s for h in hosts),
+                "update_s": sum(h.stats.update_s for h in hosts), "host_threads": float(self.host_threads)}
 
     def trace_host(self, on: bool = True) -> HostTrace | None:
         """Start (``on``) or stop recording the host step's timeline (``HostTrace``: per offloaded unit, when its
@@ -389,7 +388,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.synchronize()
         self._finalizer()
         if engine_of(self.root) is self:
-            del _ENGINES[self.root]
+            self.root.host_engine = None
         for u in units_below(self.root):
             for h in u.handles:
                 h.host = _ssd.host_after_engine(h)  # None, or the SSD host shard (the plain optimizer's path)
@@ -417,9 +416,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if g is None or not g.numel():
                 continue
             h = handle_of(p)
-            host = h.host if h is not None and h.flat is p else None
-            norm = host.grad_norm if host is not None and host.norm_valid and g is host.grad_buf else None
-            norms.append(norm if norm is not None else torch._foreach_norm([g], 2.0)[0])
+            host = h.host if h is not None and h.flat is p and isinstance(h.host, HostShard) else None
+            sent = host.grad_copy if host is not None and g is host.grad_buf else None
+            norm = sent.norm if sent is not None and sent.norm_valid else None
+            norms.append(norm if norm is not None else foreach_norm([g], 2.0)[0])
         device = unit.compute_device
         if norms:
             local = torch.stack([n.float().to(device) for n in norms]).pow(2.0).sum()
@@ -438,7 +438,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 continue
             grads = [p.grad for _, params in plan.groups for p in params if p.grad is not None]
             if grads:
-                torch._foreach_mul_(grads, coef.to(grads[0].device))
+                foreach_mul_(grads, coef.to(grads[0].device))
         self._coef = coef if self._coef is None else self._coef * coef
         self._coef_deferred |= {id(plan.handle) for plan in self._plans if plan.host is not None}
 

@@ -1,31 +1,34 @@
-"""Every change shardfuse makes to process-wide state, in one place, and the way to turn them off.
+"""Every change shardfuse makes to process-wide state is installed here, and nowhere else; docs/process-wide.md lists
+them (why each exists, how to turn it off) and tests/sharding/test_process_hooks.py checks each on and off.
 
-At the first wrap, ``FullyShardedDataParallel`` installs (once per process):
+Optimizers are built after the model is wrapped, so a wrapper cannot attach hooks to them: what must act on the
+user's optimizers, or on ``torch.nn.utils.clip_grad_norm_`` as third-party training loops call it, is process-wide.
+What can be attached to the optimizer it serves is attached there instead (``OffloadOptimizer``'s own per-shard
+optimizers carry their version hook, see ``shardfuse.sharding._host_step``).
+
+Switchable (:data:`SWITCHABLE`), installed at the first wrap unless turned off:
 
 1. ``torch.nn.utils.clip_grad_norm_`` (and ``torch.nn.utils.clip_grad.clip_grad_norm_``) is replaced by
    :func:`clip_grad_norm_`: over sharded parameters it computes the norm of the whole gradients across ranks
    (one all-reduce), so code that clips with torch's function (Hugging Face's Trainer, accelerate) clips by
    the global norm; over other parameters it is torch's own function, unchanged;
-2. a global optimizer step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``) refuses an
-   optimizer holding parameters from before wrapping, and optimizer state that cannot be this rank's;
+2. a global optimizer step pre-hook refuses an optimizer holding parameters from before wrapping, and optimizer
+   state that cannot be this rank's;
 3. a global optimizer step post-hook writes the key :data:`SHARD_MARK_KEY` (``(rank, world_size)``) into the
    state of every sharded parameter of every optimizer, which the pre-hook checks after a load.
-
-The SSD offload tier (``_ssd.py``) installs one more global optimizer step pre-hook, once, at the first wrap with
-``offload_config=OffloadConfig(offload_type="ssd_offload")`` (``_ssd._dispatch``): at an optimizer's first step it
-finds the SSD-backed parameters the optimizer holds (parameter -> handle -> shard -> its model's tier, no registry)
-and gives that optimizer step pre- and post-hooks and a state-dict pre-hook of its own, which read the shards in
-from their files before its step and write them behind after it. The switch below leaves it alone: without it a
-model whose shards live on disk cannot be stepped at all.
-
-One more global optimizer step post-hook is installed at the first wrap (and by ``OffloadModel``), also left alone
-by the switch: ``shardfuse._versions`` bumps the version counters of what a ``fused=True`` optimizer step wrote
-(torch's fused kernels do not), which the SSD tier, ``OffloadModel`` and the runtime read to know what changed.
 
 Turn them off with the environment variable ``SHARDFUSE_PROCESS_HOOKS=0`` (read at each wrap) or with
 ``shardfuse.set_process_hooks(False)`` (also removes hooks already installed). Without them
 ``torch.nn.utils.clip_grad_norm_`` clips by each rank's local norm (use ``model.clip_grad_norm_()``), and
 optimizers over stale parameters or with another rank's state step silently.
+
+Required (:data:`REQUIRED`), installed by the feature that needs them and left alone by the switch (removing them
+would make training silently wrong): :func:`require_fused_versions` (every wrap, ``OffloadModel``): a global
+post-hook that bumps the version counters of what a ``fused=True`` step wrote (``shardfuse._versions``);
+:func:`require_step_hooks` (the SSD tier, at the first SSD-offloaded wrap): one global optimizer step pre-hook,
+``_ssd._dispatch``, which at an optimizer's first step finds the SSD-backed parameters it holds (parameter -> handle
+-> shard -> its model's tier; no registry) and gives that optimizer its own step pre- and post-hooks (page-in,
+write-behind; after its own fused-versions hook) and state-dict pre-hook.
 """
 
 from __future__ import annotations
@@ -38,13 +41,19 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from shardfuse import _versions
 from shardfuse.sharding._grad_reduce import global_grad_norm
 from shardfuse.sharding._registry import FLATTENED_MARK, SHARD_MARK_ATTR, SHARD_MARK_KEY, handle_of
 from shardfuse.sharding._resume_guard import refuse_fresh_state_after_load
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENV_VAR", "clip_grad_norm_", "install", "installed", "set_process_hooks"]
+__all__ = ["ENV_VAR", "REQUIRED", "SWITCHABLE", "clip_grad_norm_", "install", "installed", "installed_required",
+           "require_fused_versions", "require_step_hooks", "set_process_hooks"]
+
+# What this module installs, by name (docs/process-wide.md has one row for each; tests check the names match).
+SWITCHABLE = ("clip_grad_norm_", "optimizer_step_guard", "shard_marks")
+REQUIRED = ("fused_versions", "ssd_step_hooks")
 
 # "0" turns the process-wide hooks off (read at every wrap, unless set_process_hooks() decided).
 ENV_VAR = "SHARDFUSE_PROCESS_HOOKS"
@@ -261,3 +270,42 @@ def _uninstall() -> None:
         _optimizer_guard = None
     _checked_optimizers.clear()
     _marks_seen.clear()
+
+
+# ------------------------------------------------------------------------------------------------------
+# required: installed by the feature that needs them, not subject to the switch
+# ------------------------------------------------------------------------------------------------------
+
+_required: dict[str, Any] = {}  # name (REQUIRED) -> the torch hook handles
+
+
+def require_fused_versions() -> None:
+    """Once per process (every wrap, ``OffloadModel``): a global optimizer step post-hook that bumps the version
+    counters of what a ``fused=True`` step wrote (``shardfuse._versions``). torch's fused kernels write in place
+    without counting it, and shardfuse reads the counters to know what changed: a gathered full parameter is
+    reused while its shard's version holds, the SSD tier writes back what changed, ``OffloadModel`` refreshes a
+    slice's host copy when its version moved. Without it a fused optimizer's updates go unseen (stale values,
+    silently), so the switch leaves it. Optimizers that carry :func:`shardfuse._versions.hook_optimizer`'s own
+    hook (``OffloadOptimizer``'s per-shard optimizers) are skipped."""
+    if "fused_versions" not in _required:
+        _required["fused_versions"] = (register_optimizer_step_post_hook(_versions.global_fused_step_post_hook),)
+
+
+def require_step_hooks(name: str, pre: Any, post: Any = None) -> None:
+    """Once per process and ``name`` (one of :data:`REQUIRED`): a global optimizer step pre-hook (and post-hook,
+    if given) a feature cannot work without (the SSD tier's pre-hook gives each optimizer over SSD-backed
+    parameters hooks of its own at its first step: optimizers are built after wrapping, so it cannot hook them at
+    wrap time). Registered after the fused-versions hook, so a fused step's writes are counted before ``post``
+    reads the counters (global post-hooks run in the order they were registered)."""
+    if name not in REQUIRED or name == "fused_versions":
+        raise ValueError(f"require_step_hooks: unknown hook name {name!r}; add it to REQUIRED (and to "
+                         f"docs/process-wide.md) first, or use require_fused_versions()")
+    require_fused_versions()
+    if name not in _required:
+        _required[name] = (register_optimizer_step_pre_hook(pre),
+                           *((register_optimizer_step_post_hook(post),) if post is not None else ()))
+
+
+def installed_required() -> tuple[str, ...]:
+    """The names of the required hooks in place now."""
+    return tuple(n for n in REQUIRED if n in _required)

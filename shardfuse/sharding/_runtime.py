@@ -15,6 +15,7 @@ share a :class:`RootState` (streams, the recorded forward order, backward bookke
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -132,6 +133,10 @@ class Unit:
         self.parent: Unit | None = None  # the outermost unit that wraps this one (None for the top)
         self.released = False  # its module was wrapped again: the newer wrapper owns the parameters
         self.root_state: RootState | None = None
+        # The top unit only: a weak reference to the OffloadOptimizer stepping this tree (_offload_optim.py), which
+        # the state-dict, summon and clipping paths reach through the model the user holds. Weak: the optimizer
+        # holds the model, and the model must not keep an optimizer the user dropped (and its worker) alive.
+        self.host_engine: Callable[[], Any] | None = None
         self.require_backward_grad_sync = True
         self.require_all_reduce = True  # hybrid sharding: all-reduce across replicas (set_requires_all_reduce)
         self.reshard_after_forward = config.reshard.reshard_after_forward  # effective value, set at lazy init
@@ -181,6 +186,7 @@ class Unit:
         # sets the groups (FairScale's convention), so pickling drops the runtime (Groups drops its groups).
         state = dict(self.__dict__)
         state["root_state"] = None
+        state["host_engine"] = None  # the OffloadOptimizer stays with the original
         state["is_root"] = None if self.parent is None else False
         # The tables keyed by id(module) would name the old process's objects: key them by the modules (pickle
         # restores those consistently) and by id again in __setstate__.
@@ -192,6 +198,7 @@ class Unit:
     def __setstate__(self, state: dict) -> None:
         # Units pickled before parameters could be shared across units borrow nothing.
         state.setdefault("borrowed", [])
+        state.setdefault("host_engine", None)
         state.setdefault("gather_handles", state["handles"])
         if isinstance(state.get("param_table"), list):
             state["param_table"] = {id(m): v for m, v in state["param_table"]}

@@ -39,9 +39,9 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from shardfuse import _versions
+from shardfuse.sharding import _process_hooks
 from shardfuse.sharding._flat_param import FlatParamHandle
 from shardfuse.sharding._ssd_config import OffloadConfig
 from shardfuse.sharding._ssd_shard import SsdHostShard, SsdShard, Tier, host_of, own_storage, ssd_host, ssd_of
@@ -189,6 +189,9 @@ def _dispatch(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         return
     handles = hooked[1] if hooked is not None else None
     if handles is None and _shards_of(optimizer):
+        # Its own fused-versions hook first: its post-hooks run before the global ones, in the order registered,
+        # and the write-behind reads the version counters a fused step bumps only through that hook.
+        _versions.hook_optimizer(optimizer)
         handles = (optimizer.register_step_pre_hook(_pre_step), optimizer.register_step_post_hook(_post_step),
                    optimizer.register_state_dict_pre_hook(_page_in_state))
     optimizer.__dict__[_HOOKED_ATTR] = (count, handles)
@@ -227,14 +230,12 @@ def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
     shards = optimizer.__dict__.pop(_STEPPING_ATTR, None)
     if not shards:
         return
-    # A fused step's in-place writes, counted now: the global hook that counts them runs after this one.
-    _versions.count_fused_step(optimizer)
     for s in shards:
         s.adopt_state(optimizer.state)  # state made by this (first) step
         s.steps += 1
         host = host_of(s)
-        # An OffloadOptimizer update (ready cleared meanwhile): kept for this step's forward gather, if room.
-        keep = host is not None and not host.ready.is_set() and s.tier.keep.keep_for_gather(s)
+        # An OffloadOptimizer update (in flight): kept for this step's forward gather, if room.
+        keep = host is not None and host.in_flight and s.tier.keep.keep_for_gather(s)
         s.page_out(state=s.tier.config.optimizer_state, keep=keep)
 
 
@@ -260,13 +261,7 @@ def page_in_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     _page_in_state(optimizer)
 
 
-_step_hook: Any = None  # the handle of _dispatch
-
-
 def _install_step_hook() -> None:
-    """Once per process: :func:`_dispatch`. Not subject to ``set_process_hooks(False)``: without it an SSD-backed
-    model cannot be stepped at all."""
-    global _step_hook
-    if _step_hook is None:
-        _versions.install()
-        _step_hook = register_optimizer_step_pre_hook(_dispatch)
+    """Once per process: :func:`_dispatch`, installed where every process-wide hook is (``_process_hooks``). Not
+    subject to ``set_process_hooks(False)``: without it an SSD-backed model cannot be stepped at all."""
+    _process_hooks.require_step_hooks("ssd_step_hooks", _dispatch)

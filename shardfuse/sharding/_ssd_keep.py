@@ -52,7 +52,7 @@ class Keep:
 
     def _main_blocked(self) -> bool:
         """(condition held) The main thread waits for an update not done yet (or for every update)."""
-        return any(host is None or not host.ready.is_set() for host in self._waits)
+        return any(host is None or host.in_flight for host in self._waits)
 
     def keep_for_gather(self, shard: Any) -> bool:
         """After ``shard``'s step: keep it for its gather if there is room (else it is evicted once written)."""

@@ -249,7 +249,7 @@ class SsdHostShard(HostShard):
 
     def wait_ready(self) -> None:
         """As :meth:`HostShard.wait_ready`; while blocked, the worker steps on without waiting for room to keep."""
-        if self.ready.is_set():
+        if not self.in_flight:
             super().wait_ready()
             return
         with self.ssd.tier.keep.main_waits(self):
@@ -275,7 +275,7 @@ class SsdHostShard(HostShard):
         for nxt in tier.gathers.use(self.ssd):
             host = host_of(nxt)
             # Not a shard with an update pending: its file is about to change.
-            if host is not None and host.ready.is_set() and nxt.flat.grad is None:
+            if host is not None and not host.in_flight and nxt.flat.grad is None:
                 tier.read_ahead(nxt.param)
         unit = self._unit() if self._unit is not None else None
         rs = unit.root_state if unit is not None else None

@@ -107,7 +107,7 @@ def test_report_and_regress_run_as_modules(tmp_path: Path) -> None:
     results = make_results_dir(tmp_path / "results")
     proc = _run([sys.executable, "-m", "bench.report", "--results", str(results), "--summary"], timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert "tokens/s/GPU" in proc.stdout
+    assert "tok/s/GPU" in proc.stdout and "best peer, same job" in proc.stdout  # the README's headline table
     new = tmp_path / "e2e_2gpu.json"
     new.write_text(json.dumps(e2e_payload(2, (113.7 * 1.2, 52.3))))
     stored = results / "h200" / "e2e_2gpu.json"
@@ -174,6 +174,11 @@ def test_e2e_bench_cpu_smoke(tmp_path: Path) -> None:
     # Same weights, same data, one step of lr 1e-4 apart: the sharded runs train alike.
     assert abs(rows["shardfuse"]["loss_last"] - rows["fsdp2"]["loss_last"]) < 1e-2
     assert list((tmp_path / "prof").glob("shardfuse_1k_*.json")), "no profiler trace written"
+    # A progress line per measurement: baseline, shardfuse, fsdp2 in the one round, the time left after the first.
+    line = r"^-- \[(\d)/3\] round 0 (\S+) 1k \.\.\. \(elapsed \d+ s, left ([^)]+)\)$"
+    progress = re.findall(line, proc.stdout, re.M)
+    assert [(i, impl) for i, impl, _ in progress] == [("1", "baseline"), ("2", "shardfuse"), ("3", "fsdp2")], out
+    assert progress[0][2] == "?" and all(left.startswith("~") for _, _, left in progress[1:]), progress
 
 
 def test_e2e_cpu_run_writes_outside_results(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -181,9 +181,14 @@ def test_readme_rows(big_dir: Path, tmp_path: Path) -> None:
     readme.write_text("# x\n\nRESULTS_TABLE\n")
     out = tmp_path / "docs" / "benchmarks.md"
     assert report.main(["--results", str(big_dir), "--out", str(out), "--no-plots", "--readme", str(readme)]) == 0
-    text = readme.read_text()
+    text = out.read_text().split("## H100", 1)[0]  # the page's summary
     assert text.count(README_BENCH) >= 4 and f'Rows "{README_BENCH}"' in text  # three rows and the note
     assert SIB not in text
+    # the README's headline: the budget row of H100's file, whose call measured no peer
+    assert (
+        "| 1x H100 | `OffloadOptimizer` with a 40 GiB GPU budget, 2.9B decoder on one GPU | 4,096 | 900 ms/step "
+        "| none in the same job | - | `abc1234` |"
+    ) in readme.read_text()
 
 
 def test_readme_without_offload_big_has_no_note(tmp_path: Path) -> None:

@@ -37,16 +37,20 @@ def test_report_renders_synthetic_results(results_dir: Path, tmp_path: Path, cap
     assert "error: RuntimeError: something broke" in text and "912.6" in text
     assert "`h100/broken.json`: not shown" in text
     assert "Plots were skipped" in text
-    # the README summary goes to stdout when no --readme is given
-    printed = capsys.readouterr().out
-    # a file of one run (no rounds): its own numbers; no FairScale measured, so a dash and no FairScale ratio
+    # the page's full summary table: a file of one run (no rounds) gives its own numbers; no FairScale measured,
+    # so a dash and no FairScale ratio
     assert (
         "| H200 | training, 2 GPUs, 8K tokens/GPU | tokens/s/GPU | 72,049 (1.07x one GPU, 1.06x FSDP2) | - | 67,258 "
-        "| 67,871 | 67,313 |" in printed
+        "| 67,871 | 67,313 |" in text
     )
-    assert "| GPU | benchmark | metric | shardfuse | FairScale | one GPU | FSDP2 | FSDP1 |" in printed
+    assert "| GPU | benchmark | metric | shardfuse | FairScale | one GPU | FSDP2 | FSDP1 |" in text
     # offload rows keep their meaning: FairScale's and FSDP2's offload step times, no one-GPU or FSDP1 number
-    assert "| 587.4 (1.16x plain, 0.35x its memory) | - | - | 771.9 | - |" in printed
+    assert "| 587.4 (1.16x plain, 0.35x its memory) | - | - | 771.9 | - |" in text
+    # the README's headline table goes to stdout when no --readme is given: speedup over the best peer (FSDP2)
+    printed = capsys.readouterr().out
+    assert "| GPUs | setup | tokens/GPU/step | shardfuse | best peer, same job | speedup | commit |" in printed
+    assert "| 2x H200 | training, 953M decoder, sharded | 8,192 | 72,049 tok/s/GPU | FSDP2 67,871 | 1.06x |" in printed
+    assert "| GPU | benchmark | metric |" not in printed  # the full table stays on the page
 
 
 def test_report_plots(results_dir: Path, tmp_path: Path) -> None:
@@ -97,7 +101,8 @@ def test_readme_table_is_rewritten(results_dir: Path, tmp_path: Path) -> None:
     assert report.main(args) == 0
     first = readme.read_text()
     assert "RESULTS_TABLE" not in first and report.START_MARK in first and report.END_MARK in first
-    assert "72,049 (1.07x one GPU, 1.06x FSDP2)" in first and "](docs/benchmarks.md)" in first
+    assert "| 72,049 tok/s/GPU | FSDP2 67,871 | 1.06x | `abc1234` |" in first and "](docs/benchmarks.md)" in first
+    assert "72,049 (1.07x one GPU, 1.06x FSDP2)" not in first and "72,049 (1.07x one GPU" in out.read_text()
     assert first.startswith("# project\n") and first.endswith("## Documentation\n")
     assert report.main(args) == 0
     assert readme.read_text() == first  # idempotent: the markers are found the second time

@@ -1,7 +1,7 @@
 """``bench.report`` on e2e files of the other models of ``bench.e2e.run``: ``e2e_hf_<N>gpu.json`` (``--model
-hf-llama``, regime 1k) and ``e2e_7b_<N>gpu.json`` (``--config 7b``, regime 4k, no one-GPU baseline). Their README
-rows and sections name the model; the decoder's files (``model_kind`` absent or ``decoder``, ``bench`` config)
-render as they always did."""
+hf-llama``, regime 1k) and ``e2e_7b_<N>gpu.json`` (``--config 7b``, regime 4k, no one-GPU baseline). Their rows
+of the page's summary and their sections name the model, as the README's headline rows do; the decoder's files
+(``model_kind`` absent or ``decoder``, ``bench`` config) render as they always did."""
 
 from __future__ import annotations
 
@@ -62,21 +62,26 @@ def _training_rows(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("| H200 | training")]
 
 
-def test_readme_rows_name_the_model(tmp_path: Path) -> None:
+def test_summary_rows_name_the_model(tmp_path: Path) -> None:
     text, readme = _render(
         tmp_path, e2e_2gpu=e2e_rounds_payload(), e2e_hf_2gpu=e2e_hf_payload(), e2e_7b_2gpu=e2e_7b_payload()
     )
-    rows = _training_rows(readme)
+    rows = _training_rows(text)
     # the decoder's two rows as always, then the 7B's and the HF model's, each with its captured-step row
     assert len(rows) == 6
     assert rows[0].startswith("| H200 | training, 2 GPUs, 8K tokens/GPU | ") and rows[1] == README_DECODER_1K
     assert rows[2:] == [README_7B, README_7B_CAPTURED, README_HF, README_HF_CAPTURED]
-    assert _training_rows(text) == rows  # the page's summary has the same rows
     # the note under the table says what the model names stand for
     assert (
         "Training rows name their model unless it is the Llama-style decoder's `bench` config: "
         '"7B" = the Llama-style decoder in the shape of Llama-2-7B (6.7B parameters); '
         '"HF Llama 853M" = Hugging Face `transformers.LlamaForCausalLM` (852.6M parameters, random init).'
+    ) in text
+    # the README: headline rows only, the HF model's captured step against its best peer of the job (FSDP2 here)
+    assert _training_rows(readme) == [] and "name their model" not in readme
+    assert (
+        "| 2x H200 | training, HF LlamaForCausalLM 853M, `capture_step` | 1,024 | 39,385 tok/s/GPU | FSDP2 18,286 "
+        "| 2.15x | `abc1234` |"
     ) in readme
 
 
@@ -144,12 +149,15 @@ def test_decoder_files_name_no_model(tmp_path: Path) -> None:
     with_kind["config"]["model_kind"] = "decoder"
     for i, payload in enumerate((e2e_rounds_payload(), with_kind)):
         text, readme = _render(tmp_path / str(i), e2e_2gpu=payload)
-        assert README_DECODER_1K in readme
+        assert README_DECODER_1K in text and README_DECODER_1K not in readme
         assert "### End-to-end training, 2 GPUs (`e2e_2gpu.json`)" in text
         assert "Setup: 953M-parameter Llama-style decoder (`bench` config: dim 2048, n_layers 16, n_heads 16" in text
-        assert "name their model" not in readme and "--model hf-llama" not in text and "--config 7b" not in text
+        assert "name their model" not in text and "--model hf-llama" not in text and "--config 7b" not in text
+        assert "| 2x H200 | training, 953M decoder, sharded, small batch | 1,024 | 20,480 tok/s/GPU | FairScale " \
+            "18,963 | 1.08x | `abc1234` |" in readme
     text, readme = _render(tmp_path / "single", e2e_4gpu=e2e_payload(4))
-    assert "| H200 | training, 4 GPUs, 1K tokens/GPU | tokens/s/GPU |" in readme
+    assert "| H200 | training, 4 GPUs, 1K tokens/GPU | tokens/s/GPU |" in text
+    assert "| 4x H200 | training, 953M decoder, 4 GPUs | 8,192 |" in readme
     assert "### End-to-end training, 4 GPUs (`e2e_4gpu.json`)" in text
 
 

@@ -76,13 +76,19 @@ def test_medians_table_per_regime(tmp_path: Path) -> None:
 
 def test_readme_rows_from_medians(tmp_path: Path) -> None:
     text, readme = _render(tmp_path, readme=True, e2e_2gpu=e2e_rounds_payload())
-    assert README_1K in readme and README_1K in text  # the README and the page's summary
+    assert README_1K in text  # the page's summary
     assert (
         "| H200 | training, 2 GPUs, 8K tokens/GPU | tokens/s/GPU, median of 3 rounds "
         "| 84,454 (1.11x FairScale, 1.05x one GPU, 1.07x FSDP2) | 75,852 | 80,314 | 78,769 | - |"
-    ) in readme
-    assert "one GPU's (the same tokens per GPU, unsharded, no communication)" in readme
-    assert "medians over rounds interleaved in one job on noisy hosts" in readme
+    ) in text
+    assert "one GPU's (the same tokens per GPU, unsharded, no communication)" in text
+    assert "medians over rounds interleaved in one job on noisy hosts" in text
+    # the README's headline rows: the medians too, against the best peer's median (FairScale in both regimes)
+    assert "| 2x H200 | training, 953M decoder, sharded | 8,192 | 84,454 tok/s/GPU | FairScale 80,314 | 1.05x |" \
+        not in readme  # (one GPU is no peer: the baseline's 80,314 must not be taken for one)
+    assert "| 2x H200 | training, 953M decoder, sharded | 8,192 | 84,454 tok/s/GPU | FSDP2 78,769 | 1.07x |" in readme
+    assert "| 1,024 | 20,480 tok/s/GPU | FairScale 18,963 | 1.08x | `abc1234` |" in readme
+    assert README_1K not in readme
 
 
 def test_stored_ratios_are_used(tmp_path: Path) -> None:
@@ -91,15 +97,16 @@ def test_stored_ratios_are_used(tmp_path: Path) -> None:
     for e in payload["summary"]:
         if e["impl"] == "shardfuse" and e["regime"] == "1k":
             e["vs_fairscale"] = 1.5
-    text, readme = _render(tmp_path, readme=True, e2e_2gpu=payload)
-    assert "20,480 (1.50x FairScale, 0.84x one GPU, 1.38x FSDP2)" in readme
+    text, _ = _render(tmp_path, readme=True, e2e_2gpu=payload)
+    assert "20,480 (1.50x FairScale, 0.84x one GPU, 1.38x FSDP2)" in text
     assert "| 1.50x | 0.84x | 1.38x | 1.04x |" in text
 
 
 def test_rounds_without_summary_are_summarised(tmp_path: Path) -> None:
     """A file written mid-run (rows with ``round``, no summary yet) gets the same medians."""
     text, readme = _render(tmp_path, readme=True, e2e_2gpu=e2e_rounds_payload(with_summary=False))
-    assert SHARDFUSE_1K in text and README_1K in readme
+    assert SHARDFUSE_1K in text and README_1K in text
+    assert "| 1,024 | 20,480 tok/s/GPU | FairScale 18,963 | 1.08x |" in readme
     stored = e2e_rounds_payload()
     computed = e2e_summary(e2e_rounds_payload(with_summary=False))
     key = lambda e: (e["impl"], e["regime"])  # noqa: E731
@@ -148,11 +155,13 @@ def test_file_without_summary_renders_as_before(tmp_path: Path) -> None:
     assert "| FSDP1 | 76.5 | 13,386 | 43.2 | 17.25 | 0.92x |" in one_k
     assert "| FairScale FSDP | skipped | - | - | - | - |" in one_k
     assert "_vs FSDP2: FSDP2's step time divided by this step time (above 1.00x is faster)._" in text
-    # README: no FairScale measured, so its column and ratio are left out / dashed
+    # the summary: no FairScale measured, so its column and ratio are left out / dashed
     assert (
         "| H200 | training, 4 GPUs, 1K tokens/GPU | tokens/s/GPU | 21,378 (0.81x one GPU, 1.46x FSDP2) | - "
         "| 26,460 | 14,629 | 13,386 |"
-    ) in readme
+    ) in text
+    # the README's 4-GPU headline (8K): FSDP2 the best of the measured peers
+    assert "| 4x H200 | training, 953M decoder, 4 GPUs | 8,192 | 69,189 tok/s/GPU | FSDP2 67,871 | 1.02x |" in readme
 
 
 def test_rounds_plot(tmp_path: Path) -> None:
@@ -182,30 +191,35 @@ def _table_rows(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("| H200 | training")]
 
 
-def test_captured_step_readme_rows(tmp_path: Path) -> None:
-    """A file with ``shardfuse-graph``: one more README row per regime, right after shardfuse's, with the ratios of
-    shardfuse's row and the one against eager shardfuse; the other rows as without it."""
+def test_captured_step_summary_rows(tmp_path: Path) -> None:
+    """A file with ``shardfuse-graph``: one more summary row per regime, right after shardfuse's, with the ratios
+    of shardfuse's row and the one against eager shardfuse; the other rows as without it. The README's headline
+    shows the 1K captured step against the best peer."""
     text, readme = _render(tmp_path, readme=True, e2e_2gpu=e2e_rounds_payload(captured=True, graph_pool_gib=1.25))
-    rows = _table_rows(readme)
+    rows = _table_rows(text)
     assert len(rows) == 4
     assert rows[2] == README_1K and rows[3] == README_CAPTURED_1K
     assert rows[1] == README_CAPTURED_8K and rows[0].startswith("| H200 | training, 2 GPUs, 8K tokens/GPU | ")
     assert "1.11x FairScale, 1.05x one GPU, 1.07x FSDP2) |" in rows[0]  # shardfuse's own row: no eager ratio
-    assert _table_rows(text) == rows  # the page's summary has the same rows
-    assert 'Rows "step captured (capture_step)"' in readme
+    assert 'Rows "step captured (capture_step)"' in text
+    assert (
+        "| 2x H200 | training, 953M decoder, small batch, `capture_step` | 1,024 | 34,133 tok/s/GPU | FairScale "
+        "18,963 | 1.80x | `abc1234` |"
+    ) in readme
     # the stored ratios are the ones shown (not recomputed from the medians)
     payload = e2e_rounds_payload(captured=True)
     for e in payload["summary"]:
         if e["impl"] == "shardfuse-graph" and e["regime"] == "1k":
             e["vs_shardfuse"] = 2.5
-    _, readme = _render(tmp_path / "stored", readme=True, e2e_2gpu=payload)
-    assert "| 34,133 (1.80x FairScale, 1.40x one GPU, 2.30x FSDP2, 2.50x eager shardfuse) |" in readme
+    page, _ = _render(tmp_path / "stored", readme=True, e2e_2gpu=payload)
+    assert "| 34,133 (1.80x FairScale, 1.40x one GPU, 2.30x FSDP2, 2.50x eager shardfuse) |" in page
     # a file written mid-run (no summary yet): the same rows from the medians of its rows
-    _, readme = _render(tmp_path / "mid", readme=True, e2e_2gpu=e2e_rounds_payload(with_summary=False, captured=True))
-    assert README_CAPTURED_1K in readme and README_CAPTURED_8K in readme
+    page, _ = _render(tmp_path / "mid", readme=True, e2e_2gpu=e2e_rounds_payload(with_summary=False, captured=True))
+    assert README_CAPTURED_1K in page and README_CAPTURED_8K in page
     # without shardfuse-graph: no such row and no word of it
-    _, readme = _render(tmp_path / "plain", readme=True, e2e_2gpu=e2e_rounds_payload())
-    assert len(_table_rows(readme)) == 2 and "step captured" not in readme
+    page, readme = _render(tmp_path / "plain", readme=True, e2e_2gpu=e2e_rounds_payload())
+    summary = page.split("\n## H200", 1)[0]
+    assert len(_table_rows(summary)) == 2 and "step captured" not in summary and "capture_step" not in readme
 
 
 def test_captured_step_docs_table(tmp_path: Path) -> None:

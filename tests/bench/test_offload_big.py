@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -85,6 +86,11 @@ def test_cpu_run_schema(cpu_run: tuple[subprocess.CompletedProcess[str], dict[st
         assert rows[(impl, None)]["status"] == "skipped" and "CUDA" in rows[(impl, None)]["reason"]
     assert "config" in proc.stdout.splitlines()[-len(rows) - 3]  # the table comes last
     assert "hardware floor" in proc.stdout
+    # A progress line per measurement, with the time left from the plan's estimates.
+    line = r"^-- \[(\d+)/(\d+)\] tiny-acc (\S+) \.\.\. \(elapsed \d+ s, left ~[\dmhs ]+\)$"
+    starts = re.findall(line, proc.stdout, re.M)
+    assert [(int(i), int(n)) for i, n, _ in starts] == [(i, 4) for i in range(1, 5)], proc.stdout[-3000:]
+    assert [impl for _, _, impl in starts] == ["resident", "shardfuse", "fsdp2", "deepspeed-zero2"]
 
 
 def test_refuses_without_cuda() -> None:

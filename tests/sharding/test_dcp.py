@@ -12,6 +12,7 @@ where gloo's reduce-scatter sums in another order than the reference (``TOL``). 
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -29,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
+from shardfuse import SafeLoadPlanner
 from shardfuse.sharding import FullyShardedDataParallel as FSDP
 from tests.dist_pool import DistPool
 from tests.sharding._models import divide_factors
@@ -406,15 +409,20 @@ def check_errors(path: str) -> bool:
     dcp.load(sd, checkpoint_id=path)
     with pytest.raises(ValueError, match="param groups hold other parameters than the saved ones"):
         model.load_sharded_state_dict(sd, one_group)
-    # Another wrapping: refused inside dcp.load, before torch's bare "Size mismatch", naming the flat parameters,
-    # the saved and expected sizes, and the fix.
+    # Another wrapping: refused inside dcp.load by SafeLoadPlanner, before torch's bare "Size mismatch", naming the
+    # flat parameters, the saved and expected sizes, and the fix, on every rank.
     other = wrap(build(), nested=False)
     numel = other.sharded_state_dict()["model.flat_param_0"].shape[0]
-    with pytest.raises(ValueError, match=r"saved from another wrapping of the model: flat parameters of other sizes "
-                                         r"\['model.flat_param_0: \d+ elements in the checkpoint, "
-                                         rf"{numel} here \(gain, inp"
-                                         r".*only in this model \[\].*only in the checkpoint \['model.blocks.0.flat"
-                                         r".*wrap the model the same way as when it was saved"):
+    with pytest.raises(CheckpointException) as failed:
+        dcp.load(other.sharded_state_dict(), checkpoint_id=path, planner=SafeLoadPlanner())
+    errors = [exc for exc, _ in failed.value.failures.values()]
+    want = (r"saved from another wrapping of the model: flat parameters of other sizes "
+            rf"\['model.flat_param_0: \d+ elements in the checkpoint, {numel} here \(gain, inp"
+            r".*only in this model \[\].*only in the checkpoint \['model.blocks.0.flat"
+            r".*wrap the model the same way as when it was saved")
+    assert len(errors) == WORLD and all(isinstance(e, ValueError) and re.search(want, str(e)) for e in errors), errors
+    # torch's default planner knows nothing of shardfuse: its own error (the size mismatch), no load.
+    with pytest.raises(CheckpointException, match="model.flat_param_0"):
         dcp.load(other.sharded_state_dict(), checkpoint_id=path)
     with pytest.raises(ValueError, match="not filled by torch.distributed.checkpoint.load"):
         other.load_sharded_state_dict(other.sharded_state_dict())

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from shardfuse import OffloadConfig, OffloadOptimizer
+from shardfuse import OffloadConfig, OffloadOptimizer, _versions
 from shardfuse.sharding import FullyShardedDataParallel as FSDP
 from shardfuse.sharding import _ssd
 from shardfuse.sharding._ssd import ssd_host
@@ -96,7 +96,9 @@ def test_one_process_wide_hook_and_per_optimizer_hooks(tmp_path):
                 page.file.then(lambda: None).wait()
         written.append(_tiers(m)[0].store.bytes_written)
         assert all(h.flat.untyped_storage().nbytes() == 0 for h in _flat_handles(m))
-    assert len(opt._optimizer_step_pre_hooks) == 1 and len(opt._optimizer_step_post_hooks) == 1
+    assert list(opt._optimizer_step_pre_hooks.values()) == [_ssd._pre_step]
+    # Its own fused-versions hook, then the write-behind (instance post-hooks run in order, before global ones).
+    assert list(opt._optimizer_step_post_hooks.values()) == [_versions.fused_step_post_hook, _ssd._post_step]
     other.step()
     assert not other._optimizer_step_pre_hooks and not other._optimizer_step_post_hooks
     floor = sum(p.nbytes for h in _flat_handles(m) for p in ssd_host(h).ssd.pages(state=True))  # type: ignore[union-attr]

@@ -1,0 +1,138 @@
+"""The private torch functions the host tier calls, behind one capability check, each with a public fallback.
+
+torch's underscore functions carry no compatibility promise. The host tier (``sharding/_host_*``,
+``sharding/_offload_optim``) calls them only through this module:
+
+- ``torch._fused_adam_`` / ``torch._fused_adamw_``: the kernel ``torch.optim.Adam(W)(fused=True)`` runs, called
+  chunk by chunk by ``_host_fused`` so scaling, update and compute copy share one cache-sized pass.
+  :func:`fused_adam_kernels` checks them once per process: present, called with ``_host_fused``'s argument
+  convention on tiny random tensors, and equal bit for bit to the public ``torch.optim.Adam``/``AdamW``
+  (``fused=True``) step. Where that fails (the signature moved, the kernel is gone) it logs one warning and returns
+  None: ``_host_fused.step_in_chunks`` then declines, and each shard is stepped by the optimizer's own public
+  ``step()`` (the same values, without the one-pass cache reuse).
+- ``torch._foreach_norm`` / ``_foreach_mul_`` / ``_foreach_add_``: what ``torch.nn.utils.clip_grad_norm_`` and the
+  optimizers themselves run; where absent, :func:`foreach_norm` / :func:`foreach_mul_` / :func:`foreach_add_` loop
+  over ``torch.linalg.vector_norm`` / ``Tensor.mul_`` / ``Tensor.add_``.
+
+Other private torch calls in shardfuse, outside the host tier, are listed in :data:`OTHER_PRIVATE_USES`
+(tests/test_torch_private.py fails on any private call that is neither routed here nor listed there).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# (file under shardfuse/, private name) -> why it is called directly; to be routed through here in time.
+OTHER_PRIVATE_USES: dict[tuple[str, str], str] = {
+    ("kernels/_chunk_cat.py", "_chunk_cat"): "torch's own chunk-cat, measured faster for many small CUDA tensors",
+    ("kernels/_cast_multi.py", "_foreach_copy_"): "torch's multi-tensor copy, measured faster for many tensors",
+    ("kernels/_common.py", "_C"): "the raw current CUDA stream for Triton launches",
+    ("sharding/_runtime.py", "_C"): "whether the autograd engine is running a backward",
+    ("sharding/_flat_param.py", "_utils"): "pickling a parameter view as torch pickles parameters",
+    ("sharding/_grad_reduce.py", "_foreach_norm"): "the global gradient norm, as torch.nn.utils computes it",
+    ("sharding/_grad_reduce.py", "_foreach_mul_"): "scaling gradients by the clip coefficient",
+}
+
+_FOREACH = all(hasattr(torch, n) for n in ("_foreach_norm", "_foreach_mul_", "_foreach_add_"))
+
+
+def foreach_norm(tensors: Sequence[torch.Tensor], ord: float) -> list[torch.Tensor]:
+    """The norm of each tensor, as ``torch.nn.utils.clip_grad_norm_`` takes it (``torch._foreach_norm``)."""
+    if _FOREACH:
+        return list(torch._foreach_norm(list(tensors), ord))
+    return [torch.linalg.vector_norm(t, ord) for t in tensors]
+
+
+def foreach_mul_(tensors: Sequence[torch.Tensor], scalar: torch.Tensor) -> None:
+    """Multiply each tensor in place by the one-element tensor ``scalar`` (``torch._foreach_mul_``)."""
+    if _FOREACH:
+        torch._foreach_mul_(list(tensors), scalar)
+        return
+    for t in tensors:
+        t.mul_(scalar)
+
+
+def foreach_add_(tensors: Sequence[torch.Tensor], value: float) -> None:
+    """Add ``value`` to each tensor in place (``torch._foreach_add_``; the fused optimizers' step counters)."""
+    if _FOREACH:
+        torch._foreach_add_(list(tensors), value)
+        return
+    for t in tensors:
+        t.add_(value)
+
+
+FusedKernel = Callable[..., Any]
+
+
+def call_fused_adam(kernel: FusedKernel, params: list[torch.Tensor], grads: list[torch.Tensor],
+                    exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor],
+                    steps: list[torch.Tensor], kwargs: dict[str, Any]) -> None:
+    """One call of torch's fused Adam/AdamW kernel in the convention ``_host_fused`` uses (and the probe checks):
+    the state lists positionally, the settings (``amsgrad, lr, beta1, beta2, weight_decay, eps, maximize,
+    grad_scale, found_inf``) by keyword; ``steps`` were already incremented."""
+    kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, **kwargs)
+
+
+def probe_fused_adam(kernel: FusedKernel, decoupled: bool, amsgrad: bool) -> str | None:
+    """Run ``kernel`` on tiny random tensors as ``_host_fused`` does and compare with the public optimizer's
+    ``fused=True`` step; None when equal bit for bit, else what differs or what raised."""
+    try:
+        return _probe(kernel, decoupled, amsgrad)
+    except Exception as err:  # noqa: BLE001 - a moved signature raises TypeError/RuntimeError: reported
+        return f"calling it raised {type(err).__name__}: {err}"
+
+
+def _probe(kernel: FusedKernel, decoupled: bool, amsgrad: bool) -> str | None:
+    gen = torch.Generator().manual_seed(1234)
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    lr, beta1, beta2, eps, wd = 3e-3, 0.85, 0.97, 1e-7, 0.05
+    ref = torch.nn.Parameter(torch.randn(37, generator=gen))
+    mine = torch.nn.Parameter(ref.detach().clone())
+    ref_opt = cls([ref], lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=wd, amsgrad=amsgrad, fused=True)
+    own_opt = cls([mine], lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=wd, amsgrad=amsgrad, fused=True)
+    for step in range(2):  # the first step makes the state (on both), the second is compared
+        g = torch.randn(37, generator=gen)
+        ref.grad, mine.grad = g.clone(), g.clone()
+        ref_opt.step()
+        if step == 0:
+            own_opt.step()
+            continue
+        st = own_opt.state[mine]
+        foreach_add_([st["step"]], 1)
+        kwargs = dict(amsgrad=amsgrad, lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps, maximize=False,
+                      grad_scale=None, found_inf=None)
+        with torch.no_grad():
+            call_fused_adam(kernel, [mine], [mine.grad], [st["exp_avg"]], [st["exp_avg_sq"]],
+                            [st["max_exp_avg_sq"]] if amsgrad else [], [st["step"]], kwargs)
+    names = ["exp_avg", "exp_avg_sq", "step"] + (["max_exp_avg_sq"] if amsgrad else [])
+    for name, a, b in [("param", mine, ref)] + [(n, own_opt.state[mine][n], ref_opt.state[ref][n]) for n in names]:
+        if not torch.equal(a, b):
+            return f"{name} differs from torch.optim.{cls.__name__}(fused=True)'s step"
+    return None
+
+
+@functools.cache
+def fused_adam_kernels() -> tuple[FusedKernel, FusedKernel] | None:
+    """``(torch._fused_adam_, torch._fused_adamw_)`` if both are present and match the public optimizers' fused
+    step on a probe (checked once per process); else None, after one warning (the caller falls back to the
+    optimizer's own public step)."""
+    adam, adamw = getattr(torch, "_fused_adam_", None), getattr(torch, "_fused_adamw_", None)
+    problem = None if adam is not None and adamw is not None else "not present in this torch"
+    for name, kernel, decoupled in (("_fused_adam_", adam, False), ("_fused_adamw_", adamw, True)):
+        for amsgrad in (False, True):
+            if problem is None and kernel is not None:
+                found = probe_fused_adam(kernel, decoupled, amsgrad)
+                problem = f"torch.{name} (amsgrad={amsgrad}): {found}" if found else None
+    if problem is not None or adam is None or adamw is None:
+        logger.warning("shardfuse: torch's private fused Adam kernel cannot be used (%s, torch %s): the host "
+                       "optimizer steps each shard with the optimizer's own fused step instead (same values, one "
+                       "more pass over host memory)", problem, torch.__version__)
+        return None
+    return adam, adamw

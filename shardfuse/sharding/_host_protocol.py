@@ -1,0 +1,39 @@
+"""What the flat-shard core calls on the host side of an offloaded shard (``FlatParamHandle.host``).
+
+The core (gathers in ``_flat_param``, gradient reduction in ``_grad_reduce``, the no_sync decision in
+``_runtime``) knows the host tier only through this Protocol; ``_host_shard.HostShard`` (and the SSD tier's
+subclass) implement it. ``send_grad`` is called from autograd's device thread (the post-backward hook), the others
+from the main thread; every method may block on the shard's update in flight on the host worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+
+class HostSide(Protocol):
+    """The host side of one offloaded flat parameter, as the core sees it."""
+
+    # Under no_sync, keep the gathered compute-dtype parameters on the GPU between micro-steps.
+    keep_full_in_no_sync: bool
+    # step_in_backward: called with (this shard, the copy's event) once its gradient copy is queued.
+    on_grad_sent: Callable[[Any, torch.cuda.Event | None], None] | None
+
+    def wait_ready(self) -> None:
+        """Block until no update of this shard is in flight; raise what a failed update raised."""
+
+    def source_for_gather(self, flat: torch.Tensor) -> torch.Tensor:
+        """What crosses to the device when the unit is gathered (after the update in flight)."""
+        ...
+
+    def note_h2d(self, stream: torch.cuda.Stream | None) -> None:
+        """The host->device copy that reads the source was just queued on ``stream``."""
+
+    def send_grad(self, flat: torch.Tensor, dest: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+        """Queue the copy of the reduced gradient ``dest`` to the host on ``stream`` (autograd's device thread)."""
+
+    def land_grad(self, flat: torch.Tensor) -> None:
+        """After the copies finished (end of backward): ``flat.grad`` holds the gradient."""

@@ -1,0 +1,50 @@
+"""bench.report's section of an offload_attribution.json (issue 30): the table, the bound, the explanation."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from bench.report._attribution import attribution_section, lower_bound_ms
+from bench.results_io import detect_kind, load_file
+
+
+def _file(rng: random.Random) -> dict:
+    compute, cpu = rng.uniform(150, 250), rng.uniform(400, 700)
+    rows = [{"impl": "resident", "config": "c", "status": "ok", "step_ms": compute * 1.2, "step_ms_min": 1,
+             "step_ms_max": 2}]
+    for sib, budget in ((False, 0.0), (True, 0.0), (False, 40.0)):
+        win, fb = rng.uniform(900, 1800), rng.uniform(300, 600)
+        rows.append({"impl": "shardfuse-budget" if budget else "shardfuse", "config": "c", "status": "ok",
+                     "step_ms": win, "step_ms_min": win - 5, "step_ms_max": win + 5, "clipping": not sib,
+                     "step_in_backward": sib, "gpu_budget_gib": budget, "profiled_step_ms": fb,
+                     "gpu_timeline": {"window_ms": win, "compute_ms": compute, "h2d_ms": 400.0, "d2h_ms": 200.0,
+                                      "gpu_idle_ms": 100.0},
+                     "profiled_host_timeline": {"caller_wait_ms": 321.0, "grad_wait_ms": 12.0}})
+    floor = {"config": "c", "params": 2.9e9, "compute_ms": compute, "cpu_opt_ms": cpu, "pcie_ms": 214.0,
+             "floor_ms": max(compute, cpu, 214.0)}
+    return {"kind": "offload_attribution", "env": {"commit": "abc1234"}, "host": {"cpu_count": 16},
+            "floors": {"c": floor}, "results": rows}
+
+
+def test_the_section_shows_every_profiled_run_with_its_bound_and_the_explanation(tmp_path) -> None:
+    rng = random.Random(3)
+    data = _file(rng)
+    (tmp_path / "h100").mkdir()
+    path = tmp_path / "h100" / "offload_attribution.json"
+    path.write_text(json.dumps(data))
+    assert detect_kind("offload_attribution", data) == "offload_attribution"
+    res = load_file(path)
+    lines = attribution_section(res, "**why** it is so")
+    text = "\n".join(lines)
+    floor = data["floors"]["c"]
+    clipped, sib, budget = data["results"][1:]
+    assert abs(lower_bound_ms(clipped, floor) - (2 / 3 * floor["compute_ms"] + floor["cpu_opt_ms"])) < 1e-9
+    assert lower_bound_ms(sib, floor) == floor["floor_ms"]
+    assert lower_bound_ms(budget, floor) is None and lower_bound_ms(data["results"][0], floor) is None
+    row = next(line for line in lines if line.startswith("| shardfuse: full offload, clip 1.0"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2] == f"{clipped['profiled_step_ms']:.0f}"
+    assert cells[3] == f"{clipped['gpu_timeline']['window_ms'] - clipped['profiled_step_ms']:.0f}"
+    assert cells[8] == "321" and cells[-1] == f"{2 / 3 * floor['compute_ms'] + floor['cpu_opt_ms']:.0f}"
+    assert "**why** it is so" in text and "budget 40 GiB" in text
