@@ -13,6 +13,9 @@ torch's underscore functions carry no compatibility promise. The host tier (``sh
 - ``torch._foreach_norm`` / ``_foreach_mul_`` / ``_foreach_add_``: what ``torch.nn.utils.clip_grad_norm_`` and the
   optimizers themselves run; where absent, :func:`foreach_norm` / :func:`foreach_mul_` / :func:`foreach_add_` loop
   over ``torch.linalg.vector_norm`` / ``Tensor.mul_`` / ``Tensor.add_``.
+- ``torch._C._storage_Use_Count``: how many tensors (and storage objects) hold a storage; the SSD tier asks before
+  it gives a shard's memory back, so a tensor a user took from it keeps valid memory. :func:`storage_use_count`
+  returns None where it is gone (the tier then gives the memory back as before that check).
 
 Other private torch calls in shardfuse, outside the host tier, are listed in :data:`OTHER_PRIVATE_USES`
 (tests/test_torch_private.py fails on any private call that is neither routed here nor listed there).
@@ -39,6 +42,14 @@ OTHER_PRIVATE_USES: dict[tuple[str, str], str] = {
     ("sharding/_grad_reduce.py", "_foreach_norm"): "the global gradient norm, as torch.nn.utils computes it",
     ("sharding/_grad_reduce.py", "_foreach_mul_"): "scaling gradients by the clip coefficient",
 }
+
+_USE_COUNT: Callable[[int], int] | None = getattr(getattr(torch, "_C", None), "_storage_Use_Count", None)
+
+
+def storage_use_count(storage: torch.UntypedStorage) -> int | None:
+    """The holders of ``storage`` (its tensors, its storage objects: this one included), or None if unknown."""
+    return _USE_COUNT(storage._cdata) if _USE_COUNT is not None else None
+
 
 _FOREACH = all(hasattr(torch, n) for n in ("_foreach_norm", "_foreach_mul_", "_foreach_add_"))
 

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from shardfuse._torch_private import storage_use_count
+
 LABEL_ATTR = "_shardfuse_ssd_label"  # on a tensor: () -> (what it is, how to read it), for the error
 Label = Callable[[], tuple[str, str]]
 
@@ -67,9 +69,8 @@ def _labelled(args: Iterable[Any]) -> tuple[str, str] | None:
 
 def _on_disk_torch_function(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
     what, allowed = _what(func)
-    if allowed:
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+    if allowed:  # torch's own handling, as for a plain tensor (results are not made faces)
+        return torch.Tensor.__torch_function__(func, (torch.Tensor,), args, kwargs or {})
     label, fix = _labelled([*args, *(kwargs or {}).values()]) or ("a tensor", "")
     raise RuntimeError(
         f"{label}: its values live on disk between uses (SSD offload tier, OffloadConfig(offload_type="
@@ -122,12 +123,8 @@ def on_disk(t: torch.Tensor) -> bool:
     return type(t) in _BASE_OF
 
 
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
-
-
 def held_elsewhere(t: torch.Tensor, known: int) -> bool:
     """Some tensor besides the ``known`` ones (``t`` and its views) holds ``t``'s storage: a reference taken while
     it was readable, or an operation still running on it. Giving that storage back would leave it dangling."""
-    if _use_count is None:
-        return False
-    return _use_count(t.untyped_storage()._cdata) > known + 1  # + the storage object made to ask
+    count = storage_use_count(t.untyped_storage())
+    return count is not None and count > known + 1  # + the storage object made to ask

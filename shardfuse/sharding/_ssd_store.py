@@ -85,16 +85,15 @@ class IOOp:
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy (any dtype, bf16 included)."""
-    with torch._C.DisableTorchFunctionSubclass():  # the tier's own access to a tensor on disk (_ssd_face.py)
-        flat = t.detach().reshape(-1)
-    if not flat.is_contiguous() or flat.device.type != "cpu":
-        raise ValueError(f"SSD offload reads and writes contiguous CPU tensors, got {flat.device} "
-                         f"contiguous={flat.is_contiguous()}")
+    """The bytes of a contiguous CPU tensor, without a copy (any dtype, bf16 included). Reads only what a tensor on
+    disk lets through (its on-disk face, ``_ssd_face.py``): device, layout, size and address."""
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"SSD offload reads and writes contiguous CPU tensors, got {t.device} "
+                         f"contiguous={t.is_contiguous()}")
     # ctypes, not .numpy(): a tensor shared with numpy gets a storage that can no longer be resized (evicted).
     # The caller keeps the memory alive until the operation is done.
-    nbytes = flat.numel() * flat.element_size()
-    return memoryview((ctypes.c_ubyte * nbytes).from_address(flat.data_ptr())).cast("B")
+    nbytes = t.numel() * t.element_size()
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr())).cast("B")
 
 
 def _logged(fn: Callable[[], None], path: str) -> None:
