@@ -6,6 +6,7 @@ The public API; everything else in the package is private. Kernels live in ``sha
 from shardfuse import kernels
 from shardfuse._capture import CapturedStep, capture_step
 from shardfuse._graph_guard import CaptureError
+from shardfuse.bucketing import PaddedBatch, bucket_length, pad_to_bucket
 from shardfuse.offload import OffloadModel, checkpoint_wrapper, disable_checkpointing
 from shardfuse.sharding import (
     FullyShardedDataParallel,
@@ -35,9 +36,11 @@ __all__ = [
     "OffloadConfig",
     "OffloadModel",
     "OffloadOptimizer",
+    "PaddedBatch",
     "ShardingStrategy",
     "TrainingState",
     "auto_wrap",
+    "bucket_length",
     "capture_step",
     "checkpoint_wrapper",
     "config_auto_wrap_policy",
@@ -46,6 +49,7 @@ __all__ = [
     "enable_wrap",
     "kernels",
     "no_split_modules_policy",
+    "pad_to_bucket",
     "set_process_hooks",
     "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",
