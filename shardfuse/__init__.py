@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from shardfuse import kernels
 from shardfuse._capture import CapturedStep, capture_step
 from shardfuse._graph_guard import CaptureError
+from shardfuse.bucketing import PaddedBatch, bucket_length, pad_to_bucket
 from shardfuse.offload import OffloadModel, checkpoint_wrapper, disable_checkpointing
 from shardfuse.sharding import (
     FullyShardedDataParallel,
@@ -60,10 +61,12 @@ __all__ = [
     "OffloadOptimizer",
     "SafeFileSystemReader",
     "SafeLoadPlanner",
+    "PaddedBatch",
     "ShardingStrategy",
     "TrainingState",
     "UnsafeCheckpointError",
     "auto_wrap",
+    "bucket_length",
     "capture_step",
     "checkpoint_wrapper",
     "config_auto_wrap_policy",
@@ -73,6 +76,7 @@ __all__ = [
     "kernels",
     "no_split_modules_policy",
     "plan",
+    "pad_to_bucket",
     "set_process_hooks",
     "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",

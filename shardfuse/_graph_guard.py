@@ -18,9 +18,10 @@ class CaptureError(RuntimeError):
 
     Raised for CPU offload (``move_params_to_cpu`` / ``cpu_offload`` units, ``OffloadModel``: refused during the
     warm-up, before anything is captured), a step that synchronises the host or steps an optimizer built without
-    ``capturable=True`` (the CUDA error's first line is in the message), a call whose inputs differ in structure,
-    shape, dtype or device from the captured ones, and a call after :meth:`shardfuse.CapturedStep.close`. A
-    ``RuntimeError``; public as ``shardfuse.CaptureError``.
+    ``capturable=True`` (the CUDA error's first line, the step's line and the fix are in the message), a call
+    whose inputs differ in structure, device or ``requires_grad`` from the example inputs, a new input signature
+    past ``max_graphs``, and a call after :meth:`shardfuse.CapturedStep.close`. A ``RuntimeError``; public as
+    ``shardfuse.CaptureError``.
     """
 
 

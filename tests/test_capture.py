@@ -107,19 +107,32 @@ def check_captured_equals_eager(device: torch.device, cfg: dict[str, Any], micro
 
 
 def check_contract_errors(device: torch.device) -> bool:
+    """What every signature shares is checked (structure, tensor or not, device, requires_grad); a new shape is
+    a new graph, up to max_graphs, past which the error names the new signature, the bound and the fixes."""
     model = build(3, device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     step = make_step(model, opt)
     x, y = batches(1, 1, device, seed=5)[0]
-    run = capture_step(step, x, y, warmup=1)
-    with pytest.raises(CaptureError, match=r"input leaf #0 is tensor\(1, 6, 12\).*captured for a tensor \(\(1, 4, 12\)"
-                                           r".*capture_step again"):
-        run(torch.randn(1, 6, DIM, device=device), y)
+    run = capture_step(step, x, y, warmup=1, max_graphs=2)
     with pytest.raises(CaptureError, match="structured as"):
         run(x, [y])
-    with pytest.raises(CaptureError, match=r"input leaf #1 is tensor\(1, 4\) torch.float32"):
-        run(x, y.float())
-    run(x, y)  # the captured shape still works after a refused call
+    with pytest.raises(CaptureError, match=r"input leaf #0 is tensor\(1, 4, 12\) torch.float32 on .* with "
+                                           r"requires_grad=True, but the step was captured for a tensor on .* "
+                                           r"with requires_grad=False"):
+        run(x.clone().requires_grad_(), y)
+    with pytest.raises(CaptureError, match=r"input leaf #1 is 3, but the step was captured for a tensor"):
+        run(x, 3)
+    x6, y6 = torch.randn(1, 6, DIM, device=device), torch.randint(0, 5, (1, 6), device=device)
+    run(x6, y6)  # a new shape: a second graph
+    sig4, sig6 = [((1, 4, DIM), torch.float32), ((1, 4), torch.int64)], [((1, 6, DIM), torch.float32),
+                                                                         ((1, 6), torch.int64)]
+    assert run.signatures == [tuple(sig4), tuple(sig6)] and run.captures == 2
+    with pytest.raises(CaptureError, match=r"a new input signature \(tensor\(1, 8, 12\) torch.float32 on .*, "
+                                           r"tensor\(1, 8\) torch.int64 on .*\) would be graph #3, over "
+                                           r"max_graphs=2 .*shardfuse.pad_to_bucket.*on_new_shape='evict'"):
+        run(torch.randn(1, 8, DIM, device=device), torch.randint(0, 5, (1, 8), device=device))
+    run(x, y)  # the kept shapes still work after refused calls; x's is now the most recently used
+    assert run.signatures == [tuple(sig6), tuple(sig4)] and run.captures == 2 and run.evictions == 0
     return True
 
 

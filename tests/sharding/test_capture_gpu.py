@@ -1,16 +1,28 @@
 """capture_step with real CUDA graphs and NCCL, one GPU per rank (skipped without 2 GPUs): captured and
-eager training equal bit for bit over 20 steps, and each case that cannot be captured is a clear error."""
+eager training equal bit for bit over 20 steps, with many input shapes (one graph each, LRU eviction), gradient
+accumulation inside the graph, dropout, the HF Llama SFT example over 4 buckets; the shared memory pool's size;
+and each case that cannot be captured is a clear error naming the step's line."""
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from shardfuse import CaptureError, capture_step
+from shardfuse import FullyShardedDataParallel as FSDP
 from tests.test_capture import batches, build, check_captured_equals_eager, check_contract_errors, make_step
+from tests.test_capture_shapes import (
+    SHAPES,
+    check_accumulation_equals_eager,
+    check_dropout_equals_eager,
+    check_sft_example,
+    check_shapes_equal_eager,
+)
 
 pytestmark = pytest.mark.multigpu
 
@@ -37,7 +49,9 @@ def check_host_sync_refused() -> bool:
         return step(x, y)
 
     x, y = batches(1, 1, dev, seed=4)[0]
-    with pytest.raises(CaptureError, match=r"could not capture the step.*\.item\(\)"):
+    with pytest.raises(CaptureError, match=r"could not capture the step \(\w+: .*\) at .*test_capture_gpu.py:"
+                                           r"\d+ in syncing_step \(`if x.abs\(\).sum\(\).item\(\) < 0:.*`\).*a host "
+                                           r"synchronisation.*loss.item\(\)"):
         capture_step(syncing_step, x, y, warmup=2)
     # The process and the model survive the refused capture: a captured step still works afterwards.
     run = capture_step(step, x, y, warmup=1)
@@ -51,8 +65,46 @@ def check_uncapturable_optimizer_refused() -> bool:
     model = build(3, dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # capturable=False
     x, y = batches(1, 1, dev, seed=4)[0]
-    with pytest.raises(CaptureError, match=r"could not capture the step.*capturable"):
+    with pytest.raises(CaptureError, match=r"could not capture the step.*capturable.*an optimizer built without "
+                                           r"capturable=True: build it with capturable=True"):
         capture_step(make_step(model, opt), x, y, warmup=1)
+    return True
+
+
+def check_host_tensor_refused() -> bool:
+    """A tensor made on the host inside the step and copied to the GPU: the copy waits for the host."""
+    dev = _gpu()
+    model = build(3, dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+    step = make_step(model, opt)
+
+    def host_tensor_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        shift = torch.ones(x.shape[-1]).to(x.device)  # made on the host every step
+        return step(x + shift, y)
+
+    x, y = batches(1, 1, dev, seed=4)[0]
+    with pytest.raises(CaptureError, match=r"in host_tensor_step \(`shift = torch.ones\(x.shape\[-1\]\).to\(x.device\)"
+                                           r".*a tensor made on the host and copied to the GPU.*device="):
+        capture_step(host_tensor_step, x, y, warmup=1)
+    return True
+
+
+def check_branch_refused() -> bool:
+    """A data-dependent branch: Python reads a tensor's value to decide."""
+    dev = _gpu()
+    model = build(3, dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+    step = make_step(model, opt)
+
+    def branching_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if x.abs().max() > 1e6:  # skip absurd batches
+            return x.sum()
+        return step(x, y)
+
+    x, y = batches(1, 1, dev, seed=4)[0]
+    with pytest.raises(CaptureError, match=r"in branching_step \(`if x.abs\(\).max\(\) > 1e6:.*data-dependent "
+                                           r"branch.*torch.where"):
+        capture_step(branching_step, x, y, warmup=1)
     return True
 
 
@@ -84,11 +136,122 @@ def test_captured_equals_eager_gpu(pool, cfg, micro):
 @pytest.mark.parametrize(
     "check",
     [check_contract_errors_gpu, check_host_sync_refused, check_uncapturable_optimizer_refused,
-     check_offload_refused_gpu],
+     check_offload_refused_gpu, check_host_tensor_refused, check_branch_refused],
     ids=lambda f: f.__name__.removeprefix("check_"),
 )
 def test_capture_errors_gpu(pool, check):
     assert pool.run(check) == [True] * WORLD
+
+
+# --------------------------------------------------------------------------------------------------
+# real training loops: many shapes, accumulation, dropout, the SFT example; the shared pool's memory
+# --------------------------------------------------------------------------------------------------
+
+
+def check_shapes_gpu(micro: int, bound: int, policy: str) -> dict:
+    return check_shapes_equal_eager(_gpu(), SHAPES, micro, bound, policy)
+
+
+@pytest.mark.parametrize(("micro", "bound", "policy"), [(1, 8, "error"), (4, 2, "evict")],
+                         ids=["kept", "accumulate4-evict"])
+def test_many_shapes_equal_eager_gpu(pool, micro, bound, policy):
+    out = pool.run(check_shapes_gpu, micro, bound, policy)
+    for o in out:
+        assert o["graphs"] == min(bound, 4) and o["graph_pool"] > 0 and o["captured_peak"] > 0
+
+
+def check_accumulation_gpu(k: int) -> bool:
+    return check_accumulation_equals_eager(_gpu(), k)
+
+
+def test_accumulation_inside_the_graph_gpu(pool):
+    assert pool.run(check_accumulation_gpu, 4) == [True] * WORLD
+
+
+def check_dropout_gpu() -> bool:
+    return check_dropout_equals_eager(_gpu())
+
+
+def test_dropout_equals_eager_gpu(pool):
+    """torch.cuda.graph registers the default CUDA generator: each replay advances its philox offset by what the
+    captured step draws, as the eager step does, so the captured loop draws the eager loop's masks."""
+    assert pool.run(check_dropout_gpu) == [True] * WORLD
+
+
+def check_sft_gpu() -> dict:
+    return check_sft_example(_gpu(), 12)
+
+
+def test_sft_example_captured_equals_eager_gpu(pool):
+    pytest.importorskip("transformers")
+    out = pool.run(check_sft_gpu)
+    for o in out:
+        assert o["captured"] == o["eager"] and len(o["eager"]) == 12
+        assert sorted(sig[0][0][1] for sig in o["signatures"]) == [16, 32, 48, 64]
+
+
+WIDE = 1024
+POOL_TOKENS = [8192, 1024, 4096, 2048]  # the largest first, then any order
+
+
+class Wide(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDE)
+        self.up = nn.Linear(WIDE, 4 * WIDE)
+        self.down = nn.Linear(4 * WIDE, WIDE)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+def _pool_run(tokens: list[int]) -> dict[str, int]:
+    """Train with a graph per entry of ``tokens`` (in that order, then every one again), and measure: the shared
+    pool, the highest capture peak, and what the device keeps reserved with every graph alive."""
+    dev = _gpu()
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(FSDP(Wide().to(dev)), FSDP(Wide().to(dev)), nn.Linear(WIDE, 5).to(dev)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True, fused=True)
+    data = [(torch.randn(1, t, WIDE, device=dev), torch.randint(0, 5, (1, t), device=dev)) for t in tokens]
+    run = capture_step(make_step(model, opt), *data[0], warmup=2)
+    for batch in data[1:] + data:
+        run(*batch)
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    out = {"pool": run.graph_pool_bytes, "peak": run.captured_peak_bytes,
+           "reserved": torch.cuda.memory_reserved() - before, "graphs": len(run.signatures)}
+    run.close()
+    del run, model, opt, data
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def check_pool_memory() -> dict:
+    single = _pool_run(POOL_TOKENS[:1])
+    largest_first = _pool_run(POOL_TOKENS)
+    smallest_first = _pool_run(sorted(POOL_TOKENS))
+    alone = [_pool_run([t])["pool"] for t in POOL_TOKENS]
+    return {"single": single, "largest_first": largest_first, "smallest_first": smallest_first, "alone": alone}
+
+
+def test_graphs_share_one_pool_gpu(pool):
+    """4 graphs (1K-8K tokens) in one pool against one graph of the largest shape: the largest first, the pool
+    and what the device keeps reserved stay within 1.1x; in any order the peak does, and the pool stays below
+    what separate pools would hold (their sum)."""
+    for rank, m in enumerate(pool.run(check_pool_memory)):
+        single, first, last = m["single"], m["largest_first"], m["smallest_first"]
+        mib = {k: {n: v / 2**20 for n, v in d.items()} for k, d in m.items() if isinstance(d, dict)}
+        print(f"rank {rank}: MiB {mib}, pools alone {[a / 2**20 for a in m['alone']]}")
+        assert first["graphs"] == last["graphs"] == 4 and single["graphs"] == 1
+        assert first["pool"] <= 1.1 * single["pool"], mib
+        assert first["reserved"] <= 1.1 * single["reserved"], mib
+        assert first["peak"] <= 1.1 * single["peak"] and last["peak"] <= 1.1 * single["peak"], mib
+        assert last["pool"] < sum(m["alone"]), (mib, m["alone"])
 
 
 def test_no_host_sync_in_replay(pool):
