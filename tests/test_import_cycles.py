@@ -17,8 +17,8 @@ How an import becomes edges of the module graph (importer -> imported):
   ``__init__`` that imports its submodules is not a cycle, as long as the submodules do not import the
   package back.
 - Importing the package back *explicitly* is an edge, even from inside it: ``from shardfuse.sharding import
-  FullyShardedDataParallel`` in ``shardfuse/sharding/_optim_state.py`` reads a name that only exists once
-  ``shardfuse/sharding/__init__.py`` got far enough, and that ``__init__`` imports ``_optim_state``'s
+  FullyShardedDataParallel`` in ``shardfuse/sharding/checkpoint/_optim_state.py`` reads a name that only exists once
+  ``shardfuse/sharding/checkpoint/__init__.py`` got far enough, and that ``__init__`` imports ``_optim_state``'s
   importers: a cycle through ``__init__`` (import the name from its defining submodule instead). But
   ``from shardfuse.sharding import _collectives`` names a submodule and goes straight to it: no cycle.
 - A module importing itself is a cycle of one.
@@ -256,7 +256,7 @@ def test_the_graph_sees_the_repository(repo_graph: tuple[dict[str, Module], dict
     assert "bench.results_io" in graph["bench.regress"] and "bench.results_io" in graph["bench.report"]
     assert "bench.regress" in graph["bench.report"]  # the lazy import inside main() is seen
     assert "bench.report" not in graph["bench.regress"]  # ... and the cycle it formed is gone
-    assert "shardfuse.sharding" not in graph["shardfuse.sharding._collectives"]
+    assert "shardfuse.sharding" not in graph["shardfuse.sharding.core._collectives"]
 
 
 # ------------------------------------------------------------------------------------------------ the detector

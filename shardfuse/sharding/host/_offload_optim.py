@@ -14,12 +14,15 @@ import torch
 from torch import nn
 
 from shardfuse._torch_private import foreach_mul_, foreach_norm
-from shardfuse.sharding import _collectives as coll
-from shardfuse.sharding import _ssd
-from shardfuse.sharding._flat_param import FlatParamHandle
-from shardfuse.sharding._grad_reduce import clip_grad_norm
-from shardfuse.sharding._host_shard import HostShard
-from shardfuse.sharding._host_step import (
+from shardfuse.sharding.core import _collectives as coll
+from shardfuse.sharding.core._flat_param import FlatParamHandle
+from shardfuse.sharding.core._grad_reduce import clip_grad_norm
+from shardfuse.sharding.core._registry import handle_of
+from shardfuse.sharding.core._root import lazy_init
+from shardfuse.sharding.core._runtime import Unit
+from shardfuse.sharding.core._tree import units_below
+from shardfuse.sharding.host._host_shard import HostShard
+from shardfuse.sharding.host._host_step import (
     PER_ELEMENT_OPTIMIZERS,
     ShardPlan,
     StepWorker,
@@ -30,11 +33,8 @@ from shardfuse.sharding._host_step import (
     settings_of,
     step_plan,
 )
-from shardfuse.sharding._host_trace import HostTrace
-from shardfuse.sharding._registry import handle_of
-from shardfuse.sharding._root import lazy_init
-from shardfuse.sharding._runtime import Unit
-from shardfuse.sharding._tree import units_below
+from shardfuse.sharding.host._host_trace import HostTrace
+from shardfuse.sharding.ssd import _ssd
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from typing import Any, Generic, TypeVar, overload
 import torch
 
 from shardfuse._logging import warn_once
-from shardfuse.sharding import _collectives as coll
-from shardfuse.sharding import _data_path as dp
-from shardfuse.sharding._ssd_config import OffloadConfig, as_offload_config, check_ssd_dir
+from shardfuse.sharding.core import _collectives as coll
+from shardfuse.sharding.core import _data_path as dp
+from shardfuse.sharding.ssd._ssd_config import OffloadConfig, as_offload_config, check_ssd_dir
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ Where the data of an SSD-backed flat parameter is, at each phase of a step:
 - optimizer step (an ``OffloadOptimizer`` task on its worker thread, or a plain optimizer's ``step()``): a
   process-wide optimizer step pre-hook pages in the parameters (and state) the optimizer holds, the post-hook
   writes them behind and gives the memory back when the writes are done;
-- gradients stay in the pinned host buffers of :class:`~shardfuse.sharding._host_shard.HostShard`.
+- gradients stay in the pinned host buffers of :class:`~shardfuse.sharding.host._host_shard.HostShard`.
 
 Read-ahead: two learned sequences (:class:`OrderLearner`), the gathers and the optimizer steps, each remembering
 which ``read_ahead`` shards followed a pair of shards last time: after the first step the gathers read ahead in
@@ -35,13 +35,13 @@ from typing import Any
 
 import torch
 
-from shardfuse.sharding import _process_hooks
-from shardfuse.sharding._flat_param import FlatParamHandle
-from shardfuse.sharding._host_shard import HostShard
-from shardfuse.sharding._registry import handle_of
-from shardfuse.sharding._ssd_config import OffloadConfig
-from shardfuse.sharding._ssd_keep import Keep, OrderLearner
-from shardfuse.sharding._ssd_store import IOOp, SsdStore, TensorFile, store_for
+from shardfuse.sharding.core import _process_hooks
+from shardfuse.sharding.core._flat_param import FlatParamHandle
+from shardfuse.sharding.core._registry import handle_of
+from shardfuse.sharding.host._host_shard import HostShard
+from shardfuse.sharding.ssd._ssd_config import OffloadConfig
+from shardfuse.sharding.ssd._ssd_keep import Keep, OrderLearner
+from shardfuse.sharding.ssd._ssd_store import IOOp, SsdStore, TensorFile, store_for
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """``OffloadConfig``: FairScale's setting of the SSD offload tier, and its rules.
 
-A field of :class:`~shardfuse.sharding._config.OffloadPolicy` (``offload_config=``, the wrapper's keyword); it
+A field of :class:`~shardfuse.sharding.core._config.OffloadPolicy` (``offload_config=``, the wrapper's keyword); it
 lives in a module of its own only to keep ``_config.py`` within the size limit. Every rule about it is here: the
 offload types, the directory (exists, is a directory, is writable), and the bounds of its tuning fields.
 """

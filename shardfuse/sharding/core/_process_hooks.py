@@ -4,7 +4,7 @@ them (why each exists, how to turn it off) and tests/sharding/test_process_hooks
 Optimizers are built after the model is wrapped, so a wrapper cannot attach hooks to them: what must act on the
 user's optimizers, or on ``torch.nn.utils.clip_grad_norm_`` as third-party training loops call it, is process-wide.
 What can be attached to the optimizer it serves is attached there instead (``OffloadOptimizer``'s own per-shard
-optimizers carry their version hook, see ``shardfuse.sharding._host_step``).
+optimizers carry their version hook, see ``shardfuse.sharding.host._host_step``).
 
 Switchable (:data:`SWITCHABLE`), installed at the first wrap unless turned off:
 
@@ -39,9 +39,9 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from shardfuse import _versions
-from shardfuse.sharding._grad_reduce import global_grad_norm
-from shardfuse.sharding._registry import FLATTENED_MARK, SHARD_MARK_ATTR, SHARD_MARK_KEY, handle_of
-from shardfuse.sharding._resume_guard import refuse_fresh_state_after_load
+from shardfuse.sharding.checkpoint._resume_guard import refuse_fresh_state_after_load
+from shardfuse.sharding.core._grad_reduce import global_grad_norm
+from shardfuse.sharding.core._registry import FLATTENED_MARK, SHARD_MARK_ATTR, SHARD_MARK_KEY, handle_of
 
 logger = logging.getLogger(__name__)
 
