@@ -19,7 +19,7 @@ from torch import nn
 
 from shardfuse._lazy_disable import disabled_on_first_use
 from shardfuse._profiling import profiled
-from shardfuse.sharding.checkpoint import _dcp, _optim_state, _state_dict
+from shardfuse.sharding.checkpoint import _dcp, _optim_state, _resume_guard, _state_dict
 from shardfuse.sharding.checkpoint._dcp_guard import torch_dsd_fqn_modifiers
 from shardfuse.sharding.checkpoint._summon import own_params_gathered, summon_full_params
 from shardfuse.sharding.core import _process_hooks
@@ -137,7 +137,7 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
                     u.is_root = False
             if not config.params.allow_reset_parameters:
                 guard_reset_parameters(module)
-            _process_hooks.install()
+            _process_hooks.install(_resume_guard.refuse_fresh_state_after_load)
             _process_hooks.require_fused_versions()  # a fused optimizer's updates must change the version counters
 
     # ----------------------------------------------------------------------------------------------
