@@ -47,7 +47,7 @@ from shardfuse.sharding.core._setup import (
 from shardfuse.sharding.core._state import TrainingState, check_state
 from shardfuse.sharding.core._tree import clean_key, unit_of, units_below
 from shardfuse.sharding.host._offload_optim import detach_host_engine, engine_of, finish_host_steps, settle
-from shardfuse.sharding.ssd import _ssd
+from shardfuse.sharding.ssd import _ssd, _ssd_config
 
 __all__ = ["FullyShardedDataParallel", "ShardingStrategy", "TrainingState"]
 
@@ -104,7 +104,7 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
             super().__init__()
             take_module(module)
             groups = resolve(process_group, process_group_reduce_scatter, device_mesh, sharding_strategy)
-            config = make_config(groups.world_size, options, groups.total_world)
+            config = make_config(groups.world_size, options, groups.total_world, _ssd_config.settle)
             materialize_meta(module, shard_device(config, groups, None), param_init_fn)
             if config.params.sync_module_states:
                 broadcast_own_states(module, groups)
