@@ -38,6 +38,7 @@ import torch
 from shardfuse.sharding.core import _process_hooks
 from shardfuse.sharding.core._flat_param import FlatParamHandle
 from shardfuse.sharding.core._registry import handle_of
+from shardfuse.sharding.host import _backing
 from shardfuse.sharding.host._host_shard import HostShard
 from shardfuse.sharding.ssd._ssd_config import OffloadConfig
 from shardfuse.sharding.ssd._ssd_keep import Keep, OrderLearner
@@ -433,6 +434,7 @@ def attach(handles: Iterable[FlatParamHandle], config: OffloadConfig, unit_name:
     """Wrap time: move each CPU shard of ``handles`` into its file and give it its file-backed host shard."""
     tier = tier_for(config)
     _install_step_hooks()
+    _backing.register(BACKING)
     for i, h in enumerate(handles):
         if h.flat.device.type != "cpu" or h.host is not None:
             continue
@@ -578,13 +580,20 @@ def _hook_state_dict(optimizer: torch.optim.Optimizer) -> None:
         _hooked_optimizers.add(optimizer)
 
 
-def page_in_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """``OffloadOptimizer.state_dict()``: the user's optimizer's state of SSD-backed shards, read in."""
-    _page_in_state(optimizer)
-
-
 def _install_step_hooks() -> None:
     """Once per process: the optimizer step hooks that page SSD-backed shards in and out around any step, installed
     where every process-wide hook is (``_process_hooks``, after the hook that counts a fused optimizer's writes).
     Not subject to ``set_process_hooks(False)``: without them an SSD-backed model cannot be stepped at all."""
     _process_hooks.require_step_hooks("ssd_step_hooks", _pre_step, _post_step)
+
+
+class SsdBacking:  # the SSD tier as the host tier's host._backing.BackingStore; attach() registers it
+    host_of = staticmethod(ssd_host)
+    release = staticmethod(host_after_engine)
+    leave = staticmethod(leave_tier)
+    page_in = staticmethod(page_in_tree)
+    page_in_optimizer_state = staticmethod(_page_in_state)  # OffloadOptimizer.state_dict(): the state, read in
+    main_waits = staticmethod(main_waits)
+
+
+BACKING = SsdBacking()
