@@ -18,7 +18,7 @@ How an import becomes edges of the module graph (importer -> imported):
   package back.
 - Importing the package back *explicitly* is an edge, even from inside it: ``from shardfuse.sharding import
   FullyShardedDataParallel`` in ``shardfuse/sharding/checkpoint/_optim_state.py`` reads a name that only exists once
-  ``shardfuse/sharding/checkpoint/__init__.py`` got far enough, and that ``__init__`` imports ``_optim_state``'s
+  ``shardfuse/sharding/__init__.py`` got far enough, and that ``__init__`` imports ``_optim_state``'s
   importers: a cycle through ``__init__`` (import the name from its defining submodule instead). But
   ``from shardfuse.sharding import _collectives`` names a submodule and goes straight to it: no cycle.
 - A module importing itself is a cycle of one.
