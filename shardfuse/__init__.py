@@ -30,13 +30,14 @@ from shardfuse.sharding import (
 )
 
 if TYPE_CHECKING:
-    from shardfuse.sharding._dcp_load import SafeFileSystemReader, SafeLoadPlanner
+    from shardfuse.sharding.checkpoint._dcp_load import SafeFileSystemReader, SafeLoadPlanner
 
 __version__ = "0.1.0"
 
 # Names whose modules load heavy parts of torch (``torch.distributed.checkpoint``): imported on first use, so
 # ``import shardfuse`` stays light (tests/test_import_light.py).
-_LAZY = {"SafeFileSystemReader": "shardfuse.sharding._dcp_load", "SafeLoadPlanner": "shardfuse.sharding._dcp_load"}
+_LAZY = {"SafeFileSystemReader": "shardfuse.sharding.checkpoint._dcp_load",
+         "SafeLoadPlanner": "shardfuse.sharding.checkpoint._dcp_load"}
 
 
 def __getattr__(name: str) -> object:

@@ -1,7 +1,7 @@
 """The private torch functions the host tier calls, behind one capability check, each with a public fallback.
 
-torch's underscore functions carry no compatibility promise. The host tier (``sharding/_host_*``,
-``sharding/_offload_optim``) calls them only through this module:
+torch's underscore functions carry no compatibility promise. The host tier (``sharding/host/``,
+``sharding/host/_offload_optim``) calls them only through this module:
 
 - ``torch._fused_adam_`` / ``torch._fused_adamw_``: the kernel ``torch.optim.Adam(W)(fused=True)`` runs, called
   chunk by chunk by ``_host_fused`` so scaling, update and compute copy share one cache-sized pass.
@@ -37,10 +37,10 @@ OTHER_PRIVATE_USES: dict[tuple[str, str], str] = {
     ("kernels/_chunk_cat.py", "_chunk_cat"): "torch's own chunk-cat, measured faster for many small CUDA tensors",
     ("kernels/_cast_multi.py", "_foreach_copy_"): "torch's multi-tensor copy, measured faster for many tensors",
     ("kernels/_common.py", "_C"): "the raw current CUDA stream for Triton launches",
-    ("sharding/_runtime.py", "_C"): "whether the autograd engine is running a backward",
-    ("sharding/_flat_param.py", "_utils"): "pickling a parameter view as torch pickles parameters",
-    ("sharding/_grad_reduce.py", "_foreach_norm"): "the global gradient norm, as torch.nn.utils computes it",
-    ("sharding/_grad_reduce.py", "_foreach_mul_"): "scaling gradients by the clip coefficient",
+    ("sharding/core/_runtime.py", "_C"): "whether the autograd engine is running a backward",
+    ("sharding/core/_flat_param.py", "_utils"): "pickling a parameter view as torch pickles parameters",
+    ("sharding/core/_grad_reduce.py", "_foreach_norm"): "the global gradient norm, as torch.nn.utils computes it",
+    ("sharding/core/_grad_reduce.py", "_foreach_mul_"): "scaling gradients by the clip coefficient",
 }
 
 _USE_COUNT: Callable[[int], int] | None = getattr(getattr(torch, "_C", None), "_storage_Use_Count", None)

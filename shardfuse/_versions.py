@@ -10,7 +10,7 @@ in place without bumping their counters, so without this module their updates wo
 :func:`fused_step_post_hook` bumps the counters of what a fused optimizer step wrote (every parameter of its
 ``fused=True`` groups and their tensor state). Where shardfuse builds the optimizer itself it attaches the hook to
 it (:func:`hook_optimizer`); the user's optimizers, built after wrapping, get it from one global post-hook that
-``shardfuse.sharding._process_hooks.require_fused_versions`` installs (the one place for process-wide hooks; it
+``shardfuse.sharding.core._process_hooks.require_fused_versions`` installs (the one place for process-wide hooks; it
 skips hooked optimizers). Code that calls the fused kernels itself calls :func:`mark_updated`.
 """
 

@@ -78,9 +78,10 @@ def constructions() -> list[tuple[str, str, str, int]]:
 
 def test_the_scan_finds_the_host_tier() -> None:
     names = {(rel, name) for rel, name, _, _ in constructions()}
-    for want in [("sharding/_host_step.py", "StepWorker._cond"), ("sharding/_host_step.py", "StepWorker._thread"),
-                 ("sharding/_offload_optim.py", "OffloadOptimizer._lock"),
-                 ("sharding/_host_shard.py", "UpdateLifecycle.settled")]:
+    for want in [("sharding/host/_host_step.py", "StepWorker._cond"),
+                 ("sharding/host/_host_step.py", "StepWorker._thread"),
+                 ("sharding/host/_offload_optim.py", "OffloadOptimizer._lock"),
+                 ("sharding/host/_host_shard.py", "UpdateLifecycle.settled")]:
         assert want in names, f"the scan missed {want}: {sorted(names)}"
 
 
@@ -88,7 +89,7 @@ def test_page_names_every_lock_and_thread() -> None:
     page = PAGE.read_text()
     ssd_written = SSD_HEADING in page
     missing = [(rel, name, kind, line) for rel, name, kind, line in constructions()
-               if f"`{rel}: {name}`" not in page and (ssd_written or not rel.startswith("sharding/_ssd"))]
+               if f"`{rel}: {name}`" not in page and (ssd_written or not rel.startswith("sharding/ssd/"))]
     assert not missing, "docs/concurrency.md does not name:\n" + "\n".join(
         f"  shardfuse/{rel}:{line} constructs a {kind}: add the line\n"
         f"    - `{rel}: {name}` — <which threads take it, what it guards, what it may take while held>\n"

@@ -17,7 +17,7 @@ How an import becomes edges of the module graph (importer -> imported):
   ``__init__`` that imports its submodules is not a cycle, as long as the submodules do not import the
   package back.
 - Importing the package back *explicitly* is an edge, even from inside it: ``from shardfuse.sharding import
-  FullyShardedDataParallel`` in ``shardfuse/sharding/_optim_state.py`` reads a name that only exists once
+  FullyShardedDataParallel`` in ``shardfuse/sharding/checkpoint/_optim_state.py`` reads a name that only exists once
   ``shardfuse/sharding/__init__.py`` got far enough, and that ``__init__`` imports ``_optim_state``'s
   importers: a cycle through ``__init__`` (import the name from its defining submodule instead). But
   ``from shardfuse.sharding import _collectives`` names a submodule and goes straight to it: no cycle.
@@ -25,6 +25,12 @@ How an import becomes edges of the module graph (importer -> imported):
 
 The test fails with one cycle path per strongly connected component (with the file and line of every import
 on it), checked per root, so a cycle inside one root does not fail the others' tests.
+
+Beyond cycles, the parts of ``shardfuse.sharding`` import one way (:data:`ALLOWED`): ``core`` imports no other
+part, ``host`` and ``checkpoint`` import the core, ``ssd`` the core and the host tier, and the face
+(``shardfuse/sharding/__init__.py``, ``_fully_sharded.py``, ``_wrap.py``) any part; nothing imports the face back.
+Every import statement counts here as above (lazy, ``TYPE_CHECKING``); an edge the table does not allow fails
+with the importing module, its file and line, the imported module and the rule.
 """
 
 from __future__ import annotations
@@ -256,7 +262,107 @@ def test_the_graph_sees_the_repository(repo_graph: tuple[dict[str, Module], dict
     assert "bench.results_io" in graph["bench.regress"] and "bench.results_io" in graph["bench.report"]
     assert "bench.regress" in graph["bench.report"]  # the lazy import inside main() is seen
     assert "bench.report" not in graph["bench.regress"]  # ... and the cycle it formed is gone
-    assert "shardfuse.sharding" not in graph["shardfuse.sharding._collectives"]
+    assert "shardfuse.sharding" not in graph["shardfuse.sharding.core._collectives"]
+    assert "shardfuse.sharding.core._flat_param" in graph["shardfuse.sharding.host._host_step"]
+    assert "shardfuse.sharding.host._host_shard" in graph["shardfuse.sharding.ssd._ssd_shard"]
+
+
+# ------------------------------------------------------------------------------------------------ sharding's parts
+
+SHARDING = "shardfuse.sharding"
+FACE = "face"  # shardfuse/sharding/__init__.py, _fully_sharded.py, _wrap.py: the public names on top
+# The sub-packages of shardfuse/sharding/, each with its one job (see its __init__.py).
+PARTS = ("core", "host", "ssd", "checkpoint")
+# Which part may import which (besides itself); any other edge between two parts fails.
+ALLOWED: dict[str, frozenset[str]] = {
+    "core": frozenset(),
+    "host": frozenset({"core"}),
+    "checkpoint": frozenset({"core"}),
+    "ssd": frozenset({"core", "host"}),
+    FACE: frozenset({"core", "host", "ssd", "checkpoint"}),
+}
+RULES = {
+    "core": "the core knows no part above it: the host tier only through core/_host_protocol.HostSide, the SSD "
+            "settings as the opaque core/_config.TierSettings, the checkpoint's resume guard as a callable "
+            "handed to _process_hooks.install()",
+    "host": "the host tier builds on the core only; a store below host memory (the SSD tier) reaches it through "
+            "host/_backing.BackingStore, which that store implements and registers",
+    "checkpoint": "the checkpoint layer reads and writes the core's shards; it imports no tier and not the face",
+    "ssd": "the SSD tier is a backing store for the host tier's shards: it may import the core and the host tier "
+           "(HostShard, host/_backing), not the checkpoint layer or the face",
+    FACE: "the face sits on top and may import every part",
+}
+
+
+def part_of(module: str) -> str | None:
+    """The part of ``shardfuse.sharding`` a module belongs to (None outside it)."""
+    if module == SHARDING:
+        return FACE
+    if not module.startswith(SHARDING + "."):
+        return None
+    head = module[len(SHARDING) + 1:].split(".")[0]
+    return head if head in PARTS else FACE
+
+
+def layering_violations(modules: dict[str, Module], graph: dict[str, dict[str, Edge]]) -> list[str]:
+    """One line per import between two parts of ``shardfuse.sharding`` that :data:`ALLOWED` does not allow.
+
+    Implicit edges (a parent ``__init__`` run on the way) are left out: each comes with the explicit import of a
+    module of the same part, which is reported instead."""
+    out = []
+    for importer in sorted(graph):
+        src = part_of(importer)
+        if src is None:
+            continue
+        for target, edge in sorted(graph[importer].items()):
+            dst = part_of(target)
+            if edge.implicit or dst is None or dst == src or dst in ALLOWED[src]:
+                continue
+            may = ", ".join(sorted(ALLOWED[src])) or "no other part"
+            out.append(f"{importer} ({modules[importer].rel}:{edge.lineno}: {edge.statement}) imports {target}: "
+                       f"{src} -> {dst} is not allowed ({src} may import {may}; rule: {RULES[src]})")
+    return out
+
+
+def test_sharding_parts_import_one_way(repo_graph: tuple[dict[str, Module], dict[str, dict[str, Edge]]]) -> None:
+    modules, graph = repo_graph
+    found = layering_violations(modules, graph)
+    assert not found, "imports against the layering of shardfuse.sharding:\n" + "\n".join(found)
+
+
+def test_every_sharding_subpackage_has_a_rule() -> None:
+    subs = sorted(p.parent.name for p in (REPO / "shardfuse" / "sharding").glob("*/__init__.py"))
+    assert subs == sorted(PARTS), (
+        f"shardfuse/sharding/ has sub-packages {subs}, the layering table knows {sorted(PARTS)}: give each new "
+        f"sub-package a row in ALLOWED and RULES (tests/test_import_cycles.py)")
+    for part in PARTS:
+        doc = ast.get_docstring(ast.parse((REPO / "shardfuse" / "sharding" / part / "__init__.py").read_text()))
+        assert doc, f"shardfuse/sharding/{part}/__init__.py needs a docstring saying the sub-package's one job"
+
+
+def test_detects_an_edge_against_the_layering(tmp_path: Path) -> None:
+    _tree(tmp_path, {
+        "shardfuse/__init__.py": "",
+        "shardfuse/sharding/__init__.py": "from shardfuse.sharding._face import F\n",
+        "shardfuse/sharding/_face.py": "from shardfuse.sharding.ssd.s import S\nclass F: ...\n",
+        "shardfuse/sharding/core/__init__.py": "",
+        "shardfuse/sharding/core/c.py": "def f():\n    from shardfuse.sharding.checkpoint import k  # lazy\n",
+        "shardfuse/sharding/host/__init__.py": "",
+        "shardfuse/sharding/host/h.py": "from shardfuse.sharding.core import c\n",
+        "shardfuse/sharding/ssd/__init__.py": "",
+        "shardfuse/sharding/ssd/s.py": "from shardfuse.sharding.host.h import x\nclass S: ...\n",
+        "shardfuse/sharding/checkpoint/__init__.py": "",
+        "shardfuse/sharding/checkpoint/k.py": "from shardfuse.sharding import F\n",
+    })  # fmt: skip
+    modules, graph = module_graph(tmp_path, ("shardfuse",))
+    found = layering_violations(modules, graph)
+    assert len(found) == 2, found  # host -> core, ssd -> host and face -> ssd are allowed
+    from_ckpt, from_core = sorted(found)
+    assert from_ckpt.startswith("shardfuse.sharding.checkpoint.k (shardfuse/sharding/checkpoint/k.py:1: from "), found
+    assert "imports shardfuse.sharding: checkpoint -> face is not allowed (checkpoint may import core;" in from_ckpt
+    assert from_core.startswith("shardfuse.sharding.core.c (shardfuse/sharding/core/c.py:2: from shardfuse.sharding."
+                           "checkpoint import k  # lazy) imports shardfuse.sharding.checkpoint.k: core -> "
+                           "checkpoint is not allowed (core may import no other part; rule: the core knows"), found
 
 
 # ------------------------------------------------------------------------------------------------ the detector

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shardfuse import _torch_private
-from shardfuse.sharding._host_fused import ALIGN, step_in_chunks
+from shardfuse.sharding.host._host_fused import ALIGN, step_in_chunks
 
 ROOT = Path(_torch_private.__file__).resolve().parent
 

@@ -248,7 +248,7 @@ def profiled_step(trainer: Trainer, job: Job, device: torch.device, data: list[t
 
 def _ssd_io_bytes() -> tuple[int, int] | None:
     try:
-        from shardfuse.sharding._ssd_store import io_bytes
+        from shardfuse.sharding.ssd._ssd_store import io_bytes
     except ImportError:
         return None
     return io_bytes()

@@ -310,7 +310,7 @@ def ssd_io_mode(directory: str) -> str:
     """How the SSD store under ``directory`` reads and writes its files (``direct``, ``buffered``, or buffered
     because the file system refused ``O_DIRECT``, and why); ``buffered`` in a shardfuse without ``direct_io``."""
     try:
-        from shardfuse.sharding._ssd_store import io_modes
+        from shardfuse.sharding.ssd._ssd_store import io_modes
     except ImportError:
         return "buffered"
     root = os.path.abspath(directory)

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from bench.common import env_info
-from shardfuse.sharding import _host_fused
-from shardfuse.sharding._host_shard import host_buffer
+from shardfuse.sharding.host import _host_fused
+from shardfuse.sharding.host._host_shard import host_buffer
 
 
 def _shards(params: float, shards: int, pinned: bool = False) -> list[tuple[torch.Tensor, torch.optim.Optimizer,

@@ -24,7 +24,7 @@ from shardfuse.offload._engine import Engine, GradBuffers, Loaded, Phase, Stashe
 from shardfuse.offload._function import BlockCall, apply_block
 from shardfuse.offload._microbatch import Packed
 from shardfuse.offload._slices import Slice, partition
-from shardfuse.sharding import _process_hooks
+from shardfuse.sharding.core import _process_hooks
 
 logger = logging.getLogger(__name__)
 

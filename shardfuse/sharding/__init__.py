@@ -2,13 +2,7 @@
 
 from typing import TYPE_CHECKING
 
-from shardfuse.sharding._dcp_layout import UnsafeCheckpointError
 from shardfuse.sharding._fully_sharded import FullyShardedDataParallel
-from shardfuse.sharding._hybrid import ShardingStrategy
-from shardfuse.sharding._offload_optim import OffloadOptimizer
-from shardfuse.sharding._process_hooks import set_process_hooks
-from shardfuse.sharding._ssd_config import OffloadConfig
-from shardfuse.sharding._state import TrainingState
 from shardfuse.sharding._wrap import (
     ModuleClassWrapPolicy,
     auto_wrap,
@@ -20,15 +14,21 @@ from shardfuse.sharding._wrap import (
     transformer_auto_wrap_policy,
     wrap,
 )
+from shardfuse.sharding.checkpoint._dcp_layout import UnsafeCheckpointError
+from shardfuse.sharding.core._hybrid import ShardingStrategy
+from shardfuse.sharding.core._process_hooks import set_process_hooks
+from shardfuse.sharding.core._state import TrainingState
+from shardfuse.sharding.host._offload_optim import OffloadOptimizer
+from shardfuse.sharding.ssd._ssd_config import OffloadConfig
 
 if TYPE_CHECKING:
-    from shardfuse.sharding._dcp_load import SafeFileSystemReader, SafeLoadPlanner
+    from shardfuse.sharding.checkpoint._dcp_load import SafeFileSystemReader, SafeLoadPlanner
 
 
 def __getattr__(name: str) -> object:
     """The DCP reader and planner, imported on first use (their module loads ``torch.distributed.checkpoint``)."""
     if name in ("SafeFileSystemReader", "SafeLoadPlanner"):
-        from shardfuse.sharding import _dcp_load
+        from shardfuse.sharding.checkpoint import _dcp_load
 
         return getattr(_dcp_load, name)
     raise AttributeError(f"module 'shardfuse.sharding' has no attribute {name!r}")

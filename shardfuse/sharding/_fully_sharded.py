@@ -1,7 +1,7 @@
 """``FullyShardedDataParallel``: FairScale 0.4.13's ZeRO-3 wrapper on flat shards and shardfuse kernels.
 
 A thin public module: the keyword arguments become a frozen config (``_config.py``), the module's own
-parameters become flat shards (``_flat_param.py``), and a plain :class:`~shardfuse.sharding._runtime.Unit`
+parameters become flat shards (``_flat_param.py``), and a plain :class:`~shardfuse.sharding.core._runtime.Unit`
 carries the runtime state and the lifecycle of a training step (``_runtime.py``), initialised lazily by the
 root (``_root.py``). Summoning, state dicts and optimizer state live in their own modules.
 """
@@ -19,9 +19,12 @@ from torch import nn
 
 from shardfuse._lazy_disable import disabled_on_first_use
 from shardfuse._profiling import profiled
-from shardfuse.sharding import _dcp, _optim_state, _process_hooks, _ssd, _state_dict
-from shardfuse.sharding._arrival import arrive, collective_call
-from shardfuse.sharding._config import (
+from shardfuse.sharding.checkpoint import _dcp, _optim_state, _resume_guard, _state_dict
+from shardfuse.sharding.checkpoint._dcp_guard import torch_dsd_fqn_modifiers
+from shardfuse.sharding.checkpoint._summon import own_params_gathered, summon_full_params
+from shardfuse.sharding.core import _process_hooks
+from shardfuse.sharding.core._arrival import arrive, collective_call
+from shardfuse.sharding.core._config import (
     ConfigView,
     check_compute_dtype,
     make_config,
@@ -29,23 +32,22 @@ from shardfuse.sharding._config import (
     options_doc,
     shard_device,
 )
-from shardfuse.sharding._dcp_guard import torch_dsd_fqn_modifiers
-from shardfuse.sharding._flatten import flatten_own_params
-from shardfuse.sharding._grad_reduce import clip_grad_norm
-from shardfuse.sharding._hybrid import ShardingStrategy, refuse, resolve
-from shardfuse.sharding._offload_optim import detach_host_engine, engine_of, finish_host_steps, settle
-from shardfuse.sharding._registry import UNIT_ATTR, WRAPPED_MARK
-from shardfuse.sharding._root import apply_to_unit, lazy_init, reset_root, take_module
-from shardfuse.sharding._runtime import Unit
-from shardfuse.sharding._setup import (
+from shardfuse.sharding.core._flatten import flatten_own_params
+from shardfuse.sharding.core._grad_reduce import clip_grad_norm
+from shardfuse.sharding.core._hybrid import ShardingStrategy, refuse, resolve
+from shardfuse.sharding.core._registry import UNIT_ATTR, WRAPPED_MARK
+from shardfuse.sharding.core._root import apply_to_unit, lazy_init, reset_root, take_module
+from shardfuse.sharding.core._runtime import Unit
+from shardfuse.sharding.core._setup import (
     agree_on_initial_values,
     broadcast_own_states,
     guard_reset_parameters,
     materialize_meta,
 )
-from shardfuse.sharding._state import TrainingState, check_state
-from shardfuse.sharding._summon import own_params_gathered, summon_full_params
-from shardfuse.sharding._tree import clean_key, unit_of, units_below
+from shardfuse.sharding.core._state import TrainingState, check_state
+from shardfuse.sharding.core._tree import clean_key, unit_of, units_below
+from shardfuse.sharding.host._offload_optim import detach_host_engine, engine_of, finish_host_steps, settle
+from shardfuse.sharding.ssd import _ssd, _ssd_config
 
 __all__ = ["FullyShardedDataParallel", "ShardingStrategy", "TrainingState"]
 
@@ -69,7 +71,7 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
     first rank's parameters and buffers: ``sync_module_states=True`` broadcasts them; otherwise ranks are
     checked, and ranks that differ get the first rank's values with a warning. Every option is keyword-only and
     readable afterwards as an attribute of the same name; each belongs to one policy of
-    ``shardfuse.sharding._config`` (precision, offload, resharding, gradient, state dict, parameters).
+    ``shardfuse.sharding.core._config`` (precision, offload, resharding, gradient, state dict, parameters).
 
     Args:
         module: the module to wrap; its own parameters (not those of nested instances) are flattened per
@@ -102,7 +104,7 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
             super().__init__()
             take_module(module)
             groups = resolve(process_group, process_group_reduce_scatter, device_mesh, sharding_strategy)
-            config = make_config(groups.world_size, options, groups.total_world)
+            config = make_config(groups.world_size, options, groups.total_world, _ssd_config.settle)
             materialize_meta(module, shard_device(config, groups, None), param_init_fn)
             if config.params.sync_module_states:
                 broadcast_own_states(module, groups)
@@ -135,7 +137,7 @@ class FullyShardedDataParallel(nn.Module, ConfigView):
                     u.is_root = False
             if not config.params.allow_reset_parameters:
                 guard_reset_parameters(module)
-            _process_hooks.install()
+            _process_hooks.install(_resume_guard.refuse_fresh_state_after_load)
             _process_hooks.require_fused_versions()  # a fused optimizer's updates must change the version counters
 
     # ----------------------------------------------------------------------------------------------

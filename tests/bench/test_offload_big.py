@@ -179,7 +179,7 @@ def test_ssd_settings_direct_io_and_the_mode_recorded(tmp_path, monkeypatch) -> 
     """``BIG_SSD_DIRECT`` (default 1) reaches ``OffloadConfig(direct_io=)``; the row records the mode the store
     actually used (``direct`` on a file system that takes O_DIRECT, else buffered and why)."""
     from bench.offload import big_impls
-    from shardfuse.sharding import _ssd_direct, _ssd_store
+    from shardfuse.sharding.ssd import _ssd_direct, _ssd_store
 
     monkeypatch.delenv("BIG_SSD_DIRECT", raising=False)
     assert big_impls.ssd_settings()["ssd_direct_io"] is True

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardfuse import FullyShardedDataParallel as FSDP
-from shardfuse.sharding._arrival import ENV_TIMEOUT, arrive, collective_timeout_s
+from shardfuse.sharding.core._arrival import ENV_TIMEOUT, arrive, collective_timeout_s
 
 WORLD = 2
 TIMEOUT_S = 3

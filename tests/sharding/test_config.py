@@ -16,9 +16,9 @@ from torch import nn
 
 import shardfuse
 from shardfuse import FullyShardedDataParallel as FSDP
-from shardfuse.sharding import _process_hooks
-from shardfuse.sharding._config import OPTIONS, ConfigView, _Setting
-from shardfuse.sharding._step_state import HandleStep
+from shardfuse.sharding.core import _process_hooks
+from shardfuse.sharding.core._config import OPTIONS, ConfigView, _Setting
+from shardfuse.sharding.core._step_state import HandleStep
 
 LIVE = {"gradient_predivide_factor", "no_broadcast_optim_state"}  # read from the unit, not the frozen config
 

@@ -1,4 +1,4 @@
-"""The sharding layer's doorway to the kernels (shardfuse/sharding/_data_path.py): the kernels under their own
+"""The sharding layer's doorway to the kernels (shardfuse/sharding/core/_data_path.py): the kernels under their own
 names, trusted launches for the per-step calls, and the plan-time check that stands in for their checks."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from shardfuse.kernels import _cast, _flatten, _grad_divide
-from shardfuse.sharding import _data_path as dp
+from shardfuse.sharding.core import _data_path as dp
 
 
 def test_per_step_calls_are_the_trusted_launches_under_the_kernels_names():

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from shardfuse.sharding._host_fused import ALIGN, step_in_chunks
+from shardfuse.sharding.host._host_fused import ALIGN, step_in_chunks
 
 CASES = {
     "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),

@@ -13,8 +13,8 @@ from torch import nn
 
 from shardfuse import FullyShardedDataParallel as FSDP
 from shardfuse import OffloadOptimizer
-from shardfuse.sharding import _host_shard
-from shardfuse.sharding._host_shard import TRANSITIONS, HostShard, IllegalTransition, UpdateLifecycle, UpdateState
+from shardfuse.sharding.host import _host_shard
+from shardfuse.sharding.host._host_shard import TRANSITIONS, HostShard, IllegalTransition, UpdateLifecycle, UpdateState
 
 S = UpdateState
 

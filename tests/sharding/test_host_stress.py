@@ -21,8 +21,8 @@ from torch import nn
 
 from shardfuse import FullyShardedDataParallel as FSDP
 from shardfuse import OffloadConfig, OffloadOptimizer
-from shardfuse.sharding import _host_fused, _host_step
-from shardfuse.sharding._host_shard import HostShard
+from shardfuse.sharding.host import _host_fused, _host_step
+from shardfuse.sharding.host._host_shard import HostShard
 
 STEPS = 40
 MAX_DELAY_S = 0.002

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardfuse import FullyShardedDataParallel as FSDP
 from shardfuse import ShardingStrategy
-from shardfuse.sharding import _collectives as coll
+from shardfuse.sharding.core import _collectives as coll
 from tests.dist_pool import DistPool
 from tests.sharding._models import Net, batch, build, loss_fn
 

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from shardfuse import OffloadOptimizer
 from shardfuse.sharding import FullyShardedDataParallel as FSDP
-from shardfuse.sharding import _host_fused, _host_step
-from shardfuse.sharding._offload_optim import _make_resident
+from shardfuse.sharding.host import _host_fused, _host_step
+from shardfuse.sharding.host._offload_optim import _make_resident
 from tests.sharding._models import batch, build, loss_fn, make_optim, wrap_model
 
 WORLD = 2
@@ -226,7 +226,7 @@ def check_step_in_backward_waits_for_the_budget() -> bool:
 
 
 def _units(model: FSDP) -> list[Any]:
-    from shardfuse.sharding._tree import units_below
+    from shardfuse.sharding.core._tree import units_below
 
     return list(units_below(model._unit))
 
@@ -503,7 +503,7 @@ def test_dropping_the_model_and_optimizer_frees_them(pool):
 
 
 def test_choose_resident_counts_from_the_start():
-    from shardfuse.sharding._offload_optim import choose_resident
+    from shardfuse.sharding.host._offload_optim import choose_resident
 
     sizes = [10, 20, 30, 40]  # forward order: the first units stay resident
     assert choose_resident(sizes, budget_bytes=0, bytes_per_element=16) == 0
@@ -517,7 +517,7 @@ def test_choose_resident_counts_from_the_start():
 def test_step_worker_runs_the_smallest_key_first_and_rekeys():
     import threading
 
-    from shardfuse.sharding._host_step import StepWorker
+    from shardfuse.sharding.host._host_step import StepWorker
 
     worker = StepWorker(threads=None)
     gate, order = threading.Event(), []

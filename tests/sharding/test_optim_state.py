@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardfuse.sharding import FullyShardedDataParallel as FSDP
-from shardfuse.sharding._flat_param import SHARD_MARK_KEY
+from shardfuse.sharding.core._flat_param import SHARD_MARK_KEY
 from tests.sharding._models import divide_factors
 
 WORLD = 2
@@ -661,7 +661,7 @@ def test_same_state_value_compares_without_swallowing_errors():
     ``==`` propagates (it used to count as a match)."""
     import numpy as np
 
-    from shardfuse.sharding._optim_state import _same
+    from shardfuse.sharding.checkpoint._optim_state import _same
 
     t = torch.arange(3.0)
     assert _same([t, 1], [t.clone(), 1]) and not _same([t, 1], [t + 1, 1])

@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from shardfuse import FullyShardedDataParallel as FSDP
-from shardfuse.sharding._registry import handle_of
+from shardfuse.sharding.core._registry import handle_of
 from tests.sharding._models import batch, build
 
 WORLD = 2

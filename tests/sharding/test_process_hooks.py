@@ -21,8 +21,9 @@ from torch.optim import optimizer as torch_optimizer
 import shardfuse
 from shardfuse import FullyShardedDataParallel as FSDP
 from shardfuse import OffloadOptimizer, _versions
-from shardfuse.sharding import _offload_optim, _process_hooks
-from shardfuse.sharding._registry import SHARD_MARK_ATTR, SHARD_MARK_KEY
+from shardfuse.sharding.core import _process_hooks
+from shardfuse.sharding.core._registry import SHARD_MARK_ATTR, SHARD_MARK_KEY
+from shardfuse.sharding.host import _offload_optim
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "process-wide.md"
 
@@ -82,7 +83,8 @@ def test_only_process_hooks_registers_global_optimizer_hooks() -> None:
                  if p.name != "_process_hooks.py" and re.search(
                      r"register_optimizer_step_(pre|post)_hook|torch\.nn\.utils\.(clip_grad\.)?clip_grad_norm_ =",
                      p.read_text())]
-    assert not offenders, f"{offenders} install process-wide hooks: do it through shardfuse/sharding/_process_hooks.py"
+    assert not offenders, (f"{offenders} install process-wide hooks: do it through "
+                           "shardfuse/sharding/core/_process_hooks.py")
 
 
 def test_required_hooks_have_known_names() -> None:

@@ -24,8 +24,8 @@ from torch import nn
 
 from shardfuse import OffloadConfig, OffloadOptimizer
 from shardfuse.sharding import FullyShardedDataParallel as FSDP
-from shardfuse.sharding import _ssd_store
-from shardfuse.sharding._ssd import ssd_host
+from shardfuse.sharding.ssd import _ssd_store
+from shardfuse.sharding.ssd._ssd import ssd_host
 from tests.dist_pool import free_port
 from tests.sharding._models import batch, loss_fn, make_optim
 from tests.sharding.test_ssd_offload import _assert_same_model, _flat_handles, _Group, _train, _wrap
@@ -225,7 +225,7 @@ def test_a_reference_taken_while_readable_keeps_valid_memory(tmp_path, caplog):
     p = m._unit.handles[0].flat
     x = p.detach()
     before = x.clone()
-    with caplog.at_level(logging.WARNING, logger="shardfuse.sharding._ssd_page"):
+    with caplog.at_level(logging.WARNING, logger="shardfuse.sharding.ssd._ssd_page"):
         _step(m, opt, data[1])
         _flush(m)
     held, need = x.untyped_storage().nbytes(), x.numel() * 4  # (not in the assert: pytest would print x)

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from shardfuse import OffloadConfig, OffloadOptimizer
-from shardfuse.sharding import _ssd_direct, _ssd_store
-from shardfuse.sharding._ssd import ssd_host
+from shardfuse.sharding.ssd import _ssd_direct, _ssd_store
+from shardfuse.sharding.ssd._ssd import ssd_host
 from tests.sharding._models import batch, loss_fn, make_optim
 from tests.sharding.test_ssd_offload import _flat_handles, _wrap
 
@@ -128,7 +128,7 @@ def test_direct_io_round_trip(tmp_path, caplog):
     """``direct_io=True`` on tmp_path: O_DIRECT if its file system takes it, else the fallback, logged once; the
     bytes counted are the tensors' (not the padding)."""
     store = _ssd_store.SsdStore(str(tmp_path), threads=3, chunk_mb=1, rank=0, direct_io=True)
-    with caplog.at_level(logging.WARNING, logger="shardfuse.sharding._ssd_store"):
+    with caplog.at_level(logging.WARNING, logger="shardfuse.sharding.ssd._ssd_store"):
         _round_trips(store, direct=_ssd_direct.refusal(str(tmp_path)) is None)
     assert store.io_mode == "direct" or store.io_mode.startswith("buffered (O_DIRECT refused"), store.io_mode
     assert len([r for r in caplog.records if "direct_io" in r.getMessage()]) == (store.io_mode != "direct")
@@ -148,7 +148,7 @@ def test_direct_io_falls_back_where_o_direct_is_refused(tmp_path, monkeypatch, c
 
     monkeypatch.setattr(os, "open", no_direct)
     store = _ssd_store.SsdStore(str(tmp_path), threads=2, chunk_mb=1, rank=0, direct_io=True)
-    with caplog.at_level(logging.WARNING, logger="shardfuse.sharding._ssd_store"):
+    with caplog.at_level(logging.WARNING, logger="shardfuse.sharding.ssd._ssd_store"):
         _round_trips(store, direct=False)
     assert store.io_mode.startswith("buffered (O_DIRECT refused: opening a file with O_DIRECT failed")
     warned = [r.getMessage() for r in caplog.records if "direct_io" in r.getMessage()]

@@ -24,8 +24,8 @@ from torch import nn
 
 from shardfuse import OffloadConfig, OffloadOptimizer
 from shardfuse.sharding import FullyShardedDataParallel as FSDP
-from shardfuse.sharding import _ssd_store
-from shardfuse.sharding._ssd import ssd_host
+from shardfuse.sharding.ssd import _ssd_store
+from shardfuse.sharding.ssd._ssd import ssd_host
 from tests.sharding._models import batch, build, loss_fn, make_optim
 
 WORLD = 2
@@ -368,7 +368,7 @@ def test_store_reads_and_writes_in_parallel_chunks(tmp_path):
 def test_storages_that_cannot_be_evicted_are_copied_once():
     """``pin_memory()`` and numpy-shared storages cannot be resized, a view shares its storage: each gets a storage
     of its own with the same values (on a GPU machine, pinned by torch's caching host allocator)."""
-    from shardfuse.sharding._ssd import own_storage
+    from shardfuse.sharding.ssd._ssd import own_storage
 
     shared = torch.from_numpy(torch.randn(11).numpy())
     assert not shared.untyped_storage().resizable()

@@ -36,7 +36,7 @@ def _batches_on_gpu() -> Iterator[None]:
 
 def check_gpu(path: str, cfg: dict[str, Any]) -> bool:
     import tests.sharding.test_ssd_offload as t
-    from shardfuse.sharding._ssd import ssd_host
+    from shardfuse.sharding.ssd._ssd import ssd_host
 
     with _batches_on_gpu():
         assert t.check_same_as_plain(path, cfg)
@@ -68,7 +68,7 @@ def test_ssd_training_equals_in_memory_on_gpu(pool, tmp_path, cfg):
 
 
 def test_large_pinned_shard_round_trips(tmp_path):
-    from shardfuse.sharding import _ssd_store
+    from shardfuse.sharding.ssd import _ssd_store
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

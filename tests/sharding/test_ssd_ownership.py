@@ -17,8 +17,8 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from shardfuse import OffloadConfig, OffloadOptimizer, _versions
 from shardfuse.sharding import FullyShardedDataParallel as FSDP
-from shardfuse.sharding import _ssd
-from shardfuse.sharding._ssd import ssd_host
+from shardfuse.sharding.ssd import _ssd
+from shardfuse.sharding.ssd._ssd import ssd_host
 from tests.sharding.test_ssd_offload import _assert_same_model, _flat_handles, _Group
 
 

@@ -11,8 +11,8 @@ from torch import nn
 
 from shardfuse import OffloadConfig
 from shardfuse.sharding import FullyShardedDataParallel as FSDP
-from shardfuse.sharding._ssd import ssd_host
-from shardfuse.sharding._ssd_page import TRANSITIONS, Page, PageState
+from shardfuse.sharding.ssd._ssd import ssd_host
+from shardfuse.sharding.ssd._ssd_page import TRANSITIONS, Page, PageState
 from tests.sharding.test_ssd_offload import _flat_handles, _Group
 
 

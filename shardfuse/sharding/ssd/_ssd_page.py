@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from shardfuse.sharding._ssd_face import Label, held_elsewhere, hide, show
-from shardfuse.sharding._ssd_store import IOOp, TensorFile
+from shardfuse.sharding.ssd._ssd_face import Label, held_elsewhere, hide, show
+from shardfuse.sharding.ssd._ssd_store import IOOp, TensorFile
 
 logger = logging.getLogger(__name__)
 

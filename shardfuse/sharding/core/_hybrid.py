@@ -20,8 +20,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardfuse.sharding import _collectives as coll
-from shardfuse.sharding._config import Groups, resolve_groups
+from shardfuse.sharding.core import _collectives as coll
+from shardfuse.sharding.core._config import Groups, resolve_groups
 
 MESH_DIMS = ("replicate", "shard")
 

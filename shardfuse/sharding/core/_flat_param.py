@@ -25,17 +25,17 @@ from torch import nn
 
 from shardfuse._profiling import profiled
 from shardfuse._streams import Streams, record_event, use_stream, wait_event, wait_stream
-from shardfuse.sharding import _collectives as coll
-from shardfuse.sharding import _data_path as dp
-from shardfuse.sharding._config import MISSING_GROUP, Groups
-from shardfuse.sharding._host_protocol import HostSide
-from shardfuse.sharding._registry import (  # SHARD_MARK_KEY: re-exported for _dcp, _dcp_guard, _optim_state
+from shardfuse.sharding.core import _collectives as coll
+from shardfuse.sharding.core import _data_path as dp
+from shardfuse.sharding.core._config import MISSING_GROUP, Groups
+from shardfuse.sharding.core._host_protocol import HostSide
+from shardfuse.sharding.core._registry import (  # SHARD_MARK_KEY: re-exported for _dcp, _dcp_guard, _optim_state
     SHARD_MARK_ATTR,
     SHARD_MARK_KEY,
     flattened_into,
     register_handle,
 )
-from shardfuse.sharding._step_state import HandleStep
+from shardfuse.sharding.core._step_state import HandleStep
 
 __all__ = ["SHARD_MARK_KEY", "BorrowedSlot", "FlatParamHandle", "ParamSlot", "ParamTable"]
 

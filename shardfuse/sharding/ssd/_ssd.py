@@ -5,7 +5,7 @@ Where the data of an SSD-backed flat parameter is, at each phase of a step:
 - between uses: in its file only; the parameter (and each offloaded optimizer-state tensor) keeps its shape and
   dtype but its storage is resized to 0 bytes, and from the moment the tier stops using it it wears its on-disk
   face (``_ssd_face.py``): any read raises an error naming it, on every rank, whether or not the I/O thread has given
-  the memory back yet (a tensor :class:`~shardfuse.sharding._ssd_page.Page` manages);
+  the memory back yet (a tensor :class:`~shardfuse.sharding.ssd._ssd_page.Page` manages);
 - gather (forward, backward): :class:`SsdHostShard` reads the file into the shard's own storage (pinned memory
   from torch's caching host allocator on a GPU machine, so the storage of an evicted shard is reused by the next
   one), the host-to-device copy reads it there, and the storage is given back once that copy's event completed;
@@ -13,12 +13,12 @@ Where the data of an SSD-backed flat parameter is, at each phase of a step:
   optimizer's own step pre-hook pages in the parameters (and state) it holds, its post-hook writes them behind and
   gives the memory back when the writes are done (the one process-wide hook, :func:`_dispatch`, gives an optimizer
   these hooks at its first step);
-- who owns what: the model. Its shards (:class:`~shardfuse.sharding._ssd_shard.SsdShard`, on the handles' host
-  shards) hold their pages and files and the :class:`~shardfuse.sharding._ssd_shard.Tier` of the model's tree
+- who owns what: the model. Its shards (:class:`~shardfuse.sharding.ssd._ssd_shard.SsdShard`, on the handles' host
+  shards) hold their pages and files and the :class:`~shardfuse.sharding.ssd._ssd_shard.Tier` of the model's tree
   (one per setting; the units wrapped first make theirs one when the unit around them is wrapped), which holds the
   store of its directory (shared by the models with the same settings while they live). Freeing the model frees
   them all, the files and, after the last model, the I/O threads; no module-level registry keeps any;
-- gradients stay in the pinned host buffers of :class:`~shardfuse.sharding._host_shard.HostShard`.
+- gradients stay in the pinned host buffers of :class:`~shardfuse.sharding.host._host_shard.HostShard`.
 
 Read-ahead: two learned sequences (``_ssd_keep.OrderLearner``), the gathers and the optimizer steps, each remembering
 which ``read_ahead`` shards followed a pair of shards last time: after the first step the gathers read ahead in
@@ -41,11 +41,12 @@ from typing import Any
 import torch
 
 from shardfuse import _versions
-from shardfuse.sharding import _process_hooks
-from shardfuse.sharding._flat_param import FlatParamHandle
-from shardfuse.sharding._ssd_config import OffloadConfig
-from shardfuse.sharding._ssd_shard import SsdHostShard, SsdShard, Tier, host_of, own_storage, ssd_host, ssd_of
-from shardfuse.sharding._tree import units_below
+from shardfuse.sharding.core import _process_hooks
+from shardfuse.sharding.core._flat_param import FlatParamHandle
+from shardfuse.sharding.core._tree import units_below
+from shardfuse.sharding.host import _backing
+from shardfuse.sharding.ssd._ssd_config import OffloadConfig
+from shardfuse.sharding.ssd._ssd_shard import SsdHostShard, SsdShard, Tier, host_of, own_storage, ssd_host, ssd_of
 
 __all__ = ["attach", "host_after_engine", "leave_tier", "main_waits", "own_storage", "page_in_optimizer_state",
            "page_in_tree", "prepare", "refuse", "ssd_host", "tiers_below"]
@@ -108,6 +109,7 @@ def attach(handles: Iterable[FlatParamHandle], config: OffloadConfig, unit_name:
     """Wrap time: move each CPU shard of ``handles`` into its file and give it its file-backed host shard."""
     tier = _tree_tier(unit, config)  # owned by the shards (so by the model): no registry keeps it
     _install_step_hook()
+    _backing.register(BACKING)
     for i, h in enumerate(handles):
         if h.flat.device.type != "cpu" or h.host is not None:
             continue
@@ -265,3 +267,16 @@ def _install_step_hook() -> None:
     """Once per process: :func:`_dispatch`, installed where every process-wide hook is (``_process_hooks``). Not
     subject to ``set_process_hooks(False)``: without it an SSD-backed model cannot be stepped at all."""
     _process_hooks.require_step_hooks("ssd_step_hooks", _dispatch)
+
+
+class SsdBacking:  # the SSD tier as the host tier's host._backing.BackingStore; attach() registers it
+    host_of = staticmethod(ssd_host)
+    release = staticmethod(host_after_engine)
+    leave = staticmethod(leave_tier)
+    page_in = staticmethod(page_in_tree)
+    page_in_optimizer_state = staticmethod(page_in_optimizer_state)  # OffloadOptimizer.state_dict(): the state
+    tiers_below = staticmethod(tiers_below)
+    main_waits = staticmethod(main_waits)
+
+
+BACKING = SsdBacking()

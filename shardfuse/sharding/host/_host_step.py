@@ -26,9 +26,9 @@ import torch
 
 from shardfuse._torch_private import foreach_mul_
 from shardfuse._versions import hook_optimizer
-from shardfuse.sharding._flat_param import FlatParamHandle
-from shardfuse.sharding._host_fused import step_in_chunks
-from shardfuse.sharding._host_shard import HostShard, UpdateState
+from shardfuse.sharding.core._flat_param import FlatParamHandle
+from shardfuse.sharding.host._host_fused import step_in_chunks
+from shardfuse.sharding.host._host_shard import HostShard, UpdateState
 
 logger = logging.getLogger(__name__)
 

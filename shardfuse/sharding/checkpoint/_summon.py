@@ -16,10 +16,10 @@ from torch import nn
 
 from shardfuse._profiling import profiled
 from shardfuse._streams import wait_stream
-from shardfuse.sharding._flat_param import FlatParamHandle
-from shardfuse.sharding._runtime import Unit
-from shardfuse.sharding._state import TrainingState, check_state
-from shardfuse.sharding._tree import require_unit
+from shardfuse.sharding.core._flat_param import FlatParamHandle
+from shardfuse.sharding.core._runtime import Unit
+from shardfuse.sharding.core._state import TrainingState, check_state
+from shardfuse.sharding.core._tree import require_unit
 
 
 @contextlib.contextmanager

@@ -27,17 +27,17 @@ from shardfuse._graph_guard import refuse_in_capture
 from shardfuse._logging import warn_once
 from shardfuse._profiling import profiled
 from shardfuse._streams import Streams, wait_stream
-from shardfuse.sharding._config import Groups, ShardingConfig
-from shardfuse.sharding._flat_param import BorrowedSlot, FlatParamHandle, ParamTable
-from shardfuse.sharding._grad_reduce import (
+from shardfuse.sharding.core._config import Groups, ShardingConfig
+from shardfuse.sharding.core._flat_param import BorrowedSlot, FlatParamHandle, ParamTable
+from shardfuse.sharding.core._grad_reduce import (
     PendingFrees,
     ReduceConfig,
     finish_host_grads,
     flush_unsynced,
     reduce_grad,
 )
-from shardfuse.sharding._registry import iter_own_modules
-from shardfuse.sharding._state import TrainingState, check_state
+from shardfuse.sharding.core._registry import iter_own_modules
+from shardfuse.sharding.core._state import TrainingState, check_state
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from typing import Any
 import torch.distributed as dist
 
 from shardfuse._profiling import profiled
-from shardfuse.sharding import _collectives as coll
-from shardfuse.sharding._runtime import Unit
+from shardfuse.sharding.core import _collectives as coll
+from shardfuse.sharding.core._runtime import Unit
 
 ENV_TIMEOUT = "SHARDFUSE_COLLECTIVE_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 120.0

@@ -17,15 +17,15 @@ from torch import nn
 
 from shardfuse._logging import warn_once
 from shardfuse._streams import Streams
-from shardfuse.sharding import _collectives as coll
-from shardfuse.sharding import _data_path as dp
-from shardfuse.sharding._config import compute_device
-from shardfuse.sharding._flat_param import FlatParamHandle
-from shardfuse.sharding._hybrid import check_one_mesh, layout
-from shardfuse.sharding._registry import OWNED_MARK, WRAPPED_MARK, iter_own_modules
-from shardfuse.sharding._runtime import RootState, Unit
-from shardfuse.sharding._state import TrainingState, check_state
-from shardfuse.sharding._tree import unit_of, units_below
+from shardfuse.sharding.core import _collectives as coll
+from shardfuse.sharding.core import _data_path as dp
+from shardfuse.sharding.core._config import compute_device
+from shardfuse.sharding.core._flat_param import FlatParamHandle
+from shardfuse.sharding.core._hybrid import check_one_mesh, layout
+from shardfuse.sharding.core._registry import OWNED_MARK, WRAPPED_MARK, iter_own_modules
+from shardfuse.sharding.core._runtime import RootState, Unit
+from shardfuse.sharding.core._state import TrainingState, check_state
+from shardfuse.sharding.core._tree import unit_of, units_below
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-from shardfuse.sharding import _collectives as coll
-from shardfuse.sharding._dcp_layout import (
+from shardfuse.sharding.checkpoint._dcp_layout import (
     OPTIM_GROUPS,
     OPTIM_STATE,
     FlatEntry,
@@ -28,8 +27,9 @@ from shardfuse.sharding._dcp_layout import (
     padded_shard,
     unpack,
 )
-from shardfuse.sharding._flat_param import SHARD_MARK_KEY
-from shardfuse.sharding._runtime import Unit
+from shardfuse.sharding.core import _collectives as coll
+from shardfuse.sharding.core._flat_param import SHARD_MARK_KEY
+from shardfuse.sharding.core._runtime import Unit
 
 _PROBE_NUMEL = 3  # stand-in size when learning a fresh optimizer's state layout (not 0 or 1: never ambiguous)
 

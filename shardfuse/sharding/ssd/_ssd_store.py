@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from shardfuse.sharding._ssd_direct import O_DIRECT, Bounce, read_direct, refusal, write_direct
+from shardfuse.sharding.ssd._ssd_direct import O_DIRECT, Bounce, read_direct, refusal, write_direct
 
 logger = logging.getLogger(__name__)
 

@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardfuse.sharding import _data_path as dp
-from shardfuse.sharding._flat_param import FlatParamHandle
-from shardfuse.sharding._runtime import Unit
-from shardfuse.sharding._state import TrainingState
-from shardfuse.sharding._tree import (
+from shardfuse.sharding.core import _data_path as dp
+from shardfuse.sharding.core._flat_param import FlatParamHandle
+from shardfuse.sharding.core._runtime import Unit
+from shardfuse.sharding.core._state import TrainingState
+from shardfuse.sharding.core._tree import (
     buffer_value,
     check_idle,
     clean_key,

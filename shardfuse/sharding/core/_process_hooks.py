@@ -4,7 +4,7 @@ them (why each exists, how to turn it off) and tests/sharding/test_process_hooks
 Optimizers are built after the model is wrapped, so a wrapper cannot attach hooks to them: what must act on the
 user's optimizers, or on ``torch.nn.utils.clip_grad_norm_`` as third-party training loops call it, is process-wide.
 What can be attached to the optimizer it serves is attached there instead (``OffloadOptimizer``'s own per-shard
-optimizers carry their version hook, see ``shardfuse.sharding._host_step``).
+optimizers carry their version hook, see ``shardfuse.sharding.host._host_step``).
 
 Switchable (:data:`SWITCHABLE`), installed at the first wrap unless turned off:
 
@@ -36,15 +36,15 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from shardfuse import _versions
-from shardfuse.sharding._grad_reduce import global_grad_norm
-from shardfuse.sharding._registry import FLATTENED_MARK, SHARD_MARK_ATTR, SHARD_MARK_KEY, handle_of
-from shardfuse.sharding._resume_guard import refuse_fresh_state_after_load
+from shardfuse.sharding.core._grad_reduce import global_grad_norm
+from shardfuse.sharding.core._registry import FLATTENED_MARK, SHARD_MARK_ATTR, SHARD_MARK_KEY, handle_of
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,10 @@ _checked_optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = wea
 _marks_seen: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 _load_hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 _optimizer_guard: Any = None
+# Checks run on an optimizer's sharded parameters once its loaded state is first seen (the pre-hook below): the
+# checkpoint layer hands in its resume guard at wrap time (``install(load_check=...)``), so the core imports none.
+LoadCheck = Callable[[torch.optim.Optimizer, list[torch.Tensor]], None]
+_load_checks: list[LoadCheck] = []
 
 
 def _refuse_flattened_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -128,9 +132,11 @@ def _check_shard_marks(optimizer: torch.optim.Optimizer) -> None:
             f"rank's copy of each, while every rank holds other shards); checkpoint a FullyShardedDataParallel "
             f"model's optimizer with model.sharded_state_dict(optim) / model.load_sharded_state_dict(state, optim)"
         )
-    if sharded:
-        refuse_fresh_state_after_load(optimizer, [p for g in optimizer.param_groups for p in g["params"]
-                                                  if getattr(p, SHARD_MARK_ATTR, None) is not None and p.requires_grad])
+    if sharded and _load_checks:
+        params = [p for g in optimizer.param_groups for p in g["params"]
+                  if getattr(p, SHARD_MARK_ATTR, None) is not None and p.requires_grad]
+        for check in _load_checks:
+            check(optimizer, params)
 
 
 def _forget_marks(optimizer: torch.optim.Optimizer) -> None:
@@ -213,10 +219,14 @@ def _enabled_now() -> bool:
     return _enabled if _enabled is not None else os.environ.get(ENV_VAR, "1") != "0"
 
 
-def install() -> None:
-    """Called at every wrap: install the hooks once per process, unless they are turned off."""
+def install(load_check: LoadCheck | None = None) -> None:
+    """Called at every wrap: install the hooks once per process, unless they are turned off. ``load_check`` (the
+    checkpoint layer's resume guard) runs in the step pre-hook on an optimizer's sharded parameters once its
+    loaded state is first seen; each distinct check is kept once."""
     global _requested
     _requested = True
+    if load_check is not None and load_check not in _load_checks:
+        _load_checks.append(load_check)
     if _enabled_now():
         _install()
 

@@ -14,12 +14,16 @@ import torch
 from torch import nn
 
 from shardfuse._torch_private import foreach_mul_, foreach_norm
-from shardfuse.sharding import _collectives as coll
-from shardfuse.sharding import _ssd
-from shardfuse.sharding._flat_param import FlatParamHandle
-from shardfuse.sharding._grad_reduce import clip_grad_norm
-from shardfuse.sharding._host_shard import HostShard
-from shardfuse.sharding._host_step import (
+from shardfuse.sharding.core import _collectives as coll
+from shardfuse.sharding.core._flat_param import FlatParamHandle
+from shardfuse.sharding.core._grad_reduce import clip_grad_norm
+from shardfuse.sharding.core._registry import handle_of
+from shardfuse.sharding.core._root import lazy_init
+from shardfuse.sharding.core._runtime import Unit
+from shardfuse.sharding.core._tree import units_below
+from shardfuse.sharding.host import _backing
+from shardfuse.sharding.host._host_shard import HostShard
+from shardfuse.sharding.host._host_step import (
     PER_ELEMENT_OPTIMIZERS,
     ShardPlan,
     StepWorker,
@@ -30,11 +34,7 @@ from shardfuse.sharding._host_step import (
     settings_of,
     step_plan,
 )
-from shardfuse.sharding._host_trace import HostTrace
-from shardfuse.sharding._registry import handle_of
-from shardfuse.sharding._root import lazy_init
-from shardfuse.sharding._runtime import Unit
-from shardfuse.sharding._tree import units_below
+from shardfuse.sharding.host._host_trace import HostTrace
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def finish_host_steps(unit: Unit) -> None:
     engine = engine_of(unit)
     if engine is not None:
         engine.synchronize()
-    _ssd.page_in_tree(units_below(unit))  # ssd: shards on disk are read in for the caller
+    _backing.page_in(units_below(unit))  # ssd: shards on disk are read in for the caller
 
 
 def settle(unit: Unit) -> None:
@@ -164,7 +164,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._lock = threading.Lock()
         self.host_threads = host_threads if host_threads is not None else default_host_threads()
         self._worker = StepWorker(self.host_threads)
-        self._finalizer = weakref.finalize(self, _close_worker, self._worker, _ssd.tiers_below(self.root))
+        self._finalizer = weakref.finalize(self, _close_worker, self._worker, _backing.below(self.root))
         self._plans: list[ShardPlan] = []
         self._plan_of_host: dict[int, ShardPlan] = {}
         self._signature: tuple = ()
@@ -215,7 +215,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         self.synchronize()
-        _ssd.page_in_optimizer_state(self.optimizer)  # ssd: optimizer state on disk is read in
+        _backing.page_in_optimizer_state(self.optimizer)  # ssd: optimizer state on disk is read in
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -238,9 +238,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             prec = u.config.precision
             compute = prec.compute_dtype if prec.mixed_precision and self.host_compute_copy else None
             for i, h in enumerate(u.handles):
-                if (h.host is None or _ssd.ssd_host(h)) and h.flat.device.type == "cpu":  # ssd: keep its host
-                    host = _ssd.ssd_host(h) or HostShard(h.flat, compute or h.dtype, pin=torch.cuda.is_available(),
-                                                         name=f"{u.name}.flat_param_{i}")
+                if (h.host is None or _backing.host_of(h)) and h.flat.device.type == "cpu":  # ssd: keep its host
+                    host = _backing.host_of(h) or HostShard(h.flat, compute or h.dtype, pin=torch.cuda.is_available(),
+                                                            name=f"{u.name}.flat_param_{i}")
                     host.keep_full_in_no_sync = self.accumulate_on_gpu
                     if self.step_in_backward:
                         host.on_grad_sent = self._on_grad_sent
@@ -391,7 +391,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self.root.host_engine = None
         for u in units_below(self.root):
             for h in u.handles:
-                h.host = _ssd.host_after_engine(h)  # None, or the SSD host shard (the plain optimizer's path)
+                h.host = _backing.release(h)  # None, or the SSD host shard (the plain optimizer's path)
 
     # ----------------------------------------------------------------------------------------------
     # clipping
@@ -490,7 +490,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
 def _make_resident(handle: FlatParamHandle, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
     """Move a host shard, its gradient and its optimizer state to ``device``; it is stepped there from now on."""
-    _ssd.leave_tier(handle)  # ssd: read in for good (its files go)
+    _backing.leave(handle)  # ssd: read in for good (its files go)
     flat = handle.flat
     flat.data = flat.data.to(device)
     if flat.grad is not None:
@@ -504,10 +504,10 @@ def _make_resident(handle: FlatParamHandle, optimizer: torch.optim.Optimizer, de
     handle.host = None
 
 
-def _close_worker(worker: StepWorker, tiers: list[Any]) -> None:
+def _close_worker(worker: StepWorker, held: list[tuple[Any, list[Any]]]) -> None:
     """Finish the queued updates and end the worker; an SSD-backed update waiting for room to keep its shard
     (for a gather that will not come now) goes on."""
-    with _ssd.main_waits(tiers):
+    with _backing.main_waits(held):
         worker.close()
 
 

@@ -59,10 +59,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardfuse.sharding import _collectives as coll
-from shardfuse.sharding._flat_param import SHARD_MARK_KEY, FlatParamHandle
-from shardfuse.sharding._runtime import Unit
-from shardfuse.sharding._tree import check_idle, param_names, require_unit, units_below
+from shardfuse.sharding.core import _collectives as coll
+from shardfuse.sharding.core._flat_param import SHARD_MARK_KEY, FlatParamHandle
+from shardfuse.sharding.core._runtime import Unit
+from shardfuse.sharding.core._tree import check_idle, param_names, require_unit, units_below
 
 _META_KEY = "shardfuse"
 _FORMAT = 2

@@ -17,10 +17,10 @@ import torch
 
 from shardfuse._profiling import profiled
 from shardfuse._streams import Streams, record_event, use_stream, wait_event, wait_stream
-from shardfuse.sharding import _collectives as coll
-from shardfuse.sharding import _data_path as dp
-from shardfuse.sharding._config import Groups
-from shardfuse.sharding._flat_param import FlatParamHandle
+from shardfuse.sharding.core import _collectives as coll
+from shardfuse.sharding.core import _data_path as dp
+from shardfuse.sharding.core._config import Groups
+from shardfuse.sharding.core._flat_param import FlatParamHandle
 
 logger = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shardfuse.sharding._config import Groups, ShardingConfig, check_param_dtype, param_device, shard_device
-from shardfuse.sharding._flat_param import BorrowedSlot, FlatParamHandle, ParamSlot, ParamTable
-from shardfuse.sharding._registry import (
+from shardfuse.sharding.core._config import Groups, ShardingConfig, check_param_dtype, param_device, shard_device
+from shardfuse.sharding.core._flat_param import BorrowedSlot, FlatParamHandle, ParamSlot, ParamTable
+from shardfuse.sharding.core._registry import (
     FLATTENED_MARK,
     OWNED_MARK,
     UNIT_ATTR,
@@ -37,7 +37,7 @@ def flatten_own_params(
     """Flatten ``module``'s own parameters (not those of nested units) per (dtype, requires_grad) group.
 
     The original ``nn.Parameter`` objects leave their modules' ``_parameters`` (marked with ``FLATTENED_MARK``);
-    the returned handles own the shards (kept where :func:`~shardfuse.sharding._config.shard_device` says).
+    the returned handles own the shards (kept where :func:`~shardfuse.sharding.core._config.shard_device` says).
     Groups come in order of first appearance. A parameter a sibling unit already flattened (shared across
     units) is not flattened again but borrowed: its registrations come back as :class:`BorrowedSlot`, in the
     table as handle index ``-1 - k`` for the ``k``-th of them.

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardfuse.sharding._dcp_layout import (
+from shardfuse.sharding.checkpoint._dcp_layout import (
     RECIPE,
     FlatEntry,
     as_dtensor,
@@ -30,8 +30,8 @@ from shardfuse.sharding._dcp_layout import (
     is_dtensor,
     padded_shard,
 )
-from shardfuse.sharding._flat_param import SHARD_MARK_KEY
-from shardfuse.sharding._tree import require_unit, units_below
+from shardfuse.sharding.core._flat_param import SHARD_MARK_KEY
+from shardfuse.sharding.core._tree import require_unit, units_below
 
 _TORCH_DSD = "torch.distributed.checkpoint.state_dict"
 _DSD_MESSAGE = "cannot save or load the optimizer state of a FullyShardedDataParallel model"

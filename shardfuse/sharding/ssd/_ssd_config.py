@@ -1,12 +1,14 @@
 """``OffloadConfig``: FairScale's setting of the SSD offload tier, and its rules.
 
-A field of :class:`~shardfuse.sharding._config.OffloadPolicy` (``offload_config=``, the wrapper's keyword); it
-lives in a module of its own only to keep ``_config.py`` within the size limit. Every rule about it is here: the
-offload types, the directory (exists, is a directory, is writable), and the bounds of its tuning fields.
+A field of :class:`~shardfuse.sharding.core._config.OffloadPolicy` (``offload_config=``, the wrapper's keyword),
+which the core carries opaquely (``TierSettings``: it reads only ``ssd``). Every rule about it is here: the
+offload types, the directory (exists, is a directory, is writable), and the bounds of its tuning fields;
+:func:`settle` applies them when the wrapper builds its config.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from dataclasses import dataclass
@@ -111,3 +113,12 @@ def check_ssd_dir(path: str) -> str:
     os.close(fd)
     os.unlink(probe)
     return full
+
+
+def settle(value: Any) -> OffloadConfig | None:
+    """The wrapper's ``offload_config=`` as its config carries it (``core._config.make_config``'s ``settle_tier``):
+    ours or FairScale's as an ``OffloadConfig``, and for the SSD tier its directory checked and made absolute."""
+    offload = as_offload_config(value)
+    if offload is not None and offload.ssd:
+        offload = dataclasses.replace(offload, dir=check_ssd_dir(offload.directory or ""), ssd_filepath_dir=None)
+    return offload

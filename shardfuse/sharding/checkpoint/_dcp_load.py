@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-from shardfuse.sharding._dcp_layout import KIND, META_KEY, MODEL, UnsafeCheckpointError, refusal
+from shardfuse.sharding.checkpoint._dcp_layout import KIND, META_KEY, MODEL, UnsafeCheckpointError, refusal
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 # Globals a DCP metadata file refers to besides the classes of _METADATA_MODULE: each builds plain data.

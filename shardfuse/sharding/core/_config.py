@@ -13,16 +13,15 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar, overload
+from typing import Any, Generic, Protocol, TypeVar, overload
 
 import torch
 
 from shardfuse._logging import warn_once
-from shardfuse.sharding import _collectives as coll
-from shardfuse.sharding import _data_path as dp
-from shardfuse.sharding._ssd_config import OffloadConfig, as_offload_config, check_ssd_dir
+from shardfuse.sharding.core import _collectives as coll
+from shardfuse.sharding.core import _data_path as dp
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +30,18 @@ _COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # What a pickled unit holds instead of its process groups until the user sets them again.
 MISSING_GROUP = "MISSING"
+
+
+class TierSettings(Protocol):
+    """What the core reads of ``offload_config=`` (the SSD tier's ``OffloadConfig``): whether the shards live on
+    disk. The rest is the SSD tier's to define, validate and default (``ssd._ssd_config``)."""
+
+    @property
+    def ssd(self) -> bool: ...
+
+
+# The SSD tier's ``settle``: the wrapper's ``offload_config=`` value, validated and defaulted, or None.
+SettleTier = Callable[[Any], "TierSettings | None"]
 
 
 def _opt(default: Any, doc: str, *, keyword: bool = True) -> Any:
@@ -71,13 +82,14 @@ class OffloadPolicy:
                                     "(alias ``cpu_offload``, deprecated).")
     move_grads_to_cpu: bool | None = _opt(None, "keep sharded gradients on the CPU (default: "
                                           "``move_params_to_cpu``; only together with it).")
-    offload_config: OffloadConfig | None = _opt(None, "``OffloadConfig(offload_type='ssd_offload', dir=...)``: "
+    offload_config: TierSettings | None = _opt(None, "``OffloadConfig(offload_type='ssd_offload', dir=...)``: "
                                                 "the fp32 shards (optionally the optimizer state) live in files "
                                                 "under ``dir``; implies ``move_params_to_cpu``.")
 
     @property
-    def ssd(self) -> OffloadConfig | None:
-        """The SSD tier's settings when the shards live on disk, else None."""
+    def ssd(self) -> Any:
+        """The SSD tier's settings (its ``OffloadConfig``, opaque to the core) when the shards live on disk, else
+        None."""
         return self.offload_config if self.offload_config is not None and self.offload_config.ssd else None
 
 
@@ -236,7 +248,7 @@ class ConfigView:
     clear_autocast_cache = _Setting[bool]()
     move_params_to_cpu = _Setting[bool]()
     move_grads_to_cpu = _Setting[bool]()
-    offload_config = _Setting["OffloadConfig | None"]()
+    offload_config = _Setting["TierSettings | None"]()
     bucket_cap_mb = _Setting[int]()
     state_dict_device = _Setting["torch.device | None"]()
     state_dict_on_rank_0_only = _Setting[bool]()
@@ -346,17 +358,19 @@ def resolve_groups(process_group: Any | None, process_group_reduce_scatter: Any 
 # ------------------------------------------------------------------------------------------------------
 
 
-def make_config(world_size: int, options: dict[str, Any], total_world: int | None = None) -> ShardingConfig:
+def make_config(world_size: int, options: dict[str, Any], total_world: int | None = None,
+                settle_tier: SettleTier | None = None) -> ShardingConfig:
     """Validate FairScale's keyword arguments for a unit sharded over ``world_size`` ranks into a
     :class:`ShardingConfig`; the divide factors span ``total_world`` ranks (hybrid sharding: shards times
-    replicas, so the reduced gradient is the mean over every rank; default ``world_size``)."""
+    replicas, so the reduced gradient is the mean over every rank; default ``world_size``). ``settle_tier``
+    (the SSD tier's ``settle``) validates and defaults ``offload_config``, which the core only carries."""
     opts = _with_defaults(options)
     top = {name: opts[name] for name, o in OPTIONS.items() if o.policy is None}
     if top["compute_device"] is not None:
         top["compute_device"] = torch.device(top["compute_device"])
     return ShardingConfig(
         precision=_precision(opts),
-        offload=_offload(opts),
+        offload=_offload(opts, settle_tier),
         reshard=ReshardPolicy(opts["reshard_after_forward"], opts["disable_reshard_on_root"]),
         gradient=_gradient(opts, world_size if total_world is None else total_world),
         state_dict=_state_dict(opts, world_size),
@@ -384,10 +398,13 @@ def _with_defaults(options: dict[str, Any]) -> dict[str, Any]:
     return opts
 
 
-def _offload(opts: dict[str, Any]) -> OffloadPolicy:
-    offload = as_offload_config(opts["offload_config"])
+def _offload(opts: dict[str, Any], settle_tier: SettleTier | None) -> OffloadPolicy:
+    value = opts["offload_config"]
+    if value is not None and settle_tier is None:
+        raise TypeError(f"make_config got offload_config={value!r} but no settle_tier to validate it: pass the SSD "
+                        f"tier's settle (shardfuse.sharding.ssd._ssd_config.settle), as the wrapper does")
+    offload = settle_tier(value) if settle_tier is not None else None
     if offload is not None and offload.ssd:  # FairScale: the SSD tier keeps parameters and gradients on the CPU
-        offload = dataclasses.replace(offload, dir=check_ssd_dir(offload.directory or ""), ssd_filepath_dir=None)
         if opts["move_grads_to_cpu"] is False:
             raise ValueError(
                 "offload_config=OffloadConfig(offload_type='ssd_offload') keeps gradients on the CPU "

@@ -19,10 +19,10 @@ if TYPE_CHECKING:  # imported where used: torch.distributed.tensor costs ~0.6 s,
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
-from shardfuse.sharding import _collectives as coll
-from shardfuse.sharding._flat_param import FlatParamHandle
-from shardfuse.sharding._runtime import Unit
-from shardfuse.sharding._tree import Entry, check_idle, clean_key, require_unit, unit_of, units_below, walk_entries
+from shardfuse.sharding.core import _collectives as coll
+from shardfuse.sharding.core._flat_param import FlatParamHandle
+from shardfuse.sharding.core._runtime import Unit
+from shardfuse.sharding.core._tree import Entry, check_idle, clean_key, require_unit, unit_of, units_below, walk_entries
 
 META_KEY = "shardfuse.meta"
 MODEL = "model."

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from shardfuse._streams import wait_stream
-from shardfuse.sharding._flat_param import FlatParamHandle
-from shardfuse.sharding._registry import UNIT_ATTR
-from shardfuse.sharding._runtime import Unit
-from shardfuse.sharding._state import TrainingState, check_state
+from shardfuse.sharding.core._flat_param import FlatParamHandle
+from shardfuse.sharding.core._registry import UNIT_ATTR
+from shardfuse.sharding.core._runtime import Unit
+from shardfuse.sharding.core._state import TrainingState, check_state
 
 # The name of the wrapped module inside each public wrapper: a path segment state dicts leave out.
 WRAPPED_SEGMENT = "_fsdp_wrapped_module"

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardfuse.sharding._dcp_layout import (
+from shardfuse.sharding.checkpoint._dcp_layout import (
     FORMAT,
     KIND,
     META_KEY,
@@ -65,8 +65,8 @@ from shardfuse.sharding._dcp_layout import (
     root_unit,
     unpack,
 )
-from shardfuse.sharding._dcp_optim import load_optim, save_optim
-from shardfuse.sharding._tree import Entry, buffer_value, entry_buffer, units_below
+from shardfuse.sharding.checkpoint._dcp_optim import load_optim, save_optim
+from shardfuse.sharding.core._tree import Entry, buffer_value, entry_buffer, units_below
 
 
 class _MetaEntry(str):

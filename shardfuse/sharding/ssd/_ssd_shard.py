@@ -13,15 +13,15 @@ from typing import Any
 
 import torch
 
-from shardfuse.sharding._flat_param import FlatParamHandle
-from shardfuse.sharding._host_shard import HostShard
-from shardfuse.sharding._registry import handle_of
-from shardfuse.sharding._ssd_config import OffloadConfig
-from shardfuse.sharding._ssd_face import Label
-from shardfuse.sharding._ssd_keep import Keep, OrderLearner
-from shardfuse.sharding._ssd_page import Page, PageState
-from shardfuse.sharding._ssd_store import SsdStore, TensorFile, store_for
-from shardfuse.sharding._tree import clean_key, unit_of
+from shardfuse.sharding.core._flat_param import FlatParamHandle
+from shardfuse.sharding.core._registry import handle_of
+from shardfuse.sharding.core._tree import clean_key, unit_of
+from shardfuse.sharding.host._host_shard import HostShard
+from shardfuse.sharding.ssd._ssd_config import OffloadConfig
+from shardfuse.sharding.ssd._ssd_face import Label
+from shardfuse.sharding.ssd._ssd_keep import Keep, OrderLearner
+from shardfuse.sharding.ssd._ssd_page import Page, PageState
+from shardfuse.sharding.ssd._ssd_store import SsdStore, TensorFile, store_for
 
 logger = logging.getLogger(__name__)
 
