@@ -22,7 +22,9 @@ import torch
 from bench.common import copy_bandwidth_gbps, write_result
 from bench.kernels.cases import FORCED_PATHS, KernelCase
 
-FAMILY_MODULES = ("bench_cast", "bench_flatten", "bench_grad_divide", "bench_chunk_cat", "bench_concat")
+FAMILY_MODULES = (
+    "bench_cast", "bench_flatten", "bench_grad_divide", "bench_chunk_cat", "bench_concat", "bench_fp8",
+)
 DEFAULT_SIZES = "1M,16M,64M,256M,512M"
 
 
