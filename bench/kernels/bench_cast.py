@@ -9,9 +9,11 @@ baselines are what PyTorch / FSDP2 run today:
 - 1000 small tensors: ``torch._foreach_copy_`` into per-tensor bf16 outputs.
 
 ``crossover_cases`` put tensor counts on both sides of ``FOREACH_MIN_TENSORS``, where the list form hands
-over to ``torch._foreach_copy_``: each row is also timed with the Triton path forced, so a run shows what
-the dispatch rule saves on each side. The flat form has no such switch; its rows time it against the
-``_foreach_copy_`` into split views of the buffer that FSDP2 runs.
+over to ``torch._foreach_copy_``, and sizes on both sides of the GPU's size crossover
+(``shardfuse.kernels._crossover``): the row's own time is the entry point as users call it (the path it picks is
+in the row's name), and each row is also timed with the Triton path forced, so a run shows what the dispatch
+saves on each side and ``python -m bench.kernels.crossover`` can fit the thresholds again. The flat form's rows
+time it against the ``_foreach_copy_`` into split views of the buffer that FSDP2 runs.
 
 Which path each row times, in its name: ``[runtime]`` rows call ``cast_shard_unchecked``, the trusted launch
 the sharding runtime runs before every all-gather (the same kernel as the public ``cast_shard``, without its
@@ -27,8 +29,8 @@ from collections.abc import Sequence
 
 import torch
 
-from bench.kernels.cases import KernelCase, forced
-from shardfuse.kernels import _cast_multi
+from bench.kernels.cases import TRITON_PATH, KernelCase, forced_path
+from shardfuse.kernels import _cast_multi, _crossover
 from shardfuse.kernels._cast import cast_shard_unchecked
 from shardfuse.kernels._cast_multi import cast_shards
 
@@ -127,16 +129,17 @@ def _list_case(num: int, per_tensor: int) -> KernelCase:
     sizes = split_sizes(num * per_tensor, num, seed=2)
     srcs = [torch.randn(k, device="cuda") for k in sizes]
     outs = [torch.empty(k, dtype=torch.bfloat16, device="cuda") for k in sizes]
-    side = "foreach" if num >= _cast_multi.FOREACH_MIN_TENSORS else "triton"
+    run = lambda: cast_shards(srcs, outs)  # noqa: E731
     return KernelCase(
         family=DISPATCH_FAMILY,
-        name=f"list fp32->bf16 {num} tensors x{per_tensor} ({side})",
+        name=f"list fp32->bf16 {num} tensors x{per_tensor} ({_side('cast_shards_list', num, sum(sizes) * 6)})",
         numel=sum(sizes),
         bytes_moved=sum(sizes) * (4 + 2),
-        shardfuse=lambda: cast_shards(srcs, outs),
+        shardfuse=run,
         baselines={
             "foreach_copy_": lambda: torch._foreach_copy_(outs, srcs),
-            "triton path": forced(_cast_multi, "FOREACH_MIN_TENSORS", 1 << 62, lambda: cast_shards(srcs, outs)),
+            TRITON_PATH: forced_path("triton", ["cast_shards_list"], run,
+                                     (_cast_multi, "FOREACH_MIN_TENSORS", 1 << 62)),
         },
         num_tensors=num,
     )
@@ -148,13 +151,23 @@ def _flat_case(num: int, per_tensor: int) -> KernelCase:
     flat = torch.empty(sum(sizes), dtype=torch.bfloat16, device="cuda")
     return KernelCase(
         family=DISPATCH_FAMILY,
-        name=f"flat fp32->bf16 {num} tensors x{per_tensor}",
+        name=f"flat fp32->bf16 {num} tensors x{per_tensor} ({_side('cast_shards_flat', num, sum(sizes) * 6)})",
         numel=sum(sizes),
         bytes_moved=sum(sizes) * (4 + 2),
         shardfuse=lambda: cast_shards(srcs, flat),
-        baselines={"foreach_copy_(split)": lambda: torch._foreach_copy_(flat.split(sizes), srcs)},
+        baselines={
+            "foreach_copy_(split)": lambda: torch._foreach_copy_(flat.split(sizes), srcs),
+            TRITON_PATH: forced_path("triton", ["cast_shards_flat"], lambda: cast_shards(srcs, flat)),
+        },
         num_tensors=num,
     )
+
+
+def _side(family: str, num: int, nbytes: int) -> str:
+    """The path the entry point takes for such a call on this GPU (the row's name carries it)."""
+    if family == "cast_shards_list" and num >= _cast_multi.FOREACH_MIN_TENSORS:
+        return "foreach"
+    return "triton" if _crossover.use_triton_at(family, torch.device("cuda"), num, nbytes) else "torch"
 
 
 def crossover_cases() -> list[KernelCase]:

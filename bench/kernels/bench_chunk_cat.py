@@ -7,7 +7,8 @@ World size 8, FairScale predivide 4. GPU only; tensors are built on "cuda" insid
 
 ``crossover_cases`` put tensor counts and output bytes per tensor on both sides of the rule by which
 chunk_cat hands over to ``torch._chunk_cat`` (``TORCH_MIN_TENSORS``, ``TORCH_MAX_OUT_BYTES_PER_TENSOR``):
-each row is also timed with each path forced, so a run shows what the rule picks and what it saves.
+and the GPU's size crossover (``shardfuse.kernels._crossover``): each row is also timed with each path forced, so
+a run shows what the rules pick and what they save (and ``python -m bench.kernels.crossover`` can fit them).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-from bench.kernels.cases import KernelCase, forced
-from shardfuse.kernels import _chunk_cat
+from bench.kernels.cases import TORCH_PATH, TRITON_PATH, KernelCase, forced_path
+from shardfuse.kernels import _chunk_cat, _crossover
 from shardfuse.kernels._chunk_cat import chunk_cat
 from shardfuse.kernels._grad_divide import gradient_divide_factors
 
@@ -84,19 +85,25 @@ def _crossover_case(num: int, per_tensor: int) -> KernelCase:
     def run():
         return chunk_cat(tensors, WORLD_SIZE, factor=PRE, out=out)
 
-    side = "torch" if _chunk_cat.use_torch_chunk_cat(tensors, PRE, None, out) else "triton"
     in_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    nbytes = in_bytes + out.numel() * out.element_size()
+    torch_side = _chunk_cat.use_torch_chunk_cat(tensors, PRE, None, out) or not _crossover.use_triton_at(
+        "chunk_cat", out.device, num, nbytes
+    )
+    side = "torch" if torch_side else "triton"
     return KernelCase(
         family="chunk_cat_dispatch",
         name=f"bf16 {num} tensors x{per_tensor // 1024}K ({side})",
         numel=out.numel(),
-        bytes_moved=in_bytes + out.numel() * out.element_size(),
+        bytes_moved=nbytes,
         shardfuse=run,
         baselines={
             "_chunk_cat+div_": chunk_cat_div,
-            "triton path": forced(_chunk_cat, "TORCH_MIN_TENSORS", 1 << 62, run),
-            "torch path": forced(_chunk_cat, "TORCH_MAX_OUT_BYTES_PER_TENSOR", 1 << 62,
-                                 forced(_chunk_cat, "TORCH_MIN_TENSORS", 1, run)),
+            TRITON_PATH: forced_path("triton", ["chunk_cat"], run, (_chunk_cat, "TORCH_MIN_TENSORS", 1 << 62)),
+            TORCH_PATH: forced_path(
+                "torch", ["chunk_cat"], run,
+                (_chunk_cat, "TORCH_MAX_OUT_BYTES_PER_TENSOR", 1 << 62), (_chunk_cat, "TORCH_MIN_TENSORS", 1),
+            ),
         },
         num_tensors=num,
     )

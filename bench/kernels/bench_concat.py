@@ -1,6 +1,8 @@
 """Benchmark cases for concat_microbatches (one launch into a preallocated buffer) against ``torch.cat``
 of 4 microbatches (allocating, and with ``out=``), as the offloaded model joins each slice's
-per-microbatch outputs. Microbatches are uneven, as ``torch.chunk`` gives them.
+per-microbatch outputs. Microbatches are uneven, as ``torch.chunk`` gives them. The row's own time is the entry
+point as users call it (``torch.cat`` below the GPU's size crossover, ``shardfuse.kernels._crossover``); the
+kernel itself is timed beside it (``triton path``), which ``python -m bench.kernels.crossover`` fits on.
 GPU only; tensors are built on "cuda" inside :func:`cases`.
 """
 
@@ -10,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from bench.kernels.cases import KernelCase
+from bench.kernels.cases import TRITON_PATH, KernelCase, forced_path
 from shardfuse.kernels._concat import concat_microbatches
 
 NUM_MICROBATCHES = 4
@@ -30,10 +32,11 @@ def _case(n: int, dtype: torch.dtype) -> KernelCase:
         name=f"{SHORT[dtype]} {len(parts)}x uneven n={full.numel()}",
         numel=full.numel(),
         bytes_moved=2 * full.numel() * full.element_size(),
-        shardfuse=lambda: concat_microbatches(parts, out=out),
+        shardfuse=lambda: concat_microbatches(parts, out=out),  # the entry point: torch.cat below the crossover
         baselines={
             "torch.cat": lambda: torch.cat(parts),
             "torch.cat(out=)": lambda: torch.cat(parts, out=out),
+            TRITON_PATH: forced_path("triton", ["concat"], lambda: concat_microbatches(parts, out=out)),
         },
         num_tensors=len(parts),
     )

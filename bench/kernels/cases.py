@@ -7,10 +7,12 @@ the share of the GPU's copy bandwidth are computed by ``bench/kernels/run.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
+
+from shardfuse.kernels import _crossover
 
 
 @dataclass
@@ -36,4 +38,26 @@ def forced(module: ModuleType, name: str, value: Any, fn: Callable[[], object]) 
         finally:
             setattr(module, name, old)
 
+    return run
+
+
+# Baseline labels of a forced path of a dispatching entry point (not a PyTorch sequence it replaces): the kernel
+# whatever the crossover says, and the PyTorch sequence as the entry point runs it.
+TRITON_PATH = "triton path"
+TORCH_PATH = "torch path"
+FORCED_PATHS = (TRITON_PATH, TORCH_PATH)
+
+
+def forced_path(
+    mode: str, families: Sequence[str], fn: Callable[[], object], *counts: tuple[ModuleType, str, Any]
+) -> Callable[[], object]:
+    """``fn`` with the size crossover of ``families`` forced to ``mode`` ("triton" or "torch") and the count
+    thresholds ``(module, name, value)`` set: one path of a dispatching entry point, whatever it would pick."""
+
+    def run() -> object:
+        with _crossover.override(dict.fromkeys(families, mode)):
+            return fn()
+
+    for module, name, value in counts:
+        run = forced(module, name, value, run)
     return run

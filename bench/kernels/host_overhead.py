@@ -26,7 +26,7 @@ if not torch.cuda.is_available():
 
 from torch.utils import benchmark  # noqa: E402
 
-from bench.kernels.cases import forced  # noqa: E402
+from bench.kernels.cases import forced_path  # noqa: E402
 
 # By module path: ``shardfuse.kernels._chunk_cat`` the attribute is the function, not the module.
 cast, cast_multi, chunk_cat, concat, flatten, grad_divide, grad_divide_multi = (
@@ -82,11 +82,15 @@ def launchers(num: int, device: str) -> dict[str, Callable[[], object]]:
     return {
         f"cast_shards flat ({num})": lambda: cast_multi.cast_shards(srcs, flat_bf16),
         f"cast_shards list ({num})": list_cast,
-        f"cast_shards list, triton path ({num})": forced(cast_multi, "FOREACH_MIN_TENSORS", 1 << 62, list_cast),
+        f"cast_shards list, triton path ({num})": forced_path(
+            "triton", ["cast_shards_list"], list_cast, (cast_multi, "FOREACH_MIN_TENSORS", 1 << 62)
+        ),
         f"flatten_pad ({num})": lambda: flatten.flatten_pad(params, 8, out=flat32),
         f"unflatten_into ({num})": lambda: flatten.unflatten_into(flat32, p_outs),
         f"chunk_cat ({num})": cc,
-        f"chunk_cat, triton path ({num})": forced(chunk_cat, "TORCH_MIN_TENSORS", 1 << 62, cc),
+        f"chunk_cat, triton path ({num})": forced_path(
+            "triton", ["chunk_cat"], cc, (chunk_cat, "TORCH_MIN_TENSORS", 1 << 62)
+        ),
         f"concat_microbatches ({num})": lambda: concat.concat_microbatches(rows, out=cat_out),
         f"pre_divide_pad ({num})": lambda: grad_divide_multi.pre_divide_pad(srcs, pre_out, 4.0),
         # The PyTorch ops of the same calls, for scale (real copies on CPU).

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from shardfuse._profiling import profiled
 from shardfuse.kernels import _common as common
+from shardfuse.kernels import _crossover
 from shardfuse.kernels._cast import cast_block, check_src
 from shardfuse.kernels._overlap import check_no_overlap
 
@@ -91,6 +92,9 @@ class _Launch(NamedTuple):
 class _Plan(NamedTuple):
     device: torch.device
     launches: tuple[_Launch, ...]
+    torch_path: bool = False  # below the crossover: the PyTorch sequence (``_torch_copy``), no launch
+    spans: tuple[int, ...] | None = None  # torch path, flat out: offset then numel of every source
+    flatten: bool = False  # torch path: some source's shape differs from its destination's (copy 1-D views)
 
 
 
@@ -172,6 +176,15 @@ def _build_plan(
     if not common.use_triton(*srcs, *dsts, *([out] if isinstance(out, torch.Tensor) else [])):
         return None
     device = out.device if isinstance(out, torch.Tensor) else (srcs[0].device if srcs else torch.device("cpu"))
+    family = "cast_shards_flat" if flat else "cast_shards_list"
+    nbytes = sum(s.numel() * (s.element_size() + d.element_size()) for s, d in zip(srcs, dsts))
+    if not _crossover.use_triton_at(family, device, len(srcs), nbytes):
+        spans = None
+        if flat:
+            start = out.view(-1).data_ptr()  # type: ignore[union-attr]
+            spans = tuple(v for d in dsts for v in ((d.data_ptr() - start) // d.element_size(), d.numel()))
+        reshape = any(s.shape != d.shape for s, d in zip(srcs, dsts))
+        return _Plan(device, (), True, spans, reshape)
     groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
     for i, (s, d) in enumerate(zip(srcs, dsts)):
         if s.numel():
@@ -196,6 +209,9 @@ def _plan_group(
 
 
 def _run_plan(plan: _Plan, srcs: list[torch.Tensor], out: torch.Tensor | list[torch.Tensor]) -> None:
+    if plan.torch_path:
+        _torch_copy(plan, srcs, out)
+        return
     with common.device_guard(plan.device):
         for la in plan.launches:
             dst_like = out if la.dst_like < 0 else out[la.dst_like]
@@ -203,6 +219,19 @@ def _run_plan(plan: _Plan, srcs: list[torch.Tensor], out: torch.Tensor | list[to
                 la.table, la.num_tensors, srcs[la.src_like], dst_like, ALIGNED=la.aligned, BLOCK=la.block,
                 num_warps=la.num_warps,
             )
+
+
+def _torch_copy(plan: _Plan, srcs: list[torch.Tensor], out: torch.Tensor | list[torch.Tensor]) -> None:
+    """The PyTorch sequence the kernel replaces, for calls below the crossover: ``torch._foreach_copy_`` into the
+    destinations (views of a flat ``out`` at the planned spans). Same bits as the kernel on CUDA."""
+    if not srcs:
+        return
+    if isinstance(out, torch.Tensor):
+        flat, spans = out.view(-1), plan.spans or ()
+        dsts = [flat[spans[i] : spans[i] + spans[i + 1]] for i in range(0, len(spans), 2)]
+    else:
+        dsts = [d.view(-1) for d in out] if plan.flatten else out
+    torch._foreach_copy_(dsts, [s.view(-1) for s in srcs] if plan.flatten else srcs)
 
 
 def use_foreach(srcs: Sequence[torch.Tensor]) -> bool:
@@ -232,7 +261,9 @@ def cast_shards(
     A repeat call with the same tensors (same addresses, sizes, dtypes, layouts and device, on the same
     stream) reuses the cached launch plan: no validation, no table building, no host->device copy. With a
     list ``out`` of at least ``FOREACH_MIN_TENSORS`` CUDA tensors, the call is ``torch._foreach_copy_(out,
-    srcs)`` (same bits; PyTorch's own argument checks apply, see docs/kernels.md, "Dispatch").
+    srcs)`` (same bits; PyTorch's own argument checks apply, see docs/kernels.md, "Dispatch"). On CUDA, below
+    the GPU's measured size crossover (``shardfuse.kernels._crossover``, families ``"cast_shards_list"`` and
+    ``"cast_shards_flat"``) the call is ``torch._foreach_copy_`` into the destinations: the same bits, faster there.
     """
     with profiled("shardfuse.kernels:cast_shards"):
         srcs = common.as_list(srcs)

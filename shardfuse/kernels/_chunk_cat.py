@@ -27,6 +27,7 @@ import triton.language as tl
 
 from shardfuse._profiling import profiled
 from shardfuse.kernels import _common as common
+from shardfuse.kernels import _crossover
 from shardfuse.kernels._common import apply_scale
 from shardfuse.kernels._overlap import check_no_overlap
 
@@ -166,6 +167,15 @@ def _validate(
     return tensors, factor, out_dtype, list(numels), list(chunks), row_numel
 
 
+class _TorchPlan(NamedTuple):
+    """A call below the crossover (``_crossover``, family "chunk_cat"): ``torch._chunk_cat`` into ``out``, then
+    the scale in place. Only built where PyTorch computes the kernel's bits (see :func:`_torch_computes_same`)."""
+
+    device: torch.device
+    shape: tuple[int, int]
+    dtype: torch.dtype
+
+
 class _Plan(NamedTuple):
     device: torch.device
     shape: tuple[int, int]  # of the output
@@ -223,6 +233,24 @@ def _run(plan: _Plan, tensors: Sequence[torch.Tensor], out: torch.Tensor, factor
         )
 
 
+def _torch_computes_same(tensors: list[torch.Tensor], factor: float, out_dtype: torch.dtype) -> bool:
+    """Whether ``torch._chunk_cat`` and a scale give the kernel's bits for these validated arguments: no cast,
+    a factor of 1 or a power of two (a multiply), and tensors ``torch._chunk_cat`` takes (non-empty, >= 1-dim)."""
+    _, divide, multiply = common.scale_args(factor)
+    if out_dtype != tensors[0].dtype or (divide and not multiply):
+        return False
+    return all(t.dim() > 0 and t.numel() > 0 for t in tensors)
+
+
+def _run_torch(tensors: list[torch.Tensor], world_size: int, factor: float, out: torch.Tensor) -> torch.Tensor:
+    """The PyTorch sequence for a validated call (``out`` of the right shape, apart from the inputs)."""
+    torch._chunk_cat(tensors, 0, world_size, out=out)
+    kernel_factor, divide, _ = common.scale_args(factor)
+    if divide:
+        out.mul_(kernel_factor)  # x * 2**-k rounds like x / 2**k: one rounding of one value
+    return out
+
+
 def use_torch_chunk_cat(
     tensors: Sequence[torch.Tensor], factor: float, dtype: torch.dtype | None, out: torch.Tensor | None
 ) -> bool:
@@ -250,6 +278,12 @@ def use_torch_chunk_cat(
     except ValueError:
         return False  # the validating path names the bad factor
     return multiply or not divide
+
+
+def _below_crossover(tensors: list[torch.Tensor], out: torch.Tensor) -> bool:
+    """Whether the measured crossover sends this call to the PyTorch sequence (``_crossover``, "chunk_cat")."""
+    nbytes = sum(t.numel() for t in tensors) * tensors[0].element_size() + out.numel() * out.element_size()
+    return not _crossover.use_triton_at("chunk_cat", out.device, len(tensors), nbytes)
 
 
 def _chunk_cat_torch(tensors: list[torch.Tensor], world_size: int, factor: float,
@@ -292,7 +326,8 @@ def chunk_cat(
     dtype). All tensors share one floating dtype and one device; ``out`` must not overlap them. Contiguous
     inputs are read in place; a non-contiguous input is first copied with ``.contiguous()`` (one extra
     copy kernel and a temporary). One Triton launch for any number of tensors, except where PyTorch's
-    ``_chunk_cat`` is measured faster and computes the same bits (see :func:`use_torch_chunk_cat`).
+    ``_chunk_cat`` is measured faster and computes the same bits (see :func:`use_torch_chunk_cat`, and below the
+    GPU's size crossover: ``shardfuse.kernels._crossover``, family ``"chunk_cat"``).
     """
     with profiled("shardfuse.kernels:chunk_cat"):
         tensors = common.as_list(tensors)
@@ -306,8 +341,14 @@ def chunk_cat(
         if plan is not None:
             if out is None:
                 out = torch.empty(plan.shape, dtype=plan.dtype, device=plan.device)
-            _run(plan, tensors, out, common.check_factor(factor))
-            return out
+            if isinstance(plan, _TorchPlan):
+                factor = common.check_factor(factor)
+                if _torch_computes_same(tensors, factor, plan.dtype):
+                    return _run_torch(tensors, world_size, factor, out)
+                plan = None  # a factor the PyTorch sequence cannot scale exactly: build the kernel's plan
+            else:
+                _run(plan, tensors, out, common.check_factor(factor))
+                return out
         tensors, factor, out_dtype, numels, chunks, row_numel = _validate(tensors, world_size, factor, dtype, out)
         if out is None:
             out = torch.empty((world_size, row_numel), dtype=out_dtype, device=tensors[0].device)
@@ -315,6 +356,9 @@ def chunk_cat(
             return chunk_cat_ref(tensors, world_size, factor=factor, dtype=out_dtype, out=out)
         if out.numel() == 0:
             return out
+        if _below_crossover(tensors, out) and _torch_computes_same(tensors, factor, out_dtype):
+            _PLANS.put(key, _TorchPlan(out.device, (world_size, row_numel), out_dtype))
+            return _run_torch(tensors, world_size, factor, out)
         strided = [i for i, t in enumerate(tensors) if not t.is_contiguous()]
         if strided:
             logger.debug("chunk_cat: copying non-contiguous tensors %s to contiguous first", strided)

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shardfuse.kernels import _crossover
+
 # Dtypes the kernels read and write. Integer and complex tensors are rejected with a clear error.
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -217,8 +219,9 @@ def tensor_key(t: torch.Tensor | None) -> tuple | None:
 
 def plan_key(build: Callable[..., tuple[torch.device, tuple]]) -> Callable[..., tuple | None]:
     """Decorate a function returning ``(device, parts)`` into one returning the plan-cache key: the current
-    stream, then the parts. None when nothing may be cached: during CUDA graph capture, and for malformed
-    arguments (the validating path then says what is wrong)."""
+    stream, the dispatch overrides in force (``_crossover.token``: a plan remembers its path), then the parts.
+    None when nothing may be cached: during CUDA graph capture, and for malformed arguments (the validating
+    path then says what is wrong)."""
 
     @functools.wraps(build)
     def key(*args: Any, **kwargs: Any) -> tuple | None:
@@ -227,7 +230,7 @@ def plan_key(build: Callable[..., tuple[torch.device, tuple]]) -> Callable[..., 
             stream = stream_key(device)
         except (TypeError, AttributeError, ValueError, RuntimeError, IndexError):
             return None
-        return None if stream is None else (stream, *parts)
+        return None if stream is None else (stream, _crossover.token(), *parts)
 
     return key
 

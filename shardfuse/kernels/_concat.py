@@ -22,6 +22,7 @@ import triton.language as tl
 
 from shardfuse._profiling import profiled
 from shardfuse.kernels import _common as common
+from shardfuse.kernels import _crossover
 from shardfuse.kernels._overlap import check_no_overlap
 
 __all__ = ["concat_microbatches", "split_microbatches", "concat_microbatches_ref"]
@@ -122,6 +123,14 @@ def _validate(tensors: Sequence[torch.Tensor], out: torch.Tensor | None) -> tupl
     return tensors, shape
 
 
+class _TorchPlan(NamedTuple):
+    """A call below the crossover (``_crossover``, family "concat"): ``torch.cat`` (same bits)."""
+
+    device: torch.device
+    shape: tuple
+    dtype: torch.dtype
+
+
 class _Plan(NamedTuple):
     device: torch.device
     shape: tuple  # of the output
@@ -210,7 +219,8 @@ def concat_microbatches(tensors: Sequence[torch.Tensor], out: torch.Tensor | Non
     given) must be contiguous with shape ``(sum of dim 0, *trailing)`` and the same dtype. Contiguous inputs
     are copied by one Triton kernel; each non-contiguous input is copied into its slot with ``copy_``.
     A repeat call with the same inputs (addresses, shapes, dtype, device, stream) reuses the cached launch
-    plan. Returns ``out``.
+    plan. Below the measured crossover of the GPU (``shardfuse.kernels._crossover``, family ``"concat"``) the call
+    is ``torch.cat(tensors, out=out)``: the same bits, faster there. Returns ``out``.
     """
     with profiled("shardfuse.kernels:concat_microbatches"):
         tensors = common.as_list(tensors)
@@ -222,10 +232,16 @@ def concat_microbatches(tensors: Sequence[torch.Tensor], out: torch.Tensor | Non
                 out = torch.empty(shape, dtype=tensors[0].dtype, device=tensors[0].device)
             if out.element_size() not in _BITS_DTYPE or not common.use_triton(*tensors, out):
                 return concat_microbatches_ref(tensors, out=out)
-            plan = _build_plan(tensors, shape, out.device)
+            nbytes = 2 * out.numel() * out.element_size()  # every input read once, out written once
+            if _crossover.use_triton_at("concat", out.device, len(tensors), nbytes):
+                plan = _build_plan(tensors, shape, out.device)
+            else:
+                plan = _TorchPlan(out.device, shape, out.dtype)
             _PLANS.put(key, plan)
         elif out is None:
             out = torch.empty(plan.shape, dtype=plan.dtype, device=plan.device)
+        if isinstance(plan, _TorchPlan):
+            return torch.cat(tensors, dim=0, out=out)
         _run(plan, tensors, out)
         return out
 

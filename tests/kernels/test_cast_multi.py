@@ -217,7 +217,7 @@ def test_cast_shards_non_tensor_entries():
 
 
 @pytest.mark.gpu
-def test_gpu_cast_shards_5000_tensors_one_launch(monkeypatch):
+def test_gpu_cast_shards_5000_tensors_one_launch(monkeypatch, triton_path):
     monkeypatch.setattr(_cast_multi, "FOREACH_MIN_TENSORS", 1 << 62)  # the kernel path, whatever the count
     clear_plan_caches()
     sizes = torch.randint(0, 3000, (5000,)).tolist()

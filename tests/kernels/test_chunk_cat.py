@@ -252,7 +252,7 @@ def test_use_torch_chunk_cat_decision(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("ws", [2, 3, 8], ids=lambda w: f"ws{w}")
 @pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=lambda p: f"{p[0]}->{p[1]}")
-def test_gpu_exact_one_launch(pair, ws):
+def test_gpu_exact_one_launch(pair, ws, triton_path):
     src, dst = DTYPES[pair[0]], DTYPES[pair[1]]
     shapes = [(4096, 1024), (4099, 3), (1000,), (7, 5, 3), (1,), (2048,)]  # aligned and unaligned layouts
     tensors = [torch.randn(s, device="cuda").mul_(1000).to(src) for s in shapes]
@@ -264,7 +264,7 @@ def test_gpu_exact_one_launch(pair, ws):
 
 
 @pytest.mark.gpu
-def test_gpu_thousands_of_tensors_one_launch():
+def test_gpu_thousands_of_tensors_one_launch(triton_path):
     gen = torch.Generator().manual_seed(0)
     dims = torch.randint(1, 64, (3000, 2), generator=gen).tolist()
     tensors = [torch.randn(d, device="cuda") for d in dims] + [torch.randn(1 << 20, device="cuda")]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from shardfuse.kernels import _common as common
+from shardfuse.kernels import _crossover
 
 # ------------------------------------------------------------------ argument checks
 
@@ -93,7 +94,11 @@ def test_plan_key_stream_first_and_none_for_malformed():
 
     t = torch.zeros(3)
     k = key([t])
-    assert k[0] == 0 and k[1] == common.tensors_key([t], "flat")  # CPU: stream 0
+    # CPU: stream 0; then the dispatch overrides in force (none: 0), then the parts
+    assert k[0] == 0 and k[1] == 0 and k[2] == common.tensors_key([t], "flat")
+    with _crossover.override({"concat": "torch"}):
+        assert key([t])[1] != 0  # a plan built under a forced path is cached apart
+    assert key([t]) == k
     assert key([]) is None  # no anchor tensor
     assert key(t) is None  # not a list
     assert key([t, 3.0]) is None  # malformed: the validating path explains

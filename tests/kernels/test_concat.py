@@ -183,7 +183,7 @@ def test_argument_types():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [8192, 8191], ids=lambda r: f"rows{r}")
-def test_gpu_exact_one_launch(rows, dtype):
+def test_gpu_exact_one_launch(rows, dtype, triton_path):
     x = torch.randn(rows, 2048, device="cuda").to(DTYPES[dtype])
     parts = list(x.chunk(4))
     out = poisoned(x.shape, x.dtype, "cuda")
@@ -193,7 +193,7 @@ def test_gpu_exact_one_launch(rows, dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_thousands_of_tensors_one_launch():
+def test_gpu_thousands_of_tensors_one_launch(triton_path):
     gen = torch.Generator().manual_seed(0)
     sizes = torch.randint(0, 40, (4000,), generator=gen).tolist()
     parts = [torch.randn(s, 129, device="cuda") for s in sizes]

@@ -1,0 +1,141 @@
+"""Fit the per-GPU dispatch thresholds of the public kernels from stored kernel measurements.
+
+    python -m bench.kernels.crossover [bench/results/h100/kernels.json ...]
+
+(from the repository root). Prints, for each file, the :class:`~shardfuse.kernels._crossover.Crossover` of every
+dispatching entry point, as it must appear in ``shardfuse.kernels._crossover.MEASURED``; the test
+``tests/bench/test_kernel_crossover.py`` holds the library's table to what this fit gives for the stored files.
+
+The fit, per family: every row of ``bench/kernels/run.py`` that timed both the Triton kernel and the PyTorch
+sequence the entry point would run instead (``ROW_PATHS``) and that the count rules of the launchers send to
+the kernel (``_prekey_triton``) is a point (tensor count, bytes moved, Triton ms, PyTorch ms). Among the rules of
+the family's shape (``FITTED``), with thresholds taken from the measured points themselves, the fit keeps those
+under which every row sent to the kernel was at least as fast there as the PyTorch sequence, and of them the one
+that saves the most time over all rows (ties: the one sending fewer rows to the kernel, then the one whose
+thresholds lie nearest the rows it sends to the kernel: the largest ``min_bytes``, the smallest ``max_tensors``).
+A family with no row that may run the kernel keeps the default ``Crossover()``, and a family whose every rule
+loses somewhere is ``NEVER`` (the PyTorch sequence at every size).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from bench.kernels.cases import TORCH_PATH, TRITON_PATH
+from shardfuse.kernels import _chunk_cat, _crossover
+from shardfuse.kernels._cast_multi import FOREACH_MIN_TENSORS
+from shardfuse.kernels._crossover import NEVER, Crossover
+
+# family of the library -> (bench family, row-name prefix, label of the PyTorch sequence's time)
+ROW_PATHS: dict[str, tuple[str, str, str]] = {
+    "cast_shards_list": ("shard_cast_dispatch", "list ", "foreach_copy_"),
+    "cast_shards_flat": ("shard_cast_dispatch", "flat ", "foreach_copy_(split)"),
+    "chunk_cat": ("chunk_cat_dispatch", "bf16 ", "_chunk_cat+div_"),
+    "concat": ("concat", "", "torch.cat(out=)"),
+}
+# The Crossover fields each family's rule is fitted on (the others keep their defaults).
+FITTED: dict[str, tuple[str, ...]] = {
+    "cast_shards_list": ("max_tensors", "min_bytes"),
+    "cast_shards_flat": ("many_tensors", "min_bytes"),
+    "chunk_cat": ("max_tensors", "big_tensor_bytes", "min_bytes"),
+    "concat": ("min_bytes",),
+}
+
+
+@dataclass(frozen=True)
+class Point:
+    num: int
+    nbytes: int
+    triton_ms: float
+    torch_ms: float
+
+
+def _prekey_triton(family: str, num: int, nbytes: int) -> bool:
+    """Whether the launchers' count rules (applied before the crossover, machine-independent) send a call of
+    ``num`` tensors moving ``nbytes`` to the kernel. chunk_cat rows are bf16 -> bf16: half the bytes are out."""
+    if family == "cast_shards_list":
+        return num < FOREACH_MIN_TENSORS
+    if family == "chunk_cat":
+        return num < _chunk_cat.TORCH_MIN_TENSORS or nbytes / 2 / num >= _chunk_cat.TORCH_MAX_OUT_BYTES_PER_TENSOR
+    return True
+
+
+def points(family: str, rows: Iterable[dict]) -> list[Point]:
+    """The measured points of ``family`` in a kernels file's rows."""
+    bench_family, prefix, torch_label = ROW_PATHS[family]
+    out = []
+    for r in rows:
+        base = r.get("baselines", {})
+        if r.get("family") != bench_family or not r.get("name", "").startswith(prefix) or torch_label not in base:
+            continue
+        # A row's own time is the kernel's where no forced path was timed beside it (runs before the dispatch).
+        triton_ms = base[TRITON_PATH]["ms"] if TRITON_PATH in base else r["shardfuse_ms"]
+        if TORCH_PATH in base and TRITON_PATH not in base:
+            continue  # the row's own time may be either path
+        num, nbytes = int(r.get("num_tensors", 1)), int(r["bytes"])
+        if _prekey_triton(family, num, nbytes):
+            out.append(Point(num, nbytes, float(triton_ms), float(base[torch_label]["ms"])))
+    return out
+
+
+def _candidates(field: str, pts: Sequence[Point]) -> list[float]:
+    if field in ("max_tensors",):
+        return [math.inf, *sorted({p.num + 1 for p in pts})]
+    if field == "many_tensors":
+        return [math.inf, *sorted({p.num for p in pts})]
+    if field == "big_tensor_bytes":
+        return [math.inf, *sorted({p.nbytes // p.num for p in pts})]
+    return [0, *sorted({p.nbytes for p in pts}), math.inf]  # min_bytes; inf: never by size
+
+
+def _caution(rule: Crossover) -> tuple[float, ...]:
+    """Between rules picking the same rows, the one with thresholds nearest the kernel's winning rows."""
+    return (rule.min_bytes, -rule.max_tensors, rule.many_tensors, rule.big_tensor_bytes)
+
+
+def fit(family: str, pts: Sequence[Point]) -> Crossover:
+    """The rule of ``family``'s shape that never sends a measured row to a slower kernel and saves the most."""
+    if not pts:
+        return Crossover()
+    fields = FITTED[family]
+    best: tuple | None = None
+    chosen = NEVER
+    for values in itertools.product(*(_candidates(f, pts) for f in fields)):
+        rule = replace(Crossover(), **dict(zip(fields, values)))
+        picked = [p for p in pts if rule.triton(p.num, p.nbytes)]
+        if any(p.triton_ms > p.torch_ms for p in picked):
+            continue
+        score = (sum(p.torch_ms - p.triton_ms for p in picked), -len(picked), _caution(rule))
+        if best is None or score > best:
+            best, chosen = score, rule
+    return chosen if best is not None and best[0] > 0 else NEVER
+
+
+def fit_file(path: Path) -> dict[str, Crossover]:
+    """Every family's fitted rule from one kernels file (families with no rows left out)."""
+    rows = json.loads(path.read_text())["rows"]
+    out = {}
+    for family in ROW_PATHS:
+        pts = points(family, rows)
+        if pts:
+            out[family] = fit(family, pts)
+    return out
+
+
+def main(argv: Sequence[str]) -> None:
+    paths = [Path(a) for a in argv] or sorted(Path("bench/results").glob("*/kernels.json"))
+    for path in paths:
+        print(f"{path.parent.name}: {{")
+        for family, rule in fit_file(path).items():
+            print(f"    {family!r}: {_crossover.describe(rule)},")
+        print("}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

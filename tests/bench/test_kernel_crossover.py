@@ -1,0 +1,86 @@
+"""The dispatch thresholds of the public kernels are the ones the stored measurements give.
+
+``shardfuse.kernels._crossover.MEASURED`` must be what ``bench.kernels.crossover`` fits from
+``bench/results/<gpu>/kernels.json``, and the fit must never send a measured call to the slower path.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from bench.kernels import crossover as fit_mod
+from bench.kernels.cases import FORCED_PATHS
+from bench.report._kernels import kernel_summary
+from bench.results_io import load_file
+from shardfuse.kernels import _crossover
+from shardfuse.kernels._crossover import NEVER, Crossover
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+KINDS = sorted(p.parent.name for p in RESULTS.glob("*/kernels.json"))
+
+
+def test_every_measured_kind_is_in_the_table():
+    assert KINDS and set(KINDS) == set(_crossover.MEASURED)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_library_thresholds_are_the_fit_of_the_stored_rows(kind):
+    fitted = fit_mod.fit_file(RESULTS / kind / "kernels.json")
+    assert fitted == _crossover.MEASURED[kind], (
+        f"shardfuse.kernels._crossover.MEASURED[{kind!r}] is not what bench/results/{kind}/kernels.json gives: "
+        f"run `python -m bench.kernels.crossover` and copy its table"
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_library_rule_picks_the_faster_path_on_every_stored_row(kind):
+    rows = json.loads((RESULTS / kind / "kernels.json").read_text())["rows"]
+    for family in fit_mod.ROW_PATHS:
+        rule = _crossover.MEASURED[kind].get(family, _crossover.FALLBACK[family])
+        for p in fit_mod.points(family, rows):
+            if rule.triton(p.num, p.nbytes):
+                assert p.triton_ms <= p.torch_ms, (kind, family, p)
+
+
+def test_fallback_is_the_merge_of_the_measured_kinds():
+    for family in _crossover.FAMILIES:
+        measured = [k[family] for k in _crossover.MEASURED.values() if family in k]
+        assert _crossover.FALLBACK[family] == _crossover.merge(measured)
+
+
+def test_fit_on_synthetic_points():
+    P = fit_mod.Point
+    # The kernel wins from 1000 bytes on, below 8 tensors; loses everywhere else.
+    rng = random.Random(0)
+    pts = []
+    for num in (1, 4, 7, 8, 16):
+        for nbytes in (10, 100, 999, 1000, 5000, 10**6):
+            wins = nbytes >= 1000 and num < 8
+            pts.append(P(num, nbytes, 1.0 if wins else 2.0 + rng.random(), 1.5))
+    rule = fit_mod.fit("cast_shards_list", pts)
+    assert rule == Crossover(min_bytes=1000, max_tensors=8)
+    assert all(rule.triton(p.num, p.nbytes) == (p.triton_ms < p.torch_ms) for p in pts)
+    # The kernel loses at every point: never.
+    assert fit_mod.fit("concat", [P(4, n, 2.0, 1.0) for n in (10, 100, 1000)]) == NEVER
+    # The kernel loses only at the largest size: a size threshold cannot help, never.
+    assert fit_mod.fit("concat", [P(4, 10, 1.0, 2.0), P(4, 100, 3.0, 2.0)]) == NEVER
+    # No rows: the default.
+    assert fit_mod.fit("concat", []) == Crossover()
+
+
+def test_report_min_speedup_leaves_out_the_forced_paths(tmp_path):
+    rows = [
+        {"family": "concat", "name": "a", "bytes": 1e6, "shardfuse_ms": 1.0,
+         "baselines": {"torch.cat": {"ms": 1.0, "speedup": 1.0}, FORCED_PATHS[0]: {"ms": 0.5, "speedup": 0.5}}},
+        {"family": "concat", "name": "b", "bytes": 1e8, "shardfuse_ms": 1.0,
+         "baselines": {"torch.cat": {"ms": 1.2, "speedup": 1.2}, FORCED_PATHS[1]: {"ms": 3.0, "speedup": 3.0}}},
+    ]
+    path = tmp_path / "h100" / "kernels.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"env": {"gpu_key": "h100"}, "copy_bandwidth_gbps": 3000.0, "rows": rows}))
+    (summary,) = kernel_summary(load_file(path))
+    assert summary[4] == 1.0 and summary[5] == 1.2
