@@ -329,7 +329,7 @@ def test_cached_cpu_plan_not_used_without_interpreter(monkeypatch, builds):
 
 
 @pytest.mark.gpu
-def test_gpu_plan_per_stream(builds):
+def test_gpu_plan_per_stream(builds, triton_path):
     srcs = [torch.randn(k, device="cuda") for k in (4099, 1, 777)]
     out = poisoned((4877,), torch.bfloat16, "cuda")
     cast.cast_shards(srcs, out)

