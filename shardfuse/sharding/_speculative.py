@@ -36,6 +36,7 @@ SPECULATED -> IDLE; the worker moves QUEUED -> SPECULATING / IDLE and SPECULATIN
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import threading
@@ -282,7 +283,11 @@ class Speculation:
                 valid = (verdict.commit and outcome is not None and handle is not None
                          and outcome.still_valid(plan, handle.flat, settings[id(plan)]))
                 if valid and outcome is not None and handle is not None:  # settled: committed here at once
-                    commit(plan, host, handle, rec.spare, outcome)
+                    # A first step adds entries to the optimizer's state dict, which the process-wide step hooks of
+                    # an update running on the worker iterate: that commit waits for the step lock.
+                    fresh = any(p not in plan.subs[0].state for p, _ in outcome.new_state)
+                    with lock if fresh else contextlib.nullcontext():
+                        commit(plan, host, handle, rec.spare, outcome)
                 with self._lock:
                     rec.move(SpecState.IDLE)
                     self.counts.units_committed += valid
