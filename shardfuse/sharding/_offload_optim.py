@@ -142,7 +142,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             the untouched originals with the coefficient: the values of ``speculative_clip=False``, bit for bit
             (``_speculative``). Loops as for ``step_in_backward`` (``step()`` and ``zero_grad()`` after each
             synced backward); not with ``step_in_backward``.
-        speculative_clip_gib: host memory (GiB) for the spare buffers (shard, state, compute copy: 16 B/param with
+        speculative_clip_gib: host memory (GiB) for the spare buffers (shard, state, compute copy: 12 B/param with
             AdamW); the units that fit, in the order their gradients land, speculate, the others update after the
             norm. ``None``: every offloaded unit.
 
@@ -339,7 +339,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                                     key=i, tag=plan)
 
     def _on_grad_sent(self, host: HostShard, event: torch.cuda.Event | None) -> None:
-        """``step_in_backward``: a host shard's gradient copy is queued; start its update behind the copy."""
+        """``step_in_backward`` or ``speculative_clip``: a host shard's gradient copy is queued; start its update (or
+        its speculative update) behind the copy."""
         if self._placements < (PLACEMENTS if self._spec is not None else 1) and self._budget_applies():
             # The first backward: the budget places units at the first step(), and an update now would make every
             # unit's optimizer state on the host first (the peak of full offload). This step updates after it.

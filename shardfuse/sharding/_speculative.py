@@ -174,7 +174,8 @@ class Speculation:
 
     def choose(self, plans: list[ShardPlan], state_bytes_per_element: int) -> None:
         """The units that may speculate within the budget, in the order their gradients land (``plans`` is in
-        forward order), as a prefix; records of shards no longer offloaded are dropped."""
+        forward order), as a prefix. Records of shards no longer offloaded, or idle and no longer eligible, are
+        dropped (with their spares); one in flight stays, for step() to resolve."""
         eligible: set[int] = set()
         used = 0.0
         for plan in reversed(plans):
@@ -188,9 +189,11 @@ class Speculation:
                 break
             used += cost
             eligible.add(id(host))
+        offloaded = {id(plan.host) for plan in plans if plan.host is not None}
         with self._lock:
             self._eligible = eligible
-            self._records = {k: r for k, r in self._records.items() if k in eligible}
+            self._records = {k: r for k, r in self._records.items()
+                             if k in offloaded and (k in eligible or r.state is not SpecState.IDLE)}
 
     def spare_bytes(self) -> int:
         with self._lock:
@@ -231,7 +234,12 @@ class Speculation:
         if verdict is not None:
             _host_step._step_host_shard(plan, host, handle, settings, verdict.coef)
             return
-        outcome = speculate(plan, rec.spare, host, handle, settings)
+        try:
+            outcome = speculate(plan, rec.spare, host, handle, settings)
+        except BaseException:
+            with self._lock:  # the task fails (raised at the next wait); step() then treats the unit as unspeculated
+                rec.move(SpecState.IDLE)
+            raise
         with self._lock:
             verdict, settings = rec.round.verdict, rec.settings
             if verdict is None:

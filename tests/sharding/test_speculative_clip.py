@@ -320,3 +320,37 @@ def check_refusals() -> bool:
 
 def test_refusals(pool):
     assert pool.run(check_refusals) == [True] * WORLD
+
+
+def check_failed_speculation_surfaces() -> bool:
+    """A speculation that raises on the worker surfaces on the main thread (here at step(), which waits for the
+    unit), and its record is left idle; nothing of the shard changed."""
+    from shardfuse.sharding import _speculative
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    model = _wrap({})
+    opt = OffloadOptimizer(model, _optimizer({}, model.parameters()), gpu_budget_gib=0, speculative_clip=True)
+    real = _speculative.speculate
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("speculation broke")
+
+    _speculative.speculate = broken  # type: ignore[assignment]
+    try:
+        ids, target = batch(0, rank, ws)
+        before = [p.detach().clone() for p in model.parameters()]
+        loss_fn(model, ids, target, 0, {}).backward()
+        model.clip_grad_norm_(BIG)
+        with pytest.raises(RuntimeError, match="overlapped optimizer step.*speculation broke"):
+            opt.step()
+            opt.synchronize()
+        assert opt._spec is not None
+        assert all(r.state is SpecState.IDLE for r in opt._spec._records.values())
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    finally:
+        _speculative.speculate = real  # type: ignore[assignment]
+    return True
+
+
+def test_failed_speculation_surfaces(pool):
+    assert pool.run(check_failed_speculation_surfaces) == [True] * WORLD
