@@ -28,7 +28,8 @@ them. Every implementation sees the same model shape, the same seeded weights an
   every other row (on this random-weight decoder clipping may fire every step: all redone, the worst case);
   ``-spec-nofire`` clips at ``NOFIRE_MAX_NORM``, which never fires (every step commits: the case of fine-tuning,
   where clipping rarely fires; the non-speculative clipped step costs the same at any max norm, so compare it
-  with the ``shardfuse`` row);
+  with the ``shardfuse`` row); ``BIG_SPEC_GIB=N`` passes ``speculative_clip_gib=N`` (default: every unit, 12 B/param
+  more host memory: ~35 GB for the 2.9B decoder, too much for the 6.7B one on a 128 GiB host);
 * ``BIG_HOST_THREADS=N`` (a diagnostic): ``OffloadOptimizer(host_threads=N)`` in every shardfuse row but
   ``-allcores`` (the rows record ``host_threads``); ``BIG_TRACE=1`` (a diagnostic): the last timed step's host
   timeline (``OffloadOptimizer.trace_host``, ``bench.offload.host_timeline``) in each shardfuse row, printed;
@@ -385,11 +386,14 @@ def make_shardfuse(job: Job, device: torch.device) -> Trainer:
             if "speculative_clip" not in inspect.signature(offload_optimizer).parameters:
                 raise Skip(f"OffloadOptimizer(speculative_clip=) is not in this shardfuse ({job.impl} needs it)")
             extra["speculative_clip"] = True
+            if os.environ.get("BIG_SPEC_GIB"):
+                extra["speculative_clip_gib"] = float(os.environ["BIG_SPEC_GIB"])
         opt = offload_optimizer(model, opt, gpu_budget_gib=budget, accumulate_on_gpu=on_gpu, **extra)
         info.update(gpu_budget_gib=budget, accumulate_on_gpu=on_gpu, step_in_backward=sib, clipping=not sib,
                     host_threads=getattr(opt, "host_threads", None),
                     host_compute_copy=bool(getattr(opt, "host_compute_copy", False)),
-                    speculative_clip=bool(getattr(opt, "speculative_clip", False)))
+                    speculative_clip=bool(getattr(opt, "speculative_clip", False)),
+                    speculative_clip_gib=extra.get("speculative_clip_gib"))
     trainer = (NoClipTrainer if sib else FairScaleStyleTrainer)(model, opt, job.cfg.accum, info)
     if job.impl.endswith("-nofire"):
         trainer.max_norm = NOFIRE_MAX_NORM
