@@ -337,17 +337,26 @@ def speculate(plan: ShardPlan, spare: Spare, host: HostShard, handle: FlatParamH
         return None
     state = plan.subs[0].state
     read = [(p, dict(state[p]) if p in state else {}) for p in params if p.grad is not None]
-    if spare.flat is None or spare.flat.shape != flat.shape or spare.flat.dtype != flat.dtype:
-        spare.flat = host_buffer(flat.numel(), flat.dtype, host.pin)
-    if host.compute_buf is None:
-        spare.compute = None
-    elif spare.compute is None or spare.compute.shape != host.compute_buf.shape:
-        spare.compute = host_buffer(flat.numel(), host.compute_buf.dtype, host.pin)
+    _make_spare(spare, flat, host, handle)
     with torch.no_grad():
         new_state = _speculate_chunked(plan, spare, flat, settings)
         if new_state is None:
             new_state = _speculate_stepped(plan, spare, flat, settings)
     return Outcome(new_state, read, _grad_marks(plan), handle.flat._version, flat.data_ptr(), settings)
+
+
+def _make_spare(spare: Spare, flat: torch.Tensor, host: HostShard, handle: FlatParamHandle) -> None:
+    """The spare shard and compute copy, pinned like the host shard's buffers; registered under the unit's CUDA
+    device (this runs on the worker thread, whose current device is not the rank's)."""
+    full = handle.full_param
+    device = full.device if full is not None and full.device.type == "cuda" else None
+    with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+        if spare.flat is None or spare.flat.shape != flat.shape or spare.flat.dtype != flat.dtype:
+            spare.flat = host_buffer(flat.numel(), flat.dtype, host.pin)
+        if host.compute_buf is None:
+            spare.compute = None
+        elif spare.compute is None or spare.compute.shape != host.compute_buf.shape:
+            spare.compute = host_buffer(flat.numel(), host.compute_buf.dtype, host.pin)
 
 
 def _spare_of(spare: Spare, p: torch.Tensor, key: str, like: torch.Tensor) -> torch.Tensor:
