@@ -63,7 +63,8 @@ GIB = 2**30
 # Opt-in: the no-clipping variants, the other settings' variants, and the SSD tier (disk-bound: a configuration of
 # its own per 10-minute call).
 DEFAULT_IMPLS = tuple(i for i in IMPLS
-                      if "-sib" not in i and not i.endswith(("-keep", "-allcores", "-hcc")) and i != "shardfuse-ssd")
+                      if "-sib" not in i and "-spec" not in i and not i.endswith(("-keep", "-allcores", "-hcc"))
+                      and i != "shardfuse-ssd")
 FLOOR_BYTES = ("bf16 parameters host->device (2 B/param) and fp32 gradients device->host (4 B/param), once per "
                "optimizer step, the two directions overlapped")  # fmt: skip
 # Rough seconds for the time plan (one H100, 16 cores): per child start, setup per billion parameters, and per
@@ -83,6 +84,8 @@ ESTIMATE: dict[str, tuple[float, float, float, float]] = {
     "shardfuse-keep-hcc": (12, 5, 0.17, 0.2),
     "shardfuse-sib-keep-hcc": (12, 5, 0.17, 0.2),
     "shardfuse-budget-sib-hcc": (12, 5, 0.1, 0.1),
+    "shardfuse-spec": (12, 5, 0.17, 0.2),
+    "shardfuse-spec-nofire": (12, 5, 0.17, 0.2),
     "shardfuse-ssd": (12, 8, 8.0, 4.0),  # disk-bound: ~2 GB/s each way assumed
     "fairscale": (12, 8, 0.17, 0.2),
     "fsdp2": (12, 6, 0.2, 0.22),
@@ -333,6 +336,10 @@ def print_row(r: dict[str, Any]) -> None:
             updating = f" ({r['host_update_ms']:.0f} updating)" if r.get("host_update_ms") is not None else ""
             print(f"   host optimizer busy {r['host_busy_ms']:.0f} ms/step{updating} on {r['host_threads']:.0f} "
                   f"threads, callers waited {r['host_wait_ms']:.0f} ms/step for it", flush=True)
+        if r.get("spec_spare_gib") is not None:
+            print(f"   speculative clip: {r['spec_steps_committed']} steps committed, {r['spec_steps_redone']} redone "
+                  f"(units: {r['spec_units_committed']} committed, {r['spec_units_redone']} redone, "
+                  f"{r['spec_units_late']} updated after the norm), spare {r['spec_spare_gib']:.1f} GiB", flush=True)
         if r.get("host_timeline"):
             print("\n".join(host_timeline.table(r["host_timeline"])), flush=True)
         if r.get("gpu_timeline"):
@@ -362,6 +369,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         sib += "+all" if "all cores" in str(variant) else ""
         sib += "+keep" if "reshard_after" in str(variant) else ""
         sib += "+hcc" if "host_compute_copy" in str(variant) else ""
+        sib += "+spec" if "speculative_clip" in str(variant) else ""
+        sib += "+nf" if "never fires" in str(variant) else ""
         name = r["impl"] + {"host-accum": "+ha", None: ""}.get(variant, sib)
         if not r["step_ms"]:
             print(f"{r['config']:<9} {name:<17} {r['tokens_per_step']:>8} {r['status']}: {r.get('reason', '')[:70]}")
@@ -375,7 +384,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{fmt_key(r, 'host_rss_gib', '8.1f'):>8}"
         )
     print("(+ha: accumulate_on_gpu=False; +sib: step_in_backward=True, no clipping; +all: host_threads = every "
-          "core; +keep: reshard_after_forward=False; +hcc: host_compute_copy=True; x floor / x resident: step time "
+          "core; +keep: reshard_after_forward=False; +hcc: host_compute_copy=True; +spec: speculative_clip=True; +nf: "
+          "max_norm 1e9, clipping never fires; x floor / x resident: step time "
           "over the floor / resident step)")
 
 

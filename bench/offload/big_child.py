@@ -163,6 +163,16 @@ def setup(job: Job, device: torch.device) -> Trainer:
     return make_trainer(job, device)
 
 
+def speculation_counts(first: dict[str, float], last: dict[str, float]) -> dict[str, Any]:
+    """``OffloadOptimizer(speculative_clip=True)``: steps and unit updates committed and redone over the timed steps
+    (warm-up left out), and the spare host memory held (nothing for other optimizers)."""
+    if "spec_spare_bytes" not in last:
+        return {}
+    keys = ("spec_steps_committed", "spec_steps_redone", "spec_units_committed", "spec_units_redone",
+            "spec_units_late")
+    return {**{k: int(last[k] - first[k]) for k in keys}, "spec_spare_gib": last["spec_spare_bytes"] / 2**30}
+
+
 def timed_steps(trainer: Trainer, job: Job, device: torch.device, split: bool) -> dict[str, Any]:
     """``warmup`` + ``steps`` optimizer steps; times of the timed ones (and of their forward + backward)."""
     data = make_batches(job.cfg, device, job.seed)
@@ -212,6 +222,7 @@ def timed_steps(trainer: Trainer, job: Job, device: torch.device, split: bool) -
             if key in marks[-1]:
                 out[name] = 1e3 * statistics.median(b[key] - a[key] for a, b in windows)
         out["host_threads"] = marks[-1]["host_threads"]
+        out.update(speculation_counts(marks[0], marks[-1]))
     if trace is not None:  # from the last step's start to the end of its updates (synchronize() above)
         out["host_timeline"] = host_timeline.summarize(trace.events, traced[0], time.perf_counter(), traced[1])
         trainer.opt.trace_host(False)

@@ -21,6 +21,15 @@ them. Every implementation sees the same model shape, the same seeded weights an
 * ``fairscale``: FairScale 0.4.13's FSDP with the same flags (its parameters must be on the CPU at wrap time);
 * ``fsdp2``: ``fully_shard`` per block + root, ``CPUOffloadPolicy(pin_memory=True)``, bf16 params / fp32 reduce,
   fused CPU AdamW;
+* ``shardfuse-spec`` / ``shardfuse-spec-nofire``: as ``shardfuse`` with ``OffloadOptimizer(speculative_clip=True)``:
+  each unit's host update runs during backward out of place, committed at ``step()`` where the clip coefficient is
+  exactly 1, else redone (the row counts both over the timed steps: ``spec_steps_committed``/``spec_steps_redone``,
+  per unit ``spec_units_*``, and the spare host memory ``spec_spare_gib``). ``-spec`` clips at ``MAX_NORM`` like
+  every other row (on this random-weight decoder clipping may fire every step: all redone, the worst case);
+  ``-spec-nofire`` clips at ``NOFIRE_MAX_NORM``, which never fires (every step commits: the case of fine-tuning,
+  where clipping rarely fires; the non-speculative clipped step costs the same at any max norm, so compare it
+  with the ``shardfuse`` row); ``BIG_SPEC_GIB=N`` passes ``speculative_clip_gib=N`` (default: every unit, 12 B/param
+  more host memory: ~35 GB for the 2.9B decoder, too much for the 6.7B one on a 128 GiB host);
 * ``BIG_HOST_THREADS=N`` (a diagnostic): ``OffloadOptimizer(host_threads=N)`` in every shardfuse row but
   ``-allcores`` (the rows record ``host_threads``); ``BIG_TRACE=1`` (a diagnostic): the last timed step's host
   timeline (``OffloadOptimizer.trace_host``, ``bench.offload.host_timeline``) in each shardfuse row, printed;
@@ -36,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -49,8 +59,8 @@ from examples.llama import DecoderLayer, Llama, LlamaConfig, next_token_loss
 IMPLS = ("resident", "shardfuse", "shardfuse-budget", "shardfuse-host-accum", "shardfuse-sib",
          "shardfuse-budget-sib", "shardfuse-sib-allcores", "shardfuse-keep", "shardfuse-sib-keep", "shardfuse-ssd",
          "shardfuse-hcc", "shardfuse-sib-hcc", "shardfuse-keep-hcc", "shardfuse-sib-keep-hcc",
-         "shardfuse-budget-sib-hcc", "fairscale", "fsdp2", "deepspeed-zero2",
-         "deepspeed-zero3")  # fmt: skip
+         "shardfuse-budget-sib-hcc", "shardfuse-spec", "shardfuse-spec-nofire", "fairscale", "fsdp2",
+         "deepspeed-zero2", "deepspeed-zero3")  # fmt: skip
 # Variants recorded as another implementation's row with a ``variant`` (internal name -> (row impl, variant)).
 # ``-sib``: OffloadOptimizer(step_in_backward=True), each unit's host update overlapping backward; it cannot clip
 # by the global norm, so these rows train WITHOUT clipping (every other row clips at MAX_NORM).
@@ -67,7 +77,9 @@ VARIANTS = {"shardfuse-host-accum": ("shardfuse", "host-accum"),
             "shardfuse-sib-keep-hcc": ("shardfuse",
                                        "step-in-backward, no clipping, reshard_after_forward=False, host_compute_copy"),
             "shardfuse-budget-sib-hcc": ("shardfuse-budget",
-                                         "step-in-backward, no clipping, host_compute_copy")}  # fmt: skip
+                                         "step-in-backward, no clipping, host_compute_copy"),
+            "shardfuse-spec": ("shardfuse", "speculative_clip"),
+            "shardfuse-spec-nofire": ("shardfuse", "speculative_clip, max_norm 1e9 (never fires)")}  # fmt: skip
 # ``-keep``: wrapped with reshard_after_forward=False: the gathered bf16 parameters stay on the GPU from forward
 # to backward, so each offloaded shard crosses PCIe (and is read from host memory) once per step instead of twice,
 # for the full compute-dtype parameters on the GPU during the step.
@@ -79,6 +91,7 @@ VARIANTS = {"shardfuse-host-accum": ("shardfuse", "host-accum"),
 # (gradients go to the host every micro-batch); its row's impl is ``shardfuse`` with ``variant: host-accum``.
 GPU_ONLY = frozenset({"fairscale", "fsdp2", "deepspeed-zero2", "deepspeed-zero3"})
 MAX_NORM = 1.0
+NOFIRE_MAX_NORM = 1e9  # ``shardfuse-spec-nofire``: above any gradient norm here, so clipping never fires
 BETAS = (0.9, 0.95)
 WEIGHT_DECAY = 0.1
 
@@ -240,8 +253,10 @@ class FairScaleStyleTrainer(Trainer):
     def sync_context(self, last: bool) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext() if last else self.model.no_sync()
 
+    max_norm = MAX_NORM
+
     def clip(self) -> None:
-        self.model.clip_grad_norm_(MAX_NORM)
+        self.model.clip_grad_norm_(self.max_norm)
 
 
 class NoClipTrainer(FairScaleStyleTrainer):
@@ -367,11 +382,24 @@ def make_shardfuse(job: Job, device: torch.device) -> Trainer:
             extra["host_threads"] = int(os.environ["BIG_HOST_THREADS"])
         if job.impl.endswith("-hcc"):
             extra["host_compute_copy"] = True
+        if "-spec" in job.impl:
+            if "speculative_clip" not in inspect.signature(offload_optimizer).parameters:
+                raise Skip(f"OffloadOptimizer(speculative_clip=) is not in this shardfuse ({job.impl} needs it)")
+            extra["speculative_clip"] = True
+            if os.environ.get("BIG_SPEC_GIB"):
+                extra["speculative_clip_gib"] = float(os.environ["BIG_SPEC_GIB"])
         opt = offload_optimizer(model, opt, gpu_budget_gib=budget, accumulate_on_gpu=on_gpu, **extra)
         info.update(gpu_budget_gib=budget, accumulate_on_gpu=on_gpu, step_in_backward=sib, clipping=not sib,
                     host_threads=getattr(opt, "host_threads", None),
-                    host_compute_copy=bool(getattr(opt, "host_compute_copy", False)))
-    return (NoClipTrainer if sib else FairScaleStyleTrainer)(model, opt, job.cfg.accum, info)
+                    host_compute_copy=bool(getattr(opt, "host_compute_copy", False)),
+                    speculative_clip=bool(getattr(opt, "speculative_clip", False)),
+                    speculative_clip_gib=extra.get("speculative_clip_gib"))
+    trainer = (NoClipTrainer if sib else FairScaleStyleTrainer)(model, opt, job.cfg.accum, info)
+    if job.impl.endswith("-nofire"):
+        trainer.max_norm = NOFIRE_MAX_NORM
+    if not sib:
+        info["max_norm"] = trainer.max_norm
+    return trainer
 
 
 def make_fairscale(job: Job, device: torch.device) -> Trainer:

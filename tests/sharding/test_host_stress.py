@@ -21,7 +21,7 @@ from torch import nn
 
 from shardfuse import FullyShardedDataParallel as FSDP
 from shardfuse import OffloadConfig, OffloadOptimizer
-from shardfuse.sharding.host import _host_fused, _host_step
+from shardfuse.sharding.host import _host_fused, _host_step, _speculative
 from shardfuse.sharding.host._host_shard import HostShard
 
 STEPS = 40
@@ -42,6 +42,10 @@ CONFIGS = {
     "adam-step_in_backward": dict(opt="adam", step_in_backward=True),
     "adamw-orig-params-accumulate": dict(opt="adamw", orig=True, micro=2, accumulate_on_gpu=True, clip=1.0),
     "adamw-ssd": dict(opt="adamw", ssd=True, clip=0.7),
+    # speculative_clip: updates speculated in backward, committed or redone at step() (the max norm cycles: the
+    # clip fires in some steps and not in others), with and without use_orig_params
+    "adamw-fused-speculative-clip": dict(opt="adamw", speculative=True, clip=(0.01, 1e6, 1e6)),
+    "sgd-speculative-clip-orig-params": dict(opt="sgd", speculative=True, orig=True, clip=(1e6, 0.01)),
 }
 
 
@@ -72,12 +76,13 @@ def _train(cfg: dict[str, Any], overlapped: bool, ssd_dir: str | None) -> tuple[
     opt: Any = _optimizer(cfg, model.parameters())
     if overlapped:
         opt = OffloadOptimizer(model, opt, gpu_budget_gib=0, step_in_backward=bool(cfg.get("step_in_backward")),
-                               accumulate_on_gpu=bool(cfg.get("accumulate_on_gpu")), host_threads=1)
+                               accumulate_on_gpu=bool(cfg.get("accumulate_on_gpu")), host_threads=1,
+                               speculative_clip=bool(cfg.get("speculative")))
     sched = torch.optim.lr_scheduler.StepLR(opt, 5, gamma=0.7)
     gen = torch.Generator().manual_seed(7)
     losses: list[float] = []
     micro = cfg.get("micro", 1)
-    for _ in range(STEPS):
+    for step in range(STEPS):
         for m in range(micro):
             with model.no_sync() if m < micro - 1 else contextlib.nullcontext():
                 x, y = torch.randn(4, 7, generator=gen), torch.randn(4, 3, generator=gen)
@@ -85,11 +90,15 @@ def _train(cfg: dict[str, Any], overlapped: bool, ssd_dir: str | None) -> tuple[
                 loss.backward()
                 losses.append(loss.item())
         if cfg.get("clip"):
-            losses.append(model.clip_grad_norm_(cfg["clip"]).item())
+            clip = cfg["clip"] if not isinstance(cfg["clip"], tuple) else cfg["clip"][step % len(cfg["clip"])]
+            losses.append(model.clip_grad_norm_(clip).item())
         opt.step()
         sched.step()  # changes the lr while updates may still be queued: they keep theirs
         opt.zero_grad()
     state = {k: v.clone() for k, v in model.state_dict().items()}  # finishes the updates in flight
+    if overlapped and cfg.get("speculative"):
+        stats = opt.host_stats()  # the clip fired in some steps and not in others: both paths ran
+        assert stats["spec_units_committed"] > 0 and stats["spec_units_redone"] > 0, stats
     if overlapped:
         opt.close()
     return losses, state
@@ -117,6 +126,8 @@ def _with_delays(monkeypatch: pytest.MonkeyPatch, rng: random.Random) -> None:
     monkeypatch.setattr(HostShard, "before_step", delayed(HostShard.before_step))
     monkeypatch.setattr(HostShard, "source_for_gather", delayed(HostShard.source_for_gather))
     monkeypatch.setattr(_host_step, "_step_host_shard", delayed(_host_step._step_host_shard))
+    monkeypatch.setattr(_speculative, "speculate", delayed(_speculative.speculate))
+    monkeypatch.setattr(_speculative, "commit", delayed(_speculative.commit))
 
 
 @pytest.fixture

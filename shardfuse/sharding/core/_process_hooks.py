@@ -187,9 +187,11 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, er
         owner = handle_of(p)
         if owner is not None and owner.host is not None and owner.host.on_grad_sent is not None:
             raise RuntimeError(
-                "torch.nn.utils.clip_grad_norm_ over a model whose OffloadOptimizer has step_in_backward=True: each "
-                "unit was updated as its gradient landed, before the global norm was known, so clipping now would "
-                "change nothing (or race the update); use step_in_backward=False to clip"
+                "torch.nn.utils.clip_grad_norm_ over a model whose OffloadOptimizer has step_in_backward=True or "
+                "speculative_clip=True: each unit's update started as its gradient landed, before the global norm "
+                "was known, so scaling the gradients now would change nothing (or race the update); with "
+                "speculative_clip call model.clip_grad_norm_(max_norm) instead (it decides whether the updates "
+                "stand), with step_in_backward use step_in_backward=False to clip"
             )
     handles = [_sharded_handle(p) for p in params]
     groups = {id(h.group): h for h in handles if h is not None}

@@ -16,6 +16,7 @@ against the public ``fused=True`` step).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,13 +142,16 @@ def step_in_chunks(sub_groups: list[tuple[torch.optim.Optimizer, list[torch.Tens
 
 
 def _step_one(group: _Group, i: int, kernel: FusedKernel, scale: torch.Tensor | None, compute_buf: torch.Tensor | None,
-              offset: int | None, chunk: int) -> None:
-    """Parameter ``i`` of ``group``, chunk by chunk."""
+              offset: int | None, chunk: int, before_chunk: Callable[[int, int], None] | None = None) -> None:
+    """Parameter ``i`` of ``group``, chunk by chunk; ``before_chunk(a, b)`` runs first in each chunk (elements
+    ``a:b`` of the parameter; the speculative update copies the originals' chunk into the spare buffers there)."""
     views = [group.params[i], group.grads[i], group.exp_avgs[i], group.exp_avg_sqs[i]]
     if group.max_exp_avg_sqs:
         views.append(group.max_exp_avg_sqs[i])
     flat_views = [t.view(-1) for t in views]
     for a, b in _pieces(flat_views[0].numel(), chunk):
+        if before_chunk is not None:
+            before_chunk(a, b)
         p, g, m, v = (t[a:b] for t in flat_views[:4])
         if scale is not None:
             g.mul_(scale)

@@ -159,13 +159,16 @@ def step_plan(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tenso
 
 def host_task(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tensor | None,
               lock: threading.Lock, copy_event: torch.cuda.Event | None = None,
-              in_backward: bool = False) -> Callable[[], None]:
+              in_backward: bool = False, update: Callable[[], None] | None = None) -> Callable[[], None]:
     """The worker's job for one offloaded shard: wait for the last copy that read its host buffers, step it,
     refresh the compute-dtype copy, apply a ``zero_grad`` that came meanwhile, then release the unit's next
     gather. Runs under ``lock`` so ``zero_grad`` sees each shard either queued (and defers) or done.
 
     ``in_backward``: started by the gradient copy itself (``step_in_backward=True``): wait for ``copy_event``
     and land the gradient (the end of backward lands the same buffer again on the main thread).
+
+    ``update``: what runs instead of the shard's step (``_speculative``: the out-of-place update of
+    ``speculative_clip``), in the same place: under ``lock``, in ``UPDATING``, before a deferred ``zero_grad``.
     """
     host, handle = plan.host, plan.handle
     if host is None or handle is None:
@@ -192,7 +195,10 @@ def host_task(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tenso
                 host.sync_h2d()
                 host.note("update")
                 start = time.perf_counter()
-                _step_host_shard(plan, host, handle, settings, coef)
+                if update is None:
+                    _step_host_shard(plan, host, handle, settings, coef)
+                else:
+                    update()
                 apply_zero_grad(plan, plan.deferred_zero)
                 host.stats.update_s += time.perf_counter() - start
                 host.note("done")

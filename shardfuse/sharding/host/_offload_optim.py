@@ -35,6 +35,7 @@ from shardfuse.sharding.host._host_step import (
     step_plan,
 )
 from shardfuse.sharding.host._host_trace import HostTrace
+from shardfuse.sharding.host._speculative import Speculation
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
             ``None``: the cores this process may use less one (at most torch's current count), left to the main
             thread that launches GPU work meanwhile (with every core in the optimizer's
             parallel regions, the one shared with the launching thread holds up each region).
+        speculative_clip: exact clipping overlapped with backward: each unit's update runs as its gradient lands,
+            out of place into spare host buffers; ``step()`` commits it (a pointer swap) where
+            ``model.clip_grad_norm_``'s coefficient is exactly 1 (or there was no clip), else computes it again from
+            the untouched originals with the coefficient: the values of ``speculative_clip=False``, bit for bit
+            (``_speculative``). Loops as for ``step_in_backward`` (``step()`` and ``zero_grad()`` after each
+            synced backward); not with ``step_in_backward``.
+        speculative_clip_gib: host memory (GiB) for the spare buffers (shard, state, compute copy: 12 B/param with
+            AdamW); the units that fit, in the order their gradients land, speculate, the others update after the
+            norm. ``None``: every offloaded unit.
 
     With torch's ``Adam``/``AdamW`` and ``fused=True`` (the fastest on the CPU) each shard's update runs chunk by
     chunk, clipping's scale, the fused kernel and the compute copy in one cache-sized pass (``_host_fused``; the
@@ -148,13 +158,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, gpu_budget_gib: float | None = None,
                  accumulate_on_gpu: bool = False, step_in_backward: bool = False,
-                 host_compute_copy: bool = False, host_threads: int | None = None) -> None:
+                 host_compute_copy: bool = False, host_threads: int | None = None, speculative_clip: bool = False,
+                 speculative_clip_gib: float | None = None) -> None:
         _check_arguments(model, optimizer, gpu_budget_gib)
+        _check_speculative(speculative_clip, speculative_clip_gib, step_in_backward)
         if host_threads is not None and not (isinstance(host_threads, int) and host_threads >= 1):
             raise ValueError(f"host_threads must be a positive int or None (the cores less one), got {host_threads!r}")
         self.step_in_backward = step_in_backward
         self.host_compute_copy = host_compute_copy
         self._stepped_in_backward: set[int] = set()
+        self.speculative_clip = speculative_clip
+        self._spec = Speculation(speculative_clip_gib) if speculative_clip else None
         # Not Optimizer.__init__: param_groups, state and defaults are the user's optimizer's (properties below).
         self.optimizer = optimizer
         self.model = model
@@ -242,7 +256,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     host = _backing.host_of(h) or HostShard(h.flat, compute or h.dtype, pin=torch.cuda.is_available(),
                                                             name=f"{u.name}.flat_param_{i}")
                     host.keep_full_in_no_sync = self.accumulate_on_gpu
-                    if self.step_in_backward:
+                    if self.step_in_backward or self.speculative_clip:
                         host.on_grad_sent = self._on_grad_sent
                     h.host = host
 
@@ -278,6 +292,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._plans = plans
         self._plan_of_host = {id(p.host): p for p in plans if p.host is not None}
         self._signature = signature
+        if self._spec is not None:
+            self._spec.choose(plans, _state_bytes_per_element(self.optimizer))
         self._attach_trace()
 
     @torch.no_grad()
@@ -287,7 +303,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise ValueError("OffloadOptimizer.step() takes no closure: compute the loss and backward before step()")
         if self._trace is not None:
             self._trace.mark("step")
-        if not (self.step_in_backward and self._stepped_in_backward) or self._placements < PLACEMENTS:
+        in_backward = self._stepped_in_backward or (self._spec is not None and self._spec.submitted())
+        if not in_backward or self._placements < PLACEMENTS:
             # Updates still in flight from an earlier step must end before this one queues its own (and before a
             # budget placement moves shards). Under step_in_backward this step's updates are already queued and
             # running: they overlap the next forward, whose gathers wait for each unit's own update.
@@ -303,7 +320,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 # Scaled at the clip already, unless it was a host shard then (made resident by the budget since).
                 late = coef if id(plan.handle) in deferred else None
                 step_plan(plan, settings_of(self.optimizer, plan), late)
-        if self.step_in_backward and self._stepped_in_backward:
+        if self._spec is not None:  # commits or redoes the speculated updates, queues the others
+            self._spec.step(self._plans, self.optimizer, coef.to("cpu") if coef is not None else None, self._lock,
+                            self._worker)
+        if (self.step_in_backward and self._stepped_in_backward) or self._spec is not None:
             # Updates were queued as gradients landed (the last units first); those not started yet go in forward
             # order now, so the next forward gets its first units first.
             self._stepped_in_backward.clear()
@@ -319,14 +339,24 @@ class OffloadOptimizer(torch.optim.Optimizer):
                                     key=i, tag=plan)
 
     def _on_grad_sent(self, host: HostShard, event: torch.cuda.Event | None) -> None:
-        """``step_in_backward``: a host shard's gradient copy is queued; start its update behind the copy."""
-        if not self._placements and self._budget_applies():
+        """``step_in_backward`` or ``speculative_clip``: a host shard's gradient copy is queued; start its update (or
+        its speculative update) behind the copy."""
+        if self._placements < (PLACEMENTS if self._spec is not None else 1) and self._budget_applies():
             # The first backward: the budget places units at the first step(), and an update now would make every
             # unit's optimizer state on the host first (the peak of full offload). This step updates after it.
+            # (Speculation waits for both placements: a unit placed on the GPU must not hold a speculation.)
             return
         self._refresh_plans()
         plan = self._plan_of_host.get(id(host))
         if plan is None:  # a shard the optimizer does not hold
+            return
+        if self._spec is not None:
+            settings = settings_of(self.optimizer, plan)
+            update = self._spec.submit(plan, settings)
+            if update is not None:  # else no spare room: it updates after the norm, at step()
+                host.queue()
+                self._worker.submit(host_task(plan, settings, None, self._lock, event, in_backward=True,
+                                              update=update), key=len(self._plans), tag=plan)
             return
         if id(host) in self._stepped_in_backward:
             raise RuntimeError(
@@ -341,6 +371,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (or zero) the gradients; a shard whose step is still queued gets it right after that step."""
+        if self._spec is not None and not set_to_none:
+            raise ValueError("OffloadOptimizer(speculative_clip=True) updates each unit as its gradient lands, so "
+                             "every synced backward must start from no gradient: zero_grad(set_to_none=True), or "
+                             "speculative_clip=False to keep zeroed gradients")
         if not self._plans:
             self.optimizer.zero_grad(set_to_none=set_to_none)
             return
@@ -365,8 +399,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         worker's waits for gradient and parameter copies left out). Differences between two calls give one step's
         share."""
         hosts = [h.host for u in units_below(self.root) for h in u.handles if isinstance(h.host, HostShard)]
-        return {"host_busy_s": self._worker.busy_s, "wait_s": sum(h.stats.waited_s for h in hosts),
-                "update_s": sum(h.stats.update_s for h in hosts), "host_threads": float(self.host_threads)}
+        out = {"host_busy_s": self._worker.busy_s, "wait_s": sum(h.stats.waited_s for h in hosts),
+               "update_s": sum(h.stats.update_s for h in hosts), "host_threads": float(self.host_threads)}
+        if self._spec is not None:  # speculative_clip: spare bytes held, steps and unit updates committed/redone
+            out.update({f"spec_{k}": float(v) for k, v in vars(self._spec.counts).items()},
+                       spec_spare_bytes=float(self._spec.spare_bytes()))
+        return out
 
     def trace_host(self, on: bool = True) -> HostTrace | None:
         """Start (``on``) or stop recording the host step's timeline (``HostTrace``: per offloaded unit, when its
@@ -516,6 +554,14 @@ def unit_of_root(model: nn.Module) -> Unit:
     if not isinstance(unit, Unit):
         raise TypeError(f"OffloadOptimizer needs the root FullyShardedDataParallel model, got {type(model).__name__}")
     return unit
+
+
+def _check_speculative(speculative_clip: bool, gib: float | None, step_in_backward: bool) -> None:
+    if speculative_clip and step_in_backward:
+        raise ValueError("speculative_clip=True starts each unit's update in backward itself (out of place, so it can "
+                         "still clip); step_in_backward=True updates in place and cannot clip: choose one")
+    if gib is not None and not gib >= 0:
+        raise ValueError(f"speculative_clip_gib must be >= 0 (GiB) or None (every unit), got {gib!r}")
 
 
 def _check_arguments(model: nn.Module, optimizer: torch.optim.Optimizer, gpu_budget_gib: float | None) -> None:
