@@ -4,7 +4,9 @@ under a GPU memory budget and host round trips amortised over ``no_sync`` accumu
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -18,6 +20,7 @@ from shardfuse.sharding import _collectives as coll
 from shardfuse.sharding import _ssd
 from shardfuse.sharding._flat_param import FlatParamHandle
 from shardfuse.sharding._grad_reduce import clip_grad_norm
+from shardfuse.sharding._host_keep import choose_kept, keep_room
 from shardfuse.sharding._host_shard import HostShard
 from shardfuse.sharding._host_step import (
     PER_ELEMENT_OPTIMIZERS,
@@ -43,6 +46,9 @@ GIB = 1 << 30
 # transient buffers, which the resident units do not add to, so the second step() places more units by the peak
 # measured with the first placement (then the placement is fixed).
 PLACEMENTS = 2
+# Set to 0 to send every offloaded gradient in fp32 (a debugging escape hatch: the compute-dtype path is exact).
+LOWP_GRADS_ENV = "SHARDFUSE_LOWP_GRADS"
+WIDEN_KEY = -1.0  # the worker's key of a gradient widening: ahead of every update (keys >= 0)
 
 
 def engine_of(unit: Unit) -> OffloadOptimizer | None:
@@ -135,6 +141,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
             ``None``: the cores this process may use less one (at most torch's current count), left to the main
             thread that launches GPU work meanwhile (with every core in the optimizer's
             parallel regions, the one shared with the launching thread holds up each region).
+        keep_params_gib: GPU memory (GiB) for keeping offloaded units' gathered compute-dtype parameters from
+            their forward to their backward (with ``reshard_after_forward``), so backward gathers nothing: no second
+            host->device copy of the shard (``_host_keep``). Units are picked from the end of the forward order
+            (the first whose backward runs) while their full buffers fit, once the forward order is known (from
+            the first ``step()``). ``0`` (default): keep none; ``None``: the room the device had at the peak of the
+            steps so far, measured at the first ``step()`` after the budget placements (CUDA only).
+
+    Gradients cross to the host in the compute dtype (bf16/fp16, half the bytes) where that is exact: one rank,
+    divide factors 1, a reduce dtype that holds the compute dtype, and no gradient held to accumulate into; they
+    are widened to fp32 on the host (by the worker as they land; ``.grad`` is the fp32 gradient once backward
+    returns, as on the fp32 path). ``SHARDFUSE_LOWP_GRADS=0`` in the environment (read here) turns this off.
 
     With torch's ``Adam``/``AdamW`` and ``fused=True`` (the fastest on the CPU) each shard's update runs chunk by
     chunk, clipping's scale, the fused kernel and the compute copy in one cache-sized pass (``_host_fused``; the
@@ -148,8 +165,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, gpu_budget_gib: float | None = None,
                  accumulate_on_gpu: bool = False, step_in_backward: bool = False,
-                 host_compute_copy: bool = False, host_threads: int | None = None) -> None:
+                 host_compute_copy: bool = False, host_threads: int | None = None,
+                 keep_params_gib: float | None = 0.0) -> None:
         _check_arguments(model, optimizer, gpu_budget_gib)
+        if keep_params_gib is not None and not keep_params_gib >= 0:
+            raise ValueError(f"keep_params_gib must be >= 0 (GiB) or None (the room left on the device), got "
+                             f"{keep_params_gib!r}")
         if host_threads is not None and not (isinstance(host_threads, int) and host_threads >= 1):
             raise ValueError(f"host_threads must be a positive int or None (the cores less one), got {host_threads!r}")
         self.step_in_backward = step_in_backward
@@ -161,6 +182,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.root: Unit = unit_of_root(model)
         self.gpu_budget_gib = gpu_budget_gib
         self.accumulate_on_gpu = accumulate_on_gpu
+        self.keep_params_gib = keep_params_gib
+        self._keep_room: float | None = None if keep_params_gib is None else keep_params_gib * GIB  # bytes
+        self._lowp_grads = os.environ.get(LOWP_GRADS_ENV, "1") != "0"
         self._lock = threading.Lock()
         self.host_threads = host_threads if host_threads is not None else default_host_threads()
         self._worker = StepWorker(self.host_threads)
@@ -244,6 +268,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     host.keep_full_in_no_sync = self.accumulate_on_gpu
                     if self.step_in_backward:
                         host.on_grad_sent = self._on_grad_sent
+                    if type(host) is HostShard:  # not the SSD tier's: its landing stays fp32
+                        host.lowp_grads = self._lowp_grads
+                        # The worker, not this object: a host shard must not keep its optimizer alive.
+                        host.on_lowp_sent = functools.partial(_queue_widening, self._worker)
                     h.host = host
 
     def _handles_in_order(self) -> list[FlatParamHandle]:
@@ -279,6 +307,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._plan_of_host = {id(p.host): p for p in plans if p.host is not None}
         self._signature = signature
         self._attach_trace()
+        if self._keep_room is not None:
+            choose_kept(self.root.root_state, self._keep_room)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
@@ -293,6 +323,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             # running: they overlap the next forward, whose gathers wait for each unit's own update.
             self.synchronize()
         done_on_host: set[int] = set()
+        if self._keep_room is None and self._placements >= PLACEMENTS:
+            # keep_params_gib=None: the room once the placements are final
+            self._keep_room = keep_room(self.root.compute_device, self.gpu_budget_gib)
+            self._signature = ()  # the kept units are chosen with the plans
         if self._placements < PLACEMENTS:
             done_on_host = self._place_by_budget()
         self._refresh_plans()
@@ -363,10 +397,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         worker spent in updates, ``wait_s`` callers (the next forward's gathers, backward's gradient copies, state
         paths) spent blocked waiting for an update, ``update_s`` the part of ``host_busy_s`` spent updating (the
         worker's waits for gradient and parameter copies left out). Differences between two calls give one step's
-        share."""
+        share. ``grad_d2h_bytes`` and ``param_h2d_bytes`` count the bytes of gradients sent to the host and of
+        parameters read for gathers."""
         hosts = [h.host for u in units_below(self.root) for h in u.handles if isinstance(h.host, HostShard)]
         return {"host_busy_s": self._worker.busy_s, "wait_s": sum(h.stats.waited_s for h in hosts),
-                "update_s": sum(h.stats.update_s for h in hosts), "host_threads": float(self.host_threads)}
+                "update_s": sum(h.stats.update_s for h in hosts), "host_threads": float(self.host_threads),
+                "grad_d2h_bytes": float(sum(h.stats.grad_d2h_bytes for h in hosts)),
+                "param_h2d_bytes": float(sum(h.stats.param_h2d_bytes for h in hosts))}
 
     def trace_host(self, on: bool = True) -> HostTrace | None:
         """Start (``on``) or stop recording the host step's timeline (``HostTrace``: per offloaded unit, when its
@@ -502,6 +539,11 @@ def _make_resident(handle: FlatParamHandle, optimizer: torch.optim.Optimizer, de
                                                                for g in optimizer.param_groups)):
                 state[k] = v.to(device)
     handle.host = None
+
+
+def _queue_widening(worker: StepWorker, host: HostShard, event: torch.cuda.Event | None, copy: int) -> None:
+    """A compute-dtype gradient copy is queued: widen it on the worker as it lands, ahead of any update."""
+    worker.submit(host.widen_task(event, copy), key=WIDEN_KEY)
 
 
 def _close_worker(worker: StepWorker) -> None:
