@@ -112,11 +112,16 @@ def train(cfg: dict[str, Any], lowp: bool, keep_gib: float | None) -> dict[str, 
             if not cfg.get("keep_grads"):
                 opt.zero_grad(set_to_none=cfg.get("set_to_none", True))
         opt.synchronize()
+    # A forward without grad (no backward can follow) frees what it gathered, kept units included.
+    with torch.no_grad():
+        model(batch(0, rank, ws)[0])
+    full = [u.name for u in units_below(model._unit) for h in u.handles if u.reshard_after_forward and h.step.is_full]
+    assert not full, f"full buffers left after a no-grad forward: {full}"
     kept = [labels[id(h.host)] for u in units_below(model._unit) for h in u.handles
             if isinstance(h.host, HostShard) and h.host.keep_for_backward]
     out = {"losses": losses, "state": model.state_dict(), "opt": opt.state_dict()["state"],
            "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
-           "stats": opt.host_stats(), "record": record, "kept": kept, "model": model}
+           "stats": opt.host_stats(), "record": record, "kept": kept}
     opt.close()
     return out
 
@@ -201,12 +206,6 @@ def check_keep(cfg: dict[str, Any], keep_gib: float | None, kept_names: list[str
     want = ref_gathers[:1] + [[n for n in step if n not in kept_names] for step in ref_gathers[1:]]
     assert gathers == want, f"gathers in backward {gathers}, expected {want}"
     assert got["stats"]["param_h2d_bytes"] < ref["stats"]["param_h2d_bytes"]
-    # Forward without grad (no backward can follow) frees what forward gathered, kept units included.
-    model = got["model"]
-    with torch.no_grad():
-        model(batch(0, dist.get_rank(), dist.get_world_size())[0])
-    full = [u.name for u in units_below(model._unit) for h in u.handles if u.reshard_after_forward and h.step.is_full]
-    assert not full, f"full buffers left after a no-grad forward: {full}"
     return True
 
 
