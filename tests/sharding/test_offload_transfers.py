@@ -297,3 +297,67 @@ def check_bad_keep() -> bool:
     with pytest.raises(ValueError, match="keep_params_gib.*-1"):
         OffloadOptimizer(model, make_optim(model.parameters(), {}), keep_params_gib=-1)
     return True
+
+
+def _host_sent_once(n: int = 4099) -> tuple[HostShard, torch.nn.Parameter, torch.Tensor, list[Any], list[str]]:
+    """A host shard sent one compute-dtype gradient (on the CPU the copy is done when send_grad returns); the
+    widening tasks it queued, and its timeline's events."""
+    flat = torch.nn.Parameter(torch.randn(n))
+    host = HostShard(flat.detach(), torch.float32, pin=False)
+    host.lowp_grads = True
+    events: list[str] = []
+    host.trace = events.append
+    queued: list[Any] = []
+    host.on_lowp_sent = lambda h, event, copy: queued.append(h.widen_task(event, copy))
+    g = torch.randn(n).bfloat16()
+    host.send_grad(flat, g.float(), None, g)
+    return host, flat, g, queued, events
+
+
+@pytest.mark.parametrize("who", ["landing", "worker-first", "concurrent"])
+def test_a_compute_dtype_gradient_is_widened_once(who):
+    import threading
+
+    for _ in range(5 if who == "concurrent" else 1):
+        host, flat, g, queued, events = _host_sent_once()
+        assert host.grad_copy.target is host.lowp_buf and host.lowp_buf.dtype == torch.bfloat16
+        assert host.stats.grad_d2h_bytes == 2 * g.numel()
+        assert len(queued) == 1
+        if who == "worker-first":
+            queued[0]()
+        worker = threading.Thread(target=queued[0]) if who == "concurrent" else None
+        if worker is not None:
+            worker.start()
+        host.land_grad(flat)
+        if worker is not None:
+            worker.join()
+        if who == "landing":
+            queued[0]()  # late: finds nothing to do
+        assert flat.grad is host.grad_buf and flat.grad.dtype == torch.float32
+        assert torch.equal(flat.grad, g.float()), "the landed gradient is not the exact fp32 cast"
+        assert events.count("widened") == 1, events
+
+
+def test_a_stale_widening_leaves_the_next_copy_alone():
+    host, flat, g1, queued, _ = _host_sent_once()
+    host.land_grad(flat)
+    flat.grad = None  # zero_grad(set_to_none=True)
+    g2 = torch.randn(g1.numel()).bfloat16()
+    host.send_grad(flat, g2.float(), None, g2)
+    queued[0]()  # the first copy's task, run late: on a GPU the second copy may still be writing lowp_buf
+    assert torch.equal(host.grad_buf, g1.float()), "a stale task widened a copy it was not queued for"
+    queued[1]()
+    assert torch.equal(host.grad_buf, g2.float())
+    host.land_grad(flat)
+    assert torch.equal(flat.grad, g2.float())
+
+
+def test_a_held_gradient_takes_the_fp32_copy_and_accumulates():
+    host, flat, g1, queued, _ = _host_sent_once()
+    host.land_grad(flat)
+    g2 = torch.randn(g1.numel()).bfloat16()
+    host.send_grad(flat, g2.float(), None, g2)  # flat.grad is held: the sum must be formed in fp32
+    assert host.grad_copy.target is host.stage_buf and host.stage_buf.dtype == torch.float32
+    assert len(queued) == 1, "no widening is queued for an fp32 copy"
+    host.land_grad(flat)
+    assert torch.equal(flat.grad, g1.float() + g2.float())
