@@ -324,9 +324,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self.synchronize()
         done_on_host: set[int] = set()
         if self._keep_room is None and self._placements >= PLACEMENTS:
-            # keep_params_gib=None: the room once the placements are final
+            # keep_params_gib=None: the room once the placements are final (the plans stay: under step_in_backward
+            # updates queued with them may still run)
             self._keep_room = keep_room(self.root.compute_device, self.gpu_budget_gib)
-            self._signature = ()  # the kept units are chosen with the plans
+            choose_kept(self.root.root_state, self._keep_room)
         if self._placements < PLACEMENTS:
             done_on_host = self._place_by_budget()
         self._refresh_plans()

@@ -231,6 +231,58 @@ def test_keep_params_between_forward_and_backward(pool, cfg, keep_gib, kept):
     assert pool.run(check_keep, cfg, keep_gib, kept) == [True] * WORLD
 
 
+def check_keep_automatic(cfg: dict[str, Any]) -> bool:
+    """keep_params_gib=None measures the room once the budget placements are final (with gpu_budget_gib=0: at the
+    second step(); the room is faked here, as on a GPU with room for everything) and keeps from the next backward,
+    also while step_in_backward updates queued with the current plans are still in flight: from the second step
+    on those are held here until the zero_grad() that follows their step() (which they apply, deferred)."""
+    import time
+
+    from shardfuse.sharding import _offload_optim
+
+    cls = _offload_optim.OffloadOptimizer
+    real = (_offload_optim.keep_room, HostShard.queue, HostShard.before_step, cls.__init__, cls.step, cls.zero_grad)
+    calls = {"step": 0, "zero": 0}  # of the last OffloadOptimizer made
+    release: dict[int, int] = {}  # id(host) -> the zero_grad() count its queued update waits for
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        calls.update(step=0, zero=0)
+        real[3](self, *args, **kwargs)
+
+    def queue(self: HostShard) -> None:  # caller side, as the update is queued
+        release[id(self)] = calls["zero"] + 1 if calls["step"] else 0  # the first step() waits for its updates
+        real[1](self)
+
+    def held(self: HostShard, in_backward: bool) -> None:  # the worker, before it takes the step lock
+        deadline = time.monotonic() + 10
+        while calls["zero"] < release.get(id(self), 0) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        real[2](self, in_backward)
+
+    def opt_step(self: Any, *args: Any, **kwargs: Any) -> None:
+        real[4](self, *args, **kwargs)
+        calls["step"] += 1
+
+    def zero_grad(self: Any, *args: Any, **kwargs: Any) -> None:
+        real[5](self, *args, **kwargs)
+        calls["zero"] += 1
+
+    _offload_optim.keep_room = lambda device, budget: float(1 << 30)  # type: ignore[assignment]
+    HostShard.queue, HostShard.before_step = queue, held  # type: ignore[method-assign]
+    cls.__init__, cls.step, cls.zero_grad = init, opt_step, zero_grad  # type: ignore[method-assign]
+    try:
+        return check_keep(cfg, None, [ROOT, BLOCK0], chosen_at=2)
+    finally:
+        _offload_optim.keep_room, HostShard.queue, HostShard.before_step = real[:3]  # type: ignore[method-assign]
+        cls.__init__, cls.step, cls.zero_grad = real[3:]  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("sib", [False, True], ids=["after-backward", "step-in-backward"])
+def test_keep_params_automatic_room(pool, sib):
+    cfg = dict(BF16, disable_reshard_on_root=False, fused=True, **({"step_in_backward": True} if sib else {}))
+    assert pool.run(check_keep_automatic, cfg) == [True] * WORLD
+
+
 def check_keep_nothing(cfg: dict[str, Any], keep_gib: float | None) -> bool:
     got = train(cfg, lowp=True, keep_gib=keep_gib)
     ref = train(cfg, lowp=True, keep_gib=0.0)
