@@ -140,7 +140,7 @@ def test_transformers_config_object_when_installed():
 
 
 def test_choose_resident_is_the_offload_optimizers_choice():
-    from shardfuse.sharding.host._offload_optim import choose_resident as library
+    from shardfuse.sharding.host._placement import choose_resident as library
 
     rng = random.Random(7)
     for _ in range(200):

@@ -221,6 +221,9 @@ def timed_steps(trainer: Trainer, job: Job, device: torch.device, split: bool) -
                           ("update_s", "host_update_ms")):
             if key in marks[-1]:
                 out[name] = 1e3 * statistics.median(b[key] - a[key] for a, b in windows)
+        for key, name in (("grad_d2h_bytes", "grad_d2h_gb"), ("param_h2d_bytes", "param_h2d_gb")):
+            if key in marks[-1]:  # what crossed PCIe per step (gradients in the compute dtype where exact)
+                out[name] = 1e-9 * statistics.median(b[key] - a[key] for a, b in windows)
         out["host_threads"] = marks[-1]["host_threads"]
         out.update(speculation_counts(marks[0], marks[-1]))
     if trace is not None:  # from the last step's start to the end of its updates (synchronize() above)

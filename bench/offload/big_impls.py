@@ -33,6 +33,9 @@ them. Every implementation sees the same model shape, the same seeded weights an
 * ``BIG_HOST_THREADS=N`` (a diagnostic): ``OffloadOptimizer(host_threads=N)`` in every shardfuse row but
   ``-allcores`` (the rows record ``host_threads``); ``BIG_TRACE=1`` (a diagnostic): the last timed step's host
   timeline (``OffloadOptimizer.trace_host``, ``bench.offload.host_timeline``) in each shardfuse row, printed;
+  ``BIG_KEEP_GIB=X`` (``auto``: None): ``OffloadOptimizer(keep_params_gib=X)`` in every shardfuse row, the gathered
+  bf16 parameters kept from forward to backward within X GiB (rows record ``keep_params_gib``); rows record
+  ``lowp_grads`` too (bf16 gradients to the host where exact, off with ``SHARDFUSE_LOWP_GRADS=0``);
 * ``deepspeed-zero2`` / ``deepspeed-zero3``: ZeRO-2 with the optimizer offloaded (its DeepSpeedCPUAdam), ZeRO-3
   with parameters and optimizer offloaded, bf16, gradient accumulation and clipping through its config.
 
@@ -388,12 +391,17 @@ def make_shardfuse(job: Job, device: torch.device) -> Trainer:
             extra["speculative_clip"] = True
             if os.environ.get("BIG_SPEC_GIB"):
                 extra["speculative_clip_gib"] = float(os.environ["BIG_SPEC_GIB"])
+        keep_gib = os.environ.get("BIG_KEEP_GIB")  # a diagnostic: the row records keep_params_gib
+        if keep_gib:
+            extra["keep_params_gib"] = None if keep_gib == "auto" else float(keep_gib)
         opt = offload_optimizer(model, opt, gpu_budget_gib=budget, accumulate_on_gpu=on_gpu, **extra)
         info.update(gpu_budget_gib=budget, accumulate_on_gpu=on_gpu, step_in_backward=sib, clipping=not sib,
                     host_threads=getattr(opt, "host_threads", None),
                     host_compute_copy=bool(getattr(opt, "host_compute_copy", False)),
                     speculative_clip=bool(getattr(opt, "speculative_clip", False)),
-                    speculative_clip_gib=extra.get("speculative_clip_gib"))
+                    speculative_clip_gib=extra.get("speculative_clip_gib"),
+                    keep_params_gib=getattr(opt, "keep_params_gib", 0.0),
+                    lowp_grads=bool(getattr(opt, "_lowp_grads", False)))
     trainer = (NoClipTrainer if sib else FairScaleStyleTrainer)(model, opt, job.cfg.accum, info)
     if job.impl.endswith("-nofire"):
         trainer.max_norm = NOFIRE_MAX_NORM

@@ -46,7 +46,7 @@ from shardfuse.sharding.core._setup import (
 )
 from shardfuse.sharding.core._state import TrainingState, check_state
 from shardfuse.sharding.core._tree import clean_key, unit_of, units_below
-from shardfuse.sharding.host._offload_optim import detach_host_engine, engine_of, finish_host_steps, settle
+from shardfuse.sharding.host._engine import detach_host_engine, engine_of, finish_host_steps, settle
 from shardfuse.sharding.ssd import _ssd, _ssd_config
 
 __all__ = ["FullyShardedDataParallel", "ShardingStrategy", "TrainingState"]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from shardfuse import OffloadOptimizer
 from shardfuse.sharding import FullyShardedDataParallel as FSDP
 from shardfuse.sharding.host import _host_fused, _host_step
-from shardfuse.sharding.host._offload_optim import _make_resident
+from shardfuse.sharding.host._placement import make_resident as _make_resident
 from tests.sharding._models import batch, build, loss_fn, make_optim, wrap_model
 
 WORLD = 2
@@ -503,7 +503,7 @@ def test_dropping_the_model_and_optimizer_frees_them(pool):
 
 
 def test_choose_resident_counts_from_the_start():
-    from shardfuse.sharding.host._offload_optim import choose_resident
+    from shardfuse.sharding.host._placement import choose_resident
 
     sizes = [10, 20, 30, 40]  # forward order: the first units stay resident
     assert choose_resident(sizes, budget_bytes=0, bytes_per_element=16) == 0

@@ -23,7 +23,7 @@ from shardfuse import FullyShardedDataParallel as FSDP
 from shardfuse import OffloadOptimizer, _versions
 from shardfuse.sharding.core import _process_hooks
 from shardfuse.sharding.core._registry import SHARD_MARK_ATTR, SHARD_MARK_KEY
-from shardfuse.sharding.host import _offload_optim
+from shardfuse.sharding.host import _engine, _offload_optim
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "process-wide.md"
 
@@ -160,16 +160,16 @@ def test_engine_is_owned_by_the_root_wrapper_state() -> None:
     opt_a = OffloadOptimizer(a, torch.optim.SGD(a.parameters(), lr=0.1))
     opt_b = OffloadOptimizer(b, torch.optim.SGD(b.parameters(), lr=0.1))
     assert a._unit.host_engine is not None and a._unit.host_engine() is opt_a
-    assert _offload_optim.engine_of(a._fsdp_wrapped_module[0]._unit) is opt_a, "nested units find the root's"
-    assert _offload_optim.engine_of(b._unit) is opt_b
+    assert _engine.engine_of(a._fsdp_wrapped_module[0]._unit) is opt_a, "nested units find the root's"
+    assert _engine.engine_of(b._unit) is opt_b
     copy = pickle.loads(pickle.dumps(a))  # the engine stays with the original
     assert copy._unit.host_engine is None and a._unit.host_engine() is opt_a
     opt_a.close()
-    assert a._unit.host_engine is None and _offload_optim.engine_of(a._unit) is None
+    assert a._unit.host_engine is None and _engine.engine_of(a._unit) is None
     assert all(h.host is None for u in (a._unit, a._fsdp_wrapped_module[0]._unit) for h in u.handles)
     workers = {t for t in threading.enumerate() if t.name == "shardfuse-host-step"}
     del opt_b
     gc.collect()
-    assert _offload_optim.engine_of(b._unit) is None, "the model must not keep a dropped optimizer alive"
+    assert _engine.engine_of(b._unit) is None, "the model must not keep a dropped optimizer alive"
     left = {t for t in threading.enumerate() if t.name == "shardfuse-host-step"}
     assert len(left) < len(workers), "the dropped optimizer's worker thread must end"

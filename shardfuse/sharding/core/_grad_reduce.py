@@ -104,6 +104,7 @@ def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pe
             f"offloaded: its host step expects the all-reduced gradient each backward): use no_sync() to accumulate"
         )
     dest, accumulate = (None, False) if hold else _destination(handle, grad.device)
+    lowp = None if dest is None else exact_compute_dtype_grad(handle, cfg, grad)
     post_backward = streams.post_backward
     wait_stream(post_backward, streams.current())
     with profiled("shardfuse.sharding:reduce_scatter"), use_stream(post_backward):
@@ -122,8 +123,8 @@ def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pe
             held = handle.unsynced_grad
             handle.unsynced_grad = rs_out if held is None else held.add_(rs_out)
         else:
-            _finish(handle, cfg, rs_out, dest, accumulate, pending, post_backward)
-        event = record_event(post_backward)
+            _finish(handle, cfg, rs_out, dest, accumulate, pending, post_backward, lowp)
+        event = record_event(post_backward)  # after the copy to the host: ``grad`` (lowp's storage) is held to it
     if handle.host is not None and dest is not None:
         pending.add_copy_source(dest, event, streams)
     pending.add(grad, event, streams)
@@ -144,6 +145,27 @@ def flush_unsynced(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams,
         event = record_event(post_backward)
     if handle.host is not None:
         pending.add_copy_source(dest, event, streams)
+
+
+def exact_compute_dtype_grad(handle: FlatParamHandle, cfg: ReduceConfig, grad: torch.Tensor) -> torch.Tensor | None:
+    """The unit's full gradient ``grad`` as its reduced shard gradient, where an offloaded shard may take it in the
+    compute dtype instead of its fp32 cast because the reduction is the identity and every cast on the path is
+    exact: one rank in the shard group (no reduce-scatter), no replica all-reduce and no partial sum held back for
+    one, both divide factors 1, a 2-byte compute dtype into an fp32 shard, and a reduce dtype that holds it (itself
+    or fp32). None otherwise. Whether the shard already holds a gradient to accumulate into (then the fp32 path
+    runs) is the host shard's to check (``HostShard.send_grad``)."""
+    host = handle.host
+    if host is None or not host.lowp_grads:
+        return None
+    if handle.world_size != 1 or cfg.groups.hybrid or handle.unsynced_grad is not None:
+        return None
+    if cfg.predivide != 1.0 or cfg.postdivide != 1.0:
+        return None
+    if grad.dtype not in (torch.bfloat16, torch.float16) or handle.flat.dtype != torch.float32:
+        return None
+    if cfg.reduce_dtype not in (grad.dtype, torch.float32):
+        return None
+    return grad.view(-1).narrow(0, 0, handle.shard_numel)
 
 
 def _destination(handle: FlatParamHandle, device: torch.device) -> tuple[torch.Tensor, bool]:
@@ -168,9 +190,10 @@ def _destination(handle: FlatParamHandle, device: torch.device) -> tuple[torch.T
 
 
 def _finish(handle: FlatParamHandle, cfg: ReduceConfig, rs_out: torch.Tensor, dest: torch.Tensor, accumulate: bool,
-            pending: PendingFrees, post_backward: torch.cuda.Stream | None) -> None:
+            pending: PendingFrees, post_backward: torch.cuda.Stream | None, lowp: torch.Tensor | None = None) -> None:
     """On the post-backward stream: all-reduce across replicas (hybrid sharding; with the sum held back by
-    ``set_requires_all_reduce(False)`` added first), post-divide into ``dest``, copy an offloaded shard out."""
+    ``set_requires_all_reduce(False)`` added first), post-divide into ``dest``, copy an offloaded shard out
+    (``lowp``: the same gradient in the compute dtype, see :func:`exact_compute_dtype_grad`)."""
     groups = cfg.groups
     if groups.hybrid:
         held = handle.unsynced_grad
@@ -182,7 +205,7 @@ def _finish(handle: FlatParamHandle, cfg: ReduceConfig, rs_out: torch.Tensor, de
     flat = handle.flat
     dp.post_divide(rs_out, dest, cfg.postdivide, accumulate=accumulate)
     if handle.host is not None:
-        handle.host.send_grad(flat, dest, post_backward)
+        handle.host.send_grad(flat, dest, post_backward, lowp)
         pending.landing.append(handle)
     elif flat.device != dest.device:
         host = torch.empty(dest.shape, dtype=dest.dtype, pin_memory=torch.cuda.is_available())

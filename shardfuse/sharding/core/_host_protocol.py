@@ -21,6 +21,10 @@ class HostSide(Protocol):
     keep_full_in_no_sync: bool
     # step_in_backward: called with (this shard, the copy's event) once its gradient copy is queued.
     on_grad_sent: Callable[[Any, torch.cuda.Event | None], None] | None
+    # Keep the gathered compute-dtype parameters on the GPU from the unit's forward to its backward.
+    keep_for_backward: bool
+    # Take the compute-dtype gradient (send_grad's ``lowp``) where the reduction is exact in that dtype.
+    lowp_grads: bool
 
     def wait_ready(self) -> None:
         """Block until no update of this shard is in flight; raise what a failed update raised."""
@@ -32,8 +36,11 @@ class HostSide(Protocol):
     def note_h2d(self, stream: torch.cuda.Stream | None) -> None:
         """The host->device copy that reads the source was just queued on ``stream``."""
 
-    def send_grad(self, flat: torch.Tensor, dest: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
-        """Queue the copy of the reduced gradient ``dest`` to the host on ``stream`` (autograd's device thread)."""
+    def send_grad(self, flat: torch.Tensor, dest: torch.Tensor, stream: torch.cuda.Stream | None,
+                  lowp: torch.Tensor | None = None) -> None:
+        """Queue the copy of the reduced gradient ``dest`` to the host on ``stream`` (autograd's device thread);
+        ``lowp``: the same values in the compute dtype (``dest`` is their exact fp32 cast), which may cross
+        instead."""
 
     def land_grad(self, flat: torch.Tensor) -> None:
         """After the copies finished (end of backward): ``flat.grad`` holds the gradient."""

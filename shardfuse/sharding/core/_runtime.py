@@ -244,10 +244,16 @@ class Unit:
         host = handle.host
         return host is not None and host.keep_full_in_no_sync and not self.require_backward_grad_sync
 
-    def reshard_unless_kept(self) -> None:
+    def reshard_unless_kept(self, after_forward: bool = False) -> None:
+        """Free the full buffers but those kept under ``no_sync`` (:meth:`keeps_full`) and, ``after_forward`` with
+        a backward possible (grad mode on), those of offloaded shards that keep their gathered parameters for
+        backward (``OffloadOptimizer(keep_params_gib=...)``: backward then gathers nothing)."""
+        for_backward = after_forward and torch.is_grad_enabled()
         for h in self.gather_handles:
-            if not self.keeps_full(h):
-                h.reshard()
+            host = h.host
+            if self.keeps_full(h) or (for_backward and host is not None and host.keep_for_backward):
+                continue
+            h.reshard()
 
     # ----------------------------------------------------------------------------------------------
     # 1. forward
@@ -307,7 +313,7 @@ class Unit:
         rs = self.require_root_state()
         try:
             if self.reshard_after_forward and not self._keep_full_for_backward():
-                self.reshard_unless_kept()
+                self.reshard_unless_kept(after_forward=True)
             if torch.is_grad_enabled():
                 self._register_pre_backward_hooks(outputs)
         finally:

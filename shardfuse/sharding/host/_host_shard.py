@@ -6,6 +6,11 @@ fp32 shard ``flat``:
 - ``grad_buf``: the pinned buffer the reduced gradient is copied into on the post-backward stream, reused every
   step (``flat.grad`` is this buffer once the copy has landed); ``stage_buf`` takes a second gradient when
   ``flat.grad`` already holds one (accumulation across backward passes);
+- ``lowp_buf``: where the reduction is exact in the compute dtype (one rank, divide factors 1, no gradient held:
+  ``_grad_reduce.exact_compute_dtype_grad``), the bf16/fp16 gradient crosses instead of its fp32 cast (half the
+  bytes) into this pinned buffer, and is widened into ``grad_buf`` on the host (:meth:`HostShard.widen_grad`,
+  exact) by the worker as the copy lands, or by the end of backward if the worker has not got to it: ``flat.grad``
+  is the fp32 gradient whenever a user can read it, as on the fp32 path;
 - ``compute_buf``: the parameters in the compute dtype (bf16), written by the optimizer step right after it
   updated the shard, so only 2 bytes per parameter cross to the GPU when the unit is gathered again;
 - ``life``: where this shard's overlapped update is (:class:`UpdateState`, below); a gather waits until no update
@@ -24,6 +29,10 @@ thread that moves it on (so a state is never changed under a thread that acts on
 
 A move not in :data:`TRANSITIONS` raises :class:`IllegalTransition` naming the shard and both states.
 
+The widening of a compute-dtype gradient is no update: it runs once per copy, under ``_widen_lock``, by whichever of
+the worker (a task queued ahead of every update) and the end of backward (main thread) comes first; the other
+finds it done (or waits for it under the lock).
+
 Lifetimes are held by events, never ``record_stream``: the optimizer step waits for the last host-to-device copy
 that read ``compute_buf``/``flat`` before it writes them again, and the end of backward waits for the gradient
 copies before ``flat.grad`` is read by anybody.
@@ -32,6 +41,7 @@ copies before ``flat.grad`` is read by anybody.
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 import time
 import weakref
@@ -42,6 +52,8 @@ import torch
 
 from shardfuse._streams import record_event, use_stream
 from shardfuse._torch_private import foreach_norm
+
+logger = logging.getLogger(__name__)
 
 # Pinned memory allocated by torch's caching host allocator is rounded up to a power of two (a 450 MB shard takes
 # 512 MiB, a 540 MB one 1 GiB); registering plain memory with the driver pins exactly what is asked for.
@@ -141,6 +153,8 @@ class HostStats:
 
     waited_s: float = 0.0  # callers blocked in wait_ready
     update_s: float = 0.0  # the worker updating this shard, its waits for copies left out
+    grad_d2h_bytes: int = 0  # gradient bytes copied device -> host (send_grad, caller side)
+    param_h2d_bytes: int = 0  # parameter bytes read for gathers (source_for_gather, main thread)
 
 
 class HostShard:
@@ -165,6 +179,17 @@ class HostShard:
         # Set by OffloadOptimizer(step_in_backward=True): called with the copy's event once this shard's gradient
         # copy is queued, to start its update while the rest of backward runs.
         self.on_grad_sent: Callable[[HostShard, torch.cuda.Event | None], None] | None = None
+        # Set by OffloadOptimizer (keep_params_gib): the gathered compute-dtype parameters stay on the GPU from this
+        # unit's forward to its backward, which then gathers nothing.
+        self.keep_for_backward = False
+        # Set by OffloadOptimizer: this shard takes the compute-dtype gradient where the reduction is exact in it
+        # (see the module docstring), widened on the host; on_lowp_sent queues the widening on the worker.
+        self.lowp_grads = False
+        self.lowp_buf: torch.Tensor | None = None  # made on the first such gradient
+        self.on_lowp_sent: Callable[[HostShard, torch.cuda.Event | None, int], None] | None = None
+        self._widen_lock = threading.Lock()  # one widening per copy (worker or end of backward)
+        self._widen_pending: int | None = None  # the copy into lowp_buf not widened yet (its number)
+        self._copies = 0  # compute-dtype copies sent (numbers them)
 
     # ----------------------------------------------------------------------------------------------
     # the update's lifecycle
@@ -197,11 +222,15 @@ class HostShard:
     # gradients: device -> host on the post-backward stream, landed at the end of backward
     # ----------------------------------------------------------------------------------------------
 
-    def send_grad(self, flat: torch.Tensor, dest: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+    def send_grad(self, flat: torch.Tensor, dest: torch.Tensor, stream: torch.cuda.Stream | None,
+                  lowp: torch.Tensor | None = None) -> None:
         """Queue the copy of the reduced shard gradient ``dest`` (on the device) to the host on ``stream``.
 
         Runs on the post-backward stream right after the reduction; the squared norm for clipping is taken on
-        the device from the same tensor, so clipping never reads the host gradients.
+        the device from the same tensor, so clipping never reads the host gradients. ``lowp``: the same gradient
+        in the compute dtype, given where ``dest`` is its exact fp32 cast; it crosses instead (half the bytes)
+        when this shard takes such gradients and holds none to accumulate into (then ``lowp_buf`` is widened
+        into ``grad_buf`` on the host: :meth:`widen_grad`).
         """
         self.wait_ready()  # the optimizer may still read grad_buf from the last step
         if self.grad_copy.target is not None:
@@ -215,16 +244,67 @@ class HostShard:
                 "backward must start from no gradient: call zero_grad(set_to_none=True) after each step (and step "
                 "after each synced backward), or use step_in_backward=False to accumulate across backward passes"
             )
-        target = self.grad_buf if flat.grad is None else self._stage()
+        narrow = lowp is not None and self.lowp_grads and flat.grad is None
+        if narrow and lowp is not None:
+            src, target = lowp, self._lowp_target(lowp.dtype)
+        else:
+            src, target = dest, (self.grad_buf if flat.grad is None else self._stage())
         with use_stream(stream):
-            target.copy_(dest, non_blocking=True)
+            target.copy_(src, non_blocking=True)
             # Clipping's per-shard norm, taken on the device as torch.nn.utils' foreach path takes it on the
-            # host; an accumulated gradient's norm is not this one's, so it is computed on the host if asked.
+            # host (from the fp32 gradient either way); an accumulated gradient's norm is not this one's, so it is
+            # computed on the host if asked.
             valid = flat.grad is None and dest.numel() > 0
             norm = foreach_norm([dest], 2.0)[0] if valid else None
+        self.stats.grad_d2h_bytes += src.numel() * src.element_size()
         self.grad_copy = GradCopy(target, norm, valid)
+        wanted = self.on_grad_sent is not None or (narrow and self.on_lowp_sent is not None)
+        event = record_event(stream) if wanted else None
+        if narrow and self.on_lowp_sent is not None:
+            self.on_lowp_sent(self, event, self._copies)
         if self.on_grad_sent is not None:
-            self.on_grad_sent(self, record_event(stream))
+            self.on_grad_sent(self, event)
+
+    def _lowp_target(self, dtype: torch.dtype) -> torch.Tensor:
+        """The compute-dtype landing buffer, marked as holding a copy to widen (caller side, no copy in flight:
+        the last one was landed, so widened, at the end of its backward)."""
+        if self.lowp_buf is None or self.lowp_buf.dtype != dtype:
+            self.lowp_buf = host_buffer(self.grad_buf.numel(), dtype, self.pin)
+        with self._widen_lock:
+            self._copies += 1
+            self._widen_pending = self._copies
+        return self.lowp_buf
+
+    def widen_grad(self, copy: int | None = None) -> None:
+        """Widen the compute-dtype gradient in ``lowp_buf`` into the fp32 ``grad_buf`` (exact), once per copy,
+        after that copy finished: the worker does it as the copy lands, the end of backward if the worker has not
+        got to it (under the lock: it waits for a widening in progress or finds it done). ``copy``: only that
+        copy's (a task queued for an earlier one finds nothing to do); None: whichever is pending."""
+        with self._widen_lock:
+            pending = self._widen_pending
+            if pending is None or (copy is not None and copy != pending):
+                return
+            if self.lowp_buf is None:  # cannot happen: the copy was made into it
+                raise RuntimeError(f"host shard {self.life.name}: a compute-dtype gradient is pending without "
+                                   f"its landing buffer")
+            self.grad_buf.copy_(self.lowp_buf)
+            self._widen_pending = None
+        self.note("widened")
+
+    def widen_task(self, event: torch.cuda.Event | None, copy: int) -> Callable[[], None]:
+        """The worker's job for one compute-dtype gradient: wait for its copy, widen it. A failure is logged and
+        left to the end of backward, which widens it again on the main thread and raises there."""
+
+        def run() -> None:
+            try:
+                if event is not None:
+                    event.synchronize()
+                self.widen_grad(copy)
+            except BaseException as err:  # noqa: BLE001 - raised again by land_grad on the main thread
+                logger.warning("widening the gradient of %s on the host worker failed (the end of backward widens "
+                               "it again): %s", self.life.name, err)
+
+        return run
 
     def _stage(self) -> torch.Tensor:
         if self.stage_buf is None:
@@ -237,6 +317,9 @@ class HostShard:
         target, self.grad_copy.target = self.grad_copy.target, None
         if target is None:
             return
+        if target is self.lowp_buf:
+            self.widen_grad()  # done by the worker already, or now
+            target = self.grad_buf
         if target is self.grad_buf or flat.grad is None:  # the staging buffer is used only when a gradient was held
             flat.grad = self.grad_buf if target is self.grad_buf else target.clone()
         else:
@@ -260,13 +343,16 @@ class HostShard:
         was changed outside an optimizer step, e.g. by ``load_state_dict`` or ``summon_full_params``)."""
         self.wait_ready()
         if self.compute_buf is None:
-            return flat.detach()
-        if self.copy_version != flat._version:
-            self.sync_h2d()
-            with torch.no_grad():
-                self.compute_buf.copy_(flat.detach())
-            self.copy_version = flat._version
-        return self.compute_buf
+            src = flat.detach()
+        else:
+            if self.copy_version != flat._version:
+                self.sync_h2d()
+                with torch.no_grad():
+                    self.compute_buf.copy_(flat.detach())
+                self.copy_version = flat._version
+            src = self.compute_buf
+        self.stats.param_h2d_bytes += src.numel() * src.element_size()
+        return src
 
     def note_h2d(self, stream: torch.cuda.Stream | None) -> None:
         """Record the host->device copy just queued on ``stream`` (the next optimizer step waits for it)."""

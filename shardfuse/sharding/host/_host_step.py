@@ -181,6 +181,7 @@ def host_task(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tenso
             if copy_event is not None:
                 copy_event.synchronize()  # outside the lock: zero_grad must not wait for a copy
             if in_backward:
+                host.widen_grad()  # a compute-dtype gradient: widened already by the task queued before this one
                 host.note("grad_ready")
             host.before_step(in_backward)  # ssd: at most read_ahead updated shards wait for their gathers
         except BaseException as err:  # noqa: BLE001 - handed to the caller side, raised at the next wait

@@ -2,7 +2,8 @@
 
 Each offloaded unit's events are recorded with ``time.perf_counter()``: its update queued (``queued``), taken by
 the worker (``task``), its gradient found on the host (``grad_ready``, step_in_backward only), its update started
-and finished (``update``, ``done``), and a caller blocked on it and released (``wait``, ``waited``); ``step`` marks
+and finished (``update``, ``done``), a compute-dtype gradient widened to fp32 on the host (``widened``, by the worker
+or the end of backward), and a caller blocked on it and released (``wait``, ``waited``); ``step`` marks
 each ``OffloadOptimizer.step()``. A benchmark reads them to tell where an offloaded step's time goes: the worker
 idle, waiting for gradient copies or updating while the GPU waits. Off by default: nothing is recorded, and the
 hooks cost one attribute test.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-KINDS = ("step", "queued", "task", "grad_ready", "update", "done", "wait", "waited")
+KINDS = ("step", "queued", "task", "grad_ready", "update", "done", "widened", "wait", "waited")
 
 
 class HostTrace:

@@ -4,7 +4,9 @@ under a GPU memory budget and host round trips amortised over ``no_sync`` accumu
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -18,10 +20,11 @@ from shardfuse.sharding.core import _collectives as coll
 from shardfuse.sharding.core._flat_param import FlatParamHandle
 from shardfuse.sharding.core._grad_reduce import clip_grad_norm
 from shardfuse.sharding.core._registry import handle_of
-from shardfuse.sharding.core._root import lazy_init
 from shardfuse.sharding.core._runtime import Unit
 from shardfuse.sharding.core._tree import units_below
 from shardfuse.sharding.host import _backing
+from shardfuse.sharding.host._engine import engine_of, unit_of_root
+from shardfuse.sharding.host._host_keep import choose_kept, keep_room
 from shardfuse.sharding.host._host_shard import HostShard
 from shardfuse.sharding.host._host_step import (
     PER_ELEMENT_OPTIMIZERS,
@@ -35,6 +38,7 @@ from shardfuse.sharding.host._host_step import (
     step_plan,
 )
 from shardfuse.sharding.host._host_trace import HostTrace
+from shardfuse.sharding.host._placement import choose_resident, make_resident, state_bytes_per_element
 from shardfuse.sharding.host._speculative import Speculation
 
 logger = logging.getLogger(__name__)
@@ -44,63 +48,9 @@ GIB = 1 << 30
 # transient buffers, which the resident units do not add to, so the second step() places more units by the peak
 # measured with the first placement (then the placement is fixed).
 PLACEMENTS = 2
-
-
-def engine_of(unit: Unit) -> OffloadOptimizer | None:
-    """The OffloadOptimizer attached to the tree of ``unit`` (None when there is none): the top unit, the state of
-    the root wrapper the user holds, keeps a weak reference to it (``Unit.host_engine``)."""
-    top = unit
-    while top.parent is not None:
-        top = top.parent
-    engine = top.host_engine() if top.host_engine is not None else None
-    return engine if isinstance(engine, OffloadOptimizer) else None
-
-
-def finish_host_steps(unit: Unit) -> None:
-    """Wait for the optimizer steps in flight on the tree of ``unit`` (before its shards are read or written)."""
-    engine = engine_of(unit)
-    if engine is not None:
-        engine.synchronize()
-    _backing.page_in(units_below(unit))  # ssd: shards on disk are read in for the caller
-
-
-def settle(unit: Unit) -> None:
-    """Before a state-dict, summon or checkpoint path reads or writes the shards: finish the optimizer steps in
-    flight, then lazy init."""
-    finish_host_steps(unit)
-    lazy_init(unit)
-
-
-def detach_host_engine(unit: Unit) -> None:
-    """The shards move or change dtype (``.to()``, ``.half()``): the OffloadOptimizer's host buffers belong to the
-    old placement, so it finishes and lets go (stepping it later steps the shards as a plain optimizer)."""
-    engine = engine_of(unit)
-    if engine is not None:
-        engine.close()
-
-
-def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of per-element optimizer state per fp32 parameter element (for the residency budget)."""
-    group = optimizer.param_groups[0]
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return 12 if group.get("amsgrad") else 8
-    return 4 if group.get("momentum", 0) else 0
-
-
-def choose_resident(sizes: list[int], budget_bytes: float, bytes_per_element: int) -> int:
-    """How many handles, counted from the START of the forward order, stay resident on the GPU within
-    ``budget_bytes``. The first units run first in the next forward: kept resident (stepped on the GPU at once),
-    their forward runs while the host still updates the later, offloaded ones, which are also the first whose
-    gradients land in backward (the host has the most time for them)."""
-    used = 0.0
-    count = 0
-    for numel in sizes:
-        cost = numel * bytes_per_element
-        if used + cost > budget_bytes:
-            break
-        used += cost
-        count += 1
-    return count
+# Set to 0 to send every offloaded gradient in fp32 (a debugging escape hatch: the compute-dtype path is exact).
+LOWP_GRADS_ENV = "SHARDFUSE_LOWP_GRADS"
+WIDEN_KEY = -1.0  # the worker's key of a gradient widening: ahead of every update (keys >= 0)
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
@@ -145,6 +95,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
         speculative_clip_gib: host memory (GiB) for the spare buffers (shard, state, compute copy: 12 B/param with
             AdamW); the units that fit, in the order their gradients land, speculate, the others update after the
             norm. ``None``: every offloaded unit.
+        keep_params_gib: GPU memory (GiB) for keeping offloaded units' gathered compute-dtype parameters from
+            their forward to their backward (with ``reshard_after_forward``), so backward gathers nothing: no second
+            host->device copy of the shard (``_host_keep``). Units are picked from the end of the forward order
+            (the first whose backward runs) while their full buffers fit, once the forward order is known (from
+            the first ``step()``). ``0`` (default): keep none; ``None``: the room the device had at the peak of the
+            steps so far, measured at the first ``step()`` after the budget placements (CUDA only).
+
+    Gradients cross to the host in the compute dtype (bf16/fp16, half the bytes) where that is exact: one rank,
+    divide factors 1, a reduce dtype that holds the compute dtype, and no gradient held to accumulate into; they
+    are widened to fp32 on the host (by the worker as they land; ``.grad`` is the fp32 gradient once backward
+    returns, as on the fp32 path). ``SHARDFUSE_LOWP_GRADS=0`` in the environment (read here) turns this off.
 
     With torch's ``Adam``/``AdamW`` and ``fused=True`` (the fastest on the CPU) each shard's update runs chunk by
     chunk, clipping's scale, the fused kernel and the compute copy in one cache-sized pass (``_host_fused``; the
@@ -159,9 +120,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, gpu_budget_gib: float | None = None,
                  accumulate_on_gpu: bool = False, step_in_backward: bool = False,
                  host_compute_copy: bool = False, host_threads: int | None = None, speculative_clip: bool = False,
-                 speculative_clip_gib: float | None = None) -> None:
+                 speculative_clip_gib: float | None = None, keep_params_gib: float | None = 0.0) -> None:
         _check_arguments(model, optimizer, gpu_budget_gib)
         _check_speculative(speculative_clip, speculative_clip_gib, step_in_backward)
+        if keep_params_gib is not None and not keep_params_gib >= 0:
+            raise ValueError(f"keep_params_gib must be >= 0 (GiB) or None (the room left on the device), got "
+                             f"{keep_params_gib!r}")
         if host_threads is not None and not (isinstance(host_threads, int) and host_threads >= 1):
             raise ValueError(f"host_threads must be a positive int or None (the cores less one), got {host_threads!r}")
         self.step_in_backward = step_in_backward
@@ -175,6 +139,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.root: Unit = unit_of_root(model)
         self.gpu_budget_gib = gpu_budget_gib
         self.accumulate_on_gpu = accumulate_on_gpu
+        self.keep_params_gib = keep_params_gib
+        self._keep_room: float | None = None if keep_params_gib is None else keep_params_gib * GIB  # bytes
+        self._lowp_grads = os.environ.get(LOWP_GRADS_ENV, "1") != "0"
         self._lock = threading.Lock()
         self.host_threads = host_threads if host_threads is not None else default_host_threads()
         self._worker = StepWorker(self.host_threads)
@@ -258,6 +225,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     host.keep_full_in_no_sync = self.accumulate_on_gpu
                     if self.step_in_backward or self.speculative_clip:
                         host.on_grad_sent = self._on_grad_sent
+                    if type(host) is HostShard:  # not the SSD tier's: its landing stays fp32
+                        host.lowp_grads = self._lowp_grads
+                        # The worker, not this object: a host shard must not keep its optimizer alive.
+                        host.on_lowp_sent = functools.partial(_queue_widening, self._worker)
                     h.host = host
 
     def _handles_in_order(self) -> list[FlatParamHandle]:
@@ -293,8 +264,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._plan_of_host = {id(p.host): p for p in plans if p.host is not None}
         self._signature = signature
         if self._spec is not None:
-            self._spec.choose(plans, _state_bytes_per_element(self.optimizer))
+            self._spec.choose(plans, state_bytes_per_element(self.optimizer))
         self._attach_trace()
+        if self._keep_room is not None:
+            choose_kept(self.root.root_state, self._keep_room)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
@@ -310,6 +283,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             # running: they overlap the next forward, whose gathers wait for each unit's own update.
             self.synchronize()
         done_on_host: set[int] = set()
+        if self._keep_room is None and self._placements >= PLACEMENTS:
+            # keep_params_gib=None: the room once the placements are final (the plans stay: under step_in_backward
+            # updates queued with them may still run)
+            self._keep_room = keep_room(self.root.compute_device, self.gpu_budget_gib)
+            choose_kept(self.root.root_state, self._keep_room)
         if self._placements < PLACEMENTS:
             done_on_host = self._place_by_budget()
         self._refresh_plans()
@@ -397,10 +375,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         worker spent in updates, ``wait_s`` callers (the next forward's gathers, backward's gradient copies, state
         paths) spent blocked waiting for an update, ``update_s`` the part of ``host_busy_s`` spent updating (the
         worker's waits for gradient and parameter copies left out). Differences between two calls give one step's
-        share."""
+        share. ``grad_d2h_bytes`` and ``param_h2d_bytes`` count the bytes of gradients sent to the host and of
+        parameters read for gathers."""
         hosts = [h.host for u in units_below(self.root) for h in u.handles if isinstance(h.host, HostShard)]
         out = {"host_busy_s": self._worker.busy_s, "wait_s": sum(h.stats.waited_s for h in hosts),
-               "update_s": sum(h.stats.update_s for h in hosts), "host_threads": float(self.host_threads)}
+               "update_s": sum(h.stats.update_s for h in hosts), "host_threads": float(self.host_threads),
+               "grad_d2h_bytes": float(sum(h.stats.grad_d2h_bytes for h in hosts)),
+               "param_h2d_bytes": float(sum(h.stats.param_h2d_bytes for h in hosts))}
         if self._spec is not None:  # speculative_clip: spare bytes held, steps and unit updates committed/redone
             out.update({f"spec_{k}": float(v) for k, v in vars(self._spec.counts).items()},
                        spec_spare_bytes=float(self._spec.spare_bytes()))
@@ -510,12 +491,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         else:
             allowed = self.gpu_budget_gib * GIB - torch.cuda.max_memory_allocated(device)
         handles = [h for h in self._handles_in_order() if h.host is not None and h.orig_views is None]
-        per_element = 4 + 4 + _state_bytes_per_element(self.optimizer)  # shard, gradient, optimizer state
+        per_element = 4 + 4 + state_bytes_per_element(self.optimizer)  # shard, gradient, optimizer state
         count = choose_resident([h.flat.numel() for h in handles], allowed, per_element)
         moved = handles[:count]
         done_on_host = {id(h) for h in moved if h.host is not None and id(h.host) in self._stepped_in_backward}
         for h in moved:
-            _make_resident(h, self.optimizer, device)
+            make_resident(h, self.optimizer, device)
         self._moved_any = self._moved_any or bool(moved)
         if moved:
             logger.info("OffloadOptimizer: %d more of %d offloaded shards (%.2f GiB with gradients and state) stay "
@@ -526,20 +507,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return done_on_host
 
 
-def _make_resident(handle: FlatParamHandle, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Move a host shard, its gradient and its optimizer state to ``device``; it is stepped there from now on."""
-    _backing.leave(handle)  # ssd: read in for good (its files go)
-    flat = handle.flat
-    flat.data = flat.data.to(device)
-    if flat.grad is not None:
-        flat.grad = flat.grad.to(device)
-    state = optimizer.state.get(flat)
-    if state:
-        for k, v in list(state.items()):
-            if isinstance(v, torch.Tensor) and (v.dim() or any(g.get("fused") or g.get("capturable")
-                                                               for g in optimizer.param_groups)):
-                state[k] = v.to(device)
-    handle.host = None
+def _queue_widening(worker: StepWorker, host: HostShard, event: torch.cuda.Event | None, copy: int) -> None:
+    """A compute-dtype gradient copy is queued: widen it on the worker as it lands, ahead of any update."""
+    worker.submit(host.widen_task(event, copy), key=WIDEN_KEY)
 
 
 def _close_worker(worker: StepWorker, held: list[tuple[Any, list[Any]]]) -> None:
@@ -547,13 +517,6 @@ def _close_worker(worker: StepWorker, held: list[tuple[Any, list[Any]]]) -> None
     (for a gather that will not come now) goes on."""
     with _backing.main_waits(held):
         worker.close()
-
-
-def unit_of_root(model: nn.Module) -> Unit:
-    unit = getattr(model, "_unit", None)
-    if not isinstance(unit, Unit):
-        raise TypeError(f"OffloadOptimizer needs the root FullyShardedDataParallel model, got {type(model).__name__}")
-    return unit
 
 
 def _check_speculative(speculative_clip: bool, gib: float | None, step_in_backward: bool) -> None:
