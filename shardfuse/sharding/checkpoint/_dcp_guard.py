@@ -71,12 +71,13 @@ def _torch_dsd_call() -> tuple[bool, bool, Any, list[torch.optim.Optimizer], Any
     return (optim, setting, options, optimizers, model) if found else None
 
 
-# optimizer -> the model whose flat parameters it holds, for the hooks below (installed once per optimizer).
-_HOOKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[nn.Module]] = weakref.WeakKeyDictionary()
+# On each hooked optimizer (its owner, so nothing module-level keeps it): a weak reference to the model whose flat
+# parameters it holds, for the hooks below (installed once per optimizer).
+_MODEL_ATTR = "_shardfuse_dsd_model"
 
 
 def _flats_by_param(optimizer: torch.optim.Optimizer) -> dict[int, FlatEntry]:
-    ref = _HOOKED.get(optimizer)
+    ref = getattr(optimizer, _MODEL_ATTR, None)
     model = ref() if ref is not None else None
     return {} if model is None else {id(f.handle.flat): f for f in flat_entries(model)}
 
@@ -137,10 +138,10 @@ def _load_dtensors_as_shards(optimizer: torch.optim.Optimizer, state_dict: dict[
 
 def _hook_optimizers(optimizers: list[torch.optim.Optimizer], model: nn.Module) -> None:
     for o in optimizers:
-        if o not in _HOOKED:
+        if getattr(o, _MODEL_ATTR, None) is None:
             o.register_state_dict_post_hook(_state_dict_as_dtensors)
             o.register_load_state_dict_pre_hook(_load_dtensors_as_shards)
-        _HOOKED[o] = weakref.ref(model)
+        setattr(o, _MODEL_ATTR, weakref.ref(model))
 
 
 def _refuse_optimizer_cases(units: list[Any], options: Any) -> None:
