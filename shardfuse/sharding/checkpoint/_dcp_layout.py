@@ -36,8 +36,6 @@ RECIPE = (
     "save with dcp.save(model.sharded_state_dict(optim)), and load with state = model.sharded_state_dict(optim); "
     "dcp.load(state); model.load_sharded_state_dict(state, optim) (see docs/api.md)"
 )
-# (id(process group), device type) -> (group, its 1-D mesh).
-_MESHES: dict[tuple[int, str], tuple[Any, DeviceMesh]] = {}
 
 @dataclass
 class FlatEntry:
@@ -133,15 +131,15 @@ def is_dtensor(value: Any) -> bool:
 
 
 def _mesh(unit: Unit, device_type: str) -> DeviceMesh:
+    """The 1-D mesh of the unit's shard group, kept on its groups (made once per device type)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    group = unit.groups.process_group
-    key = (id(group), device_type)
-    hit = _MESHES.get(key)
-    if hit is None or hit[0] is not group:
-        hit = (group, DeviceMesh.from_group(group, device_type))
-        _MESHES[key] = hit
-    return hit[1]
+    groups = unit.groups
+    meshes = groups.dcp_meshes if groups.dcp_meshes is not None else {}
+    if device_type not in meshes:
+        meshes[device_type] = DeviceMesh.from_group(groups.process_group, device_type)
+        groups.dcp_meshes = meshes
+    return meshes[device_type]
 
 
 def as_dtensor(padded: torch.Tensor, f: FlatEntry) -> DTensor:

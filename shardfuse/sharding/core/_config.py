@@ -273,6 +273,9 @@ class Groups:
     replicate_size: int = 1
     replicate_rank: int = 0
     mesh: Any = None
+    # The 1-D DeviceMesh of ``process_group`` per device type, made by the checkpoint layer on first use (its
+    # DTensors need one); dropped when the groups change or pickle.
+    dcp_meshes: dict[str, Any] | None = None
 
     def __init__(self, process_group: coll.ProcessGroup, reduce_scatter_group: coll.ProcessGroup, rank: int,
                  world_size: int, replicate_group: coll.ProcessGroup | None = None, mesh: Any = None) -> None:
@@ -307,6 +310,7 @@ class Groups:
                 )
         if process_group is not None:
             self.process_group = process_group
+            self.dcp_meshes = None
         if reduce_scatter_group is not None:
             self.reduce_scatter_group = reduce_scatter_group
 
@@ -330,7 +334,8 @@ class Groups:
                 "its replicate group and mesh cannot be set again after unpickling; save model.state_dict() "
                 "instead and load it into a model wrapped on the new mesh"
             )
-        return {**self.__dict__, "process_group": MISSING_GROUP, "reduce_scatter_group": MISSING_GROUP}
+        return {**self.__dict__, "process_group": MISSING_GROUP, "reduce_scatter_group": MISSING_GROUP,
+                "dcp_meshes": None}
 
 
 def resolve_groups(process_group: Any | None, process_group_reduce_scatter: Any | None) -> Groups:
