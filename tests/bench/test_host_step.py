@@ -50,3 +50,55 @@ def test_the_report_shows_host_step_files(tmp_path):
     for r in result["rows"]:
         ms = f"{r['ms_per_billion']:.0f}"
         assert f"| {r['setting']} | {r['variant']} | 1 | no | {ms} |" in text
+
+
+def _state_of(shards: list) -> list[list[torch.Tensor]]:
+    out = []
+    for p, opt, _ in shards:
+        st = opt.state[p]
+        out.append([p.detach().clone(), p.grad.clone(), st["exp_avg"].clone(), st["exp_avg_sq"].clone(),
+                    st["step"].clone()])
+    return out
+
+
+@pytest.mark.parametrize("chunk", [4096, 8192, 1 << 21])
+def test_the_speculative_update_writes_the_in_place_result_into_the_spares(chunk):
+    """Out of place, chunked as the speculation does: the spares hold bit for bit what the in-place update (torch's
+    public fused AdamW step) then writes into the originals, and the originals do not change until then."""
+    torch.manual_seed(chunk)
+    shards = host_step._shards(0.00004, 2)  # 2 shards of 16384 elements, one step taken (the state exists)
+    for p, _, _ in shards:
+        p.grad.normal_(0, 1e-2)  # a fresh gradient, so this step differs from the first
+    before = _state_of(shards)
+    spares = host_step._spares(shards, pinned=False)
+    for spare in spares:  # garbage first: every value the update leaves must be its own
+        for t in spare.values():
+            t.fill_(float("nan"))
+    host_step._speculative_update(shards, spares, chunk)
+    after = _state_of(shards)
+    assert all(torch.equal(a, b) for x, y in zip(before, after) for a, b in zip(x, y)), "an original changed"
+    for _p, opt, _ in shards:
+        opt.step()  # the in-place update, torch's own public step
+    for (p, opt, _), spare in zip(shards, spares):
+        st = opt.state[p]
+        assert torch.equal(spare["param"], p.detach()) and torch.equal(spare["exp_avg"], st["exp_avg"])
+        assert torch.equal(spare["exp_avg_sq"], st["exp_avg_sq"]) and torch.equal(spare["step"], st["step"])
+    assert not torch.equal(after[0][0], shards[0][0].detach()), "the update changed nothing: the test cannot fail"
+
+
+def test_the_speculative_chunk_must_be_aligned():
+    shards = host_step._shards(0.00004, 1)
+    with pytest.raises(ValueError, match="positive multiple of 4096"):
+        host_step._speculative_update(shards, host_step._spares(shards, pinned=False), 1000)
+
+
+def test_spec_rows_beside_the_in_place_ones(tmp_path, capsys):
+    result = host_step.main(["--params", "0.002", "--shards", "2", "--chunks", "4096,8192", "--rounds", "2",
+                             "--threads", "1", "--spec", "--out", str(tmp_path / "hs.json")])
+    plain = {r["variant"]: r for r in result["rows"] if r["setting"] == "plain"}
+    assert {"spec chunk=4096", "spec chunk=8192", "chunk=4096", "chunk=8192"} <= set(plain)
+    assert not any(r["variant"].startswith("spec") for r in result["rows"] if r["setting"] != "plain")
+    fastest = min((4096, 8192), key=lambda c: plain[f"spec chunk={c}"]["ms_per_billion"])
+    assert result["spec_fastest_chunk"] == fastest
+    out = capsys.readouterr().out
+    assert f"fastest out-of-place chunk: {fastest} elements" in out and "x the in-place update" in out
