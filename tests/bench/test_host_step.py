@@ -102,3 +102,36 @@ def test_spec_rows_beside_the_in_place_ones(tmp_path, capsys):
     assert result["spec_fastest_chunk"] == fastest
     out = capsys.readouterr().out
     assert f"fastest out-of-place chunk: {fastest} elements" in out and "x the in-place update" in out
+
+
+def test_gpu_spec_check_script_and_its_table(tmp_path, capsys):
+    """gpu_spec_check.sh: the sweep with --spec --pinned --dma, then the 2.9B rows at the fastest chunk (plain,
+    spec, keep, keep + spec), every python step under timeout, the table last; the table reads what they write."""
+    import subprocess
+    from pathlib import Path
+
+    from bench.offload import spec_table
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "offload" / "gpu_spec_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text()
+    assert "host_step --spec --pinned --dma" in text and 'BIG_SPEC_CHUNK="$CHUNK"' in text
+    assert "run spec shardfuse,shardfuse-spec-nofire" in text and "BIG_KEEP_GIB=auto" in text
+    runs = [ln for ln in text.replace("\\\n", " ").splitlines() if "python3 -m bench.offload." in ln]
+    assert len(runs) == 3 and all("timeout" in ln for ln in runs[:2]) and "spec_table" in runs[-1]
+    host_step.main(["--params", "0.002", "--shards", "2", "--chunks", "4096,8192", "--rounds", "1", "--threads", "1",
+                    "--spec", "--out", str(tmp_path / "host_step_spec.json")])
+    row = {"impl": "shardfuse", "variant": "speculative_clip, max_norm 1e9 (never fires)", "step_ms": 1207.4,
+           "step_ms_min": 1150.2, "step_ms_max": 1286.0, "gpu_peak_gib": 19.8, "host_rss_gib": 60.2,
+           "keep_params_gib": None, "spec_chunk_elements": 524288, "spec_steps_committed": 4,
+           "spec_steps_redone": 0, "spec_units_late": 22, "spec_spare_gib": 32.5}
+    failed = {"impl": "shardfuse", "status": "error", "reason": "timed out after 260 s", "step_ms": None}
+    (tmp_path / "big_keep.json").write_text(json.dumps({"results": [row, failed]}))
+    capsys.readouterr()
+    assert spec_table.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "fastest out-of-place chunk:" in out and "   4096 |     no |" in out
+    assert "2.9b-4k, spec: no result file" in out
+    assert ("keep_params_gib=auto, spec chunk 524288: 1207 ms (1150-1286), GPU peak 19.8 GiB, host 60.2 GiB; spec "
+            "steps committed 4, redone 0, units late 22") in out
+    assert "clipped: error: timed out after 260 s" in out
