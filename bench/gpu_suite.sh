@@ -95,8 +95,9 @@ for stage in "${STAGES[@]}"; do
       # Issue 20: the 2.9B / 6.7B decoder with every implementation in its own process against the measured floor
       # -> offload_big.json (here, in $FINAL and under results/<gpu>/). One configuration per command fits the
       # 10 minutes (`python3 -m bench.offload.big --estimate --configs C` prints the plan); split calls are joined
-      # with `python3 -m bench.offload.big --merge A.json B.json --save`. FairScale and DeepSpeed (+ its pure
-      # dependencies) come as wheels in .whl/ (carry it); without them their rows are skipped.
+      # with `python3 -m bench.offload.big --merge A.json B.json --save`. FairScale, DeepSpeed (+ its pure
+      # dependencies) and torchao (the `torchao` and `shardfuse-budget-ao` rows, asked for in BIG_IMPLS) come as
+      # wheels in .whl/ (carry it); without them their rows are skipped.
       if compgen -G ".whl/*.whl" >/dev/null; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
           .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"

@@ -48,6 +48,7 @@ from typing import Any
 from bench._progress import Progress
 from bench.offload import disk, gpu_timeline, host_timeline
 from bench.offload.big_impls import (
+    AO_FALLBACK_BUDGET_GIB,
     CONFIGS,
     DEFAULT_CONFIGS,
     IMPLS,
@@ -60,11 +61,11 @@ from bench.offload.big_impls import (
 
 REPO = Path(__file__).resolve().parents[2]
 GIB = 2**30
-# Opt-in: the no-clipping variants, the other settings' variants, and the SSD tier (disk-bound: a configuration of
-# its own per 10-minute call).
+# Opt-in: the no-clipping variants, the other settings' variants, the SSD tier (disk-bound: a configuration of
+# its own per 10-minute call) and the torchao side by side (torchao and the budget at its GPU peak).
 DEFAULT_IMPLS = tuple(i for i in IMPLS
                       if "-sib" not in i and "-spec" not in i and not i.endswith(("-keep", "-allcores", "-hcc"))
-                      and i != "shardfuse-ssd")
+                      and i not in ("shardfuse-ssd", "torchao") and "-ao" not in i)
 FLOOR_BYTES = ("bf16 parameters host->device (2 B/param) and fp32 gradients device->host (4 B/param), once per "
                "optimizer step, the two directions overlapped")  # fmt: skip
 # Rough seconds for the time plan (one H100, 16 cores): per child start, setup per billion parameters, and per
@@ -86,6 +87,9 @@ ESTIMATE: dict[str, tuple[float, float, float, float]] = {
     "shardfuse-budget-sib-hcc": (12, 5, 0.1, 0.1),
     "shardfuse-spec": (12, 5, 0.17, 0.2),
     "shardfuse-spec-nofire": (12, 5, 0.17, 0.2),
+    "shardfuse-budget-ao": (12, 5, 0.12, 0.12),
+    "shardfuse-budget-ao-sib": (12, 5, 0.12, 0.12),
+    "torchao": (12, 3, 0.3, 0.06),  # 817.5 ms for the 2.9B step measured on an H100 (issue 30)
     "shardfuse-ssd": (12, 8, 8.0, 4.0),  # disk-bound: ~2 GB/s each way assumed
     "fairscale": (12, 8, 0.17, 0.2),
     "fsdp2": (12, 6, 0.2, 0.22),
@@ -143,11 +147,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def plan(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """(config, impl) in run order: per configuration the resident run first."""
+    """(config, impl) in run order: per configuration the resident run first, then torchao (its GPU peak is the
+    budget of the ``-ao`` rows)."""
     out = []
     for c in args.config_list:
         first = [] if args.no_floor else ["resident"]
-        for impl in first + [i for i in args.impl_list if i != "resident"]:
+        first += ["torchao"] if "torchao" in args.impl_list else []
+        for impl in first + [i for i in args.impl_list if i not in ("resident", "torchao")]:
             if impl == "shardfuse-host-accum" and CONFIGS[c].accum == 1:
                 continue  # the same run as the shardfuse row without accumulation
             out.append((c, impl))
@@ -278,6 +284,31 @@ def make_row(config: str, impl: str, job: Job, result: dict[str, Any]) -> dict[s
     return row
 
 
+def budget_gib(impl: str, config: str, rows: list[dict[str, Any]], args: argparse.Namespace) -> float | None:
+    """``gpu_budget_gib`` of a ``shardfuse-budget*`` row: ``--budget-gib``, or for the ``-ao`` rows the GPU peak of
+    this job's ``torchao`` row of the same configuration (``AO_FALLBACK_BUDGET_GIB`` where it measured none)."""
+    if not impl.startswith("shardfuse-budget"):
+        return None
+    if "-ao" not in impl:
+        return args.budget_gib
+    ao = next((r for r in rows if r["config"] == config and r["impl"] == "torchao" and r["status"] == "ok"
+               and r.get("gpu_peak_gib")), None)
+    if ao is None:
+        print(f"   {impl}: no torchao GPU peak measured in this job; gpu_budget_gib={AO_FALLBACK_BUDGET_GIB:g} "
+              "(torchao's peak measured on an H100 for issue 30)", flush=True)
+        return AO_FALLBACK_BUDGET_GIB
+    return round(float(ao["gpu_peak_gib"]), 2)
+
+
+def vs_torchao(rows: list[dict[str, Any]], config: str) -> None:
+    """``speed_vs_torchao`` on ``config``'s measured rows: torchao's step time over the row's (above 1: faster)."""
+    mine = [r for r in rows if r["config"] == config]
+    ao = next((r["step_ms"] for r in mine if r["impl"] == "torchao" and r["status"] == "ok" and r["step_ms"]), None)
+    for r in mine:
+        if ao and r["step_ms"]:
+            r["speed_vs_torchao"] = ao / r["step_ms"]
+
+
 def add_ratios(rows: list[dict[str, Any]], floor: dict[str, Any], disk_bw: dict[str, Any] | None = None) -> None:
     """floor_ms, vs_floor and vs_resident on the rows of ``floor``'s configuration (``shardfuse-ssd``: the larger of
     that floor and the floor of the disk measured in ``disk_bw``)."""
@@ -326,6 +357,7 @@ def print_row(r: dict[str, Any]) -> None:
     if r["step_ms"]:
         vs = f", {r['vs_floor']:.2f}x floor" if r.get("vs_floor") else ""
         vs += f", {r['vs_resident']:.2f}x resident" if r.get("vs_resident") else ""
+        vs += f", {r['speed_vs_torchao']:.2f}x torchao's speed" if r.get("speed_vs_torchao") else ""
         print(
             f"   {r['step_ms']:.0f} ms/step ({r['step_ms_min']:.0f}-{r['step_ms_max']:.0f}){vs}, GPU peak "
             f"{r['gpu_peak_gib'] or 0:.1f} GiB, host RSS {r['host_rss_gib'] or 0:.1f} GiB "
@@ -371,6 +403,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         sib += "+hcc" if "host_compute_copy" in str(variant) else ""
         sib += "+spec" if "speculative_clip" in str(variant) else ""
         sib += "+nf" if "never fires" in str(variant) else ""
+        sib += "+ao" if "torchao" in str(variant) else ""
         name = r["impl"] + {"host-accum": "+ha", None: ""}.get(variant, sib)
         if not r["step_ms"]:
             print(f"{r['config']:<9} {name:<17} {r['tokens_per_step']:>8} {r['status']}: {r.get('reason', '')[:70]}")
@@ -385,7 +418,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         )
     print("(+ha: accumulate_on_gpu=False; +sib: step_in_backward=True, no clipping; +all: host_threads = every "
           "core; +keep: reshard_after_forward=False; +hcc: host_compute_copy=True; +spec: speculative_clip=True; +nf: "
-          "max_norm 1e9, clipping never fires; x floor / x resident: step time "
+          "max_norm 1e9, clipping never fires; +ao: GPU budget = torchao's GPU peak; x floor / x resident: step time "
           "over the floor / resident step)")
 
 
@@ -454,7 +487,7 @@ def run_all(args: argparse.Namespace, payload: dict[str, Any], hw: dict[str, Any
                                     for c, i in todo])  # fmt: skip
     for config, impl in todo:
         job = Job(impl=impl, config=config, steps=args.steps, warmup=args.warmup, lr=args.lr, device=args.device,
-                  budget_gib=args.budget_gib if impl.startswith("shardfuse-budget") else None,
+                  budget_gib=budget_gib(impl, config, rows, args),
                   extra=resident_extra(config, hw) if impl == "resident" else {})  # fmt: skip
         reason = unavailable_reason(impl, args.device)
         print(progress.line(f"{config} {impl} ..."), flush=True)
@@ -471,6 +504,7 @@ def run_all(args: argparse.Namespace, payload: dict[str, Any], hw: dict[str, Any
             print_config_floor(floor)
         if config in payload["floors"]:  # not with --no-floor
             add_ratios(rows, payload["floors"][config], disk_bw)
+        vs_torchao(rows, config)
         if impl != "resident":
             print_row(rows[-1])
         write(payload, args)

@@ -30,12 +30,22 @@ them. Every implementation sees the same model shape, the same seeded weights an
   where clipping rarely fires; the non-speculative clipped step costs the same at any max norm, so compare it
   with the ``shardfuse`` row); ``BIG_SPEC_GIB=N`` passes ``speculative_clip_gib=N`` (default: every unit, 12 B/param
   more host memory: ~35 GB for the 2.9B decoder, too much for the 6.7B one on a 128 GiB host);
+  ``BIG_SPEC_CHUNK=N`` sets the out-of-place update's elements per chunk (``_speculative.SPEC_CHUNK_ELEMENTS``, a
+  multiple of 4096) in the row's process; the rows record ``spec_chunk_elements``;
 * ``BIG_HOST_THREADS=N`` (a diagnostic): ``OffloadOptimizer(host_threads=N)`` in every shardfuse row but
   ``-allcores`` (the rows record ``host_threads``); ``BIG_TRACE=1`` (a diagnostic): the last timed step's host
   timeline (``OffloadOptimizer.trace_host``, ``bench.offload.host_timeline``) in each shardfuse row, printed;
   ``BIG_KEEP_GIB=X`` (``auto``: None): ``OffloadOptimizer(keep_params_gib=X)`` in every shardfuse row, the gathered
   bf16 parameters kept from forward to backward within X GiB (rows record ``keep_params_gib``); rows record
   ``lowp_grads`` too (bf16 gradients to the host where exact, off with ``SHARDFUSE_LOWP_GRADS=0``);
+* ``torchao``: torchao's ``CPUOffloadOptimizer`` (0.18, ``torchao.optim``) over the resident fp32 model (bf16
+  autocast, as ``resident``): the AdamW state and step on the host (torch's fused CPU AdamW), parameters and
+  gradients on the GPU too; it cannot clip (each parameter's host step is its own), so this row trains WITHOUT
+  clipping, as issue 30 measured it; skipped with the reason when torchao is not importable;
+* ``shardfuse-budget-ao`` / ``shardfuse-budget-ao-sib``: ``shardfuse-budget`` (clipped; ``-sib``: step_in_backward,
+  no clipping) with ``gpu_budget_gib`` = the ``torchao`` row's GPU peak in the same job (``bench.offload.big``
+  runs ``torchao`` first), or ``AO_FALLBACK_BUDGET_GIB`` where that row did not measure one: the same GPU memory
+  as torchao's, for a "speed vs torchao" ratio;
 * ``deepspeed-zero2`` / ``deepspeed-zero3``: ZeRO-2 with the optimizer offloaded (its DeepSpeedCPUAdam), ZeRO-3
   with parameters and optimizer offloaded, bf16, gradient accumulation and clipping through its config.
 
@@ -62,8 +72,10 @@ from examples.llama import DecoderLayer, Llama, LlamaConfig, next_token_loss
 IMPLS = ("resident", "shardfuse", "shardfuse-budget", "shardfuse-host-accum", "shardfuse-sib",
          "shardfuse-budget-sib", "shardfuse-sib-allcores", "shardfuse-keep", "shardfuse-sib-keep", "shardfuse-ssd",
          "shardfuse-hcc", "shardfuse-sib-hcc", "shardfuse-keep-hcc", "shardfuse-sib-keep-hcc",
-         "shardfuse-budget-sib-hcc", "shardfuse-spec", "shardfuse-spec-nofire", "fairscale", "fsdp2",
-         "deepspeed-zero2", "deepspeed-zero3")  # fmt: skip
+         "shardfuse-budget-sib-hcc", "shardfuse-spec", "shardfuse-spec-nofire", "shardfuse-budget-ao",
+         "shardfuse-budget-ao-sib", "torchao", "fairscale", "fsdp2", "deepspeed-zero2", "deepspeed-zero3")  # fmt: skip
+AO_VARIANT = "budget = torchao's GPU peak"
+AO_FALLBACK_BUDGET_GIB = 30.0  # torchao's GPU peak for the 2.9B decoder measured on an H100 (29.6 GiB, issue 30)
 # Variants recorded as another implementation's row with a ``variant`` (internal name -> (row impl, variant)).
 # ``-sib``: OffloadOptimizer(step_in_backward=True), each unit's host update overlapping backward; it cannot clip
 # by the global norm, so these rows train WITHOUT clipping (every other row clips at MAX_NORM).
@@ -81,6 +93,8 @@ VARIANTS = {"shardfuse-host-accum": ("shardfuse", "host-accum"),
                                        "step-in-backward, no clipping, reshard_after_forward=False, host_compute_copy"),
             "shardfuse-budget-sib-hcc": ("shardfuse-budget",
                                          "step-in-backward, no clipping, host_compute_copy"),
+            "shardfuse-budget-ao": ("shardfuse-budget", AO_VARIANT),
+            "shardfuse-budget-ao-sib": ("shardfuse-budget", f"step-in-backward, no clipping, {AO_VARIANT}"),
             "shardfuse-spec": ("shardfuse", "speculative_clip"),
             "shardfuse-spec-nofire": ("shardfuse", "speculative_clip, max_norm 1e9 (never fires)")}  # fmt: skip
 # ``-keep``: wrapped with reshard_after_forward=False: the gathered bf16 parameters stay on the GPU from forward
@@ -92,7 +106,7 @@ VARIANTS = {"shardfuse-host-accum": ("shardfuse", "host-accum"),
 # pass), so 2 instead of 4 bytes per parameter cross to the GPU and are read from host memory.
 # ``shardfuse-host-accum``: the shardfuse row of an accumulating configuration with ``accumulate_on_gpu=False``
 # (gradients go to the host every micro-batch); its row's impl is ``shardfuse`` with ``variant: host-accum``.
-GPU_ONLY = frozenset({"fairscale", "fsdp2", "deepspeed-zero2", "deepspeed-zero3"})
+GPU_ONLY = frozenset({"fairscale", "fsdp2", "deepspeed-zero2", "deepspeed-zero3", "torchao"})
 MAX_NORM = 1.0
 NOFIRE_MAX_NORM = 1e9  # ``shardfuse-spec-nofire``: above any gradient norm here, so clipping never fires
 BETAS = (0.9, 0.95)
@@ -164,7 +178,8 @@ def unavailable_reason(impl: str, device: str) -> str | None:
     """Why ``impl`` is skipped in this environment, without importing it (the driver asks before spawning)."""
     if impl in GPU_ONLY and device != "cuda":
         return "needs a CUDA GPU"
-    module = {"fairscale": "fairscale", "deepspeed-zero2": "deepspeed", "deepspeed-zero3": "deepspeed"}.get(
+    module = {"fairscale": "fairscale", "deepspeed-zero2": "deepspeed", "deepspeed-zero3": "deepspeed",
+              "torchao": "torchao"}.get(
         impl, "shardfuse" if impl.startswith("shardfuse") else None)
     if module is not None and importlib.util.find_spec(module) is None:
         return f"not installed (no module named {module!r})"
@@ -355,6 +370,26 @@ def _wrap_shardfuse(model: nn.Module, device: torch.device, ssd: dict[str, Any] 
         return shardfuse.wrap(model)
 
 
+def set_spec_chunk(value: str | None) -> int | None:
+    """``BIG_SPEC_CHUNK``: the speculative update's elements per chunk (``_speculative.SPEC_CHUNK_ELEMENTS``) for
+    this row's process; returns the size in force (None: a shardfuse without the constant, and none asked)."""
+    try:
+        from shardfuse.sharding.host import _speculative
+    except ImportError:
+        _speculative = None  # type: ignore[assignment]
+    has = _speculative is not None and hasattr(_speculative, "SPEC_CHUNK_ELEMENTS")
+    if not value:
+        return int(_speculative.SPEC_CHUNK_ELEMENTS) if has else None
+    if not has:
+        raise Skip(f"BIG_SPEC_CHUNK={value} needs _speculative.SPEC_CHUNK_ELEMENTS, not in this shardfuse")
+    chunk = int(value)
+    if chunk <= 0 or chunk % 4096:
+        raise ValueError(f"BIG_SPEC_CHUNK={value}: the speculative update's chunk must be a positive multiple of "
+                         f"4096 elements (so its values match the in-place update's); pick e.g. {1 << 20}")
+    _speculative.SPEC_CHUNK_ELEMENTS = chunk
+    return chunk
+
+
 def make_shardfuse(job: Job, device: torch.device) -> Trainer:
     """Full offload (``gpu_budget_gib=0``), or the budget of ``shardfuse-budget``, through OffloadOptimizer."""
     import shardfuse
@@ -391,6 +426,7 @@ def make_shardfuse(job: Job, device: torch.device) -> Trainer:
             extra["speculative_clip"] = True
             if os.environ.get("BIG_SPEC_GIB"):
                 extra["speculative_clip_gib"] = float(os.environ["BIG_SPEC_GIB"])
+            info["spec_chunk_elements"] = set_spec_chunk(os.environ.get("BIG_SPEC_CHUNK"))
         keep_gib = os.environ.get("BIG_KEEP_GIB")  # a diagnostic: the row records keep_params_gib
         if keep_gib:
             extra["keep_params_gib"] = None if keep_gib == "auto" else float(keep_gib)
@@ -438,6 +474,29 @@ def make_fsdp2(job: Job, device: torch.device) -> Trainer:
                         {"optimizer": "AdamW fused on cpu"})  # fmt: skip
 
 
+class NoClipResidentTrainer(ResidentTrainer):
+    """``torchao``: its ``CPUOffloadOptimizer`` steps each parameter on its own and offers no global-norm clip."""
+
+    def clip(self) -> None:
+        return None
+
+
+def make_torchao(job: Job, device: torch.device) -> Trainer:
+    """The fp32 model on the GPU, torchao's ``CPUOffloadOptimizer`` (fused AdamW on the host), no clipping."""
+    try:
+        import torchao
+        from torchao.optim import CPUOffloadOptimizer
+    except ImportError as exc:  # find_spec found it, but it does not import (e.g. built for another torch)
+        raise Skip(f"torchao is not importable here ({exc}); install torchao 0.18 (pip install torchao==0.18.0, "
+                   f"or carry its wheel in .whl/) to run the torchao row") from exc
+    model = build_model(job.cfg, device, job.seed)
+    opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=job.lr, betas=BETAS,
+                              weight_decay=WEIGHT_DECAY, fused=True)
+    return NoClipResidentTrainer(model, opt, job.cfg.accum,
+                                 {"optimizer": "torchao CPUOffloadOptimizer (AdamW fused on cpu)", "autocast": "bf16",
+                                  "clipping": False, "torchao": getattr(torchao, "__version__", "?")})
+
+
 def deepspeed_config(job: Job, stage: int) -> dict[str, Any]:
     """ZeRO-2 with the optimizer on the CPU, or ZeRO-3 with parameters and optimizer there; bf16; clipping."""
     zero: dict[str, Any] = {
@@ -481,6 +540,7 @@ def make_deepspeed(job: Job, device: torch.device) -> Trainer:
 MAKERS: dict[str, Callable[[Job, torch.device], Trainer]] = {
     "resident": make_resident,
     **{impl: make_shardfuse for impl in IMPLS if impl.startswith("shardfuse")},
+    "torchao": make_torchao,
     "fairscale": make_fairscale,
     "fsdp2": make_fsdp2,
     "deepspeed-zero2": make_deepspeed,

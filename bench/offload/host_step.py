@@ -1,13 +1,18 @@
 """The host optimizer step of offloaded shards on this machine's CPU: separate passes against the chunked pass.
 
     python -m bench.offload.host_step [--params 1.0] [--shards 8] [--chunks 524288,2097152,8388608,33554432]
-                                      [--rounds 3] [--threads 8,16,31] [--dma] [--out host_step.json]
+                                      [--rounds 3] [--threads 8,16,31] [--dma] [--pinned] [--spec]
+                                      [--out host_step.json]
 
 Per variant and round, one step of torch's fused AdamW over ``--params`` billion fp32 parameters in ``--shards``
 flat shards, as OffloadOptimizer steps a host shard:
 - ``separate``: clipping's scale (``_foreach_mul_``), ``optimizer.step()``, then the bf16 compute copy, each a pass
   over the whole shard (the path before the chunked one);
 - ``chunk=C``: ``_host_fused.step_in_chunks`` with C elements per chunk (the three in one cache-sized pass).
+- ``spec chunk=C`` (with ``--spec``, ``plain`` setting only): the speculative out-of-place update of
+  ``OffloadOptimizer(speculative_clip=True)`` (``_speculative.update_out_of_place``): per C-element chunk the
+  originals' chunk (parameters, moments) is copied into spare buffers, then the fused kernel updates the spares;
+  the originals stay untouched. Beside it, ``chunk=C`` in ``plain`` is the in-place update it is compared with.
 Each in two settings: ``clip+copy`` (scale and compute copy) and ``plain`` (neither: step_in_backward without the
 host compute copy). Rounds interleave the variants; medians and ranges are printed with ms per billion parameters
 and the host-memory bandwidth each implies (bytes the passes must move / time). CPU only: no GPU needed.
@@ -27,7 +32,8 @@ from typing import Any
 import torch
 
 from bench.common import env_info
-from shardfuse.sharding.host import _host_fused
+from shardfuse._torch_private import foreach_add_, fused_adam_kernels
+from shardfuse.sharding.host import _host_fused, _speculative
 from shardfuse.sharding.host._host_shard import host_buffer
 
 
@@ -67,9 +73,47 @@ def _chunked(shards: list, clip: bool, copy: bool, chunk: int) -> None:
             raise RuntimeError("the chunked path refused a fused AdamW with state")
 
 
-def _bytes_per_param(clip: bool, copy: bool, chunked: bool) -> int:
+Spare = dict[str, torch.Tensor]  # the out-of-place update's buffers of one shard: param, exp_avg, exp_avg_sq, step
+
+
+def _spares(shards: list, pinned: bool) -> list[Spare]:
+    """Per shard, spare buffers as the speculation keeps them: the parameter's pinned like the shard's, the
+    moments' like the optimizer state (pageable), the step a copy."""
+    out = []
+    for p, opt, _ in shards:
+        state = opt.state[p]
+        out.append({"param": host_buffer(p.numel(), p.dtype, pinned).view(p.shape),
+                    "exp_avg": torch.empty_like(state["exp_avg"]), "exp_avg_sq": torch.empty_like(state["exp_avg_sq"]),
+                    "step": state["step"].clone()})
+    return out
+
+
+def _speculative_update(shards: list, spares: list[Spare], chunk: int) -> None:
+    """The speculative update of every shard into its spares (the originals only read), per ``chunk`` elements."""
+    kernels = fused_adam_kernels()
+    for (p, opt, _), spare in zip(shards, spares):
+        settings = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+        group = _host_fused._group_of(opt, [p], settings)
+        if kernels is None or group is None:
+            raise RuntimeError("the speculative path refused a fused AdamW with state (torch's private fused kernel "
+                               "is missing, or the optimizer is not fused)")
+        spare["step"].copy_(group.steps[0])
+        target = _host_fused._Group([spare["param"]], group.grads, [spare["exp_avg"]], [spare["exp_avg_sq"]], [],
+                                    [spare["step"]], group.kwargs, group.decoupled)
+        foreach_add_(target.steps, 1)
+        with torch.no_grad():
+            _speculative.update_out_of_place(target, 0, kernels[1] if group.decoupled else kernels[0],
+                                             [p, group.exp_avgs[0], group.exp_avg_sqs[0]],
+                                             [spare["param"], spare["exp_avg"], spare["exp_avg_sq"]], chunk=chunk)
+
+
+def _bytes_per_param(clip: bool, copy: bool, chunked: bool, spec: bool = False) -> int:
     """Host-memory bytes per parameter the passes must move: the update's 28, and when separate the scale's 8 and
-    the copy's 4+2; chunked, the scaled gradient is written back once (4) and the copy writes 2."""
+    the copy's 4+2; chunked, the scaled gradient is written back once (4) and the copy writes 2. Out of place
+    (``spec``): the copy of the parameter and both moments (read 12, write 12) and the update's 28 (as if each
+    copied chunk left the cache before the kernel read it: an upper bound of the traffic)."""
+    if spec:
+        return 24 + 28
     if chunked:
         return 28 + (4 if clip else 0) + (2 if copy else 0)
     return 28 + (8 if clip else 0) + (6 if copy else 0)
@@ -119,8 +163,9 @@ class _CopyLoad:
         return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
 
 
-def _measure(shards: list, variants: list[Variant], rounds: int, load: _CopyLoad | None) -> dict[Variant, list[float]]:
-    """Seconds per step of each variant, rounds interleaving the variants."""
+def _measure(shards: list, variants: list[Variant], rounds: int, load: _CopyLoad | None,
+             spares: list[Spare] | None = None) -> dict[Variant, list[float]]:
+    """Seconds per step of each variant, rounds interleaving the variants (``spares``: for the ``spec`` ones)."""
     times: dict[Variant, list[float]] = {}
     for _ in range(rounds):
         for v in variants:
@@ -130,6 +175,9 @@ def _measure(shards: list, variants: list[Variant], rounds: int, load: _CopyLoad
                 start = time.perf_counter()
                 if chunk is None:
                     _separate(shards, clip, copy)
+                elif name.startswith("spec"):
+                    assert spares is not None
+                    _speculative_update(shards, spares, chunk)
                 else:
                     _chunked(shards, clip, copy, chunk)
                 times.setdefault(v, []).append(time.perf_counter() - start)
@@ -141,7 +189,8 @@ def _report(times: dict[Variant, list[float]], n: int) -> list[dict[str, Any]]:
     print(f"{'setting':10} {'variant':16} {'threads':>7} {'copies':>6} {'ms/B params':>12} {'range':>15} {'GB/s':>7}")
     for (name, clip, copy, _, threads, dma), ts in times.items():
         med = statistics.median(ts) * 1e9 / n
-        gbps = _bytes_per_param(clip, copy, name != "separate") * n / statistics.median(ts) / 1e9
+        moved = _bytes_per_param(clip, copy, name != "separate", name.startswith("spec")) * n
+        gbps = moved / statistics.median(ts) / 1e9
         setting = "clip+copy" if clip else "plain"
         lo, hi = min(ts) * 1e12 / n, max(ts) * 1e12 / n
         print(f"{setting:10} {name:16} {threads:7d} {'yes' if dma else 'no':>6} {med * 1e3:12.0f} "
@@ -149,6 +198,36 @@ def _report(times: dict[Variant, list[float]], n: int) -> list[dict[str, Any]]:
         rows.append({"setting": setting, "variant": name, "threads": threads, "with_copies": dma,
                      "ms_per_billion": med * 1e3, "runs_s": ts, "host_gbps": gbps})
     return rows
+
+
+def _variants(counts: list[int], chunks: list[int], dma: bool, spec: bool) -> list[Variant]:
+    variants: list[Variant] = []
+    for copies in (False, True) if dma else (False,):
+        for clip, copy in ((True, True), (False, False)):
+            variants += [("separate", clip, copy, None, t, copies) for t in counts]
+            variants += [(f"chunk={c}", clip, copy, c, counts[0], copies) for c in chunks]
+        if spec:  # the speculation neither clips (the norm is not known yet) nor, here, writes a compute copy
+            variants += [(f"spec chunk={c}", False, False, c, counts[0], copies) for c in chunks]
+    return variants
+
+
+def _spec_summary(rows: list[dict[str, Any]], dma: bool) -> int | None:
+    """Print the out-of-place update against the in-place one per chunk; returns the fastest out-of-place chunk
+    (beside the copies where they ran, as in training)."""
+    plain = {(r["variant"], r["with_copies"]): r["ms_per_billion"] for r in rows if r["setting"] == "plain"}
+    best: tuple[float, int] | None = None
+    for (variant, copies), ms in plain.items():
+        if not variant.startswith("spec "):
+            continue
+        chunk = int(variant.split("=")[1])
+        in_place = plain.get((f"chunk={chunk}", copies))
+        ratio = f", {ms / in_place:.2f}x the in-place update ({in_place:.0f} ms)" if in_place else ""
+        print(f"out of place, chunk {chunk}{' beside copies' if copies else ''}: {ms:.0f} ms per billion{ratio}")
+        if copies == dma and (best is None or ms < best[0]):
+            best = (ms, chunk)
+    if best is not None:
+        print(f"fastest out-of-place chunk: {best[1]} elements")
+    return None if best is None else best[1]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -164,6 +243,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "(needs a GPU)")
     ap.add_argument("--pinned", action="store_true", help="parameters and gradients page-locked, as OffloadOptimizer "
                     "keeps them (needs a GPU)")
+    ap.add_argument("--spec", action="store_true", help="also the speculative out-of-place update per chunk "
+                    "(copy into spare buffers, then update there), beside the in-place one")
     args = ap.parse_args(argv)
     if args.pinned and not torch.cuda.is_available():
         raise SystemExit("--pinned page-locks host memory through CUDA: it needs a CUDA device, none is visible")
@@ -176,17 +257,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     shards = _shards(args.params, args.shards, args.pinned)
     n = sum(p.numel() for p, _, _ in shards)
     chunks = [int(c) for c in args.chunks.split(",") if c]
-    variants: list[Variant] = []
-    for dma in (False, True) if args.dma else (False,):
-        for clip, copy in ((True, True), (False, False)):
-            variants += [("separate", clip, copy, None, t, dma) for t in counts]
-            variants += [(f"chunk={c}", clip, copy, c, counts[0], dma) for c in chunks]
-    times = _measure(shards, variants, args.rounds, load)
+    spares = _spares(shards, args.pinned) if args.spec else None
+    times = _measure(shards, _variants(counts, chunks, args.dma, args.spec), args.rounds, load, spares)
     print(f"host step: {n / 1e9:.2f}B fp32 params in {len(shards)} shards ({'pinned' if args.pinned else 'pageable'}), "
           f"{cores} cores, torch {torch.__version__}")
     rows = _report(times, n)
     result = {"kind": "host_step", "env": env_info(), "params": n, "threads": counts, "cores": cores,
               "torch": torch.__version__, "rows": rows, "pinned": args.pinned}
+    if args.spec:
+        result["spec_fastest_chunk"] = _spec_summary(rows, args.dma)
     if load is not None:
         print(f"copies beside the update: {load.gbps():.1f} GB/s (host->device + device->host, 1 GiB pinned each)")
         result["copies_gbps"] = load.gbps()

@@ -74,6 +74,7 @@ OFFLOAD_BIG_ORDER = (
     "shardfuse",
     "shardfuse-budget",
     "shardfuse-ssd",
+    "torchao",
     "fairscale",
     "fsdp2",
     "deepspeed-zero2",
@@ -84,6 +85,7 @@ OFFLOAD_BIG_LABEL = {
     "shardfuse": "shardfuse `move_params_to_cpu`, `OffloadOptimizer`, full offload",
     "shardfuse-budget": "shardfuse `move_params_to_cpu`, `OffloadOptimizer`, GPU budget",  # + the budget
     "shardfuse-ssd": "shardfuse, optimizer state on SSD",
+    "torchao": "torchao `CPUOffloadOptimizer` (fp32 model on the GPU, fused CPU AdamW, no clipping)",
     "fairscale": "FairScale FSDP `move_params_to_cpu`, fused CPU AdamW",
     "fsdp2": "FSDP2 `CPUOffloadPolicy(pin_memory=True)`, fused CPU AdamW",
     "deepspeed-zero2": "DeepSpeed ZeRO-2, optimizer offloaded (its CPUAdam)",
@@ -93,6 +95,7 @@ OFFLOAD_BIG_SHORT = {
     "resident": "one GPU",
     "shardfuse": "shardfuse",
     "shardfuse-budget": "shardfuse-budget",
+    "torchao": "torchao",
     "fairscale": "FairScale",
     "fsdp2": "FSDP2",
     "deepspeed-zero2": "DeepSpeed ZeRO-2",

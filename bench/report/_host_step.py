@@ -33,7 +33,9 @@ def host_step_section(res: Result) -> list[str]:
     lines = [f"### Host optimizer step on this machine's CPU (`{res.name}.json`)", "", env_line(res.env), "",
              f"`python -m bench.offload.host_step`: one step of torch's fused CPU AdamW over {what}, as "
              "OffloadOptimizer steps a host shard: `separate` = clipping's scale, the update and the bf16 copy each "
-             "a pass over the whole shard; `chunk=C` = the three in one pass per C-element chunk; `plain` = the "
+             "a pass over the whole shard; `chunk=C` = the three in one pass per C-element chunk; `spec chunk=C` "
+             "(`--spec`) = speculative clipping's out-of-place update (each chunk of the parameters and moments "
+             "copied into spare buffers, then updated there; the originals untouched); `plain` = the "
              f"update alone. Host: {d.get('cores', '?')} cores, torch {d.get('torch', '?')}; rounds interleave the "
              "variants (median, min-max).", ""]
     if d.get("copies_gbps"):

@@ -21,6 +21,7 @@ BOUND_LABEL = {"compute_ms": "GPU compute", "pcie_ms": "PCIe", "cpu_opt_ms": "th
 HEADER = ["implementation", "step ms", "vs floor", "vs resident", "tokens/s", "GPU peak GiB", "host RSS GiB",
           "host B/param", "status"]  # fmt: skip
 ALIGN = ["l", "r", "r", "r", "r", "r", "r", "r", "l"]
+VS_TORCHAO = "speed vs torchao"
 REPO = Path(__file__).resolve().parents[2]
 # Changes to a variant's code path made after rows of it were measured: (part of the variant, commit, what changed).
 # A row measured before the commit gets a note saying so (its numbers are what the code gave then) until a newer
@@ -88,11 +89,13 @@ def floor_line(floor: OffloadBigFloor | None, floor_ms: float | None) -> str:
 def _table(f: OffloadBigFile, config: str) -> list[str]:
     floor_ms = f.floor_ms(config)
     resident = f.step_ms(config, "resident")
+    torchao = f.step_ms(config, "torchao")  # a "speed vs torchao" column where this job measured torchao
+    header, align = (HEADER[:-1] + [VS_TORCHAO, HEADER[-1]], ALIGN[:-1] + ["r", "l"]) if torchao else (HEADER, ALIGN)
     body, notes = [], []
     for r in ordered_rows(f.rows_of(config)):
         label = row_label(r)
         if not r.measured:
-            body.append([label, *[DASH] * (len(HEADER) - 2), r.status])  # the status, not partial numbers
+            body.append([label, *[DASH] * (len(header) - 2), r.status])  # the status, not partial numbers
             extra = f" (forward+backward {r.fwd_bwd_ms:.0f} ms)" if r.fwd_bwd_ms else ""
             notes.append(f"{label}: {r.status}: {r.reason or 'no measurement'}{extra}")
             continue
@@ -110,13 +113,17 @@ def _table(f: OffloadBigFile, config: str) -> list[str]:
                 fmt(r.host_rss_gib, ".1f"),
                 # the fp32 optimizer's minimum is 16 (parameter, gradient, two moments)
                 fmt(ratio(r.host_rss_gib * 2**30, r.params) if r.host_rss_gib else None, ".1f"),
+                *([fmt(ratio(torchao, r.step_ms), ".2f", "x")] if torchao else []),
                 r.status,
             ]
         )
         if r.disk_floor_ms:
             notes.append(_ssd_note(label, r))
         notes.extend(_change_notes(label, r, r.commit or f.env.commit))
-    return [*table(HEADER, body, ALIGN), "", *notes_block(notes)]
+    if torchao:
+        notes.append(f"{VS_TORCHAO}: torchao's step time over the row's, same job (above 1.00x: faster than "
+                     "torchao); torchao cannot clip, so its row trains without clipping")
+    return [*table(header, body, align), "", *notes_block(notes)]
 
 
 def predates(measured: str | None, change: str, repo: Path = REPO) -> bool:

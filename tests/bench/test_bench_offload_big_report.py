@@ -311,3 +311,31 @@ def test_rows_measured_before_a_change_to_their_path_say_so(tmp_path: Path, monk
     notes = [line for line in out.read_text().splitlines() if "before ebce2e1" in line]
     assert len(notes) == 2, notes  # the two step-in-backward rows of 2.9b-4k, nothing else
     assert all(f"({SIB}): measured at 1111111, before ebce2e1 (under step_in_backward" in n for n in notes)
+
+
+def test_speed_vs_torchao_column(tmp_path: Path) -> None:
+    """A configuration with a torchao row gets a "speed vs torchao" column (torchao's step time over the row's);
+    one without keeps the usual columns."""
+    data = big_payload()
+    ao_variant = "budget = torchao's GPU peak"
+    data["results"] += [
+        _row("torchao", "2.9b-4k", 817.5, 29.6, 40.0, clipping=False),
+        _row("shardfuse-budget", "2.9b-4k", 545.0, 29.5, 30.0, variant=ao_variant, gpu_budget_gib=29.63),
+    ]
+    root = tmp_path / "results"
+    write_results(root, "h100", offload_big=data)
+    out = tmp_path / "benchmarks.md"
+    assert report.main(["--results", str(root), "--out", str(out), "--no-plots"]) == 0
+    text = out.read_text()
+    section = text[text.index("#### `2.9b-4k`") : text.index("#### `6.7b-2k`")]
+    assert "| host B/param | speed vs torchao | status |" in section
+    assert f"GPU budget 29.63 GiB ({ao_variant}) | 545 (540-556) |" in section
+    budget_ao = next(line for line in section.splitlines() if f"({ao_variant}) |" in line)
+    assert budget_ao.endswith(f"| {817.5 / 545.0:.2f}x | ok |")
+    full = next(line for line in section.splitlines() if line.startswith("| shardfuse `move_params_to_cpu`, "
+                                                                         "`OffloadOptimizer`, full offload |"))
+    assert full.endswith(f"| {817.5 / 1500.0:.2f}x | ok |")
+    assert "| torchao `CPUOffloadOptimizer` (fp32 model on the GPU, fused CPU AdamW, no clipping) | 818" in section
+    assert "speed vs torchao: torchao's step time over the row's" in section
+    other = text[text.index("#### `6.7b-2k`") :]
+    assert "speed vs torchao" not in other.split("####")[1]  # no torchao row there: no column

@@ -145,7 +145,7 @@ def test_killed_measurement_is_a_row_not_a_crash() -> None:
 
 
 def test_gpu_only_impls_are_marked() -> None:
-    assert {"fairscale", "fsdp2", "deepspeed-zero2", "deepspeed-zero3"} == set(GPU_ONLY)
+    assert {"fairscale", "fsdp2", "deepspeed-zero2", "deepspeed-zero3", "torchao"} == set(GPU_ONLY)
 
 
 def test_gpu_suite_stage_by_name_only() -> None:
@@ -228,3 +228,65 @@ def test_merge_keeps_each_rows_commit(tmp_path) -> None:
     merged = json.loads(out.read_text())
     assert {r["impl"]: r["commit"] for r in merged["results"]} == {"shardfuse": "aaaa", "deepspeed-zero3": "bbbb"}
     assert merged["env"]["commit"] == "bbbb" and [m["commit"] for m in merged["merged_from"]] == ["aaaa", "bbbb"]
+
+
+def test_torchao_side_by_side_plan_budget_and_speed(capsys) -> None:
+    """torchao runs first (after resident); the -ao rows take its GPU peak of the same configuration as their
+    budget (the fallback where it measured none); speed vs torchao = torchao's step time over the row's."""
+    from bench.offload.big_impls import AO_FALLBACK_BUDGET_GIB, AO_VARIANT
+
+    assert "torchao" not in big.DEFAULT_IMPLS and not any("-ao" in i for i in big.DEFAULT_IMPLS)
+    args = big.parse_args(["--estimate", "--configs", "2.9b-4k", "--impls",
+                           "shardfuse-budget-ao,shardfuse,torchao,shardfuse-budget-ao-sib,shardfuse-budget"])
+    assert big.plan(args) == [("2.9b-4k", i) for i in ("resident", "torchao", "shardfuse-budget-ao", "shardfuse",
+                                                       "shardfuse-budget-ao-sib", "shardfuse-budget")]
+    assert big.budget_gib("shardfuse-budget-ao", "2.9b-4k", [], args) == AO_FALLBACK_BUDGET_GIB == 30.0
+    assert "no torchao GPU peak measured" in capsys.readouterr().out
+    ao = {"impl": "torchao", "config": "2.9b-4k", "status": "ok", "gpu_peak_gib": 29.6312, "step_ms": 817.5}
+    other = {**ao, "config": "2.9b-32k", "gpu_peak_gib": 50.0}
+    failed = {**ao, "status": "oom", "gpu_peak_gib": 70.0}
+    assert big.budget_gib("shardfuse-budget-ao", "2.9b-4k", [other, failed, ao], args) == 29.63
+    assert big.budget_gib("shardfuse-budget-ao-sib", "2.9b-4k", [ao], args) == 29.63
+    assert big.budget_gib("shardfuse-budget", "2.9b-4k", [ao], args) == 40.0
+    assert big.budget_gib("shardfuse", "2.9b-4k", [ao], args) is None
+    job = Job(impl="shardfuse-budget-ao", config="2.9b-4k", budget_gib=29.63)
+    row = big.make_row("2.9b-4k", "shardfuse-budget-ao", job, {"status": "ok", "step_ms": 545.0})
+    assert row["impl"] == "shardfuse-budget" and row["variant"] == AO_VARIANT and row["gpu_budget_gib"] == 29.63
+    sib = big.make_row("2.9b-4k", "shardfuse-budget-ao-sib", job, {"status": "ok", "step_ms": 400.0})
+    assert sib["variant"].startswith("step-in-backward, no clipping")
+    ao_row = big.make_row("2.9b-4k", "torchao", Job(impl="torchao", config="2.9b-4k"),
+                          {"status": "ok", "step_ms": 817.5, "gpu_peak_gib": 29.6})
+    elsewhere = big.make_row("2.9b-32k", "shardfuse", Job(impl="shardfuse", config="2.9b-32k"),
+                             {"status": "ok", "step_ms": 100.0})
+    rows = [ao_row, row, sib, elsewhere]
+    for r in rows:
+        r.update(step_ms_min=r["step_ms"] - 1, step_ms_max=r["step_ms"] + 1)
+    big.vs_torchao(rows, "2.9b-4k")
+    assert row["speed_vs_torchao"] == pytest.approx(817.5 / 545.0)
+    assert sib["speed_vs_torchao"] == pytest.approx(817.5 / 400.0)
+    assert ao_row["speed_vs_torchao"] == 1.0 and "speed_vs_torchao" not in elsewhere
+    big.print_table(rows)
+    out = capsys.readouterr().out
+    assert "shardfuse-budget+ao " in out and "shardfuse-budget+sib+ao" in out and "torchao " in out
+
+
+def test_torchao_row_is_skipped_with_a_reason(monkeypatch) -> None:
+    from bench.offload import big_impls
+
+    assert big_impls.unavailable_reason("torchao", "cpu") == "needs a CUDA GPU"
+    monkeypatch.setitem(sys.modules, "torchao", None)  # as if it were not importable
+    monkeypatch.setitem(sys.modules, "torchao.optim", None)
+    with pytest.raises(big_impls.Skip, match="torchao is not importable here .*install torchao 0.18"):
+        big_impls.make_torchao(Job(impl="torchao", config="tiny", device="cpu"), torch.device("cpu"))
+
+
+def test_spec_chunk_from_the_environment(monkeypatch) -> None:
+    from bench.offload.big_impls import set_spec_chunk
+    from shardfuse.sharding.host import _speculative
+
+    monkeypatch.setattr(_speculative, "SPEC_CHUNK_ELEMENTS", _speculative.SPEC_CHUNK_ELEMENTS)
+    assert set_spec_chunk(None) == _speculative.SPEC_CHUNK_ELEMENTS == 1 << 21
+    assert set_spec_chunk("524288") == 524288 == _speculative.SPEC_CHUNK_ELEMENTS
+    with pytest.raises(ValueError, match="BIG_SPEC_CHUNK=1000: .*multiple of 4096"):
+        set_spec_chunk("1000")
+    assert _speculative.SPEC_CHUNK_ELEMENTS == 524288

@@ -144,6 +144,7 @@ def one_intra_op_thread():
 def test_overlapped_under_random_delays_equals_plain(name, monkeypatch, tmp_path, one_intra_op_thread):
     cfg = CONFIGS[name]
     monkeypatch.setattr(_host_fused, "CHUNK_ELEMENTS", _host_fused.ALIGN)  # several chunks where shards allow
+    monkeypatch.setattr(_speculative, "SPEC_CHUNK_ELEMENTS", _host_fused.ALIGN)  # the speculation's own chunks too
     ssd = str(tmp_path) if cfg.get("ssd") else None
     want_losses, want = _train(cfg, overlapped=False, ssd_dir=ssd)
     before = set(threading.enumerate())

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from shardfuse import OffloadOptimizer
 from shardfuse.sharding import FullyShardedDataParallel as FSDP
-from shardfuse.sharding.host import _host_fused
+from shardfuse.sharding.host import _host_fused, _speculative
 from shardfuse.sharding.host._speculative import SpecState
 from tests.sharding._models import batch, build, fsdp_kwargs, loss_fn
 
@@ -83,8 +83,8 @@ def _losses(model: FSDP, opt: Any, cfg: dict[str, Any], step: int) -> list[float
 
 def run(cfg: dict[str, Any], speculative: bool) -> tuple[FSDP, Any, list[float]]:
     """Train ``len(cfg['norms'])`` steps; ``norms[i]`` is step i's max norm (None: no clip call)."""
-    chunk = _host_fused.CHUNK_ELEMENTS
-    _host_fused.CHUNK_ELEMENTS = cfg.get("host_chunk", chunk)
+    chunk, spec_chunk = _host_fused.CHUNK_ELEMENTS, _speculative.SPEC_CHUNK_ELEMENTS
+    _host_fused.CHUNK_ELEMENTS = _speculative.SPEC_CHUNK_ELEMENTS = cfg.get("host_chunk", chunk)
     try:
         model = _wrap(cfg)
         opt = OffloadOptimizer(model, _optimizer(cfg, model.parameters()), gpu_budget_gib=cfg.get("gpu_budget", 0),
@@ -110,7 +110,7 @@ def run(cfg: dict[str, Any], speculative: bool) -> tuple[FSDP, Any, list[float]]
             opt.zero_grad()
         opt.synchronize()
     finally:
-        _host_fused.CHUNK_ELEMENTS = chunk
+        _host_fused.CHUNK_ELEMENTS, _speculative.SPEC_CHUNK_ELEMENTS = chunk, spec_chunk
     return model, opt, losses
 
 
@@ -257,6 +257,7 @@ def check_originals_untouched_until_commit(optim: str) -> bool:
     rank, ws = dist.get_rank(), dist.get_world_size()
     cfg: dict[str, Any] = dict(optim=optim)
     chunk, _host_fused.CHUNK_ELEMENTS = _host_fused.CHUNK_ELEMENTS, 4096
+    spec_chunk, _speculative.SPEC_CHUNK_ELEMENTS = _speculative.SPEC_CHUNK_ELEMENTS, 4096
     model = _wrap(cfg)
     opt = OffloadOptimizer(model, _optimizer(cfg, model.parameters()), gpu_budget_gib=0, speculative_clip=True)
     assert opt._spec is not None
@@ -287,7 +288,7 @@ def check_originals_untouched_until_commit(optim: str) -> bool:
                 assert not set(flats.values()) & set(spares.values()), "the redo must update the originals in place"
             opt.zero_grad()
     finally:
-        _host_fused.CHUNK_ELEMENTS = chunk
+        _host_fused.CHUNK_ELEMENTS, _speculative.SPEC_CHUNK_ELEMENTS = chunk, spec_chunk
     opt.close()
     return True
 
@@ -325,8 +326,6 @@ def test_refusals(pool):
 def check_failed_speculation_surfaces() -> bool:
     """A speculation that raises on the worker surfaces on the main thread (here at step(), which waits for the
     unit), and its record is left idle; nothing of the shard changed."""
-    from shardfuse.sharding.host import _speculative
-
     rank, ws = dist.get_rank(), dist.get_world_size()
     model = _wrap({})
     opt = OffloadOptimizer(model, _optimizer({}, model.parameters()), gpu_budget_gib=0, speculative_clip=True)

@@ -18,11 +18,19 @@ speculation, no waste). A commit also checks that nothing the speculation read c
 the gradients' versions, the state tensors, the settings; e.g. ``zero_grad()`` or ``load_state_dict()`` before
 ``step()``): otherwise the unit is redone. The result is the non-speculative path's, bit for bit, in every case.
 
-Traffic: with torch's fused Adam/AdamW the originals' chunk (parameters, moments) is copied into the spare's chunk
-right before the fused kernel updates it in place there (``_host_fused._step_one``'s ``before_chunk``), so memory
-traffic is that of the in-place update; the kernel is per element and chunk boundaries are those of the in-place
-path, so the values are the same. Other optimizers (and the first step, which makes the state) copy the shard and
-its state into the spare and step a temporary optimizer of the user's class over the spare.
+Cost: with torch's fused Adam/AdamW the originals' chunk (parameters, moments) is copied into the spare's chunk
+right before the fused kernel updates it in place there (``_host_fused._step_one``'s ``before_chunk``;
+``SPEC_CHUNK_ELEMENTS`` elements per chunk); the kernel is per element and chunk boundaries fall on multiples of
+``ALIGN``, so the values are those of the in-place path. The copy is NOT free: the update writes into freshly
+copied buffers, and measured 2026-11-27 on one H100 host (16 cores; logs lost with that submission) a speculated
+unit's update took 99-178 ms against 37-41 ms in place; the host step alone (``python -m bench.offload.host_step
+--spec --pinned --dma``, fused AdamW over 1B page-locked parameters) took 721 ms out of place against 224 ms in
+place (914 against 331 beside 73 GB/s of host<->device copies), and chunks of 1M, 512K and 256K elements were no
+faster (766, 750, 1006 ms). Only 3 of the 2.9B decoder's 25 units finished during backward, so a committed step
+does NOT cost what a ``step_in_backward`` step costs: speculation only uses the host time backward leaves idle
+(with ``keep_params_gib``: 1207 ms against 1411-1439 ms for the clipped step). Other optimizers (and the first
+step, which makes the state) copy the shard and its state into the spare and step a temporary optimizer of the
+user's class over the spare.
 
 The spare memory (shard + state + compute copy per unit) is bounded by ``speculative_clip_gib``: the units that
 fit, counted in the order their gradients land (the last of the forward order first), speculate; the others update
@@ -47,14 +55,20 @@ from typing import Any
 
 import torch
 
-from shardfuse._torch_private import foreach_add_, fused_adam_kernels
+from shardfuse._torch_private import FusedKernel, foreach_add_, fused_adam_kernels
 from shardfuse._versions import mark_updated
 from shardfuse.sharding.core._flat_param import FlatParamHandle
 from shardfuse.sharding.core._registry import SHARD_MARK_ATTR
 from shardfuse.sharding.host import _host_fused, _host_step
-from shardfuse.sharding.host._host_fused import _Group, _group_of, _offset_in, _step_one
+from shardfuse.sharding.host._host_fused import ALIGN, _Group, _group_of, _offset_in, _step_one
 from shardfuse.sharding.host._host_shard import HostShard, IllegalTransition, host_buffer
 from shardfuse.sharding.host._host_step import ShardPlan, StepWorker, host_task, settings_of
+
+# Elements per chunk of the out-of-place update (copy the originals' chunk into the spare, then update it there):
+# the in-place path's size by default; measured on one H100 host, 1M, 512K and 256K were no faster (see the module).
+# A multiple of ALIGN (results then match the in-place path bit for bit); the benchmark sets it per row
+# (BIG_SPEC_CHUNK in bench/offload/big_impls.py).
+SPEC_CHUNK_ELEMENTS = _host_fused.CHUNK_ELEMENTS
 
 
 class SpecState(enum.Enum):
@@ -407,10 +421,24 @@ def _speculate_chunked(plan: ShardPlan, spare: Spare, flat: torch.Tensor,
         foreach_add_(target.steps, 1)  # as step_in_chunks does to the originals' steps
         kernel = kernels[1] if group.decoupled else kernels[0]
         for i, (offset, src, dst) in enumerate(sources):
-            _step_one(target, i, kernel, None, spare.compute, offset, _host_fused.CHUNK_ELEMENTS,
-                      before_chunk=functools.partial(_copy_chunk, src, dst))
+            update_out_of_place(target, i, kernel, src, dst, spare.compute, offset)
     _copy_rest(flat, spare, covered)
     return new_state
+
+
+def update_out_of_place(target: _Group, i: int, kernel: FusedKernel, src: list[torch.Tensor], dst: list[torch.Tensor],
+                        compute: torch.Tensor | None = None, offset: int | None = None,
+                        chunk: int | None = None) -> None:
+    """Parameter ``i`` of ``target`` (whose tensors are the spares ``dst``), chunk by chunk: the originals' chunk
+    (``src``: parameter, moments) copied into ``dst``'s, then the fused kernel updates it there; ``src`` is only
+    read. ``chunk``: elements per chunk (None: ``SPEC_CHUNK_ELEMENTS``). ``bench.offload.host_step --spec``
+    measures this against the in-place update."""
+    chunk = SPEC_CHUNK_ELEMENTS if chunk is None else chunk
+    if chunk <= 0 or chunk % ALIGN:
+        raise ValueError(f"the speculative update's chunk must be a positive multiple of {ALIGN} elements (so its "
+                         f"values match the in-place update's), got {chunk}; set SPEC_CHUNK_ELEMENTS (or "
+                         f"BIG_SPEC_CHUNK) to such a multiple")
+    _step_one(target, i, kernel, None, compute, offset, chunk, before_chunk=functools.partial(_copy_chunk, src, dst))
 
 
 def _copy_chunk(src: list[torch.Tensor], dst: list[torch.Tensor], a: int, b: int) -> None:
