@@ -31,9 +31,11 @@ def sft_loss_lines(data: dict[str, Any]) -> list[str]:
     parts = []
     for c in checks:
         diff = num(c.get("max_rel_loss_diff"))
-        same = "equal" if c.get("losses_equal") is True else "different"
-        parts.append(f"round {c.get('round', '?')}: {same}" + ("" if diff is None else f" (largest relative "
-                                                                 f"difference {diff:.1e})"))  # fmt: skip
+        if c.get("losses_equal") is True:
+            parts.append(f"round {c.get('round', '?')}: equal")
+        else:
+            parts.append(f"round {c.get('round', '?')}: different" + ("" if diff is None else f" (largest relative "
+                                                                       f"difference {diff:.1e})"))  # fmt: skip
     return ["Losses of the eager and the captured SFT loop on the same batches, every timed step: "
             + "; ".join(parts) + ".", ""]  # fmt: skip
 
