@@ -164,6 +164,8 @@ def _e2e_checks(res: Result) -> list[Check]:
     for r in e.rows:
         label = f"{r.regime} {r.impl}" + (f" round {r.round}" if r.round is not None else "")
         why = skip_reason(r.impl, "ok" if r.step_ms else "error", r.step_ms, r.host_load)
+        if why is None and r.regime == "sft":
+            why = "many-shape SFT (bench.e2e.sft): variable lengths padded to buckets, no one shape to predict"
         if why is None and r.impl not in ("shardfuse", "baseline"):
             why = f"implementation {r.impl!r} not modelled"
         if why is not None or not r.batch or not r.seq:

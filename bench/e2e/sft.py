@@ -105,10 +105,11 @@ def run_loop(config: str, plan: dict[str, Any], device: torch.device, captured: 
     for b in plan["timed"]:
         sync(device)
         t0 = time.perf_counter()
-        losses.append(step(b.input_ids, b.labels))
+        # .clone(): a replay returns the same tensor every call, overwritten by the next replay of that graph
+        losses.append(step(b.input_ids, b.labels).clone())
         sync(device)
         times.append(time.perf_counter() - t0)
-        real += int(b.lengths.sum())
+        real += int(b.lengths.sum())  # after the timing: a host sync
     out = {"times": times, "losses": torch.stack(losses).float().tolist(), "real_tokens": real,
            "padded_tokens": sum(b.input_ids.numel() for b in plan["timed"]),
            "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0}  # fmt: skip
@@ -170,6 +171,7 @@ def run_round(args: argparse.Namespace, rnd: int, plan: dict[str, Any], device: 
 
 def main(argv: list[str] | None = None) -> None:
     from bench.e2e.run import _init_distributed, default_output, summarize
+    from examples.sft_buckets import CONFIGS
 
     args = parse_args(argv)
     args.pg_timeout = 600.0
@@ -184,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
                    "optimizer": "AdamW (fused, capturable)" if device.type == "cuda" else "AdamW",
                    "compute_dtype": "float32 (the example wraps without mixed precision)",
                    "regimes": {REGIME: [args.batch, plan["buckets"][-1]]}, "buckets": list(plan["buckets"]),
-                   "exact_attention": args.exact, "loop": "examples/sft_buckets.py"},  # fmt: skip
+                   "exact_attention": args.exact, "loop": "examples/sft_buckets.py",
+                   "hf_config": dict(CONFIGS[args.config])},  # fmt: skip
         "results": [], "sft": [],
     }
     for rnd in range(args.rounds):

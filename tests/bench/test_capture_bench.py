@@ -164,11 +164,20 @@ def test_plan_accuracy_skips_rows_on_a_loaded_host(tmp_path: Path) -> None:
     payload = _capture_payload(loaded_round=1)
     for r in payload["results"]:
         r["impl"] = "shardfuse" if r["impl"] == "fsdp2-compile" else r["impl"]
-    write_results(tmp_path, "h100", e2e_capture_4gpu=payload)
-    checks = [c for c in plan_accuracy.collect(tmp_path) if c.row.startswith("1k shardfuse ")]
+    hf = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+              num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048)  # sft_buckets' "1b"
+    sft = {"env": ENV, "config": {"model": "1b", "model_kind": "hf-llama", "world_size": 2, "device": "cuda",
+                                  "hf_config": hf, "optimizer": "AdamW (fused, capturable)"},
+           "results": [{"impl": "shardfuse", "regime": "sft", "round": 0, "batch": 4, "seq": 2048, "step_ms": 99.0,
+                        "tok_s_gpu": 13000.0, "host_load": None}]}  # fmt: skip
+    write_results(tmp_path, "h100", e2e_capture_4gpu=payload, e2e_capture_sft_2gpu=sft)
+    everything = plan_accuracy.collect(tmp_path)
+    checks = [c for c in everything if c.row.startswith("1k shardfuse ")]
     loaded = [c for c in checks if c.row.endswith("round 1")]
     assert loaded and all(c.skipped and "loaded host (BENCH_HOST_SHARED is set)" in c.skipped for c in loaded)
     assert any(c.skipped is None for c in checks)  # the other rounds' rows are predicted
+    (sft_check,) = [c for c in everything if c.file == "e2e_capture_sft_2gpu"]
+    assert sft_check.skipped and "many-shape SFT" in sft_check.skipped
     assert "loaded host" in plan_accuracy.markdown(plan_accuracy.collect(tmp_path))
 
 
