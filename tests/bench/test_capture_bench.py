@@ -5,6 +5,7 @@ captured loop gives the eager loop's losses and that its bucket padding gives th
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -240,3 +241,24 @@ def test_sft_bench_bucket_padding_gives_the_unpadded_loss(pool) -> None:
         assert len(pairs) >= 4
         for padded, unpadded in pairs:
             assert padded == pytest.approx(unpadded, rel=1e-5, abs=1e-6)
+
+
+def test_capture_table_joins_rounds_into_one_file_per_part(tmp_path: Path, capsys) -> None:
+    from bench.e2e import capture_table
+
+    full = _capture_payload()
+    for rnd in (0, 2):  # round 1 failed: no file
+        rows = [{**r, "round": 0} for r in full["results"] if r["round"] == rnd]
+        (tmp_path / f"ct_decoder_r{rnd}.json").write_text(json.dumps({**full, "results": rows, "summary": []}))
+    (tmp_path / "overlap_captured_4gpu.json").write_text(json.dumps(_overlap_payload()))
+    final = tmp_path / "final"
+    assert capture_table.main(["--dir", str(tmp_path), "--rounds", "3", "--copy-to", str(final)]) == 0
+    joined = json.loads((final / "e2e_capture_4gpu.json").read_text())
+    assert sorted({r["round"] for r in joined["results"]}) == [0, 2] and joined["config"]["rounds"] == 2
+    (cap,) = [s for s in joined["summary"] if s["impl"] == "shardfuse-graph"]
+    assert cap["step_ms_median"] == (31.0 + 34.0) / 2
+    assert cap["vs_baseline-graph"] == pytest.approx((28.0 + 29.0) / (31.0 + 34.0))
+    assert sorted(p.name for p in final.iterdir()) == ["e2e_capture_4gpu.json", "overlap_captured_4gpu.json"]
+    out = capsys.readouterr().out
+    assert "decoder: no file for round(s) [1]" in out and "hf: no file for round(s) [0, 1, 2]" in out
+    assert "gap to one GPU captured +6.50: compute +3.00, exposed comm +3.00, idle +0.50" in out
