@@ -43,6 +43,7 @@ class OffloadBigRow:
     ssd_written_gb_per_step: float | None = None
     ssd_io_mode: str | None = None
     commit: str | None = None  # the commit of the call that measured the row (merged files)
+    host_load: str | None = None  # set (why) when the host was loaded while the row was measured (bench.host_load)
 
     @classmethod
     def parse(cls, r: dict[str, Any]) -> OffloadBigRow:
@@ -55,6 +56,7 @@ class OffloadBigRow:
             status=_text(r.get("status")) or "error", reason=_text(r.get("reason")),
             **{k: _int(r.get(k)) for k in ints}, **{k: num(r.get(k)) for k in floats},
             ssd_io_mode=_text(r.get("ssd_io_mode")), commit=_text(r.get("commit")),
+            host_load=_text(r.get("host_load")),
         )  # fmt: skip
 
     @property

@@ -11,6 +11,8 @@
 #                                           BIG_CONFIGS / BIG_IMPLS pick one 10-minute piece, see below)
 #                                           ab (this tree against .before/, the tree before a change: one GPU,
 #                                           e2e and offload, interleaved rounds; about 6-7 minutes, see below)
+#                                           capture-table (issue 31's table at 1K tokens/GPU: captured vs eager
+#                                           vs one GPU captured vs peers, SFT, the captured step's profile)
 #
 # Every step runs under `timeout` so a hang cannot eat the lease; a failed step is reported and the
 # suite goes on. Multi-GPU steps issue the same collectives on every rank (fixed step counts).
@@ -140,6 +142,33 @@ for stage in "${STAGES[@]}"; do
       step e2e-7b 540 torchrun --standalone --nproc_per_node "$NGPU" -m bench.e2e.run --config 7b --regime 4k \
         --no-baseline --impls "${E2E_IMPLS:-shardfuse,shardfuse-graph,fsdp2,fairscale}" --steps "${E2E_STEPS:-15}" \
         --warmup 3 ${E2E_ARGS:-} ;;
+    capture-table)
+      # Issue 31's table at 1K tokens/GPU, fused AdamW, on every local GPU: per round (CT_ROUNDS, default 3; CT_STEPS
+      # timed steps, default 20, after 3 warm-up) the decoder (one GPU captured, shardfuse eager and captured,
+      # FairScale when its wheel is in .whl/, FSDP2 + per-layer compile), HF Llama (the same but FairScale) and the
+      # many-shape SFT loop (bench.e2e.sft), each its own process under `timeout`; then the captured step's profile
+      # (bench.e2e.overlap --captured --baseline --eager). bench.e2e.capture_table joins the rounds into one JSON per
+      # part, copies them to $FINAL and prints the table (again last, below the summary). Rows carry host_load:
+      # set BENCH_HOST_SHARED=1 when another job runs on this host.
+      if compgen -G ".whl/*.whl" >/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+          .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+      fi
+      CT_COMMON=(--regime 1k --no-baseline --optim fused --steps "${CT_STEPS:-20}" --warmup 3)
+      for ((r = 0; r < ${CT_ROUNDS:-3}; r++)); do
+        step "ct-decoder-r$r" "${CT_TIMEOUT:-300}" torchrun --standalone --nproc_per_node "$NGPU" -m bench.e2e.run \
+          --model decoder "${CT_COMMON[@]}" --name "ct_decoder_r$r" \
+          --impls baseline-graph,shardfuse,shardfuse-graph,fairscale,fsdp2-compile
+        step "ct-hf-r$r" "${CT_TIMEOUT:-300}" torchrun --standalone --nproc_per_node "$NGPU" -m bench.e2e.run \
+          --model hf-llama "${CT_COMMON[@]}" --name "ct_hf_r$r" \
+          --impls baseline-graph,shardfuse,shardfuse-graph,fsdp2-compile
+        step "ct-sft-r$r" "${CT_TIMEOUT:-300}" torchrun --standalone --nproc_per_node "$NGPU" -m bench.e2e.sft \
+          --config 1b --steps "${CT_STEPS:-20}" --name "ct_sft_r$r"
+      done
+      step ct-overlap 240 torchrun --standalone --nproc_per_node "$NGPU" -m bench.e2e.overlap \
+        --captured --baseline --eager
+      step ct-table 60 python3 -m bench.e2e.capture_table --dir "$BENCH_OUT/$GPU_KEY" --rounds "${CT_ROUNDS:-3}" \
+        --copy-to "$FINAL" --text "$OUT/capture_table.txt" ;;
     train)
       # the README's main job on every local GPU (NCCL), with its parity check against unsharded training
       step train 300 torchrun --standalone --nproc_per_node "$NGPU" examples/train.py ;;
@@ -172,3 +201,4 @@ echo
 echo "== gpu_suite summary ($NGPU GPUs; logs and JSON in suite.tgz)"
 grep -hE '[0-9]+ (passed|failed|skipped|error)' "$OUT/tests.log" 2>/dev/null | tail -n 1
 cat "$SUMMARY"
+if [ -f "$OUT/capture_table.txt" ]; then echo; cat "$OUT/capture_table.txt"; fi

@@ -64,12 +64,16 @@ class Check:
         return out
 
 
-def skip_reason(impl: str, status: str = "ok", step_ms: float | None = 1.0) -> str | None:
+def skip_reason(impl: str, status: str = "ok", step_ms: float | None = 1.0, host_load: str | None = None) -> str | None:
     """Why a row is not predicted (None: it is)."""
+    if host_load:
+        return f"measured on a loaded host ({host_load}): its step time is not the setup's own"
     if impl in PEERS:
         return f"{impl} is another library: the planner models shardfuse's setups (and plain PyTorch)"
-    if impl == "shardfuse-graph":
+    if impl in ("shardfuse-graph", "baseline-graph"):
         return "captured with capture_step: the planner predicts eager steps"
+    if impl == "fsdp2-compile":
+        return "fsdp2-compile is another library: the planner models shardfuse's setups (and plain PyTorch)"
     if status == "compute-only":
         return "forward + backward only (the optimizer did not fit): not a training step"
     if status != "ok" or not step_ms:
@@ -109,7 +113,8 @@ def _big_checks(res: Result) -> list[Check]:
     out = []
     for r in f.rows:
         label = f"{r.config} {r.name}"
-        why = skip_reason(r.impl, r.status, r.step_ms) or (None if r.config in BIG_CONFIGS else "unknown config")
+        why = skip_reason(r.impl, r.status, r.step_ms, r.host_load) or (
+            None if r.config in BIG_CONFIGS else "unknown config")
         if why is None:
             model, batch, seq, micro = BIG_CONFIGS[r.config]
             shape = BUILTIN[model]
@@ -158,7 +163,9 @@ def _e2e_checks(res: Result) -> list[Check]:
     out = []
     for r in e.rows:
         label = f"{r.regime} {r.impl}" + (f" round {r.round}" if r.round is not None else "")
-        why = skip_reason(r.impl, "ok" if r.step_ms else "error", r.step_ms)
+        why = skip_reason(r.impl, "ok" if r.step_ms else "error", r.step_ms, r.host_load)
+        if why is None and r.regime == "sft":
+            why = "many-shape SFT (bench.e2e.sft): variable lengths padded to buckets, no one shape to predict"
         if why is None and r.impl not in ("shardfuse", "baseline"):
             why = f"implementation {r.impl!r} not modelled"
         if why is not None or not r.batch or not r.seq:

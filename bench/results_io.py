@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 # The implementations ``bench.e2e.run`` states ratios of median step times against (``vs_<impl>`` keys).
-E2E_RATIO_IMPLS = ("fsdp2", "fairscale", "shardfuse", "shardfuse-ref", "baseline")
+E2E_RATIO_IMPLS = ("fsdp2", "fairscale", "shardfuse", "shardfuse-ref", "baseline", "baseline-graph")
 
 
 @dataclass
@@ -60,8 +60,8 @@ class Result:
     gpu: str  # the folder name under results/, e.g. "h200"
     name: str  # the file stem, e.g. "e2e_2gpu"
     path: Path
-    kind: str  # "kernels", "e2e", "offload", "offload_big", "offload_attribution", "host_step", "unknown" or
-    # "unreadable"
+    kind: str  # "kernels", "e2e", "offload", "offload_big", "offload_attribution", "host_step", "overlap" (a
+    # captured step's profile, bench.e2e.overlap --captured), "unknown" or "unreadable"
     data: dict[str, Any] = field(default_factory=dict)
     problem: str | None = None
 
@@ -100,6 +100,8 @@ def detect_kind(name: str, data: Any) -> str:
         return "offload_big"
     if data.get("kind") == "offload_attribution":  # a profiled offload_big run (bench.report._attribution)
         return "offload_attribution"
+    if data.get("kind") == "overlap":  # the captured step's profile (bench.e2e.overlap --captured)
+        return "overlap"
     rows = data.get("rows")
     if data.get("kind") == "host_step" or (name == "host_step" and isinstance(rows, list) and rows
                                            and all(isinstance(r, dict) and "setting" in r for r in rows)):
@@ -134,8 +136,8 @@ def load_file(path: Path, gpu: str | None = None) -> Result:
 
 
 def _result_sort_key(r: Result) -> tuple[int, int, str]:
-    order = {"e2e": 0, "offload": 1, "offload_big": 2, "offload_attribution": 2, "kernels": 3, "host_step": 4,
-             "unknown": 5, "unreadable": 6}
+    order = {"e2e": 0, "overlap": 0, "offload": 1, "offload_big": 2, "offload_attribution": 2, "kernels": 3,
+             "host_step": 4, "unknown": 5, "unreadable": 6}
     m = re.search(r"(\d+)gpu", r.name)
     return order.get(r.kind, 6), int(m.group(1)) if m else 0, r.name
 
@@ -237,6 +239,7 @@ class E2ERow:
     error: str | None = None
     skipped: str | None = None  # set (to the reason) when the implementation could not run there
     note: str | None = None
+    host_load: str | None = None  # set (why) when the host was loaded while the row was measured (bench.host_load)
 
     @classmethod
     def parse(cls, r: dict[str, Any]) -> E2ERow:
@@ -247,7 +250,7 @@ class E2ERow:
             batch=_int(r.get("batch")), seq=_int(r.get("seq")), **{k: num(r.get(k)) for k in floats},
             step_ms_list_rank0=tuple(num(x) for x in steps) if isinstance(steps, list) else None,
             error=_text(r.get("error")), skipped=_text(r.get("skipped")) if "skipped" in r else None,
-            note=_text(r.get("note")),
+            note=_text(r.get("note")), host_load=_text(r.get("host_load")),
         )  # fmt: skip
 
     @property

@@ -18,18 +18,21 @@ from bench.e2e._model_specs import ModelSpec
 # ``shardfuse-ref``: another version of shardfuse, importable under this package name (bench/e2e/make_ref.sh
 # builds one from a commit), measured side by side with the working tree's.
 REF_PACKAGE = os.environ.get("SHARDFUSE_REF", "shardfuse_ref")
+# One GPU without sharding (rank 0 alone, fp32 weights under bf16 autocast), and the steps capture_step replays.
+ONE_GPU_IMPLS = ("baseline", "baseline-graph")
+CAPTURED_IMPLS = ("shardfuse-graph", "baseline-graph")
 
 
 def unavailable_reason(impl: str) -> str | None:
     """Why ``impl`` cannot run in this environment (the same answer on every rank), or None."""
     try:
-        if impl in ("shardfuse", "shardfuse-graph"):
+        if impl in ("shardfuse", "shardfuse-graph", "baseline-graph"):
             import shardfuse  # noqa: F401
         elif impl == "shardfuse-ref":
             importlib.import_module(REF_PACKAGE)
         elif impl == "fairscale":
             import fairscale.nn.data_parallel  # noqa: F401
-        elif impl == "fsdp2":
+        elif impl in ("fsdp2", "fsdp2-compile"):
             from torch.distributed.fsdp import fully_shard  # noqa: F401
     except ImportError as exc:
         return f"not importable: {exc}"
@@ -67,6 +70,14 @@ def wrap_fsdp2(model: nn.Module, spec: ModelSpec, device: torch.device) -> nn.Mo
     return model
 
 
+def wrap_fsdp2_compile(model: nn.Module, spec: ModelSpec, device: torch.device) -> nn.Module:
+    """``torch.compile`` on each decoder layer, then ``fully_shard`` on each layer and the root (torchtitan's
+    order: the compiled layer is what FSDP2 shards, its hooks stay outside the compiled code)."""
+    for layer in spec.layers(model):
+        layer.compile()
+    return wrap_fsdp2(model, spec, device)
+
+
 def wrap_fsdp1(model: nn.Module, spec: ModelSpec, device: torch.device) -> nn.Module:
     """FSDP1 with a transformer auto-wrap policy on the decoder layer class."""
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
@@ -95,7 +106,9 @@ WRAPPERS: dict[str, Callable[[nn.Module, ModelSpec, torch.device], nn.Module]] =
     "shardfuse-graph": wrap_shardfuse,
     "shardfuse-ref": wrap_shardfuse_ref,
     "fsdp2": wrap_fsdp2,
+    "fsdp2-compile": wrap_fsdp2_compile,
     "fsdp1": wrap_fsdp1,
     "fairscale": wrap_fairscale,
     "baseline": lambda model, spec, device: model,
+    "baseline-graph": lambda model, spec, device: model,  # the one-GPU step, captured by capture_step
 }

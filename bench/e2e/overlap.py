@@ -1,6 +1,7 @@
 """Where communication overlaps compute: a kernel timeline of one training step, from torch.profiler.
 
     torchrun --standalone --nproc_per_node 2 -m bench.e2e.overlap [--units 6] [--dim 4096]
+    torchrun --standalone --nproc_per_node 2 -m bench.e2e.overlap --captured --baseline [--model hf-llama]
 
 A stack of ``units`` residual MLP blocks (two dim x dim GEMMs each), every block one shardfuse unit plus the
 root, bf16 compute and fp32 reduce-scatter. After warm-up steps (the first records the forward order), one
@@ -43,16 +44,49 @@ def merged_overlap(comm: list[tuple[float, float]], busy: list[tuple[float, floa
     return sum(max(0.0, min(e0, e1) - max(s0, s1)) for s0, e0 in comm for s1, e1 in merged)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--units", type=int, default=6)
-    ap.add_argument("--dim", type=int, default=4096)
-    ap.add_argument("--tokens", type=int, default=8192)
-    args = ap.parse_args()
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--units", type=int, default=6, help="residual MLP blocks (without --captured)")
+    ap.add_argument("--dim", type=int, default=4096, help="their width (without --captured)")
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="tokens per GPU (default 8192; with --captured 1024, batch 1)")
+    ap.add_argument("--captured", action="store_true", help="profile the bench model's captured step")
+    ap.add_argument("--baseline", action="store_true", help="with --captured: also the one-GPU captured step")
+    ap.add_argument("--eager", action="store_true", help="with --captured: also the same sharded step, eager")
+    ap.add_argument("--model", choices=("decoder", "hf-llama"), default="decoder")
+    ap.add_argument("--config", default="bench")
+    ap.add_argument("--replays", type=int, default=5, help="profiled steps (each on its own); the median is kept")
+    ap.add_argument("--warmup", type=int, default=3, help="steps before them")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--name", default=None, help="result name (default overlap_captured[_hf]_<N>gpu)")
+    args = ap.parse_args(argv)
+    if (args.baseline or args.eager) and not args.captured:
+        ap.error("--baseline and --eager go with --captured")
+    if args.replays < 1 or args.warmup < 0:
+        ap.error(f"need --replays >= 1 and --warmup >= 0, got {args.replays=} {args.warmup=}")
+    if args.tokens is None:
+        args.tokens = 1024 if args.captured else 8192
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    if args.captured:
+        from bench.e2e._overlap_captured import run_captured
+
+        run_captured(args)
+        dist.destroy_process_group()
+        return
+    toy_step_profile(args, rank)
+    dist.destroy_process_group()
+
+
+def toy_step_profile(args: argparse.Namespace, rank: int) -> None:
+    """The residual-MLP stack's eager step: every kernel and the collectives' overlap (rank 0 prints)."""
     torch.manual_seed(0)
     kw = dict(mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True)
     layers = nn.Sequential(*[WideBlock(args.dim) for _ in range(args.units)]).cuda()
@@ -100,7 +134,6 @@ def main() -> None:
                 ov = merged_overlap(sel, busy)
                 print(f"{label:26s} {len(sel):3d} kernels {tot / 1e3:7.2f} ms, overlapped with compute "
                       f"{ov / 1e3:7.2f} ms ({100 * ov / max(tot, 1e-9):.0f}%)")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

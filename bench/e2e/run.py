@@ -37,6 +37,9 @@ one sharded unit plus the root:
 - ``fairscale``: FairScale's FSDP with the same flags as shardfuse (when ``fairscale`` is importable)
 - ``baseline``: one GPU, no sharding, fp32 parameters under ``torch.autocast(bf16)``; rank 0 runs it alone while
   the other ranks wait (``--no-baseline`` skips it).
+- ``baseline-graph`` (by name in ``--impls``): that one-GPU step captured by ``capture_step`` (capturable AdamW),
+  the host-free limit a captured sharded step is compared with
+- ``fsdp2-compile``: ``torch.compile`` on each decoder layer, then ``fsdp2``'s wrapping
 
 Regimes, per GPU: ``8k`` = batch 4 x seq 2048 (compute-bound), ``1k`` = batch 1 x seq 1024 (communication-bound),
 ``4k`` = batch 1 x seq 4096 (the 7B model's); ``--regime both`` = ``8k,1k``, or a comma-separated list. The
@@ -95,20 +98,22 @@ from bench.e2e._model_specs import (  # noqa: E402
     ModelSpec,
     model_spec,
 )
+from bench.e2e._wrappers import CAPTURED_IMPLS, ONE_GPU_IMPLS, WRAPPERS, unavailable_reason  # noqa: E402
 from bench.e2e._wrappers import REF_PACKAGE as REF_PACKAGE  # noqa: E402
-from bench.e2e._wrappers import WRAPPERS, unavailable_reason  # noqa: E402
 from bench.e2e._wrappers import wrap_fairscale as wrap_fairscale  # noqa: E402
 from bench.e2e._wrappers import wrap_fsdp1 as wrap_fsdp1  # noqa: E402
 from bench.e2e._wrappers import wrap_fsdp2 as wrap_fsdp2  # noqa: E402
 from bench.e2e._wrappers import wrap_shardfuse as wrap_shardfuse  # noqa: E402
 from bench.e2e._wrappers import wrap_shardfuse_ref as wrap_shardfuse_ref  # noqa: E402
+from bench.host_load import host_load_fields  # noqa: E402
 from examples.llama import next_token_loss  # noqa: E402
 
 # Where a CPU smoke run writes when $BENCH_OUT is not set (the repository's out/, which .gitignore has).
 SMOKE_OUT = Path(__file__).resolve().parents[2] / "out" / "bench"
 REGIMES: dict[str, tuple[int, int]] = {"8k": (4, 2048), "1k": (1, 1024), "4k": (1, 4096)}  # (batch, seq) per GPU
 REGIME_SETS = {"both": ("8k", "1k")}
-IMPLS = ("shardfuse", "shardfuse-graph", "shardfuse-ref", "fsdp2", "fsdp1", "fairscale")
+IMPLS = ("shardfuse", "shardfuse-graph", "shardfuse-ref", "fsdp2", "fsdp1", "fairscale", "baseline-graph",
+         "fsdp2-compile")
 DEFAULT_PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
 PROFILE_STEPS = 3
 
@@ -258,10 +263,10 @@ def measure(
     data = make_data(spec.vocab_size, batch, seq, rank, args.seed, device)
     model = spec.make(device, args.seed)
     model = WRAPPERS[impl](model, spec, device)
-    graphed = impl == "shardfuse-graph"
+    graphed = impl in CAPTURED_IMPLS
     fused = args.optim == "fused" and device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, capturable=graphed and device.type == "cuda", fused=fused)
-    autocast = impl == "baseline"
+    autocast = impl in ONE_GPU_IMPLS
     if device.type == "cuda":
         mem_after_wrap = torch.cuda.memory_allocated(device) - leftover
         torch.cuda.reset_peak_memory_stats(device)
@@ -326,8 +331,8 @@ def run_one(
 ) -> dict[str, Any]:
     """Measure one (impl, regime) on all ranks in lockstep; returns the row (meaningful on rank 0)."""
     batch, seq = REGIMES[regime]
-    row: dict[str, Any] = {"impl": impl, "regime": regime}
-    only_rank0 = impl == "baseline"
+    row: dict[str, Any] = {"impl": impl, "regime": regime, **host_load_fields(world)}
+    only_rank0 = impl in ONE_GPU_IMPLS
     mine: dict[str, Any] = {}
     error = None
     if not only_rank0 or rank == 0:
@@ -407,7 +412,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "tok_s_gpu_median": statistics.median(x["tok_s_gpu"] for x in runs),
             "peak_gib_max": max((x.get("peak_gib", 0.0) for x in runs), default=0.0),
         }
-        for other in ("fsdp2", "fairscale", "shardfuse", "shardfuse-ref", "baseline"):
+        for other in ("fsdp2", "fairscale", "shardfuse", "shardfuse-ref", "baseline", "baseline-graph"):
             if (other, regime) in medians and other != impl:
                 entry[f"vs_{other}"] = medians[(other, regime)] / medians[(impl, regime)]
         out.append(entry)
@@ -418,7 +423,7 @@ def print_summary(summary: list[dict[str, Any]]) -> None:
     """Medians over rounds with their spread, and the ratios of medians (rank 0)."""
     if not summary or max(s["rounds"] for s in summary) < 2:
         return
-    others = ("fsdp2", "fairscale", "shardfuse", "shardfuse-ref", "baseline")
+    others = ("fsdp2", "fairscale", "shardfuse", "shardfuse-ref", "baseline", "baseline-graph")
     print(f"\n{'impl':15s} {'regime':6s} {'rounds':>6s} {'median ms':>10s} {'min-max ms':>16s} {'tok/s/GPU':>10s} "
           + " ".join(f"{'vs ' + o:>16s}" for o in others))
     for s in summary:

@@ -11,30 +11,37 @@ from typing import Any
 from bench.results_io import Env, Result
 
 # Display order and names of the end-to-end implementations (bench/e2e/run.py's --impls plus its baseline).
-IMPL_ORDER = ("baseline", "shardfuse", "shardfuse-graph", "shardfuse-ref", "fsdp2", "fsdp1", "fairscale")
+IMPL_ORDER = ("baseline", "baseline-graph", "shardfuse", "shardfuse-graph", "shardfuse-ref", "fsdp2", "fsdp2-compile",
+              "fsdp1", "fairscale")
 IMPL_LABEL = {
     "baseline": "one GPU, no sharding (autocast)",
+    "baseline-graph": "one GPU, no sharding (autocast), step captured by `capture_step`",
     "shardfuse": "shardfuse `FullyShardedDataParallel`",
     "shardfuse-graph": "shardfuse, step captured by `capture_step` (CUDA graph)",
     "shardfuse-ref": "shardfuse at an older commit (reference)",  # with the commit: see impl_label()
     "fsdp2": "FSDP2 `fully_shard`",
+    "fsdp2-compile": "FSDP2 `fully_shard` + per-layer `torch.compile`",
     "fsdp1": "FSDP1",
     "fairscale": "FairScale FSDP",
 }
 IMPL_SHORT = {
     "baseline": "one GPU",
+    "baseline-graph": "one GPU captured",
     "shardfuse": "shardfuse",
     "shardfuse-graph": "shardfuse (captured)",
     "fsdp2": "FSDP2",
+    "fsdp2-compile": "FSDP2 + compile",
     "fsdp1": "FSDP1",
     "fairscale": "FairScale",
 }
 CAPTURED = "shardfuse-graph"  # shardfuse's whole step captured by ``capture_step`` into a CUDA graph, replayed
-REGIME_ORDER = ("8k", "4k", "1k")
+REGIME_ORDER = ("8k", "4k", "1k", "sft")
 REGIME_LABEL = {
     "8k": "8K tokens per GPU (compute-bound)",
     "4k": "4K tokens per GPU",  # batch 1 x seq 4096: the 7B-class decoder's regime
     "1k": "1K tokens per GPU (communication-bound)",
+    # bench.e2e.sft: examples/sft_buckets.py's loop, variable lengths padded to 4 buckets
+    "sft": "many-shape SFT (variable lengths padded to 4 buckets; tokens/s/GPU count the real, unpadded tokens)",
 }
 
 # Offload variants of bench/offload/run.py.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.report._capture import sft_loss_lines
 from bench.report._common import (
     CAPTURED,
     DASH,
@@ -35,7 +36,7 @@ def e2e_section(res: Result, plots: Plotter, out_dir: Path) -> list[str]:
     if setup:
         lines += [setup, ""]
     if f.summary:
-        return lines + e2e_rounds_body(res, f, plots, out_dir)
+        return lines + e2e_rounds_body(res, f, plots, out_dir) + sft_loss_lines(res.data)
     if not f.rows:
         return lines + ["No rows in this file.", ""]
     for regime in ordered({r.regime for r in f.rows}, REGIME_ORDER):

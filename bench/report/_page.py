@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report._attribution import attribution_section
+from bench.report._capture import overlap_section
 from bench.report._common import anchor, gpu_label
 from bench.report._e2e import e2e_section
 from bench.report._host_step import host_step_section
@@ -65,6 +66,18 @@ HOW_MEASURED = """\
   the host, the decoder at 1K tokens per GPU: each implementation's host enqueue time against its synchronised
   step (close together: the step is host-bound) and a cProfile of rank 0. Last run on 2xH200:
   `bench/results/logs/h200x2-host-profile.log`.
+- `bash bench/gpu_suite.sh capture-table` (issue 31's table: `e2e_capture_<N>gpu.json`, `e2e_capture_hf_<N>gpu.json`,
+  `e2e_capture_sft_<N>gpu.json`, `overlap_captured_<N>gpu.json`): 1K tokens per GPU, fused AdamW, `CT_ROUNDS`
+  interleaved rounds, each part its own process under `timeout`. The decoder and HF Llama with the one-GPU step
+  captured by `capture_step` (`baseline-graph`, the host-free limit: column *vs one GPU captured*), shardfuse eager
+  and captured, FairScale (decoder, when installed) and FSDP2 with per-layer `torch.compile` (`fsdp2-compile`); the
+  many-shape SFT regime (`bench.e2e.sft`: the loop of `examples/sft_buckets.py`, HF Llama 1B, variable lengths padded
+  to 4 buckets, one graph per bucket, eager and captured on the same batches; tokens/s/GPU count real tokens, and the
+  page says whether the two loops' losses are equal); and the captured step's profile (`bench.e2e.overlap --captured
+  --baseline`): one replay's kernels from CUPTI, communication told apart by kernel name, split into compute,
+  exposed communication and idle time, and the gap to the one-GPU captured step split the same way. Rows measured
+  on a loaded host carry `host_load` (`bench/host_load.py`), are marked under their table, and the planner's
+  accuracy check skips them.
 - `bash bench/gpu_suite.sh` runs the GPU tests and all three on one machine (results under
   `$OUT/work/results/<gpu>/`, packed in `$OUT/suite.tgz`). Run alone, each runner writes
   `bench/results/<gpu>/<name>.json`; this page is rendered from those files by `python -m bench.report`, and
@@ -179,6 +192,8 @@ def gpu_section(gpu: str, rs: list[Result], plots: Plotter, out_dir: Path) -> li
             lines += offload_big_section(r)
         elif r.kind == "host_step":
             lines += host_step_section(r)
+        elif r.kind == "overlap":
+            lines += overlap_section(r)
         elif r.kind == "offload_attribution":
             note = r.path.with_suffix(".md")
             lines += attribution_section(r, note.read_text(encoding="utf-8") if note.exists() else None)

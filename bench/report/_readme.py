@@ -71,7 +71,8 @@ def _e2e_rows(gpu: str, r: Result) -> list[list[str]]:
     named = f"{model}, " if model else ""
     rows = []
     for regime in ordered({x.regime for x in f.rows} | {e.regime for e in f.summary}, REGIME_ORDER):
-        bench = f"training, {world} GPUs, {named}{regime.upper()} tokens/GPU" if world else f"training, {named}{regime}"
+        size = "many-shape SFT" if regime == "sft" else f"{regime.upper()} tokens/GPU"  # bench.e2e.sft's regime
+        bench = f"training, {world} GPUs, {named}{size}" if world else f"training, {named}{regime}"
         kinds: list[tuple[str, Sequence[tuple[str, str]], str]] = [("shardfuse", README_RATIOS, "")]
         if _has_captured(r, regime):
             kinds.append((CAPTURED, README_CAPTURED_RATIOS, README_CAPTURED_BENCH))

@@ -97,7 +97,8 @@ def _ratio_columns(res: Result, summary: Sequence[E2ESummary]) -> list[tuple[str
     measured_impls = {e.impl for e in summary}
     cols = [
         (impl, name)
-        for impl, name in (("fairscale", "vs FairScale"), ("baseline", "vs one GPU"), ("fsdp2", "vs FSDP2"))
+        for impl, name in (("fairscale", "vs FairScale"), ("baseline", "vs one GPU"),
+                           ("baseline-graph", "vs one GPU captured"), ("fsdp2", "vs FSDP2"))
         if impl in measured_impls
     ]
     if any(e.impl == CAPTURED for e in summary):
@@ -142,9 +143,11 @@ def _regime_table(
         label = impl_label(res, impl)
         mine = [r for r in rr if r.impl == impl]
         for r in mine:
+            where = f" (round {r.round})" if r.round is not None else ""
             if r.step_ms is None:
-                where = f" (round {r.round})" if r.round is not None else ""
                 notes.append(f"{label}: {'error' if r.error else 'skipped'}{where}: {r.why}")
+            elif r.host_load:
+                notes.append(f"{label}{where}: measured on a loaded host: {r.host_load}")
         e = ss.get(impl)
         if e is None:
             blank = [DASH] * (5 + with_wrap + len(ratio_cols))
@@ -168,6 +171,9 @@ def _footer(f: E2EFile, rounds: int, noise: Sequence[str]) -> list[str]:
         if any(e.impl == "baseline" for e in f.summary)
         else ""
     )
+    if any(e.impl == "baseline-graph" for e in f.summary):
+        vs_one_gpu += ("; vs one GPU captured compares with that one-GPU step captured by `capture_step` (no host "
+                       "work, no communication: the limit a captured sharded step can reach)")
     if rounds > 1:
         lines = [
             f"_vs X: X's median step time divided by this one's (above 1.00x is faster): ratios of the medians over "
