@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -256,3 +257,39 @@ def test_tiny_cpu_run_of_the_variants(tmp_path: Path) -> None:
     summary = {s["impl"]: s for s in result["summary"]}
     assert summary["shardfuse-budget"]["fsdp2_same"] == "fsdp2" and len(result["results"]) == 5
     assert summary["fsdp2+fp8+ac"]["vs_fsdp2_best"] <= 1.0 + 1e-12
+
+
+def test_gpu_suite_stages_run_the_variants_and_print_the_table_last(tmp_path: Path) -> None:
+    """Both stages as bench/gpu_suite.sh runs them, with a stand-in torchrun that records its arguments."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "torchrun").write_text('#!/bin/sh\nprintf "%s\\n" "$@" ---- >> "$OUT/torchrun_args.txt"\n')
+    (fake / "torchrun").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "OUT": str(tmp_path / "out")}
+    env.pop("E2E_IMPLS", None)
+    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_suite.sh"), "e2e-fp8", "e2e-8b"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    calls = (tmp_path / "out" / "work" / "torchrun_args.txt").read_text().split("----\n")[:2]
+    expected = {
+        "e2e-fp8": ("7b", "4k", "e2e_7b_fp8_0gpu", ["fsdp2", "shardfuse", "fsdp2+fp8", "shardfuse+fp8"]),
+        "e2e-8b": ("8b", "8k1", "e2e_8b_0gpu",
+                   ["fsdp2+ac", "shardfuse", "shardfuse-budget", "fsdp2+fp8+ac", "shardfuse+fp8", "fsdp2+once"]),
+    }
+    from bench.e2e.run import parse_args
+
+    summary = proc.stdout[proc.stdout.index("== gpu_suite summary"):]
+    for (stage, (config, regime, name, impls)), call in zip(expected.items(), calls):
+        args = [a for a in call.split("\n") if a]
+        value = {a: args[i + 1] for i, a in enumerate(args[:-1]) if a.startswith("--")}
+        assert args[args.index("-m") + 1] == "bench.e2e.run" and {"--compile", "--no-baseline"} <= set(args)
+        assert (value["--rounds"], value["--optim"]) == ("2", "fused") and float(value["--deadline"]) < 560
+        assert (value["--config"], value["--regime"], value["--name"]) == (config, regime, name)
+        assert value["--impls"].split(",") == impls
+        parsed = parse_args(["--device", "cpu", *args[args.index("-m") + 2:]])  # the options are the runner's
+        assert parsed.variants[impls[-1]].compile
+        # The step ran under its timeout; its table (here: no result file) is in the summary printed last.
+        assert re.search(rf"^{stage}\s+rc=0", summary, re.M) and f"{name}.json: no such result file" in summary
+    assert summary.rstrip().splitlines()[-1].startswith(str(tmp_path / "out" / "work" / "results"))
+    text = (REPO / "bench" / "gpu_suite.sh").read_text()
+    assert int(re.search(r'step "\$stage" (\d+) torchrun', text)[1]) <= 600  # the device's 10 minutes a command
