@@ -160,8 +160,10 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k, v = (w(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2) for w in (self.wk, self.wv))
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        grouped = self.n_kv_heads != self.n_heads  # the same call as before for multi-head attention
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **({"enable_gqa": True} if grouped else {}))
+        if self.n_kv_heads != self.n_heads:  # each key/value head serves n_heads // n_kv_heads query heads
+            # Repeated rather than SDPA's enable_gqa, which not every attention backend takes (torchtitan's way).
+            k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
