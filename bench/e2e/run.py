@@ -209,8 +209,8 @@ def step_fn(
 
 
 def _eager_step(
-    model: nn.Module, opt: torch.optim.Optimizer, autocast: bool, spec: ModelSpec,
-    after_step: Callable[[], None] | None, tokens: torch.Tensor,
+    model: nn.Module, opt: torch.optim.Optimizer, autocast: bool, spec: ModelSpec, tokens: torch.Tensor,
+    after_step: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     return step_fn(model, opt, tokens, autocast, spec, after_step)
 
@@ -279,7 +279,7 @@ def measure(
         mem_after_wrap = torch.cuda.memory_allocated(device) - leftover
         torch.cuda.reset_peak_memory_stats(device)
     step: Callable[[torch.Tensor], torch.Tensor] = functools.partial(_eager_step, model, opt, autocast, spec,
-                                                                      after_step)
+                                                                      after_step=after_step)
     first = 0
     if graphed:
         from shardfuse import capture_step
