@@ -6,6 +6,7 @@
 #                                           host-step (the host optimizer's passes on this CPU, no GPU needed)
 #                                           e2e-hf (Hugging Face LlamaForCausalLM, 853M, 1 x 1024 tokens per GPU)
 #                                           e2e-7b (the 7B-class decoder, 1 x 4096 tokens per GPU)
+#                                           e2e-fp8, e2e-8b (issue 32: float8, the 6.7B at 4K and the 8B at 8K, see below)
 #                                           host-profile (the eager 1K step's host time, cProfile of rank 0)
 #                                           offload-big (models that outgrow the GPU, one GPU, against the floor;
 #                                           BIG_CONFIGS / BIG_IMPLS pick one 10-minute piece, see below)
@@ -169,6 +170,28 @@ for stage in "${STAGES[@]}"; do
         --captured --baseline --eager
       step ct-table 60 python3 -m bench.e2e.capture_table --dir "$BENCH_OUT/$GPU_KEY" --rounds "${CT_ROUNDS:-3}" \
         --copy-to "$FINAL" --text "$OUT/capture_table.txt" ;;
+    e2e-fp8|e2e-8b)
+      # Issue 32, float8 side by side, 2 rounds, every decoder layer compiled (torchao from .whl/ when not installed;
+      # carry it). e2e-fp8: the 6.7B decoder at 1 x 4096 tokens/GPU, bf16 and float8 (tensorwise; FSDP2 with
+      # torchao's fp8 all-gather, shardfuse with its own) -> e2e_7b_fp8_<N>gpu.json, ~380 s. e2e-8b: Llama-3-8B's
+      # shape at 1 x 8192 tokens/GPU: FSDP2 with activation checkpointing against shardfuse without, then FSDP2
+      # without it once, last (it may run out of memory: an oom row) -> e2e_8b_<N>gpu.json, ~500 s. The table of
+      # ratios against FSDP2 (same modifiers; its best that fit) goes into the summary printed last.
+      python3 -c 'import torchao' 2>/dev/null || { compgen -G ".whl/torchao*.whl" >/dev/null && python3 -m pip install \
+        -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-ao .whl/torchao*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/site-ao"; }
+      if [ "$stage" = e2e-fp8 ]; then
+        E2E_NAME="e2e_7b_fp8_${NGPU}gpu"
+        E2E_FP8=(--config 7b --regime 4k --deadline "${E2E_DEADLINE:-440}"
+                 --impls "${E2E_IMPLS:-fsdp2,shardfuse,fsdp2+fp8,shardfuse+fp8}")
+      else
+        E2E_NAME="e2e_8b_${NGPU}gpu"
+        E2E_FP8=(--config 8b --regime 8k1 --deadline "${E2E_DEADLINE:-400}"
+                 --impls "${E2E_IMPLS:-fsdp2+ac,shardfuse,shardfuse-budget,fsdp2+fp8+ac,shardfuse+fp8,fsdp2+once}")
+      fi
+      step "$stage" 560 torchrun --standalone --nproc_per_node "$NGPU" -m bench.e2e.run --no-baseline --compile \
+        --optim fused --rounds 2 --steps "${E2E_STEPS:-8}" --warmup 3 --name "$E2E_NAME" "${E2E_FP8[@]}" ${E2E_ARGS:-}
+      python3 -m bench.e2e._variants "$BENCH_OUT/$GPU_KEY/$E2E_NAME.json" >>"$SUMMARY" 2>&1 ;;
     train)
       # the README's main job on every local GPU (NCCL), with its parity check against unsharded training
       step train 300 torchrun --standalone --nproc_per_node "$NGPU" examples/train.py ;;

@@ -6,8 +6,9 @@ layers are bias-free. Attention runs through ``F.scaled_dot_product_attention(is
 
 ``LlamaConfig()`` is the benchmark model of DESIGN.md (dim 2048, 16 layers, 16 heads, SwiGLU ffn 5632,
 vocab 32000: 953,223,168 parameters); ``LlamaConfig.tiny()`` runs on a CPU in milliseconds;
-``LlamaConfig.llama_7b()`` (``named("7b")``) is the 7B-class shape of Llama-2-7B (6,738,415,616 parameters).
-Pure PyTorch, no dependencies beyond it.
+``LlamaConfig.llama_7b()`` (``named("7b")``) is the 7B-class shape of Llama-2-7B (6,738,415,616 parameters);
+``LlamaConfig.llama3_8b()`` (``named("8b")``) the shape of Llama-3-8B, with grouped-query attention (8 key/value
+heads; 8,030,261,248 parameters). Pure PyTorch, no dependencies beyond it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class LlamaConfig:
     max_seq_len: int = 2048
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    n_kv_heads: int | None = None  # key/value heads (grouped-query attention); None: as many as n_heads
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size", "max_seq_len"):
@@ -44,11 +46,21 @@ class LlamaConfig:
                 f"LlamaConfig needs dim divisible by n_heads with an even head size for rotary embeddings: "
                 f"dim={self.dim} n_heads={self.n_heads}: pick n_heads so that dim // n_heads is even"
             )
+        if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
+            raise ValueError(
+                f"LlamaConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} (each key/value head "
+                f"serves n_heads // n_kv_heads query heads): pick a divisor of n_heads, or None for one per head"
+            )
 
     @property
     def head_dim(self) -> int:
         """Per-head width."""
         return self.dim // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key and value projections (``n_kv_heads`` heads of ``head_dim``)."""
+        return self.head_dim * (self.n_kv_heads or self.n_heads)
 
     @classmethod
     def bench(cls) -> LlamaConfig:
@@ -72,9 +84,17 @@ class LlamaConfig:
         return cls(dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, vocab_size=32000, max_seq_len=4096)
 
     @classmethod
+    def llama3_8b(cls) -> LlamaConfig:
+        """The shape of Llama-3-8B (dim 4096, 32 layers, 32 query heads sharing 8 key/value heads, SwiGLU ffn
+        14336, vocab 128256, untied output, rope theta 500000, sequences up to 8192): 8,030,261,248 parameters,
+        32 GB in fp32. For GPUs only."""
+        return cls(dim=4096, n_layers=32, n_heads=32, ffn_dim=14336, vocab_size=128256, max_seq_len=8192,
+                   rope_theta=500000.0, n_kv_heads=8)
+
+    @classmethod
     def named(cls, name: str) -> LlamaConfig:
-        """``'tiny'``, ``'small'``, ``'bench'`` or ``'7b'``."""
-        table = {"tiny": cls.tiny, "small": cls.small, "bench": cls.bench, "7b": cls.llama_7b}
+        """``'tiny'``, ``'small'``, ``'bench'``, ``'7b'`` or ``'8b'``."""
+        table = {"tiny": cls.tiny, "small": cls.small, "bench": cls.bench, "7b": cls.llama_7b, "8b": cls.llama3_8b}
         if name not in table:
             raise ValueError(f"unknown model config {name!r}: choose one of {sorted(table)}")
         return table[name]()
@@ -82,7 +102,7 @@ class LlamaConfig:
     def num_params(self) -> int:
         """Parameter count by formula (embedding + layers + final norm + untied output)."""
         d = self.dim
-        per_layer = 4 * d * d + 3 * d * self.ffn_dim + 2 * d  # wq wk wv wo, w1 w2 w3, two norms
+        per_layer = 2 * d * d + 2 * d * self.kv_dim + 3 * d * self.ffn_dim + 2 * d  # wq wo, wk wv, w1 w2 w3, norms
         return self.vocab_size * d + self.n_layers * per_layer + d + d * self.vocab_size
 
 
@@ -123,21 +143,26 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Multi-head causal self-attention with rotary embeddings."""
+    """Multi-head causal self-attention with rotary embeddings (grouped-query with ``cfg.n_kv_heads``)."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_dim, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         """(batch, seq, dim) -> (batch, seq, dim)."""
         b, s, _ = x.shape
-        q, k, v = (w(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k, v = (w(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2) for w in (self.wk, self.wv))
         q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if self.n_kv_heads != self.n_heads:  # each key/value head serves n_heads // n_kv_heads query heads
+            # Repeated rather than SDPA's enable_gqa, which not every attention backend takes (torchtitan's way).
+            k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 

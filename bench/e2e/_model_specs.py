@@ -15,7 +15,7 @@ from torch import nn
 from examples.llama import DecoderLayer, Llama, LlamaConfig, count_params
 
 MODELS = ("decoder", "hf-llama")
-DECODER_CONFIGS = ("tiny", "small", "bench", "7b")  # examples.llama.LlamaConfig.named
+DECODER_CONFIGS = ("tiny", "small", "bench", "7b", "8b")  # examples.llama.LlamaConfig.named
 # transformers.LlamaConfig arguments of ``--model hf-llama``. ``bench``: the decoder's bench shape with 4 key/value
 # heads (grouped-query attention, as Llama 2/3 and TinyLlama): 852,559,872 parameters.
 HF_CONFIGS: dict[str, dict[str, int]] = {
@@ -54,7 +54,7 @@ class ModelSpec:
         return 6.0 * n_matmul * tokens + attention
 
     def result_name(self, world: int) -> str:
-        """The default result name: e2e_<N>gpu, e2e_hf_<N>gpu or e2e_7b_<N>gpu."""
+        """The default result name: e2e_<N>gpu, e2e_hf_<N>gpu, e2e_7b_<N>gpu or e2e_8b_<N>gpu."""
         return f"e2e_{self.tag}_{world}gpu" if self.tag else f"e2e_{world}gpu"
 
 
@@ -67,7 +67,7 @@ def _decoder_spec(name: str) -> ModelSpec:
         return model.init_weights(seed)
 
     return ModelSpec(
-        kind="decoder", name=name, tag="7b" if name == "7b" else "", layer_cls=DecoderLayer, make=make,
+        kind="decoder", name=name, tag=name if name in ("7b", "8b") else "", layer_cls=DecoderLayer, make=make,
         layers=lambda model: model.layers, logits=lambda model, tokens: model(tokens),
         num_params=cfg.num_params(), vocab_size=cfg.vocab_size, dim=cfg.dim, n_layers=cfg.n_layers,
         max_seq_len=cfg.max_seq_len, config=asdict(cfg),

@@ -42,8 +42,8 @@ one sharded unit plus the root:
 - ``fsdp2-compile``: ``torch.compile`` on each decoder layer, then ``fsdp2``'s wrapping
 
 Regimes, per GPU: ``8k`` = batch 4 x seq 2048 (compute-bound), ``1k`` = batch 1 x seq 1024 (communication-bound),
-``4k`` = batch 1 x seq 4096 (the 7B model's); ``--regime both`` = ``8k,1k``, or a comma-separated list. The
-sequence is capped at the model's ``max_seq_len`` (the tiny configs' 32 on the CPU).
+``4k`` = batch 1 x seq 4096 (the 7B model's), ``8k1`` = batch 1 x seq 8192 (the 8B model's); ``--regime both`` =
+``8k,1k``, or a comma-separated list. The sequence is capped at the model's ``max_seq_len`` (32 for tiny).
 
 Measured per implementation and regime: mean step time (forward + backward + optimizer step, synchronised
 before and after every step) over ``--steps`` after ``--warmup``, max over ranks; tokens/s/GPU; MFU =
@@ -51,6 +51,11 @@ before and after every step) over ``--steps`` after ``--warmup``, max over ranks
 used in matrix products (all but the input embedding table), peak = ``--peak-tflops`` (989 TFLOP/s, H100/H200
 dense bf16); peak memory (``max_memory_allocated`` from after wrapping to the last step, max over ranks); the
 last step's loss averaged over ranks (all implementations start from the same weights and see the same data).
+
+Variants (``bench.e2e._variants`` says more): ``--compile``, ``--float8 tensorwise|rowwise``, ``--ac`` for every
+implementation, or per implementation as modifiers of its name (``fsdp2+fp8+ac``, ``shardfuse+fp8``, ``fsdp2+once``);
+``shardfuse-budget``; ``--config 8b`` (Llama-3-8B's shape); ``--deadline``. A run out of memory on every rank is a
+row with ``"oom": true`` and the job goes on; the summary adds ratios against FSDP2 (same modifiers; its best).
 
 Every rank runs the same collectives with fixed step counts. An implementation that raises on every rank
 alike (e.g. at wrap time) is recorded as an error and the job goes on; one that fails on some ranks only would
@@ -90,6 +95,7 @@ from torch import nn  # noqa: E402
 # The models (_model_specs) and the wrappers (_wrappers) have their own modules; their names stay importable here.
 from bench._progress import Progress  # noqa: E402
 from bench.common import free_port, write_result  # noqa: E402
+from bench.e2e import _variants as variants_  # noqa: E402
 from bench.e2e._model_specs import (  # noqa: E402
     DECODER_CONFIGS,
     HF_CONFIGS,
@@ -110,10 +116,11 @@ from examples.llama import next_token_loss  # noqa: E402
 
 # Where a CPU smoke run writes when $BENCH_OUT is not set (the repository's out/, which .gitignore has).
 SMOKE_OUT = Path(__file__).resolve().parents[2] / "out" / "bench"
-REGIMES: dict[str, tuple[int, int]] = {"8k": (4, 2048), "1k": (1, 1024), "4k": (1, 4096)}  # (batch, seq) per GPU
+# (batch, seq) per GPU
+REGIMES: dict[str, tuple[int, int]] = {"8k": (4, 2048), "1k": (1, 1024), "4k": (1, 4096), "8k1": (1, 8192)}
 REGIME_SETS = {"both": ("8k", "1k")}
-IMPLS = ("shardfuse", "shardfuse-graph", "shardfuse-ref", "fsdp2", "fsdp1", "fairscale", "baseline-graph",
-         "fsdp2-compile")
+IMPLS = ("shardfuse", "shardfuse-graph", "shardfuse-ref", "shardfuse-budget", "fsdp2", "fsdp1", "fairscale",
+         "baseline-graph", "fsdp2-compile")
 DEFAULT_PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
 PROFILE_STEPS = 3
 
@@ -145,11 +152,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--name", default=None, help="result name (default e2e_<N>gpu, e2e_hf_<N>gpu, e2e_7b_<N>gpu)")
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat every (regime, impl) this often, interleaved; the table shows medians and spread")
+    variants_.add_arguments(p)
     args = p.parse_args(argv)
     impls = [i.strip() for i in args.impls.split(",") if i.strip()]
-    unknown = [i for i in impls if i not in IMPLS]
+    unknown = [i for i in impls if variants_.split_name(i)[0] not in IMPLS]
     if unknown or not impls:
         p.error(f"--impls {args.impls!r}: unknown {unknown}; choose from {', '.join(IMPLS)}")
+    args.variants = variants_.check_arguments(p, args, impls, IMPLS)
     args.impl_list = impls
     regimes = list(REGIME_SETS.get(args.regime, [r.strip() for r in args.regime.split(",") if r.strip()]))
     bad = [r for r in regimes if r not in REGIMES]
@@ -189,22 +198,26 @@ def make_data(vocab_size: int, batch: int, seq: int, rank: int, seed: int, devic
 
 def step_fn(
     model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, autocast: bool, spec: ModelSpec,
+    after_step: Callable[[], None] | None = None,
 ) -> torch.Tensor:
-    """One training step; returns the (detached) loss."""
+    """One training step (``after_step`` after the optimizer's, e.g. FSDP2's float8 scales); returns the loss."""
     ctx = torch.autocast(tokens.device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with ctx:
         logits = spec.logits(model, tokens[:, :-1])
     loss = next_token_loss(logits, tokens[:, 1:])
     loss.backward()
     opt.step()
+    if after_step is not None:
+        after_step()
     opt.zero_grad(set_to_none=True)
     return loss.detach()
 
 
 def _eager_step(
     model: nn.Module, opt: torch.optim.Optimizer, autocast: bool, spec: ModelSpec, tokens: torch.Tensor,
+    after_step: Callable[[], None] | None = None,
 ) -> torch.Tensor:
-    return step_fn(model, opt, tokens, autocast, spec)
+    return step_fn(model, opt, tokens, autocast, spec, after_step)
 
 
 @contextlib.contextmanager
@@ -262,15 +275,16 @@ def measure(
     leftover = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     data = make_data(spec.vocab_size, batch, seq, rank, args.seed, device)
     model = spec.make(device, args.seed)
-    model = WRAPPERS[impl](model, spec, device)
     graphed = impl in CAPTURED_IMPLS
-    fused = args.optim == "fused" and device.type == "cuda"
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, capturable=graphed and device.type == "cuda", fused=fused)
+    variant = args.variants.get(impl) or variants_.Variant(impl, impl)
+    prepared = variants_.prepare(variant, model, spec, device, args, WRAPPERS, capturable=graphed)
+    model, opt, after_step = prepared.model, prepared.opt, prepared.after_step
     autocast = impl in ONE_GPU_IMPLS
     if device.type == "cuda":
         mem_after_wrap = torch.cuda.memory_allocated(device) - leftover
         torch.cuda.reset_peak_memory_stats(device)
-    step: Callable[[torch.Tensor], torch.Tensor] = functools.partial(_eager_step, model, opt, autocast, spec)
+    step: Callable[[torch.Tensor], torch.Tensor] = functools.partial(_eager_step, model, opt, autocast, spec,
+                                                                      after_step=after_step)
     first = 0
     if graphed:
         from shardfuse import capture_step
@@ -279,7 +293,7 @@ def measure(
         # the eager implementations, so the last losses compare.
         step = capture_step(step, data[0], warmup=1)
         first = 1
-    times = []
+    times, warm = [], []
     loss = None
     for i in range(first, max(args.warmup, first) + args.steps):
         sync(device)
@@ -287,11 +301,11 @@ def measure(
         with torch.profiler.record_function(f"bench.e2e:{impl}_step"):
             loss = step(data[i % len(data)])
         sync(device)
-        if i >= max(args.warmup, first):
-            times.append(time.perf_counter() - t0)
+        (times if i >= max(args.warmup, first) else warm).append(time.perf_counter() - t0)
     out: dict[str, Any] = {
         "batch": batch, "seq": seq, "step_ms_list": [t * 1e3 for t in times],
         "step_ms": 1e3 * sum(times) / len(times), "loss_last": loss.float().item(),
+        "info": prepared.info, "warmup_s": sum(warm),
     }
     if device.type == "cuda":
         out["peak_bytes"] = torch.cuda.max_memory_allocated(device)
@@ -307,9 +321,9 @@ def measure(
         with maybe_profile(path, device):
             for i in range(PROFILE_STEPS):
                 with torch.profiler.record_function(f"bench.e2e:{impl}_step"):
-                    step_fn(model, opt, data[i % len(data)], autocast, spec)
+                    step_fn(model, opt, data[i % len(data)], autocast, spec, after_step)
             sync(device)
-    del model, opt, loss, data, step
+    del model, opt, loss, data, step, prepared, after_step
     return out
 
 
@@ -334,16 +348,16 @@ def run_one(
     row: dict[str, Any] = {"impl": impl, "regime": regime, **host_load_fields(world)}
     only_rank0 = impl in ONE_GPU_IMPLS
     mine: dict[str, Any] = {}
-    error = None
+    error, oom = None, False
     if not only_rank0 or rank == 0:
         try:
             mine = measure(impl, regime, spec, args, device, rank)
         except Exception as exc:  # recorded, and the other ranks learn of it below
             traceback.print_exc()
-            error = f"rank {rank}: {type(exc).__name__}: {exc}"
+            error, oom = f"rank {rank}: {type(exc).__name__}: {exc}", variants_.is_oom(exc)
     free_memory(device)
     # Host-side agreement (gloo): the baseline's waiting ranks block here until rank 0 is done.
-    failed = torch.tensor([0.0 if error is None else 1.0])
+    failed = torch.tensor([0.0 if error is None else 1.0, float(oom)])
     dist.all_reduce(failed, group=host_group)
     participants = 1 if only_rank0 else world
     stats = torch.tensor([
@@ -353,8 +367,10 @@ def run_one(
     dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=host_group)
     summed = stats.clone()
     dist.all_reduce(summed, group=host_group)
-    if failed.item():
+    if failed[0].item():
         row["error"] = error or "failed on another rank (see its log)"
+        if failed[1].item():  # out of memory on some rank: the configuration does not fit
+            row["oom"] = True
         return row
     if not mine:  # a rank that only waited for the baseline
         return row
@@ -364,6 +380,7 @@ def run_one(
         batch=mine["batch"], seq=mine["seq"], gpus=participants, step_ms=step_ms,
         step_ms_rank0=mine["step_ms"], step_ms_list_rank0=mine["step_ms_list"],
         tok_s_gpu=tokens / (step_ms * 1e-3), loss_last=summed[2].item() / participants,
+        warmup_s_rank0=mine["warmup_s"], **mine["info"],
     )
     if (batch, seq) != (mine["batch"], mine["seq"]):
         row["note"] = f"regime {regime} capped to batch {mine['batch']} x seq {mine['seq']} by the model config"
@@ -385,7 +402,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
           f"{'loss':>7s} {'vs fsdp2':>9s}")
     for r in rows:
         if "step_ms" not in r:
-            print(f"{r['impl']:15s} {r['regime']:6s} {r.get('error') or r.get('skipped')}")
+            oom = "oom: " if r.get("oom") else ""
+            print(f"{r['impl']:15s} {r['regime']:6s} {oom}{r.get('error') or r.get('skipped')}")
             continue
         mfu = f"{100 * r['mfu']:6.1f}" if "mfu" in r else f"{'-':>6s}"
         peak = f"{r['peak_gib']:9.2f}" if "peak_gib" in r else f"{'-':>9s}"
@@ -456,6 +474,62 @@ def default_output(device: torch.device) -> None:
         os.environ["BENCH_OUT"] = str(SMOKE_OUT)
 
 
+def _with_summary(payload: dict[str, Any]) -> dict[str, Any]:
+    """``payload`` with its summary of the rows so far (medians, ratios; written after every run, so a job that
+    ends early keeps it)."""
+    payload["summary"] = summarize(payload["results"])
+    variants_.variant_ratios(payload["summary"])
+    return payload
+
+
+def _run_and_record(
+    impl: str, regime: str, rnd: int, progress: Progress, *, spec: ModelSpec, args: argparse.Namespace,
+    device: torch.device, rank: int, world: int, host_group: dist.ProcessGroup | None, name: str,
+    payload: dict[str, Any],
+) -> dict[str, Any]:
+    """One run on every rank; rank 0 prints it and writes the result file. Returns the row."""
+    if rank == 0:
+        print(progress.line(f"round {rnd} {impl} {regime} ..."), flush=True)
+    t0 = time.perf_counter()
+    row = run_one(impl, regime, spec, args, device, rank, world, host_group)
+    row.update(round=rnd, wall_s=time.perf_counter() - t0)
+    payload["results"].append(row)
+    if rank == 0:
+        if "step_ms" in row:
+            print(f"   {row['step_ms']:.1f} ms/step, {row['tok_s_gpu']:,.0f} tok/s/GPU, "
+                  f"loss {row['loss_last']:.3f}", flush=True)
+        else:
+            print(f"   {'out of memory' if row.get('oom') else 'error'}: {row['error']}", flush=True)
+        write_result(name, _with_summary(payload))
+    return row
+
+
+def _run_rounds(
+    variants: list[variants_.Variant], regimes: list[str], args: argparse.Namespace, rank: int,
+    host_group: dist.ProcessGroup | None, payload: dict[str, Any], record: Callable[..., dict[str, Any]],
+) -> None:
+    """Every round (one after the first only where ``--deadline`` leaves it the time the last one would take
+    without its warm-up's compiling), then the ``+once`` runs (while the deadline is not past)."""
+    rounds, once = variants_.plan_runs(regimes, variants, args.rounds)
+    progress = Progress(sum(len(r) for r in rounds) + len(once))
+    deadline = variants_.Deadline(args.deadline)
+    for rnd, runs in enumerate(rounds):
+        if rnd and not deadline.agree(deadline.allows(deadline.last_round_s), host_group):
+            payload["config"]["stopped_by_deadline"] = {"rounds_run": rnd, "elapsed_s": deadline.elapsed()}
+            if rank == 0:
+                print(f"-- --deadline {args.deadline:g} s: no round {rnd} (elapsed {deadline.elapsed():.0f} s, the "
+                      f"next round ~{deadline.last_round_s:.0f} s)", flush=True)
+            break
+        done = [record(v.name, regime, rnd, progress) for regime, v in runs]
+        deadline.round_done(variants_.steady_round_s(done, args.warmup))
+    for regime, v in once:
+        if deadline.agree(deadline.allows(0.0), host_group):
+            record(v.name, regime, 0, progress)
+        else:
+            reason = f"past the --deadline of {args.deadline:g} s (elapsed {deadline.elapsed():.0f} s)"
+            payload["results"].append({"impl": v.name, "regime": regime, "skipped": reason, "round": 0})
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run every requested (regime, impl) and write the result JSON."""
     args = parse_args(argv)
@@ -480,37 +554,30 @@ def main(argv: list[str] | None = None) -> None:
             "compute_dtype": "bfloat16", "reduce_dtype": "float32",
             "peak_tflops": args.peak_tflops, "regimes": {r: REGIMES[r] for r in regimes},
             "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
+            "compile": args.compile, "ac": args.ac, "float8": args.float8, "budget_gib": args.budget_gib,
+            "deadline_s": args.deadline,
         },
         "results": [],
     }
     rows: list[dict[str, Any]] = payload["results"]
-    unavailable = {impl: unavailable_reason(impl) for impl in impls}
+    variants = {impl: args.variants.get(impl) or variants_.Variant(impl, impl) for impl in impls}
+    unavailable = {impl: unavailable_reason(v.base.removesuffix("-budget")) or variants_.unavailable(v)
+                   for impl, v in variants.items()}
     for impl, reason in unavailable.items():
         if reason is not None:
             rows.extend({"impl": impl, "regime": regime, "skipped": reason} for regime in regimes)
             if rank == 0:
                 print(f"-- {impl}: skipped ({reason})", flush=True)
-    runs = [(r, i) for r in regimes for i in impls if unavailable[i] is None]
-    progress = Progress(args.rounds * len(runs))
-    for rnd in range(args.rounds):
-        for regime, impl in runs:
-            if rank == 0:
-                print(progress.line(f"round {rnd} {impl} {regime} ..."), flush=True)
-            row = run_one(impl, regime, spec, args, device, rank, world, host_group)
-            row["round"] = rnd
-            rows.append(row)
-            if rank == 0:
-                if "step_ms" in row:
-                    print(f"   {row['step_ms']:.1f} ms/step, {row['tok_s_gpu']:,.0f} tok/s/GPU, "
-                          f"loss {row['loss_last']:.3f}", flush=True)
-                else:
-                    print(f"   error: {row['error']}", flush=True)
-                write_result(name, payload)
+    ready = [v for impl, v in variants.items() if unavailable[impl] is None]
+    record = functools.partial(_run_and_record, spec=spec, args=args, device=device, rank=rank, world=world,
+                               host_group=host_group, name=name, payload=payload)
+    _run_rounds(ready, regimes, args, rank, host_group, payload, record)
     if rank == 0:
-        payload["summary"] = summarize(rows)
-        path = write_result(name, payload)
+        path = write_result(name, _with_summary(payload))
         print_table(rows)
         print_summary(payload["summary"])
+        if any(v.name != v.base or v.modifiers != (None, False, False) for v in variants.values()):
+            print("\n" + "\n".join(variants_.variant_table(payload)))
         print(f"wrote {path}", flush=True)
     dist.barrier(group=host_group)
     dist.destroy_process_group()

@@ -61,7 +61,9 @@ HOW_MEASURED = """\
 - `python -m bench.scale --gpus 8,64,512 [--model 953m|7b|70b]`: a model, not a measurement, of flat vs hybrid
   sharding to 512 GPUs (ring alpha-beta collectives, compute, AdamW and host enqueue time, calibrated on the
   2-GPU H200 runs above; its 2-GPU predictions are within 15% of them): formula, validation, the 8/64/512
-  tables and plots in [scale.md](scale.md), numbers in `bench/results/scale_model.json`.
+  tables and plots in [scale.md](scale.md), numbers in `bench/results/scale_model.json`; `--model 8b --wire fp8`:
+  the fp8 all-gather's predicted effect on Llama-3-8B at 8K tokens per GPU against the bf16 one (scale.md, "The
+  fp8 all-gather on the wire"; `bench/results/scale_model_8b_fp8.json`).
 - `torchrun ... -m bench.e2e.host_profile` (gpu_suite stage `host-profile`): where an eager step's time goes on
   the host, the decoder at 1K tokens per GPU: each implementation's host enqueue time against its synchronised
   step (close together: the step is host-bound) and a cProfile of rank 0. Last run on 2xH200:

@@ -19,12 +19,16 @@ One step (see :func:`step_time`)::
 
 ``exposed_comm`` is the root unit's all-gather at the start of forward (nothing to hide it behind) and its
 reduce-scatter (and, hybrid, its inter-node all-reduce) at the end of backward; every other collective overlaps
-compute. The host term is the Python/launch time to enqueue one step; the host runs ahead of the GPU, so the step
-is whichever of the two is longer.
+compute. ``wire="fp8"`` sends the decoder layers' linear weights as float8 (1 byte per parameter instead of bf16's 2)
+in both all-gathers and adds one small all-reduce per layer (the weights' amax, for their scales) to the overlapped
+communication; the root unit (embedding, output projection, final norm) stays bf16. The host term is the
+Python/launch time to enqueue one step; the host runs ahead of the GPU, so the step is whichever of the two is
+longer.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 __all__ = [
@@ -37,11 +41,15 @@ __all__ = [
     "ring_time",
     "step_time",
     "one_gpu_step_ms",
+    "WIRES",
+    "small_all_reduce_time",
 ]
 
 BF16 = 2
 FP32 = 4
+FP8 = 1
 ADAM_STATE_BYTES = 16  # fp32 parameter + fp32 gradient + two fp32 AdamW moments, per parameter
+WIRES = ("bf16", "fp8")  # the dtype the layers' weights are all-gathered in
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,11 @@ class ModelShape:
     def layer_params(self) -> int:
         d = self.dim
         return 2 * d * d + 2 * d * self.kv_dim + 3 * d * self.ffn_dim + 2 * d
+
+    @property
+    def layer_linear_params(self) -> int:
+        """A layer's matrix weights (all but its two norms): the ones float8 training gathers in fp8."""
+        return self.layer_params - 2 * self.dim
 
     @property
     def root_params(self) -> int:
@@ -92,6 +105,8 @@ MODELS: dict[str, ModelShape] = {
     "7b": ModelShape("7b", dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, vocab_size=32000),
     # Llama-2-70B shape with grouped-query attention (8 kv heads): 68,976,648,192 parameters
     "70b": ModelShape("70b", dim=8192, n_layers=80, n_heads=64, ffn_dim=28672, vocab_size=32000, n_kv_heads=8),
+    # Llama-3-8B (LlamaConfig.llama3_8b(), untied output): 8,030,261,248 parameters
+    "8b": ModelShape("8b", dim=4096, n_layers=32, n_heads=32, ffn_dim=14336, vocab_size=128256, n_kv_heads=8),
 }
 
 
@@ -167,20 +182,33 @@ class StepBreakdown:
         return "comm" if self.comm_ms - self.exposed_ms > self.compute_ms else "compute"
 
 
-def _unit_comm(unit_params: int, shard: int, replicas: int, hw: Hardware) -> tuple[float, float, float]:
-    """(all-gather, reduce-scatter, replica all-reduce) seconds for one unit."""
-    ag = ring_time(BF16 * unit_params, shard, hw.ring_link(shard, reduce=False))
+def small_all_reduce_time(k: int, link: Link) -> float:
+    """Seconds for an all-reduce of a few bytes over ``k`` ranks: latency only, a tree's ``2 ceil(log2 k)`` steps
+    (NCCL picks a tree for tiny all-reduces; a ring's ``2 (k - 1)`` steps would be 57x that at 512 GPUs)."""
+    return 0.0 if k <= 1 else 2 * math.ceil(math.log2(k)) * link.alpha_s
+
+
+def _unit_comm(unit_params: int, shard: int, replicas: int, hw: Hardware,
+               gather_bytes: float | None = None) -> tuple[float, float, float]:
+    """(all-gather, reduce-scatter, replica all-reduce) seconds for one unit; the all-gather moves
+    ``gather_bytes`` (default: every parameter in bf16)."""
+    gather = BF16 * unit_params if gather_bytes is None else gather_bytes
+    ag = ring_time(gather, shard, hw.ring_link(shard, reduce=False))
     rs = ring_time(FP32 * unit_params, shard, hw.ring_link(shard, reduce=True))
     ar = ring_time(FP32 * unit_params / shard, replicas, hw.inter, all_reduce=True) if replicas > 1 else 0.0
     return ag, rs, ar
 
 
 def step_time(
-    shape: ModelShape, gpus: int, tokens: int, seq: int, strategy: str, hw: Hardware, cal: Calibration
+    shape: ModelShape, gpus: int, tokens: int, seq: int, strategy: str, hw: Hardware, cal: Calibration,
+    wire: str = "bf16",
 ) -> StepBreakdown:
-    """Predict one step of ``strategy`` ("flat" or "hybrid") on ``gpus`` GPUs with ``tokens`` tokens per GPU."""
+    """Predict one step of ``strategy`` ("flat" or "hybrid") on ``gpus`` GPUs with ``tokens`` tokens per GPU, the
+    layers' weights all-gathered in ``wire`` (one of WIRES)."""
     if strategy not in ("flat", "hybrid"):
         raise ValueError(f"strategy must be 'flat' or 'hybrid', got {strategy!r}")
+    if wire not in WIRES:
+        raise ValueError(f"wire must be one of {', '.join(WIRES)}, got {wire!r}")
     if gpus < 1:
         raise ValueError(f"gpus must be >= 1, got {gpus}")
     shard = gpus if strategy == "flat" else min(gpus, hw.gpus_per_node)
@@ -189,10 +217,14 @@ def step_time(
     replicas = gpus // shard
     compute = shape.flops_per_token(seq) * tokens / cal.achieved_flops
     optimizer = cal.optimizer_s_per_param * shape.params / shard
-    lag, lrs, lar = _unit_comm(shape.layer_params, shard, replicas, hw)
+    gather_bytes, amax = None, 0.0
+    if wire == "fp8":  # the linear weights in fp8, the norms in bf16; the amax all-reduce over the shard group
+        gather_bytes = FP8 * shape.layer_linear_params + BF16 * (shape.layer_params - shape.layer_linear_params)
+        amax = small_all_reduce_time(shard, hw.ring_link(shard, reduce=True))
+    lag, lrs, lar = _unit_comm(shape.layer_params, shard, replicas, hw, gather_bytes)
     rag, rrs, rar = _unit_comm(shape.root_params, shard, replicas, hw)
     # forward all-gather + backward all-gather again (reshard_after_forward) + reduce-scatter (+ all-reduce)
-    total = shape.n_layers * (2 * lag + lrs + lar) + (rag + rrs + rar)
+    total = shape.n_layers * (2 * lag + lrs + lar + amax) + (rag + rrs + rar)
     exposed = rag + rrs + rar
     gpu = max(compute, total - exposed) + exposed + optimizer
     host = cal.host_s_per_unit * shape.units

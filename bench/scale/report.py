@@ -8,13 +8,14 @@ from typing import Any
 from bench.scale.calibrate import Measured, validation_points
 from bench.scale.model import MODELS, Calibration, Hardware, ModelShape, one_gpu_step_ms, step_time
 
-__all__ = ["assumptions", "validate", "validation_text", "build_record", "table_text", "plot"]
+__all__ = ["assumptions", "validate", "validation_text", "build_record", "table_text", "wire_table_text", "plot"]
 
 TARGET_ERROR = 0.15
 
 
 def assumptions(
-    shape: ModelShape, tokens: int, seq: int, hw: Hardware, cal: Calibration, m: Measured, inter_gbps: float
+    shape: ModelShape, tokens: int, seq: int, hw: Hardware, cal: Calibration, m: Measured, inter_gbps: float,
+    wire: str = "bf16",
 ) -> list[str]:
     """Every assumption of the model, one line each."""
     ag2, ag4 = hw.intra(2, False), hw.intra(4, False)
@@ -49,6 +50,12 @@ def assumptions(
         "  efficiency = (compute + AdamW of this GPU's shard) / step: the step with free communication and host over "
         "the step; vs_one_gpu (JSON) = unsharded one-GPU GPU time / step, > 100% when AdamW shards",
         "  not modelled: activation memory, NCCL tree/PAT algorithms, SM contention of comm kernels, stragglers",
+        *([] if wire == "bf16" else [
+            f"  wire fp8: each layer's {shape.layer_linear_params:,} linear weights all-gathered in fp8 (1 B/param, "
+            f"its norms in bf16), twice per step as in bf16; plus one all-reduce of the weights' amax per layer over "
+            "the shard group, latency only (2 ceil(log2 k) alpha, a tree), overlapped like the gathers; the root "
+            "unit stays bf16, gradients fp32; compute unchanged (the float8 matmuls' own speed-up is not modelled: "
+            "this is the wire's effect alone)"]),
     ]
 
 
@@ -77,22 +84,25 @@ def validation_text(rows: list[dict[str, Any]]) -> str:
 
 def build_record(
     shape: ModelShape, tokens: int, seq: int, gpus: list[int], hw: Hardware, cal: Calibration, m: Measured,
-    validation: list[dict[str, Any]], inter_gbps: float,
+    validation: list[dict[str, Any]], inter_gbps: float, wire: str = "bf16",
 ) -> dict[str, Any]:
-    """The ``scale_model`` JSON record."""
+    """The ``scale_model`` JSON record; with ``wire`` "fp8" each row also has the bf16 wire's step and the ratio."""
     one = one_gpu_step_ms(shape, tokens, seq, cal)
     rows: list[dict[str, Any]] = []
     for n in gpus:
         for strategy in ("flat", "hybrid"):
-            s = step_time(shape, n, tokens, seq, strategy, hw, cal)
+            s = step_time(shape, n, tokens, seq, strategy, hw, cal, wire)
             rows.append({"gpus": n, "strategy": strategy, "shard": s.shard, "replicas": s.replicas,
                          "step_ms": s.step_ms, "tok_s_gpu": tokens / s.step_ms * 1e3,
                          "efficiency": (s.compute_ms + s.optimizer_ms) / s.step_ms, "vs_one_gpu": one / s.step_ms,
                          "compute_ms": s.compute_ms, "optimizer_ms": s.optimizer_ms, "comm_ms": s.comm_ms,
                          "exposed_ms": s.exposed_ms, "host_ms": s.host_ms, "bound": s.bound,
-                         "state_gib_per_gpu": s.state_gib})
+                         "state_gib_per_gpu": s.state_gib, "wire": wire})
+            if wire != "bf16":
+                bf16 = step_time(shape, n, tokens, seq, strategy, hw, cal).step_ms
+                rows[-1].update(step_ms_bf16_wire=bf16, speedup_vs_bf16_wire=bf16 / s.step_ms)
     return {
-        "kind": "scale_model",
+        "kind": "scale_model", "wire": wire,
         "model": {"name": shape.name, "params": shape.params, "dim": shape.dim, "n_layers": shape.n_layers,
                   "ffn_dim": shape.ffn_dim, "vocab_size": shape.vocab_size, "n_kv_heads": shape.n_kv_heads},
         "tokens_per_gpu": tokens, "seq": seq, "one_gpu_ms": one,
@@ -110,6 +120,8 @@ def build_record(
 
 def table_text(record: dict[str, Any]) -> str:
     m = record["model"]
+    if record.get("wire", "bf16") != "bf16":
+        return wire_table_text(record)
     lines = [f"{m['name']} ({m['params'] / 1e9:.2f}B params), {record['tokens_per_gpu']} tokens/GPU, "
              f"{record['hardware']['inter_node_gbps']:g} Gb/s per GPU between nodes; eff = step without "
              "communication or host / step",
@@ -122,6 +134,21 @@ def table_text(record: dict[str, Any]) -> str:
             f"{n:>6} | {f['step_ms']:>9.1f} {f['tok_s_gpu']:>10,.0f} {100 * f['efficiency']:>5.1f}% {f['bound']:>8} | "
             f"{h['step_ms']:>9.1f} {h['tok_s_gpu']:>10,.0f} {100 * h['efficiency']:>5.1f}% {h['bound']:>8} | "
             f"{f['state_gib_per_gpu']:>10.1f} / {h['state_gib_per_gpu']:<9.1f}")
+    return "\n".join(lines)
+
+
+def wire_table_text(record: dict[str, Any]) -> str:
+    """The fp8 wire against the bf16 one, per GPU count and strategy."""
+    m, wire = record["model"], record["wire"]
+    lines = [f"{m['name']} ({m['params'] / 1e9:.2f}B params), {record['tokens_per_gpu']} tokens/GPU, "
+             f"{record['hardware']['inter_node_gbps']:g} Gb/s per GPU between nodes: layer weights all-gathered in "
+             f"{wire} vs bf16",
+             f"{'GPUs':>6} {'strategy':>8} | {'bf16 ms':>9} {wire + ' ms':>9} {'speed-up':>9} | {'comm ms':>9} "
+             f"{'compute ms':>10} {'bound':>8}"]
+    for r in sorted(record["rows"], key=lambda r: (r["gpus"], r["strategy"])):
+        lines.append(f"{r['gpus']:>6} {r['strategy']:>8} | {r['step_ms_bf16_wire']:>9.1f} {r['step_ms']:>9.1f} "
+                     f"{r['speedup_vs_bf16_wire']:>8.3f}x | {r['comm_ms']:>9.1f} {r['compute_ms']:>10.1f} "
+                     f"{r['bound']:>8}")
     return "\n".join(lines)
 
 

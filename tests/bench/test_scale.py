@@ -109,3 +109,60 @@ def test_report_renders_the_scale_model_from_its_file(tmp_path):
     assert "the 7b decoder at 4096 tokens per GPU" in text and "200.0 Gb/s" in text
     assert "| 7B 4K | 580.0 | 520.0 | +11.5% |" in text
     assert "| 64 | hybrid | 532.6 | 7,691 | 98.3% |" in text
+
+
+def test_fp8_wire_halves_the_layer_gathers_and_adds_the_amax_all_reduce() -> None:
+    from bench.scale.model import BF16, FP8, small_all_reduce_time
+    from examples.llama import LlamaConfig
+
+    shape = MODELS["8b"]
+    assert shape.params == LlamaConfig.named("8b").num_params() == 8_030_261_248
+    assert shape.layer_linear_params == shape.layer_params - 2 * 4096 == 218_103_808
+    cal, hw = _cal(), make_hardware(400, 10, 8)
+    for gpus, strategy in [(8, "flat"), (64, "flat"), (512, "flat"), (512, "hybrid")]:
+        bf16 = step_time(shape, gpus, 8192, 8192, strategy, hw, cal)
+        fp8 = step_time(shape, gpus, 8192, 8192, strategy, hw, cal, wire="fp8")
+        shard = bf16.shard
+        link = hw.ring_link(shard, reduce=False)
+        norms = BF16 * 2 * shape.dim
+        saved_per_gather = (ring_time(BF16 * shape.layer_params, shard, link)
+                            - ring_time(FP8 * shape.layer_linear_params + norms, shard, link))
+        amax = small_all_reduce_time(shard, hw.ring_link(shard, reduce=True))
+        expected = shape.n_layers * (2 * saved_per_gather - amax)  # seconds less communication per step
+        assert (bf16.comm_ms - fp8.comm_ms) / 1e3 == pytest.approx(expected, rel=1e-9)
+        assert fp8.exposed_ms == bf16.exposed_ms and fp8.compute_ms == bf16.compute_ms  # the root stays bf16
+        assert fp8.step_ms <= bf16.step_ms
+    assert small_all_reduce_time(512, Link(1e-5, 1e11)) == pytest.approx(2 * 9 * 1e-5)
+    with pytest.raises(ValueError, match="wire must be one of bf16, fp8"):
+        step_time(shape, 8, 8192, 8192, "flat", hw, cal, wire="fp4")
+
+
+def test_stored_fp8_wire_prediction_is_the_models_and_the_docs_show_it(tmp_path: Path) -> None:
+    """bench/results/scale_model_8b_fp8.json is what `python -m bench.scale --model 8b --wire fp8` writes here
+    (deterministic), and docs/scale.md's table holds its numbers."""
+    out = tmp_path / "fp8.json"
+    assert cli.main(["--model", "8b", "--wire", "fp8", "--gpus", "8,64,512", "--json", str(out)]) == 0
+    fresh, stored = json.loads(out.read_text()), json.loads((RESULTS / "scale_model_8b_fp8.json").read_text())
+    assert (stored["kind"], stored["wire"], stored["tokens_per_gpu"], stored["seq"]) == ("scale_model", "fp8", 8192,
+                                                                                          8192)
+    assert len(stored["rows"]) == len(fresh["rows"]) == 6 and fresh["model"] == stored["model"]
+    for a, b in zip(fresh["rows"], stored["rows"]):
+        assert {k: v for k, v in a.items() if isinstance(v, str)} == {k: v for k, v in b.items() if isinstance(v, str)}
+        assert all(a[k] == pytest.approx(b[k], rel=1e-9) for k in a if isinstance(a[k], float))
+    by = {(r["gpus"], r["strategy"]): r for r in stored["rows"]}
+    assert by[(8, "flat")]["speedup_vs_bf16_wire"] == pytest.approx(1.0)  # compute-bound on one node
+    assert by[(512, "flat")]["speedup_vs_bf16_wire"] > 1.05 and by[(512, "flat")]["bound"] == "comm"
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "scale.md").read_text()
+    section = doc[doc.index("## The fp8 all-gather on the wire"):]
+    for r in stored["rows"]:
+        line = (f"| {r['gpus']} | {r['strategy']} | {r['step_ms_bf16_wire']:.1f} | {r['step_ms']:.1f} | "
+                f"{r['speedup_vs_bf16_wire']:.3f}x | {r['comm_ms']:.1f} | {r['compute_ms']:.1f} | {r['bound']} |")
+        assert line in section, line
+    assert "bench/results/scale_model_8b_fp8.json" in section and "8,030,261,248" in section
+
+
+def test_cli_default_json_names_the_wire(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cli.parse_args([]).json == cli.RESULTS / "scale_model.json"
+    assert cli.parse_args(["--model", "8b", "--wire", "fp8"]).json == cli.RESULTS / "scale_model_8b_fp8.json"
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--wire", "fp4"])

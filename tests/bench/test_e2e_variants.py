@@ -1,0 +1,295 @@
+"""``bench.e2e._variants`` and its use in ``bench.e2e.run`` (issue 32): names with modifiers, the Llama-3-8B shape,
+out-of-memory rows, the deadline, the ratios against FSDP2, and a tiny CPU run of the variants."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from bench.e2e import _variants as variants
+from bench.e2e._variants import Deadline, Variant, parse_variant, plan_runs, variant_ratios, variant_table
+
+REPO = Path(__file__).resolve().parents[2]
+KNOWN = ("shardfuse", "shardfuse-graph", "shardfuse-ref", "shardfuse-budget", "fsdp2", "fsdp1", "fairscale")
+
+
+def test_names_parse_into_base_and_modifiers() -> None:
+    v = parse_variant("fsdp2+fp8+ac", KNOWN)
+    assert (v.base, v.float8, v.ac, v.compile, v.once, v.fp8_all_gather) == ("fsdp2", "tensorwise", True, False,
+                                                                             False, True)
+    assert parse_variant("fsdp2+ac+fp8", KNOWN).modifiers == v.modifiers  # order does not matter
+    row = parse_variant("shardfuse+fp8row", KNOWN)
+    assert row.float8 == "rowwise" and not row.fp8_all_gather  # torchao gathers in fp8 for tensorwise scales only
+    assert parse_variant("fsdp2+once", KNOWN) == Variant("fsdp2+once", "fsdp2", once=True)
+    assert not parse_variant("shardfuse-budget+fp8", KNOWN).fp8_all_gather  # host shards gather in bf16
+    # The job-wide flags add to every name; a recipe from both places must agree.
+    g = parse_variant("shardfuse", KNOWN, float8="rowwise", ac=True, compile=True)
+    assert (g.float8, g.ac, g.compile) == ("rowwise", True, True)
+    assert parse_variant("fsdp2+fp8", KNOWN, float8="tensorwise").float8 == "tensorwise"
+    for name, flags, message in [
+        ("fsdp2+fp9", {}, "not distinct modifiers"),
+        ("fsdp2+ac+ac", {}, "not distinct modifiers"),
+        ("deepspeed+fp8", {}, "unknown implementation 'deepspeed'"),
+        ("fsdp2+fp8+fp8row", {}, "float8 recipes ['rowwise', 'tensorwise']"),
+        ("fsdp2+fp8", {"float8": "rowwise"}, "float8 recipes"),
+        ("fsdp1+ac", {}, "apply to shardfuse, shardfuse-budget, fsdp2 only"),
+        ("shardfuse-graph", {"compile": True}, "apply to shardfuse, shardfuse-budget, fsdp2 only"),
+    ]:
+        with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            parse_variant(name, KNOWN, **flags)
+    assert parse_variant("fsdp1+once", KNOWN).once  # +once goes on any implementation
+
+
+def test_run_arguments_take_variants(capsys: pytest.CaptureFixture) -> None:
+    from bench.e2e.run import REGIMES, parse_args
+
+    args = parse_args(["--device", "cpu", "--impls", "fsdp2+fp8+ac,shardfuse-budget,fsdp2+once", "--compile",
+                       "--regime", "8k1", "--deadline", "400", "--budget-gib", "60"])
+    assert args.impl_list == ["fsdp2+fp8+ac", "shardfuse-budget", "fsdp2+once"] and args.regime_list == ["8k1"]
+    assert all(v.compile for v in args.variants.values()) and args.variants["fsdp2+fp8+ac"].float8 == "tensorwise"
+    assert (args.deadline, args.budget_gib, REGIMES["8k1"]) == (400.0, 60.0, (1, 8192))
+    for argv, message in [
+        (["--impls", "fsdp2+fp9"], "not distinct modifiers"),
+        (["--impls", "deepspeed+fp8"], "unknown ['deepspeed+fp8']"),
+        (["--deadline", "0"], "--deadline > 0"),
+        (["--budget-gib", "-1"], "--budget-gib >= 0"),
+    ]:
+        with pytest.raises(SystemExit):
+            parse_args(["--device", "cpu", *argv])
+        assert message in capsys.readouterr().err, argv
+
+
+def test_llama3_8b_shape_counts_8_030_261_248_parameters() -> None:
+    from bench.e2e.run import model_spec
+    from examples.llama import Llama, LlamaConfig, count_params
+
+    cfg = LlamaConfig.named("8b")
+    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size) == (
+        4096, 32, 32, 8, 14336, 128256)  # fmt: skip
+    with torch.device("meta"):
+        model = Llama(cfg)
+    assert count_params(model) == cfg.num_params() == 8_030_261_248  # untied embedding and output
+    assert model.layers[0].attention.wk.weight.shape == (1024, 4096)  # 8 key/value heads of 128
+    spec = model_spec("decoder", "8b")
+    assert spec.num_params == 8_030_261_248 and spec.max_seq_len == 8192 and spec.result_name(4) == "e2e_8b_4gpu"
+    assert spec.config["n_kv_heads"] == 8 and spec.config["rope_theta"] == 500000.0
+
+
+def test_grouped_query_attention_equals_repeated_key_value_heads() -> None:
+    """The decoder's GQA against multi-head attention with each key/value head repeated for its query heads."""
+    import torch.nn.functional as F
+
+    from examples.llama import Llama, LlamaConfig, apply_rope
+
+    cfg = LlamaConfig(dim=64, n_layers=1, n_heads=4, ffn_dim=176, vocab_size=257, max_seq_len=32, n_kv_heads=2)
+    model = Llama(cfg).init_weights(3)
+    attn, x = model.layers[0].attention, torch.randn(2, 9, 64)
+    q = apply_rope(attn.wq(x).view(2, 9, 4, 16).transpose(1, 2), model.rope)
+    k = apply_rope(attn.wk(x).view(2, 9, 2, 16).transpose(1, 2), model.rope).repeat_interleave(2, dim=1)
+    v = attn.wv(x).view(2, 9, 2, 16).transpose(1, 2).repeat_interleave(2, dim=1)
+    ref = attn.wo(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 9, 64))
+    torch.testing.assert_close(attn(x, model.rope), ref)
+    with pytest.raises(ValueError, match="n_kv_heads=3 must divide n_heads=4"):
+        LlamaConfig(dim=64, n_heads=4, n_kv_heads=3)
+
+
+def test_once_runs_go_last_after_every_round() -> None:
+    vs = [parse_variant(n, KNOWN) for n in ("fsdp2+once", "fsdp2+ac", "shardfuse")]
+    rounds, once = plan_runs(["8k1"], vs, 2)
+    assert [[v.name for _, v in r] for r in rounds] == [["fsdp2+ac", "shardfuse"]] * 2
+    assert [(regime, v.name) for regime, v in once] == [("8k1", "fsdp2+once")]
+
+
+def test_deadline_counts_the_next_round_and_agrees() -> None:
+    now = [100.0]
+    d = Deadline(60.0, clock=lambda: now[0])
+    assert d.allows(60.0) and not d.allows(60.1)
+    now[0] = 130.0
+    d.round_done()  # the first round took 30 s: a second one would end at 60 s
+    assert d.last_round_s == 30.0 and d.allows(d.last_round_s)
+    now[0] = 131.0
+    assert not d.allows(d.last_round_s) and d.allows(0.0)  # no round; a +once run still starts
+    d.round_done(estimate_s=5.0)  # an explicit estimate (the compiled code is cached by now)
+    assert d.last_round_s == 5.0 and d.allows(5.0)
+    assert Deadline(None).allows(1e9)  # no budget, no limit
+    assert not d.agree(False) and d.agree(True)  # outside a process group: its own answer
+
+
+def test_steady_round_estimate_replaces_the_warmup_by_timed_steps() -> None:
+    rows = [
+        {"wall_s": 50.0, "step_ms": 400.0, "warmup_s_rank0": 40.0},  # 3 warm-up steps compiled for 38.8 s
+        {"wall_s": 4.0},  # an error row: its wall time as it was
+    ]
+    assert variants.steady_round_s(rows, warmup=3) == pytest.approx(50.0 - 40.0 + 1.2 + 4.0)
+
+
+def _entry(impl: str, ms: float, peak: float, regime: str = "8k1") -> dict:
+    return {"impl": impl, "regime": regime, "rounds": 2, "step_ms_median": ms, "tok_s_gpu_median": 8192 / ms * 1e3,
+            "peak_gib_max": peak}
+
+
+def test_ratios_against_fsdp2_same_modifiers_and_best() -> None:
+    summary = [
+        _entry("fsdp2+ac", 1400.0, 40.0), _entry("shardfuse", 1000.0, 70.0),
+        _entry("fsdp2+fp8+ac", 1100.0, 38.0), _entry("shardfuse+fp8", 880.0, 60.0),
+        _entry("shardfuse+ac", 1350.0, 39.0), _entry("fsdp2", 500.0, 10.0, regime="4k"),
+    ]
+    variant_ratios(summary)
+    by = {(s["impl"], s["regime"]): s for s in summary}
+    sf, fp8, ac = by[("shardfuse", "8k1")], by[("shardfuse+fp8", "8k1")], by[("shardfuse+ac", "8k1")]
+    assert "vs_fsdp2_same" not in sf  # plain FSDP2 did not fit (no row): no same-modifier ratio
+    assert "vs_fsdp2_same" not in fp8  # +fp8 is not +fp8+ac
+    assert (ac["fsdp2_same"], ac["vs_fsdp2_same"], ac["peak_vs_fsdp2_same"]) == (
+        "fsdp2+ac", pytest.approx(1400 / 1350), pytest.approx(39 / 40))  # fmt: skip
+    # FSDP2's best that ran in this regime is fsdp2+fp8+ac (the 4k row is another regime).
+    assert (sf["fsdp2_best"], sf["vs_fsdp2_best"]) == ("fsdp2+fp8+ac", pytest.approx(1100 / 1000))
+    assert fp8["vs_fsdp2_best"] == pytest.approx(1100 / 880) and by[("fsdp2+fp8+ac", "8k1")]["vs_fsdp2_best"] == 1.0
+    assert by[("fsdp2", "4k")]["fsdp2_best"] == "fsdp2" and "vs_fsdp2_same" not in by[("fsdp2", "4k")]
+    # The same modifiers match whatever their order, and +once is not a modifier of the configuration.
+    more = [_entry("fsdp2+once", 900.0, 75.0), _entry("shardfuse", 1000.0, 70.0), _entry("fsdp2+ac+fp8", 1100.0, 38.0),
+            _entry("shardfuse+fp8+ac", 1000.0, 37.0)]
+    variant_ratios(more)
+    assert (more[1]["fsdp2_same"], more[1]["vs_fsdp2_same"]) == ("fsdp2+once", pytest.approx(0.9))
+    assert (more[3]["fsdp2_same"], more[3]["vs_fsdp2_same"]) == ("fsdp2+ac+fp8", pytest.approx(1.1))
+    assert more[1]["fsdp2_best"] == "fsdp2+once"
+
+
+def test_variant_table_shows_oom_rows_and_ratios() -> None:
+    payload = {
+        "results": [{"impl": "shardfuse", "regime": "8k1", "step_ms": 1000.0},
+                    {"impl": "fsdp2+once", "regime": "8k1", "error": "rank 0: OutOfMemoryError: CUDA out of memory",
+                     "oom": True}],
+        "summary": [_entry("fsdp2+ac", 1400.0, 40.0), _entry("shardfuse", 1000.0, 70.0)],
+    }
+    text = "\n".join(variant_table(payload))
+    assert "1.400x" in text and "fsdp2+ac" in text
+    assert "fsdp2+once             8k1    oom: rank 0: OutOfMemoryError" in text
+
+
+@pytest.fixture
+def world_of_one():
+    """A one-rank gloo process group in this process."""
+    from bench.common import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_out_of_memory_is_recorded_as_an_oom_row(monkeypatch: pytest.MonkeyPatch, world_of_one) -> None:
+    from bench.e2e import run
+
+    args = run.parse_args(["--device", "cpu", "--config", "tiny", "--impls", "fsdp2+once"])
+    spec = run.model_spec("decoder", "tiny")
+
+    def no_memory(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(run, "measure", no_memory)
+    row = run.run_one("fsdp2+once", "8k1", spec, args, torch.device("cpu"), 0, 1, None)
+    assert row["oom"] is True and "OutOfMemoryError" in row["error"] and "step_ms" not in row
+
+    def other(*a, **k):
+        raise RuntimeError("NCCL watchdog: something else")
+
+    monkeypatch.setattr(run, "measure", other)
+    row = run.run_one("fsdp2", "8k1", spec, args, torch.device("cpu"), 0, 1, None)
+    assert "oom" not in row and "RuntimeError" in row["error"]
+    assert variants.is_oom(RuntimeError("CUDA error: out of memory")) and not variants.is_oom(ValueError("x"))
+
+
+def test_fsdp2_float8_refreshes_scales_after_the_step_where_it_gathers_in_fp8(world_of_one) -> None:
+    pytest.importorskip("torchao.float8")
+    from bench.e2e.run import WRAPPERS, model_spec
+
+    spec = model_spec("decoder", "tiny")
+    args = SimpleNamespace(lr=1e-4, optim="foreach", budget_gib=None)
+    cpu = torch.device("cpu")
+    tensorwise = variants.prepare(parse_variant("fsdp2+fp8+ac", KNOWN), spec.make(cpu, 0), spec, cpu, args, WRAPPERS)
+    assert tensorwise.after_step is not None and tensorwise.info["fp8_all_gather"] is True
+    # 7 linear layers in each of the 2 decoder layers; the output projection (vocab 257) stays nn.Linear
+    assert tensorwise.info["float8_linears"] == 14 and type(tensorwise.model.output).__name__ == "Linear"
+    rowwise = variants.prepare(parse_variant("fsdp2+fp8row", KNOWN), spec.make(cpu, 0), spec, cpu, args, WRAPPERS)
+    assert rowwise.after_step is None and rowwise.info == {"float8": "rowwise", "fp8_all_gather": False,
+                                                           "float8_linears": 14}
+
+
+def test_tiny_cpu_run_of_the_variants(tmp_path: Path) -> None:
+    """2 gloo ranks: float8 + checkpointing under FSDP2, shardfuse with a budget, shardfuse's float8 (a row either
+    way: measured, or the library's refusal of the fp8 all-gather), and a deadline that stops the second round and
+    the +once run (a skipped row, last)."""
+    pytest.importorskip("torchao.float8")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           "bench.e2e.run", "--device", "cpu", "--config", "tiny", "--regime", "1k", "--no-baseline",
+           "--impls", "fsdp2,fsdp2+fp8+ac,shardfuse-budget,shardfuse+fp8,fsdp2+once", "--steps", "2", "--warmup", "1",
+           "--rounds", "3", "--deadline", "1"]
+    env = {**os.environ, "BENCH_OUT": str(tmp_path), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    result = json.loads((tmp_path / "cpu" / "e2e_2gpu.json").read_text())
+    assert result["config"]["stopped_by_deadline"]["rounds_run"] == 1  # 1 s: no second round
+    rows = {r["impl"]: r for r in result["results"]}
+    assert list(rows)[-1] == "fsdp2+once" and "past the --deadline of 1 s" in rows["fsdp2+once"]["skipped"]
+    for impl in ("fsdp2", "fsdp2+fp8+ac", "shardfuse-budget"):
+        assert rows[impl]["step_ms"] > 0 and math.isfinite(rows[impl]["loss_last"]), rows[impl]
+    fp8 = rows["fsdp2+fp8+ac"]
+    assert (fp8["float8"], fp8["fp8_all_gather"], fp8["float8_linears"]) == ("tensorwise", True, 14)
+    assert fp8["activation_checkpointing"] == "every decoder layer"
+    # Same weights and data: float8 matmuls (emulated) move the loss a little, not a lot.
+    assert abs(fp8["loss_last"] - rows["fsdp2"]["loss_last"]) < 2e-2
+    assert abs(rows["shardfuse-budget"]["loss_last"] - rows["fsdp2"]["loss_last"]) < 1e-2
+    assert rows["shardfuse-budget"]["host_threads"] >= 1
+    sf8 = rows["shardfuse+fp8"]
+    assert sf8.get("float8_linears") == 14 or "enable_fsdp_float8_all_gather" in sf8["error"], sf8
+    summary = {s["impl"]: s for s in result["summary"]}
+    assert summary["shardfuse-budget"]["fsdp2_same"] == "fsdp2" and len(result["results"]) == 5
+    assert summary["fsdp2+fp8+ac"]["vs_fsdp2_best"] <= 1.0 + 1e-12
+
+
+def test_gpu_suite_stages_run_the_variants_and_print_the_table_last(tmp_path: Path) -> None:
+    """Both stages as bench/gpu_suite.sh runs them, with a stand-in torchrun that records its arguments."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "torchrun").write_text('#!/bin/sh\nprintf "%s\\n" "$@" ---- >> "$OUT/torchrun_args.txt"\n')
+    (fake / "torchrun").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "OUT": str(tmp_path / "out")}
+    env.pop("E2E_IMPLS", None)
+    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_suite.sh"), "e2e-fp8", "e2e-8b"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    calls = (tmp_path / "out" / "work" / "torchrun_args.txt").read_text().split("----\n")[:2]
+    expected = {
+        "e2e-fp8": ("7b", "4k", "e2e_7b_fp8_0gpu", ["fsdp2", "shardfuse", "fsdp2+fp8", "shardfuse+fp8"]),
+        "e2e-8b": ("8b", "8k1", "e2e_8b_0gpu",
+                   ["fsdp2+ac", "shardfuse", "shardfuse-budget", "fsdp2+fp8+ac", "shardfuse+fp8", "fsdp2+once"]),
+    }
+    from bench.e2e.run import parse_args
+
+    summary = proc.stdout[proc.stdout.index("== gpu_suite summary"):]
+    for (stage, (config, regime, name, impls)), call in zip(expected.items(), calls):
+        args = [a for a in call.split("\n") if a]
+        value = {a: args[i + 1] for i, a in enumerate(args[:-1]) if a.startswith("--")}
+        assert args[args.index("-m") + 1] == "bench.e2e.run" and {"--compile", "--no-baseline"} <= set(args)
+        assert (value["--rounds"], value["--optim"]) == ("2", "fused") and float(value["--deadline"]) < 560
+        assert (value["--config"], value["--regime"], value["--name"]) == (config, regime, name)
+        assert value["--impls"].split(",") == impls
+        parsed = parse_args(["--device", "cpu", *args[args.index("-m") + 2:]])  # the options are the runner's
+        assert parsed.variants[impls[-1]].compile
+        # The step ran under its timeout; its table (here: no result file) is in the summary printed last.
+        assert re.search(rf"^{stage}\s+rc=0", summary, re.M) and f"{name}.json: no such result file" in summary
+    assert summary.rstrip().splitlines()[-1].startswith(str(tmp_path / "out" / "work" / "results"))
+    text = (REPO / "bench" / "gpu_suite.sh").read_text()
+    assert int(re.search(r'step "\$stage" (\d+) torchrun', text)[1]) <= 600  # the device's 10 minutes a command
