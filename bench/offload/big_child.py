@@ -260,12 +260,17 @@ def profiled_step(trainer: Trainer, job: Job, device: torch.device, data: list[t
     return out
 
 
-def _ssd_io_bytes() -> tuple[int, int] | None:
+def _ssd_io_bytes(model: Any) -> tuple[int, int] | None:
+    """Bytes the model's SSD stores read and wrote so far (an older shardfuse: every store of the process)."""
     try:
-        from shardfuse.sharding.ssd._ssd_store import io_bytes
+        from shardfuse.sharding.ssd._ssd import io_bytes  # one store per model
     except ImportError:
-        return None
-    return io_bytes()
+        try:
+            from shardfuse.sharding.ssd._ssd_store import io_bytes as every_store  # type: ignore[attr-defined]
+        except ImportError:
+            return None
+        return every_store()  # type: ignore[no-any-return]
+    return io_bytes(model)
 
 
 def measure_impl(job: Job) -> dict[str, Any]:
@@ -283,10 +288,10 @@ def measure_impl(job: Job) -> dict[str, Any]:
     if device.type == "cuda":
         out["gpu_peak_setup_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         torch.cuda.reset_peak_memory_stats(device)
-    io0 = _ssd_io_bytes() if job.impl == "shardfuse-ssd" else None
+    io0 = _ssd_io_bytes(trainer.model) if job.impl == "shardfuse-ssd" else None
     out.update(timed_steps(trainer, job, device, split=job.impl == "resident"))
     if io0 is not None:  # the SSD tier: bytes it read and wrote per optimizer step (warm-up steps included)
-        io1 = _ssd_io_bytes() or io0
+        io1 = _ssd_io_bytes(trainer.model) or io0
         count = job.warmup + job.steps
         out.update(ssd_read_gb_per_step=(io1[0] - io0[0]) / count / 1e9,
                    ssd_written_gb_per_step=(io1[1] - io0[1]) / count / 1e9)

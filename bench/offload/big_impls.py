@@ -339,16 +339,29 @@ def _offload_config_fields() -> set[str]:
     return {f.name for f in dataclasses.fields(shardfuse.OffloadConfig)}
 
 
-def ssd_io_mode(directory: str) -> str:
-    """How the SSD store under ``directory`` reads and writes its files (``direct``, ``buffered``, or buffered
-    because the file system refused ``O_DIRECT``, and why); ``buffered`` in a shardfuse without ``direct_io``."""
+def ssd_io_modes(model: Any) -> dict[str, str]:
+    """Each SSD store of ``model``: its folder and its I/O mode (an older shardfuse: every store of the process;
+    without ``direct_io``: none)."""
     try:
-        from shardfuse.sharding.ssd._ssd_store import io_modes
+        from shardfuse.sharding.ssd._ssd import io_modes  # one store per model
     except ImportError:
+        try:
+            from shardfuse.sharding.ssd._ssd_store import io_modes as every_store  # type: ignore[attr-defined]
+        except ImportError:
+            return {}
+        return every_store()  # type: ignore[no-any-return]
+    return io_modes(model)
+
+
+def ssd_io_mode(directory: str, modes: dict[str, str]) -> str:
+    """How the SSD stores under ``directory`` (``modes``: :func:`ssd_io_modes`) read and write their files
+    (``direct``, ``buffered``, or buffered because the file system refused ``O_DIRECT``, and why); ``buffered`` in a
+    shardfuse without ``direct_io``."""
+    if not modes:
         return "buffered"
     root = os.path.abspath(directory)
-    modes = [m for d, m in io_modes().items() if os.path.abspath(os.path.dirname(d)) == root]
-    return " / ".join(sorted(set(modes))) or "unknown"
+    found = [m for d, m in modes.items() if os.path.abspath(os.path.dirname(d)) == root]
+    return " / ".join(sorted(set(found))) or "unknown"
 
 
 def _wrap_shardfuse(model: nn.Module, device: torch.device, ssd: dict[str, Any] | None = None,
@@ -406,7 +419,7 @@ def make_shardfuse(job: Job, device: torch.device) -> Trainer:
     opt: Any = fused_adamw(model.parameters(), job)
     info: dict[str, Any] = {"optimizer": "AdamW fused on cpu", "offload_optimizer": has_api, **(ssd or {})}
     if ssd is not None:
-        info["ssd_io_mode"] = ssd_io_mode(ssd["ssd_dir"])
+        info["ssd_io_mode"] = ssd_io_mode(ssd["ssd_dir"], ssd_io_modes(model))
     if has_api:
         budget = job.budget_gib if job.impl.startswith("shardfuse-budget") else 0.0
         on_gpu = job.accumulate_on_gpu if job.accumulate_on_gpu is not None else job.cfg.accum > 1

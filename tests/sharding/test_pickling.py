@@ -43,7 +43,7 @@ def _set_groups(model: FSDP) -> None:
 
 def _train(model: nn.Module, steps: range) -> list[float]:
     """Steps with a fresh AdamW; each step's loss and its global gradient norm (torch's clip_grad_norm_, which
-    finds the shards through the per-process handle registry)."""
+    finds the shards through each parameter's link to its handle)."""
     rank, ws = dist.get_rank(), dist.get_world_size()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     out = []

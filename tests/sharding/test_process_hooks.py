@@ -11,6 +11,7 @@ import gc
 import pickle
 import re
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,57 @@ def test_shard_marks_on_and_off(hooks_restored: None) -> None:
     assert _marked_after_steps(), "with the hooks on, every sharded parameter's state carries its shard mark"
     shardfuse.set_process_hooks(False)
     assert not _marked_after_steps(), "with the hooks off, no optimizer state is touched"
+
+
+def _module_tables() -> dict[str, int]:
+    """The sizes of _process_hooks' module-level containers (what a per-optimizer table would grow)."""
+    return {k: len(v) for k, v in vars(_process_hooks).items()
+            if not k.startswith("__") and hasattr(v, "__len__") and not isinstance(v, (str, bytes, tuple))}
+
+
+def test_optimizer_guards_keep_their_bookkeeping_on_the_optimizer(hooks_restored: None) -> None:
+    """Before: three module-level weak tables (_checked_optimizers, _marks_seen, _load_hooked) keyed by optimizer.
+    Now each optimizer carries what the guards saw, stamped with the hooks' generation; no module table grows."""
+    shardfuse.set_process_hooks(True)
+    model = _model()
+    before = _module_tables()
+    params = [nn.Parameter(torch.randn(6)) for _ in range(3)]
+    for p in params:
+        setattr(p, SHARD_MARK_ATTR, (0, 2))
+    opts = [torch.optim.SGD([*params, *model.parameters()], lr=0.1, momentum=0.9) for _ in range(4)]
+    for opt in opts:
+        for p in params:
+            p.grad = torch.randn(6)
+        _train(model, opt, 1)
+    gen = _process_hooks._generation
+    count = len(params) + len(list(model.parameters()))
+    for opt in opts:
+        assert opt.__dict__[_process_hooks.CHECKED_ATTR] == (gen, count)
+        assert opt.__dict__[_process_hooks.MARKS_ATTR][:2] == (gen, count)
+        assert all(opt.state[p][SHARD_MARK_KEY] == (0, 2) for p in params)
+    assert _module_tables() == before, "a module-level table grew with the optimizers"
+    # load_state_dict (the optimizer's own post-hook) forgets the marks: the loaded state is checked at the next step.
+    opts[0].load_state_dict(opts[0].state_dict())
+    assert opts[0].__dict__[_process_hooks.MARKS_ATTR][:2] == (gen, None)
+    bad = opts[1].state_dict()
+    bad["state"][0][SHARD_MARK_KEY] = (1, 2)
+    opts[1].load_state_dict(bad)
+    with pytest.raises(RuntimeError, match="optimizer state of rank 1 of 2, but this rank trains the shard of rank 0"):
+        opts[1].step()
+    _train(model, opts[0], 1)
+    assert opts[0].__dict__[_process_hooks.MARKS_ATTR][:2] == (gen, count)
+    # Turning the hooks off and on starts a new generation: what the optimizers carry is stale, checked again.
+    shardfuse.set_process_hooks(False)
+    shardfuse.set_process_hooks(True)
+    assert _process_hooks._generation > gen
+    assert _process_hooks._marks_seen(opts[2]) is None
+    _train(model, opts[2], 1)
+    assert opts[2].__dict__[_process_hooks.CHECKED_ATTR] == (_process_hooks._generation, count)
+    ref = weakref.ref(opts[3])
+    del opts, opt
+    gc.collect()
+    assert ref() is None, "the bookkeeping keeps an optimizer alive"
+    assert _module_tables() == before
 
 
 def test_fused_versions_is_required_and_left_by_the_switch(hooks_restored: None) -> None:

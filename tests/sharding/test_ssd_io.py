@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from shardfuse import OffloadConfig, OffloadOptimizer
 from shardfuse.sharding.ssd import _ssd_direct, _ssd_store
-from shardfuse.sharding.ssd._ssd import ssd_host
+from shardfuse.sharding.ssd._ssd import io_bytes, ssd_host
 from tests.sharding._models import batch, loss_fn, make_optim
 from tests.sharding.test_ssd_offload import _flat_handles, _wrap
 
@@ -49,7 +49,7 @@ def io_per_step(path: str, cfg: dict[str, Any], steps: int = 4) -> dict[str, int
         loss_fn(model, ids, target, step, cfg).backward()
         if step in (2, 2 + steps):
             _flush(model)
-            counts.append(_ssd_store.io_bytes())
+            counts.append(io_bytes(model))
         opt.step()
         opt.zero_grad(set_to_none=True)
     opt.synchronize()

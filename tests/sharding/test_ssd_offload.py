@@ -58,9 +58,12 @@ def _flat_handles(model: FSDP) -> list[Any]:
 
 def _assert_on_disk(model: FSDP, path: str) -> None:
     """Every shard is evicted (no storage) or kept for the next forward's gather (``OffloadOptimizer``: at most
-    ``read_ahead``, equal to its file), and its file lies in this rank's own directory under ``path``."""
+    ``read_ahead``, equal to its file), and the model's files lie in one folder of this rank under ``path`` (each
+    model has its own store and folder: other models of this rank, still alive, have theirs)."""
     mine = [d for d in os.listdir(path) if d.startswith(f"shardfuse-ssd-rank{dist.get_rank()}-pid{os.getpid()}-")]
-    assert len(mine) == 1, os.listdir(path)
+    folders = {os.path.dirname(page.file.path) for h in _flat_handles(model) if (host := ssd_host(h)) is not None
+               for page in host.ssd.pages(state=True)}
+    assert len(folders) == 1 and os.path.basename(next(iter(folders))) in mine, (folders, os.listdir(path))
     kept = 0
     for h in _flat_handles(model):
         host = ssd_host(h)
@@ -73,7 +76,7 @@ def _assert_on_disk(model: FSDP, path: str) -> None:
             assert host.ssd in host.ssd.tier.keep.kept(), "a shard stayed in memory between steps"
             assert page.clean == h.flat._version and not page.writes, "a kept shard differs from its file"
         assert kept <= host.ssd.tier.config.read_ahead, f"{kept} shards kept in memory"
-        assert os.path.dirname(host.ssd.param.file.path) == os.path.join(path, mine[0])
+        assert os.path.dirname(host.ssd.param.file.path) == os.path.join(path, os.path.basename(next(iter(folders))))
         nbytes = h.flat.numel() * h.flat.element_size()
         direct = host.ssd.param.file.direct  # O_DIRECT: the file is padded to whole 4096-byte blocks
         assert os.path.getsize(host.ssd.param.file.path) == (-(-nbytes // 4096) * 4096 if direct else nbytes)

@@ -1,13 +1,16 @@
 """Who owns the SSD tier (issue 29): the model the user holds, not a module-level registry.
 
-The units of one model share one tier (learned orders, bounds); two models have two; freeing a model frees its tier,
-its store and the store's I/O threads. One process-wide optimizer step hook remains (the optimizer is made after
-wrapping): it gives each optimizer over SSD-backed parameters hooks of its own at its first step.
+The units of one model share one tier (learned orders, bounds) and its store (one folder, its own I/O threads; the
+nested units' files move into it); two models have two, even under one directory; freeing a model frees its tier,
+its store, its folder and the store's I/O threads. One process-wide optimizer step hook remains (the optimizer is
+made after wrapping): it gives each optimizer over SSD-backed parameters hooks of its own at its first step.
 """
 
 from __future__ import annotations
 
 import gc
+import os
+import threading
 import weakref
 from typing import Any
 
@@ -42,30 +45,85 @@ def _train(model: FSDP, opt: Any, steps: int = 2) -> None:
         opt.zero_grad()
 
 
-def test_one_tier_per_model_freed_with_it(tmp_path):
-    """Before: one tier per setting in a module-level dict that never shrank, shared by every model."""
+def _folder(model: FSDP) -> str:
+    """The one folder all of ``model``'s files lie in."""
+    folders = {os.path.dirname(p.file.path) for h in _flat_handles(model)
+               for p in ssd_host(h).ssd.pages(state=True)}  # type: ignore[union-attr]
+    assert len(folders) == 1, f"one model's files in {len(folders)} folders: {folders}"
+    return folders.pop()
+
+
+def _io_threads() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.name.startswith("shardfuse-ssd-io")}
+
+
+def test_one_tier_and_store_per_model_freed_with_it(tmp_path):
+    """Before: one tier per setting in a module-level dict that never shrank, then one store per directory shared
+    by every model (a module-level WeakValueDictionary). Now each model owns its tier and its store."""
+    threads_before = _io_threads()
     a, b = _model(str(tmp_path)), _model(str(tmp_path))
     (ta,), (tb,) = _tiers(a), _tiers(b)  # the nested units and the root share one tier
     assert ta is not tb, "two models share a tier (learned orders, bounds)"
     assert len(_flat_handles(a)) == 3
-    assert ta.store is tb.store  # same directory and settings: one store (one set of I/O threads)
+    assert ta.store is not tb.store and ta.store.pool is not tb.store.pool, "two models share a store"
+    assert a._unit.lower_tiers == [ta] and b._unit.lower_tiers == [tb], "the root wrapper's state owns the tier"
+    assert all(not m._unit.lower_tiers for m in a._units() if m is not a)
+    assert _ssd.stores_of(a) == [ta.store]
+    # The nested units' files moved into the root's store: one folder per model, two folders in the directory.
+    assert _folder(a) == ta.store.dir and _folder(b) == tb.store.dir != ta.store.dir
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(t.store.dir) for t in (ta, tb))
     opt = OffloadOptimizer(a, torch.optim.AdamW(a.parameters(), lr=1e-2), gpu_budget_gib=0)
     _train(a, opt)
     opt.close()
-    refs = [weakref.ref(ta), weakref.ref(ta.store)]
-    pool = weakref.ref(ta.store.pool)
+    refs = [weakref.ref(ta), weakref.ref(ta.store), weakref.ref(ta.store.pool)]
     threads = list(ta.store.pool._threads)
-    assert threads
+    assert threads and {t.name for t in threads} <= _io_threads()
+    folder_a = ta.store.dir
     del a, opt, ta
     gc.collect()
-    assert refs[0]() is None, "the tier outlived its model"
-    assert refs[1]() is not None  # b uses the store
-    del b, tb
-    gc.collect()
-    assert refs[1]() is None and pool() is None, "the store (and its I/O threads) outlived the models"
+    assert [r() for r in refs] == [None] * 3, "the tier, store or I/O pool outlived its model"
     for t in threads:
         t.join(timeout=10)
-    assert not [t.name for t in threads if t.is_alive()], "I/O threads outlived their store"
+    assert not [t.name for t in threads if t.is_alive()], "I/O threads outlived their model"
+    assert not os.path.exists(folder_a), "the model's folder outlived it"
+    assert os.listdir(tmp_path) == [os.path.basename(tb.store.dir)]  # b's store untouched
+    _train(b, torch.optim.AdamW(b.parameters(), lr=1e-2))
+    del b, tb
+    gc.collect()
+    for t in threading.enumerate():
+        if t.name.startswith("shardfuse-ssd-io") and t.name not in threads_before:
+            t.join(timeout=10)
+    assert _io_threads() <= threads_before, f"I/O threads left: {_io_threads() - threads_before}"
+    assert os.listdir(tmp_path) == []
+
+
+def test_two_models_under_one_directory_do_not_collide(tmp_path):
+    """Two models with the same settings and directory train side by side, each exactly like it alone: their files
+    never clash (own folders, own serial numbers), and one's I/O never waits in the other's pool."""
+    torch.manual_seed(11)
+    batches = [torch.randn(4, 5) for _ in range(3)]
+    alone = _model(str(tmp_path), seed=1)
+    opt = torch.optim.AdamW(alone.parameters(), lr=1e-2)
+    for x in batches:
+        alone(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    want = alone.state_dict()
+    del alone, opt
+    gc.collect()
+    models = [_model(str(tmp_path), seed=1), _model(str(tmp_path), seed=1)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    names = [sorted(os.path.basename(p.file.path) for h in _flat_handles(m)
+                    for p in ssd_host(h).ssd.pages(state=True)) for m in models]  # type: ignore[union-attr]
+    assert names[0] == names[1], "the two folders hold the same file names (no shared counter between models)"
+    for x in batches:
+        for m, o in zip(models, opts):
+            m(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+    assert _folder(models[0]) != _folder(models[1])
+    for m in models:
+        _assert_same_model(m.state_dict(), want)
 
 
 def test_one_process_wide_hook_and_per_optimizer_hooks(tmp_path):

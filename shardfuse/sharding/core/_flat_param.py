@@ -337,7 +337,7 @@ class FlatParamHandle:
             state.pop(key, None)
         state.setdefault("step", HandleStep())
         self.__dict__.update(state)
-        # The registries are per process, keyed by object ids: enter the unpickled shard (clip_grad_norm_,
+        # The shard's link to this handle pickled as an empty set (HandleRef): link it again (clip_grad_norm_,
         # optimizer-state and borrowing look it up there).
         register_handle(self.flat, self)
         if self.orig_views is not None:

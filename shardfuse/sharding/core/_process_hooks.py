@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import os
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -60,11 +59,15 @@ ENV_VAR = "SHARDFUSE_PROCESS_HOOKS"
 _enabled: bool | None = None  # set_process_hooks(); None: follow ENV_VAR
 _requested = False  # a unit was wrapped: the hooks are wanted when enabled
 
-_checked_optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
-# Per optimizer: how many parameters had state when its shard marks were last checked and written; forgotten
-# by a load_state_dict (a post-hook), so the loaded state is checked at the next step.
-_marks_seen: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
-_load_hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+# What the hooks know of each optimizer lives on that optimizer (no module-level table): two attributes, each
+# stamped with the generation of the hooks that wrote it. Installing or removing the hooks starts a new generation,
+# so what an earlier installation saw is checked again.
+_generation = 0
+# (generation, how many parameters it held when they were last checked against FLATTENED_MARK)
+CHECKED_ATTR = "_shardfuse_params_checked"
+# (generation, how many parameters had state when its shard marks were last checked and written, or None: a
+# load_state_dict since, so the loaded state is checked at the next step; its load_state_dict post-hook's handle)
+MARKS_ATTR = "_shardfuse_marks_seen"
 _optimizer_guard: Any = None
 # Checks run on an optimizer's sharded parameters once its loaded state is first seen (the pre-hook below): the
 # checkpoint layer hands in its resume guard at wrap time (``install(load_check=...)``), so the core imports none.
@@ -77,7 +80,7 @@ def _refuse_flattened_params(optimizer: torch.optim.Optimizer, args: Any, kwargs
     step tensors nothing reads any more (their values moved into the flat shards), silently."""
     _check_shard_marks(optimizer)
     count = sum(len(g["params"]) for g in optimizer.param_groups)
-    if _checked_optimizers.get(optimizer) == count:
+    if optimizer.__dict__.get(CHECKED_ATTR) == (_generation, count):
         return
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
@@ -87,7 +90,7 @@ def _refuse_flattened_params(optimizer: torch.optim.Optimizer, args: Any, kwargs
                     f"that FullyShardedDataParallel flattened into its shards when it wrapped the model: stepping it "
                     f"changes nothing the model uses; build the optimizer after wrapping, on model.parameters()"
                 )
-    _checked_optimizers[optimizer] = count
+    optimizer.__dict__[CHECKED_ATTR] = (_generation, count)
 
 
 def _check_shard_marks(optimizer: torch.optim.Optimizer) -> None:
@@ -101,11 +104,8 @@ def _check_shard_marks(optimizer: torch.optim.Optimizer) -> None:
     writes coming back as another rank's, are refused before the step uses the state.
     """
     state = optimizer.state
-    if _marks_seen.get(optimizer) == len(state):
+    if _marks_seen(optimizer) == len(state):
         return
-    if optimizer not in _load_hooked:
-        optimizer.register_load_state_dict_post_hook(_forget_marks)
-        _load_hooked.add(optimizer)
     sharded = False
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
@@ -139,8 +139,22 @@ def _check_shard_marks(optimizer: torch.optim.Optimizer) -> None:
             check(optimizer, params)
 
 
+def _marks_seen(optimizer: torch.optim.Optimizer) -> int | None:
+    """How many parameters had state when this generation of the hooks last checked and wrote its marks."""
+    seen = optimizer.__dict__.get(MARKS_ATTR)
+    return seen[1] if seen is not None and seen[0] == _generation else None
+
+
+def _set_marks_seen(optimizer: torch.optim.Optimizer, count: int | None) -> None:
+    """Record ``count`` (None: check again), hooking the optimizer's ``load_state_dict`` the first time."""
+    seen = optimizer.__dict__.get(MARKS_ATTR)
+    hook = seen[2] if seen is not None else optimizer.register_load_state_dict_post_hook(_forget_marks)
+    optimizer.__dict__[MARKS_ATTR] = (_generation, count, hook)
+
+
 def _forget_marks(optimizer: torch.optim.Optimizer) -> None:
-    _marks_seen.pop(optimizer, None)
+    """The optimizer's load_state_dict post-hook: the loaded state is checked at the next step."""
+    _set_marks_seen(optimizer, None)
 
 
 def _describe_mark(mark: Any) -> str:
@@ -153,7 +167,7 @@ def mark_optimizer_state(optimizer: torch.optim.Optimizer, args: Any, kwargs: An
     """Global optimizer step post-hook: the state of every sharded parameter carries the mark of its shard
     (``(rank, world_size)``), so state loaded onto the wrong rank is caught by :func:`_check_shard_marks`."""
     state = optimizer.state
-    if _marks_seen.get(optimizer) == len(state):
+    if _marks_seen(optimizer) == len(state):
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -162,7 +176,7 @@ def mark_optimizer_state(optimizer: torch.optim.Optimizer, args: Any, kwargs: An
                 st = state.get(p)
                 if st and not isinstance(st.get(SHARD_MARK_KEY), tuple):
                     st[SHARD_MARK_KEY] = mark
-    _marks_seen[optimizer] = len(state)
+    _set_marks_seen(optimizer, len(state))
 
 
 _torch_clip_grad_norm: Any = None
@@ -256,20 +270,21 @@ def set_process_hooks(enabled: bool) -> None:
 
 
 def _install() -> None:
-    global _torch_clip_grad_norm, _optimizer_guard
+    global _torch_clip_grad_norm, _optimizer_guard, _generation
     if _torch_clip_grad_norm is None:
         # Looked up at call time, as Hugging Face's Trainer and accelerate do.
         _torch_clip_grad_norm = torch.nn.utils.clip_grad.clip_grad_norm_
         torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
         torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
     if _optimizer_guard is None:
+        _generation += 1  # what optimizers carry from an earlier installation is stale
         _optimizer_guard = (register_optimizer_step_pre_hook(_refuse_flattened_params),
                             register_optimizer_step_post_hook(mark_optimizer_state))
         logger.debug("shardfuse installed its process-wide hooks (%s=0 turns them off)", ENV_VAR)
 
 
 def _uninstall() -> None:
-    global _torch_clip_grad_norm, _optimizer_guard
+    global _torch_clip_grad_norm, _optimizer_guard, _generation
     if _torch_clip_grad_norm is not None:
         # Give torch's function back only where it is still ours (someone may have patched it since).
         for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
@@ -280,8 +295,7 @@ def _uninstall() -> None:
         for handle in _optimizer_guard:
             handle.remove()
         _optimizer_guard = None
-    _checked_optimizers.clear()
-    _marks_seen.clear()
+    _generation += 1
 
 
 # ------------------------------------------------------------------------------------------------------

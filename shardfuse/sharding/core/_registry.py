@@ -1,14 +1,15 @@
-"""What shardfuse writes on torch objects, and the per-process registries keyed by them.
+"""What shardfuse writes on torch objects: marks and links to the flat-parameter handles.
 
-Marks are attributes set on modules and parameters at wrap time; the registries map a parameter's ``id`` to
-the flat-parameter handle that holds it (weakly, so neither keeps a model alive). They live apart from the
-storage (``_flat_param.py``) so set-up, guards and the process-wide hooks read them without importing it.
+Marks are attributes set on modules and parameters at wrap time. A parameter's link to the flat-parameter handle
+that holds it is an attribute too (:class:`HandleRef`, weak, so it keeps no model alive): no module-level table.
+They live apart from the storage (``_flat_param.py``) so set-up, guards and the process-wide hooks read them
+without importing it.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,44 +29,79 @@ SHARD_MARK_ATTR = "_shardfuse_shard"
 # The key under which an optimizer's per-parameter state carries that mark (see _process_hooks).
 SHARD_MARK_KEY = "shardfuse_shard"
 
-# id(sharded parameter) -> (the parameter, its FlatParamHandle), both weakly. Not an attribute: parameters must
-# stay picklable; not a WeakKeyDictionary: it compares tensors with ==.
-_HANDLES: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[Any]]] = {}
-# id(original parameter) -> (it, the handle it was flattened into, its unique index there), all weakly (as
-# _HANDLES): a later unit whose modules register it too borrows it from that handle.
-_FLATTENED: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[Any], int]] = {}
+# On a sharded parameter (flat, or an original-parameter view): the HandleRef to the handle whose shard it is.
+HANDLE_LINK = "_shardfuse_handle_link"
+# On an original parameter a unit flattened: the HandleRef to that handle, with the parameter's unique index there
+# (a later unit whose modules register it too borrows it from that handle).
+FLATTENED_LINK = "_shardfuse_flattened_link"
 
 
-def _forget(table: dict[int, Any], key: int) -> Callable[[Any], None]:
-    """A weakref callback: drop ``table[key]`` once its tensor is gone."""
-    return lambda _: table.pop(key, None)
+class HandleRef:
+    """A parameter's link to its ``FlatParamHandle``, kept as an attribute on the parameter itself.
+
+    Both ends are weak: the link keeps neither the handle (so not the model) nor the tensor alive. It holds for
+    the tensor it was made for only: a shallow copy of that tensor shares the attribute but is another object, so
+    :func:`handle_of` finds nothing for it; a deep copy gets a dead link. It pickles as an empty ``set``, a type
+    ``torch.load(weights_only=True)`` accepts, so a saved parameter or state dict loads without running code (the
+    loaded tensor has no handle; an unpickled handle links its shards again, ``FlatParamHandle.__setstate__``).
+    """
+
+    __slots__ = ("_owner", "_handle", "index")
+
+    def __init__(self, owner: torch.Tensor | None, handle: Any, index: int = -1) -> None:
+        self._owner = None if owner is None else weakref.ref(owner)
+        self._handle = None if handle is None else weakref.ref(handle)
+        self.index = index
+
+    def handle_for(self, t: torch.Tensor) -> Any | None:
+        """The handle, if this link was made for ``t`` and the handle is alive; else None."""
+        if self._owner is None or self._handle is None or self._owner() is not t:
+            return None
+        return self._handle()
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        return set, ()
+
+    def __copy__(self) -> HandleRef:
+        return self  # the owner check already refuses the copied tensor
+
+    def __deepcopy__(self, memo: dict) -> HandleRef:
+        return HandleRef(None, None, self.index)
+
+    def __repr__(self) -> str:
+        alive = self._handle is not None and self._handle() is not None
+        return f"HandleRef(index={self.index}, {'alive' if alive else 'dead'})"
+
+
+def _link(t: torch.Tensor, attr: str) -> HandleRef | None:
+    ref = t.__dict__.get(attr) if hasattr(t, "__dict__") else None
+    return ref if isinstance(ref, HandleRef) else None
 
 
 def register_handle(p: torch.Tensor, handle: Any) -> None:
-    """Enter ``p`` (a flat parameter or an original-parameter view) as a shard of ``handle``."""
-    key = id(p)
-    _HANDLES[key] = (weakref.ref(p, _forget(_HANDLES, key)), weakref.ref(handle))
+    """Link ``p`` (a flat parameter or an original-parameter view) to ``handle``, whose shard it is."""
+    p.__dict__[HANDLE_LINK] = HandleRef(p, handle)
 
 
 def handle_of(p: torch.Tensor) -> Any | None:
     """The handle whose shard ``p`` is (a flat parameter, or an original parameter's view), or None."""
-    entry = _HANDLES.get(id(p))
-    return entry[1]() if entry is not None and entry[0]() is p else None
+    ref = _link(p, HANDLE_LINK)
+    return None if ref is None else ref.handle_for(p)
 
 
 def register_flattened(p: torch.Tensor, handle: Any, index: int) -> None:
-    """Enter original parameter ``p`` as unique parameter ``index`` of ``handle``."""
-    key = id(p)
-    _FLATTENED[key] = (weakref.ref(p, _forget(_FLATTENED, key)), weakref.ref(handle), index)
+    """Link original parameter ``p`` to ``handle``, as its unique parameter ``index``."""
+    p.__dict__[FLATTENED_LINK] = HandleRef(p, handle, index)
 
 
 def flattened_into(p: torch.Tensor) -> tuple[Any, int] | None:
     """``(handle, unique index)`` of a parameter some unit already flattened: an original parameter, or its
     ``use_orig_params`` view; None for any other tensor."""
-    entry = _FLATTENED.get(id(p))
-    if entry is not None and entry[0]() is p:
-        h = entry[1]()
-        return None if h is None else (h, entry[2])
+    ref = _link(p, FLATTENED_LINK)
+    if ref is not None:
+        h = ref.handle_for(p)
+        if h is not None:
+            return h, ref.index
     h = handle_of(p)
     if h is not None and h.orig_views is not None:
         for i, v in enumerate(h.orig_views):

@@ -137,6 +137,9 @@ class Unit:
         # the state-dict, summon and clipping paths reach through the model the user holds. Weak: the optimizer
         # holds the model, and the model must not keep an optimizer the user dropped (and its worker) alive.
         self.host_engine: Callable[[], Any] | None = None
+        # The top unit only: the parts of the storage tiers below host memory that keep this tree's shards (the SSD
+        # tier's Tier, each owning its store: folder and I/O threads). Strong: the model owns them.
+        self.lower_tiers: list[Any] = []
         self.require_backward_grad_sync = True
         self.require_all_reduce = True  # hybrid sharding: all-reduce across replicas (set_requires_all_reduce)
         self.reshard_after_forward = config.reshard.reshard_after_forward  # effective value, set at lazy init
@@ -199,6 +202,7 @@ class Unit:
         # Units pickled before parameters could be shared across units borrow nothing.
         state.setdefault("borrowed", [])
         state.setdefault("host_engine", None)
+        state.setdefault("lower_tiers", [])
         state.setdefault("gather_handles", state["handles"])
         if isinstance(state.get("param_table"), list):
             state["param_table"] = {id(m): v for m, v in state["param_table"]}

@@ -15,9 +15,10 @@ Where the data of an SSD-backed flat parameter is, at each phase of a step:
   these hooks at its first step);
 - who owns what: the model. Its shards (:class:`~shardfuse.sharding.ssd._ssd_shard.SsdShard`, on the handles' host
   shards) hold their pages and files and the :class:`~shardfuse.sharding.ssd._ssd_shard.Tier` of the model's tree
-  (one per setting; the units wrapped first make theirs one when the unit around them is wrapped), which holds the
-  store of its directory (shared by the models with the same settings while they live). Freeing the model frees
-  them all, the files and, after the last model, the I/O threads; no module-level registry keeps any;
+  (one per setting; the units wrapped first make theirs one when the unit around them is wrapped, and their files
+  move into its folder), which owns its store: a folder and I/O threads of this model's own. The root wrapper's
+  state lists the tiers (``Unit.lower_tiers``). Freeing the model frees them all, the files, the folder and the
+  I/O threads; no module-level registry keeps any;
 - gradients stay in the pinned host buffers of :class:`~shardfuse.sharding.host._host_shard.HostShard`.
 
 Read-ahead: two learned sequences (``_ssd_keep.OrderLearner``), the gathers and the optimizer steps, each remembering
@@ -47,9 +48,10 @@ from shardfuse.sharding.core._tree import units_below
 from shardfuse.sharding.host import _backing
 from shardfuse.sharding.ssd._ssd_config import OffloadConfig
 from shardfuse.sharding.ssd._ssd_shard import SsdHostShard, SsdShard, Tier, host_of, own_storage, ssd_host, ssd_of
+from shardfuse.sharding.ssd._ssd_store import SsdStore
 
-__all__ = ["attach", "host_after_engine", "leave_tier", "main_waits", "own_storage", "page_in_optimizer_state",
-           "page_in_tree", "prepare", "refuse", "ssd_host", "tiers_below"]
+__all__ = ["attach", "host_after_engine", "io_bytes", "io_modes", "leave_tier", "main_waits", "own_storage",
+           "page_in_optimizer_state", "page_in_tree", "prepare", "refuse", "ssd_host", "stores_of", "tiers_below"]
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +119,29 @@ def attach(handles: Iterable[FlatParamHandle], config: OffloadConfig, unit_name:
         if not h.flat.untyped_storage().resizable():
             raise RuntimeError(f"the shards of {unit_name} need prepare() before their views are made")
         h.host = SsdHostShard(h.flat, SsdShard(h, tier, name, unit, i), pin=torch.cuda.is_available(), unit=unit)
+    if unit is not None:  # the top unit (the root wrapper's state) lists its tree's tiers; the units inside, none
+        for u in units_below(unit)[1:]:
+            u.lower_tiers = []
+        unit.lower_tiers = tiers_below(unit)
+
+
+def stores_of(model: Any) -> list[SsdStore]:
+    """The SSD stores of a wrapped model (or runtime unit) and the units nested in it: one per setting, each with
+    its own folder and I/O threads."""
+    unit = getattr(model, "_unit", model)
+    return [t.store for t in tiers_below(unit)]
+
+
+def io_bytes(model: Any) -> tuple[int, int]:
+    """Bytes read and written so far by the SSD stores of ``model`` (benchmarks report them per step)."""
+    stores = stores_of(model)
+    return sum(s.bytes_read for s in stores), sum(s.bytes_written for s in stores)
+
+
+def io_modes(model: Any) -> dict[str, str]:
+    """Each SSD store of ``model``: its folder and its ``io_mode`` (``"direct"``, ``"buffered"``, or the fallback
+    and why)."""
+    return {s.dir: s.io_mode for s in stores_of(model)}
 
 
 def host_after_engine(h: FlatParamHandle) -> SsdHostShard | None:

@@ -21,7 +21,7 @@ from shardfuse.sharding.ssd._ssd_config import OffloadConfig
 from shardfuse.sharding.ssd._ssd_face import Label
 from shardfuse.sharding.ssd._ssd_keep import Keep, OrderLearner
 from shardfuse.sharding.ssd._ssd_page import Page, PageState
-from shardfuse.sharding.ssd._ssd_store import SsdStore, TensorFile, store_for
+from shardfuse.sharding.ssd._ssd_store import SsdStore, TensorFile, new_store
 
 logger = logging.getLogger(__name__)
 
@@ -31,13 +31,12 @@ _READ_STATE = "read the optimizer state through optimizer.state_dict() (it reads
 
 
 class Tier:
-    """What the SSD-backed shards of one directory and setting share: the store, the learned orders, the shards
-    read ahead but not used yet."""
+    """What the SSD-backed shards of one model and setting share: the store (its own folder and I/O threads, owned
+    here: freed with the model), the learned orders, the shards read ahead but not used yet."""
 
     def __init__(self, config: OffloadConfig) -> None:
         self.config = config
-        self.store: SsdStore = store_for(config.directory or "", config.io_threads, config.chunk_mb,
-                                               config.direct_io)
+        self.store: SsdStore = new_store(config.directory or "", config.io_threads, config.chunk_mb, config.direct_io)
         self.gathers = OrderLearner(config.read_ahead)
         self.keep = Keep(config.read_ahead)  # shards kept in memory between two uses in one step (_ssd_keep.py)
         self.steps = OrderLearner(config.read_ahead)
@@ -224,8 +223,11 @@ class SsdShard:
             page.file.settle()
 
     def move_to(self, tier: Tier) -> None:
-        """Wrap time: share ``tier`` (a unit wrapped around this shard's unit made the tiers of its tree one)."""
+        """Wrap time: share ``tier`` (a unit wrapped around this shard's unit made the tiers of its tree one); the
+        files move into its store's folder."""
         self.tier = tier
+        for file in {id(f): f for f in [self.param.file, *self._state_files.values()]}.values():
+            file.move_to(tier.store)
         for page in self.pages(state=True):
             page.tier = tier
             tier.largest = max(tier.largest, page.nbytes)

@@ -1,16 +1,16 @@
 """The files of the SSD offload tier and the threads that read and write them.
 
-One :class:`SsdStore` per directory and I/O settings in a process, shared by the models that use them and gone
-with the last of them (its files hold it): it makes ``<dir>/shardfuse-ssd-rank<r>-pid<p>-<token>/`` at its
-first file, one :class:`TensorFile` per tensor (a flat shard, one optimizer state of it), and a pool of
-``io_threads`` threads. A transfer is cut into ``chunk_mb`` pieces read or written in parallel with
-``os.preadv``/``os.pwrite`` (they release the GIL); the operations on one file run in the order they were
-queued (a read queued after a write reads what was written). An error names the file, and is re-raised by
-whoever waits for the operation. With ``direct_io`` the files bypass the page cache (``O_DIRECT``, the rules in
-``_ssd_direct.py``) where the file system takes it, else the store falls back to buffered I/O (``io_mode`` says
-which is in use). A file is deleted when its :class:`TensorFile` is collected (the model freed and the I/O queued on
-it done: no I/O thread keeps a file past its last operation) or at interpreter exit; the directory when its last
-file is gone. Files of a process killed by a signal stay.
+One :class:`SsdStore` per model and setting, owned by that model's SSD tier (``_ssd_shard.Tier``; no module-level
+table): it makes its own folder ``<dir>/shardfuse-ssd-rank<r>-pid<p>-<token>/`` at its first file (two models under
+one directory get two folders), one :class:`TensorFile` per tensor (a flat shard, one optimizer state of it), and a
+pool of ``io_threads`` threads of its own, which end when the model (so the store) is freed. A transfer is cut into
+``chunk_mb`` pieces read or written in parallel with ``os.preadv``/``os.pwrite`` (they release the GIL); the
+operations on one file run in the order they were queued (a read queued after a write reads what was written). An
+error names the file, and is re-raised by whoever waits for the operation. With ``direct_io`` the files bypass the
+page cache (``O_DIRECT``, the rules in ``_ssd_direct.py``) where the file system takes it, else the store falls back
+to buffered I/O (``io_mode`` says which is in use). A file is deleted when its :class:`TensorFile` is collected (the
+model freed and the I/O queued on it done: no I/O thread keeps a file past its last operation) or at interpreter
+exit; the directory when its last file is gone. Files of a process killed by a signal stay.
 """
 
 from __future__ import annotations
@@ -133,7 +133,25 @@ class TensorFile:
         self.fd = os.open(path, flags | (O_DIRECT if self.direct else 0), 0o600)
         self._last: IOOp | None = None
         self._lock = threading.Lock()
-        weakref.finalize(self, store.forget, self.fd, path)
+        self._finalizer = weakref.finalize(self, store.forget, self.fd, path)
+
+    def move_to(self, store: SsdStore) -> None:
+        """Wrap time: the file joins ``store`` (the tier of the unit wrapped around its own): renamed into that
+        store's folder (its descriptor stays open), its operations on that store's threads from now on."""
+        if store is self.store:
+            return
+        self.settle()
+        old_store, old_path = self.store, self.path
+        path = store.claim(os.path.basename(old_path).split("-", 1)[-1].removesuffix(".bin"))
+        try:
+            os.rename(old_path, path)
+        except OSError as err:
+            store.forget(-1, path)
+            raise OSError(err.errno, f"SSD offload: cannot move {old_path} into {store.dir} ({err.strerror})") from err
+        self._finalizer.detach()
+        self.store, self.path = store, path
+        self._finalizer = weakref.finalize(self, store.forget, self.fd, path)
+        old_store.forget(-1, old_path)  # no longer there: counts the old folder's file out (removed after its last)
 
     def write(self, t: torch.Tensor, on_done: Callable[[BaseException | None], None] | None = None) -> IOOp:
         """Queue writing ``t`` (which must stay resident until the operation is done)."""
@@ -265,7 +283,9 @@ class SsdStore:
             self.bytes_read += read
             self.bytes_written += written
 
-    def new_file(self, name: str) -> TensorFile:
+    def claim(self, name: str) -> str:
+        """The path of a new file ``name`` in the folder (made now, and its ``O_DIRECT`` probed, at the first),
+        counted as one of its files (:meth:`forget` counts it out)."""
         with self._lock:
             # Counted first: a file freed meanwhile (a finalizer run by a collection on this thread) cannot make
             # the count 0 and remove the directory under this one.
@@ -278,7 +298,10 @@ class SsdStore:
             except BaseException:
                 self._count -= 1
                 raise
-            path = os.path.join(self.dir, f"{self._serial:05d}-{name}.bin")
+            return os.path.join(self.dir, f"{self._serial:05d}-{name}.bin")
+
+    def new_file(self, name: str) -> TensorFile:
+        path = self.claim(name)
         try:
             return TensorFile(self, path)
         except OSError as err:
@@ -328,32 +351,8 @@ class SsdStore:
         return release
 
 
-# The live stores, held weakly: a store belongs to the tiers and files that use it (so to their models), and
-# goes (its I/O threads with it) after the last of them; this only lets models with the same settings share one.
-_STORES: weakref.WeakValueDictionary[tuple[str, int, int, bool], SsdStore] = weakref.WeakValueDictionary()
-_STORES_LOCK = threading.Lock()
-
-
-def store_for(root: str, threads: int, chunk_mb: int, direct_io: bool = False) -> SsdStore:
-    """The process's store under ``root`` (one per directory and I/O settings while any model uses it)."""
+def new_store(root: str, threads: int, chunk_mb: int, direct_io: bool = False) -> SsdStore:
+    """A store of its own under ``root`` for one model's tier (its folder named with this process's rank)."""
     rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() \
         else 0
-    key = (root, threads, chunk_mb, direct_io)
-    with _STORES_LOCK:
-        store = _STORES.get(key)
-        if store is None:
-            store = _STORES[key] = SsdStore(root, threads, chunk_mb, rank, direct_io)
-        return store
-
-
-def io_bytes() -> tuple[int, int]:
-    """Bytes read and written so far by every live store of this process."""
-    with _STORES_LOCK:
-        stores = list(_STORES.values())
-    return sum(s.bytes_read for s in stores), sum(s.bytes_written for s in stores)
-
-
-def io_modes() -> dict[str, str]:
-    """Each store's directory and its ``io_mode`` (``"direct"``, ``"buffered"``, or the fallback and why)."""
-    with _STORES_LOCK:
-        return {s.dir: s.io_mode for s in _STORES.values()}
+    return SsdStore(root, threads, chunk_mb, rank, direct_io)
