@@ -210,13 +210,6 @@ def test_clip_grad_norm(pool):
     assert all(pool.run(check_clip_grad_norm))
 
 
-def test_convert_refuses_the_fsdp2_float8_all_gather():
-    from torchao.float8 import Float8LinearConfig
-
-    with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather=True asks for torchao's float8 all-gather"):
-        convert_to_float8_training(Net(), config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
-
-
 def test_convert_refuses_a_wrapped_model(pool):
     assert all(pool.run(check_refuses_wrapped))
 

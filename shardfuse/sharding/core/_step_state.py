@@ -22,6 +22,9 @@ class HandleStep:
     """The shard's version counter at that gather: a changed shard (an optimizer step) is gathered again."""
     forward_version: int | None = None
     """The shard's version when forward last used it: backward must see the same parameters."""
+    float8: bool = False
+    """The gathered buffer is the float8 bytes of a float8 flat parameter (``_fp8_gather.py``), not the
+    compute-dtype full buffer."""
     ag_event: Any = None
     """The event of a pending all-gather the compute stream has not waited for yet (None on the CPU)."""
     fired: bool = False
