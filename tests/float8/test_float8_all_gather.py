@@ -17,6 +17,7 @@ pytest.importorskip("torchao.float8", reason="float8 training needs torchao")
 
 from torchao.float8 import Float8LinearConfig  # noqa: E402
 
+from shardfuse import FullyShardedDataParallel as FSDP  # noqa: E402
 from shardfuse.float8 import convert_to_float8_training  # noqa: E402
 from tests.float8.test_float8_training import Net, batch, loss_of, reference_step, wrap  # noqa: E402
 
@@ -202,3 +203,179 @@ def test_convert_keeps_plain_weights_and_marks_them():
     with pytest.raises(ValueError, match="casts to torch.float8_e4m3fn only"):
         convert_to_float8_training(Net(), config=Float8LinearConfig(
             enable_fsdp_float8_all_gather=True, cast_config_weight=CastConfig(target_dtype=torch.float8_e5m2)))
+
+
+def float8_handles(model: nn.Module) -> list:
+    from shardfuse.sharding.core._tree import require_unit
+
+    return [h for m in model.modules() if isinstance(m, FSDP) for h in require_unit(m).handles if h.fp8 is not None]
+
+
+def check_wire_is_uint8() -> bool:
+    """Every float8 flat parameter is all-gathered as uint8 (its compute-dtype full buffer never allocated),
+    after one all_reduce(MAX) of its amaxes per changed shard; the others in their compute dtype."""
+    from shardfuse.sharding.core import _collectives as coll
+
+    rank = dist.get_rank()
+    model = wrap(build())
+    gathers: list[tuple[torch.dtype, int]] = []
+    reduces: list[str] = []
+    gather, reduce = coll.all_gather_into, coll.all_reduce_
+
+    def spy_gather(out: torch.Tensor, inp: torch.Tensor, group: object, world: int) -> None:
+        handles = float8_handles(model)
+        assert all(h.full_data is None or h.full_data.untyped_storage().size() == 0 for h in handles)
+        gathers.append((out.dtype, out.numel()))
+        gather(out, inp, group, world)
+
+    def spy_reduce(t: torch.Tensor, group: object, world: int, op: str = "sum") -> torch.Tensor:
+        reduces.append(op)
+        return reduce(t, group, world, op)
+
+    coll.all_gather_into, coll.all_reduce_ = spy_gather, spy_reduce
+    try:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(2):
+            gathers.clear()
+            reduces.clear()
+            loss_of(model, *batch(step, rank, "cpu")).backward()
+            opt.step()
+            opt.zero_grad()
+            handles = float8_handles(model)
+            # 3 float8 flat parameters (the root's inp, fc1 + fc2 of each block); a gather again for backward
+            # keeps the scales of forward: one all-reduce each per step
+            assert len(handles) == 3 and reduces == ["max"] * 3, reduces
+            fp8 = [n for d, n in gathers if d == torch.uint8]
+            assert len(fp8) >= 3 and set(fp8) == {h.padded_numel for h in handles}, (gathers, fp8)
+            assert {d for d, _ in gathers} == {torch.uint8, torch.float32}
+    finally:
+        coll.all_gather_into, coll.all_reduce_ = gather, reduce
+    return True
+
+
+def test_wire_dtype_is_uint8(pool):
+    assert all(pool.run(check_wire_is_uint8))
+
+
+def train_both(steps: int, max_norm: float, **kw) -> tuple[list[FSDP], list[list[float]], list[list[float]]]:
+    """The float8 all-gather model and the compute-dtype gather one, trained alike with ``no_sync`` micro-steps
+    and clipping; returns the models, their losses and their gradient norms."""
+    rank = dist.get_rank()
+    models, records, norms = [], [], []
+    for gather in (True, False):
+        model = wrap(build(gather), **kw)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        rec, rec_norms = [], []
+        for step in range(steps):
+            with model.no_sync():
+                loss_of(model, *batch(step, rank + 2, "cpu")).backward()
+            loss = loss_of(model, *batch(step, rank, "cpu"))
+            loss.backward()
+            rec_norms.append(model.clip_grad_norm_(max_norm).item())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            rec.append(loss.item())
+        models.append(model)
+        records.append(rec)
+        norms.append(rec_norms)
+    return models, records, norms
+
+
+def check_same_as_compute_dtype_gather() -> bool:
+    """no_sync, clip_grad_norm_, summon_full_params and full/local state dicts agree bit for bit with the
+    compute-dtype gather (whose layers cast the same full weight with the same scale). The gradient norm sums
+    over other flat parameters (the float8 weights have their own), so it may differ in its last bit: clipping
+    that binds is compared to a tolerance, the rest with a max_norm that does not bind (coefficient 1)."""
+    _, (rec_ours, rec_plain), (norms_ours, norms_plain) = train_both(2, max_norm=0.05)
+    assert rec_ours == rec_plain, (rec_ours, rec_plain)
+    torch.testing.assert_close(norms_ours, norms_plain, rtol=1e-6, atol=0)
+    (ours, plain), (rec_ours, rec_plain), (norms_ours, norms_plain) = train_both(3, max_norm=100.0)
+    assert rec_ours == rec_plain, (rec_ours, rec_plain)
+    torch.testing.assert_close(norms_ours, norms_plain, rtol=1e-6, atol=0)
+    full, full_plain = ours.state_dict(), plain.state_dict()
+    assert list(full) == list(full_plain) and all(torch.equal(full[k], full_plain[k]) for k in full)
+    for model in (ours, plain):
+        with model.summon_full_params():
+            fc1 = model.module.blocks[0].module.fc1
+            assert torch.equal(fc1.weight, full["blocks.0.fc1.weight"]) and fc1.weight.dtype == torch.float32
+            with torch.no_grad():
+                fc1.weight.mul_(0.5)  # written back: the next gather scales the changed shard again
+    x = batch(5, dist.get_rank(), "cpu")[0]
+    assert torch.equal(ours(x), plain(x))
+    fresh = wrap(build())
+    fresh.load_local_state_dict(ours.local_state_dict())
+    assert torch.equal(fresh(x), plain(x))
+    return True
+
+
+def test_same_as_compute_dtype_gather(pool):
+    assert all(pool.run(check_same_as_compute_dtype_gather))
+
+
+def check_host_shards_fall_back() -> bool:
+    """Shards stepped on the host (OffloadOptimizer over move_params_to_cpu) are gathered in the compute dtype:
+    the layers get plain weights and train as the model converted without the float8 all-gather."""
+    from shardfuse import OffloadOptimizer
+
+    rank = dist.get_rank()
+    results = []
+    for gather in (True, False):
+        model = wrap(build(gather), move_params_to_cpu=True)
+        seen: list[str] = []
+        for m in float8_layers(model).values():
+            m.register_forward_pre_hook(lambda mod, args, seen=seen: seen.append(type(mod.weight).__name__))
+        opt = OffloadOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+        losses = []
+        for step in range(2):
+            loss = loss_of(model, *batch(step, rank, "cpu"))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        assert set(seen) == {"Tensor"}, set(seen)
+        results.append((losses, model.state_dict()))
+    (losses, sd), (want, want_sd) = results
+    assert losses == want and all(torch.equal(sd[k], want_sd[k]) for k in want_sd)
+    return True
+
+
+def test_host_shards_fall_back_to_the_compute_dtype_gather(pool):
+    assert all(pool.run(check_host_shards_fall_back))
+
+
+def check_capture_step() -> bool:
+    """capture_step (on the host: the step runs eagerly under the capture contract) follows the eager loop."""
+    import shardfuse
+
+    rank = dist.get_rank()
+    results = []
+    for captured in (True, False):
+        model = wrap(build())
+        seen = spy_weights(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+        def step(x: torch.Tensor, y: torch.Tensor, model: FSDP = model,
+                 opt: torch.optim.Optimizer = opt) -> torch.Tensor:
+            loss = loss_of(model, x, y)
+            loss.backward()
+            model.clip_grad_norm_(0.05)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        batches = [batch(k, rank, "cpu") for k in range(3)]
+        if captured:
+            with shardfuse.capture_step(step, *batches[0], warmup=1) as train_step:
+                losses = [train_step(*b).item() for b in batches[1:]]
+        else:
+            step(*batches[0])
+            losses = [step(*b).item() for b in batches[1:]]
+        assert len(seen) == 5
+        results.append((losses, model.state_dict()))
+    (losses, sd), (want, want_sd) = results
+    assert losses == want and all(torch.equal(sd[k], want_sd[k]) for k in want_sd)
+    return True
+
+
+def test_capture_step(pool):
+    assert all(pool.run(check_capture_step))
