@@ -104,6 +104,45 @@ def test_bytes_and_scales_equal_torchao(pool):
     assert all(pool.run(check_bytes_equal_torchao))
 
 
+def check_dcp_round_trip(path: str) -> bool:
+    """A sharded (DCP) checkpoint of a trained model loads into a fresh one (model and optimizer), whose next
+    gather scales the loaded shards: the same bytes, scales and next losses as the saved model."""
+    import torch.distributed.checkpoint as dcp
+
+    rank = dist.get_rank()
+    models = []
+    for _ in range(2):
+        model = wrap(build())
+        models.append((model, torch.optim.AdamW(model.parameters(), lr=1e-2), spy_weights(model)))
+    (saved, opt, seen), (fresh, fresh_opt, seen_fresh) = models
+    for step in range(2):
+        loss_of(saved, *batch(step, rank, "cpu")).backward()
+        opt.step()
+        opt.zero_grad()
+    loss_of(fresh, *batch(0, rank + 5, "cpu")).backward()  # fresh has gathered (and scaled) its own weights once
+    fresh_opt.step()
+    fresh_opt.zero_grad()
+    dcp.save(saved.sharded_state_dict(opt), checkpoint_id=path)
+    state = fresh.sharded_state_dict(fresh_opt)
+    dcp.load(state, checkpoint_id=path)
+    fresh.load_sharded_state_dict(state, fresh_opt)
+    for step in (2, 3):
+        losses = []
+        for model, o in ((saved, opt), (fresh, fresh_opt)):
+            loss = loss_of(model, *batch(step, rank, "cpu"))
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        assert losses[0] == losses[1], (step, losses)
+        assert_same_float8(seen_fresh, seen)
+    return True
+
+
+def test_dcp_round_trip(pool, tmp_path):
+    assert all(pool.run(check_dcp_round_trip, str(tmp_path)))
+
+
 def compile_blocks(model: Net) -> Net:
     """Each block's forward compiled (before wrapping: the wrappers' hooks run eagerly around it)."""
     for b in model.blocks:
