@@ -39,9 +39,9 @@ class HandleStep:
         # Runs for every flat parameter at the end of every backward: one dict update from the defaults read
         # once from the fields (below the class), not a dataclasses.fields() walk and a setattr per field.
         if keep_full:
-            kept = (self.is_full, self.gathered_version, self.ag_event)
+            kept = (self.is_full, self.float8, self.gathered_version, self.ag_event)
             self.__dict__.update(_DEFAULTS)
-            self.is_full, self.gathered_version, self.ag_event = kept
+            self.is_full, self.float8, self.gathered_version, self.ag_event = kept
         else:
             self.__dict__.update(_DEFAULTS)
 
