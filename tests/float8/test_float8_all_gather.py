@@ -39,14 +39,19 @@ def float8_layers(model: nn.Module) -> dict[str, nn.Module]:
     return out
 
 
-def spy_weights(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Record (float8 bytes as uint8, scale) of each Float8Linear's weight at its forwards (latest wins)."""
+def spy_weights(model: nn.Module, plain: bool = False) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Record (float8 bytes as uint8, scale) of each Float8Linear's weight at its forwards (latest wins);
+    ``plain``: the weights are gathered in the compute dtype, record (weight, 1)."""
     seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def keep(mod: nn.Module, args: object, key: str) -> None:
         w = mod.weight
         while hasattr(w, "_local_tensor"):  # FSDP2: a DTensor around the Float8TrainingTensor
             w = w._local_tensor
+        if plain:
+            assert type(w) is torch.Tensor, (key, type(w))
+            seen[key] = (w.detach().clone(), torch.ones(()))
+            return
         assert type(w).__name__ == "Float8TrainingTensor", (key, type(w))
         seen[key] = (w._data.view(torch.uint8).clone(), w._scale.detach().clone())
 
@@ -104,16 +109,17 @@ def test_bytes_and_scales_equal_torchao(pool):
     assert all(pool.run(check_bytes_equal_torchao))
 
 
-def check_dcp_round_trip(path: str) -> bool:
+def check_dcp_round_trip(path: str, gather: bool = True) -> bool:
     """A sharded (DCP) checkpoint of a trained model loads into a fresh one (model and optimizer), whose next
-    gather scales the loaded shards: the same bytes, scales and next losses as the saved model."""
+    gather scales the loaded shards: the same bytes, scales and next losses as the saved model. ``gather``
+    False: the same with the compute-dtype gather (the layers cast their gathered weights)."""
     import torch.distributed.checkpoint as dcp
 
     rank = dist.get_rank()
     models = []
     for _ in range(2):
-        model = wrap(build())
-        models.append((model, torch.optim.AdamW(model.parameters(), lr=1e-2), spy_weights(model)))
+        model = wrap(build(gather))
+        models.append((model, torch.optim.AdamW(model.parameters(), lr=1e-2), spy_weights(model, not gather)))
     (saved, opt, seen), (fresh, fresh_opt, seen_fresh) = models
     for step in range(2):
         loss_of(saved, *batch(step, rank, "cpu")).backward()
@@ -139,8 +145,9 @@ def check_dcp_round_trip(path: str) -> bool:
     return True
 
 
-def test_dcp_round_trip(pool, tmp_path):
-    assert all(pool.run(check_dcp_round_trip, str(tmp_path)))
+@pytest.mark.parametrize("gather", [True, False], ids=["float8_gather", "compute_dtype_gather"])
+def test_dcp_round_trip(pool, tmp_path, gather):
+    assert all(pool.run(check_dcp_round_trip, str(tmp_path), gather))
 
 
 def compile_blocks(model: Net) -> Net:
@@ -394,15 +401,16 @@ def test_host_shards_fall_back_to_the_compute_dtype_gather(pool):
     assert all(pool.run(check_host_shards_fall_back))
 
 
-def check_capture_step() -> bool:
-    """capture_step (on the host: the step runs eagerly under the capture contract) follows the eager loop."""
+def check_capture_step(gather: bool = True) -> bool:
+    """capture_step (on the host: the step runs eagerly under the capture contract) follows the eager loop, with
+    the float8 all-gather or (``gather`` False) the compute-dtype one."""
     import shardfuse
 
     rank = dist.get_rank()
     results = []
     for captured in (True, False):
-        model = wrap(build())
-        seen = spy_weights(model)
+        model = wrap(build(gather))
+        seen = spy_weights(model, not gather)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
         def step(x: torch.Tensor, y: torch.Tensor, model: FSDP = model,
@@ -428,5 +436,6 @@ def check_capture_step() -> bool:
     return True
 
 
-def test_capture_step(pool):
-    assert all(pool.run(check_capture_step))
+@pytest.mark.parametrize("gather", [True, False], ids=["float8_gather", "compute_dtype_gather"])
+def test_capture_step(pool, gather):
+    assert all(pool.run(check_capture_step, gather))
