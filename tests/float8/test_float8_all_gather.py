@@ -370,6 +370,21 @@ def test_same_as_compute_dtype_gather(pool):
     assert all(pool.run(check_same_as_compute_dtype_gather))
 
 
+def check_orig_params_same_as_compute_dtype_gather() -> bool:
+    """use_orig_params=True: the optimizer steps the original parameters' views of the float8 flat shards."""
+    (ours, plain), (rec_ours, rec_plain), _ = train_both(2, max_norm=100.0, use_orig_params=True)
+    assert rec_ours == rec_plain, (rec_ours, rec_plain)
+    names = [n for n, _ in plain.named_parameters()]
+    assert sorted(n for n, _ in ours.named_parameters()) == sorted(names)
+    full, full_plain = ours.state_dict(), plain.state_dict()
+    assert all(torch.equal(full[k], full_plain[k]) for k in full_plain)
+    return True
+
+
+def test_orig_params_same_as_compute_dtype_gather(pool):
+    assert all(pool.run(check_orig_params_same_as_compute_dtype_gather))
+
+
 def check_host_shards_fall_back() -> bool:
     """Shards stepped on the host (OffloadOptimizer over move_params_to_cpu) are gathered in the compute dtype:
     the layers get plain weights and train as the model converted without the float8 all-gather."""
