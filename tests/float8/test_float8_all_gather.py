@@ -454,3 +454,30 @@ def check_capture_step(gather: bool = True) -> bool:
 @pytest.mark.parametrize("gather", [True, False], ids=["float8_gather", "compute_dtype_gather"])
 def test_capture_step(pool, gather):
     assert all(pool.run(check_capture_step, gather))
+
+
+def check_pickle_round_trip() -> bool:
+    """A trained float8-gather model pickles without its gathered bytes and scales; the copy (process groups set
+    again) gathers and scales its shards anew and trains exactly as the original."""
+    import copy
+
+    rank = dist.get_rank()
+    model = wrap(build())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    loss_of(model, *batch(0, rank, "cpu")).backward()
+    opt.step()
+    twin = copy.deepcopy(model)  # the pickle protocol
+    for m in twin.modules():
+        if isinstance(m, FSDP):
+            m.process_group = m.process_group_reduce_scatter = dist.group.WORLD
+    assert all(h.fp8 is not None and h.fp8.data is None and h.fp8.scaled_for is None for h in float8_handles(twin))
+    seen, seen_twin = spy_weights(model), spy_weights(twin)
+    x = batch(1, rank, "cpu")[0]
+    with torch.no_grad():
+        assert torch.equal(model(x), twin(x))
+    assert_same_float8(seen_twin, seen)
+    return True
+
+
+def test_pickle_round_trip(pool):
+    assert all(pool.run(check_pickle_round_trip))
