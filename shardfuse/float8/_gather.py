@@ -33,10 +33,13 @@ class TorchaoFloat8Weights:
         return name == "weight" and gathers_in_float8(module)
 
     @staticmethod
-    def amax_to_scale(amax: torch.Tensor, module: Any) -> torch.Tensor:
+    def amax_to_scale(amax: torch.Tensor, modules: list[Any]) -> torch.Tensor:
+        """torchao's ``amax_to_scale`` of each weight's amax, with its layer's weight dtype and rounding."""
         utils: Any = importlib.import_module("torchao.float8.float8_utils")
-        config = module.config
-        return utils.amax_to_scale(amax, config.cast_config_weight.target_dtype, config.round_scales_to_power_of_2)
+        settings = [(m.config.cast_config_weight.target_dtype, m.config.round_scales_to_power_of_2) for m in modules]
+        if len(set(settings)) == 1:  # the usual case: one config for every layer, one call on the whole vector
+            return utils.amax_to_scale(amax, *settings[0])
+        return torch.stack([utils.amax_to_scale(a, *s) for a, s in zip(amax.unbind(), settings)])
 
     @staticmethod
     def weight(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, module: Any) -> torch.Tensor:

@@ -68,7 +68,8 @@ def torchao_cast(ref: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]
     out = {}
     for key, m in float8_layers(ref).items():
         t = hp_tensor_to_float8_dynamic(m.weight.detach(), torch.float8_e4m3fn, m.linear_mm_config,
-                                        gemm_input_role=GemmInputRole.WEIGHT)
+                                        gemm_input_role=GemmInputRole.WEIGHT,
+                                        round_scales_to_power_of_2=m.config.round_scales_to_power_of_2)
         out[key] = (t._data.view(torch.uint8), t._scale)
     return out
 
@@ -107,6 +108,32 @@ def check_bytes_equal_torchao() -> bool:
 
 def test_bytes_and_scales_equal_torchao(pool):
     assert all(pool.run(check_bytes_equal_torchao))
+
+
+def check_layer_settings_within_one_flat_parameter() -> bool:
+    """Each weight is scaled with its own layer's settings: the fc1 layers round their scales down to powers of 2,
+    the fc2 layers (in the same flat parameters) do not."""
+    rank = dist.get_rank()
+    torch.manual_seed(7)
+    model = Net()
+    for block in model.blocks:
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, round_scales_to_power_of_2=True)
+        block.fc1 = convert_to_float8_training(nn.Sequential(block.fc1), config=config)[0]
+    model = convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+                                       module_filter_fn=lambda m, fqn: type(m) is nn.Linear and fqn != "head")
+    wrapped = wrap(model)
+    seen = spy_weights(wrapped)
+    wrapped(batch(0, rank, "cpu")[0])
+    with wrapped.summon_full_params():
+        want = torchao_cast(wrapped)
+    scale = want["blocks.0.fc1"][1]
+    assert torch.equal(scale, torch.exp2(torch.floor(torch.log2(scale)))), scale  # a power of 2
+    assert_same_float8(seen, want)
+    return True
+
+
+def test_layer_settings_within_one_flat_parameter(pool):
+    assert all(pool.run(check_layer_settings_within_one_flat_parameter))
 
 
 def check_dcp_round_trip(path: str, gather: bool = True) -> bool:

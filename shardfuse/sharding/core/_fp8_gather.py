@@ -7,7 +7,8 @@ flat parameters of their own (groups keyed ``(dtype, requires_grad, float8)``). 
 with three static methods:
 
 - ``marks(module, name, param) -> bool``: ``module.<name>`` is a weight to all-gather in float8;
-- ``amax_to_scale(amax, module) -> Tensor``: the float32 scales of a vector of amaxes (the library's formula);
+- ``amax_to_scale(amax, modules) -> Tensor``: the float32 scales of a vector of amaxes, one per weight of
+  ``modules`` (the library's formula, with each layer's settings);
 - ``weight(data, scale, dtype, module) -> Tensor``: the layer's weight over ``data`` (float8, the weight's shape)
   and ``scale`` (0-dim float32), whose matmul casts nothing again and whose gradient is a plain ``dtype`` tensor.
 
@@ -102,7 +103,7 @@ class Float8Gather:
         if key != self.scaled_for:
             amax = dp.fp8_amax(segments)
             coll.all_reduce_(amax, group, world_size, op="max")
-            scales.copy_(self.marker.amax_to_scale(amax, self.modules[0]))
+            scales.copy_(self.marker.amax_to_scale(amax, self.modules))
             self.scaled_for = key
         shard_numel = padded_numel // world_size
         local = self.data.narrow(0, rank * shard_numel, shard_numel)
