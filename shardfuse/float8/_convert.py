@@ -7,10 +7,11 @@ the matmuls run in float8, the all-gather in the compute dtype.
 
 Two things differ from calling torchao directly:
 
-- ``enable_fsdp_float8_all_gather=True`` is refused. It wraps each weight in torchao's
-  ``WeightWithDynamicFloat8CastTensor``, whose ``fsdp_pre_all_gather``/``fsdp_post_all_gather`` hooks only
-  PyTorch's FSDP2 calls; shardfuse would flatten the weights into plain tensors and silently all-gather them in
-  the compute dtype (docs/design.md, "Float8 all-gather", is the plan for shardfuse's own).
+- ``enable_fsdp_float8_all_gather=True`` turns on shardfuse's own float8 all-gather (docs/design.md, "Float8
+  all-gather"): the weights stay plain parameters (torchao's ``WeightWithDynamicFloat8CastTensor``, whose hooks
+  only FSDP2 calls, is taken off), and a marker registered here gives them flat parameters of their own, gathered
+  as float8 bytes with torchao's tensorwise dynamic scale. Shards on the host (``OffloadOptimizer``,
+  ``move_params_to_cpu``) are gathered in the compute dtype instead.
 - By default only the layers ``torch._scaled_mm`` can run are converted (:func:`float8_compatible`: both
   dimensions multiples of 16); the others stay ``nn.Linear`` and are logged.
 
@@ -25,6 +26,10 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
+
+from shardfuse.float8._gather import TorchaoFloat8Weights, gathers_in_float8
+from shardfuse.kernels._fp8 import FP8_DTYPE
+from shardfuse.sharding.core._fp8_gather import register_marker
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +51,9 @@ def convert_to_float8_training(
 ) -> nn.Module:
     """Swap ``module``'s ``nn.Linear`` layers for torchao's ``Float8Linear`` (in place; returns ``module``).
 
-    ``config``: a ``torchao.float8.Float8LinearConfig`` (default: tensorwise dynamic scaling); its
-    ``enable_fsdp_float8_all_gather`` must be False. ``module_filter_fn(module, fqn)``: which layers to convert
+    ``config``: a ``torchao.float8.Float8LinearConfig`` (default: tensorwise dynamic scaling); with
+    ``enable_fsdp_float8_all_gather=True`` shardfuse gathers the converted weights in float8 (e4m3 only).
+    ``module_filter_fn(module, fqn)``: which layers to convert
     (default: :func:`float8_compatible`, logging the linear layers it leaves alone). Raises ``ImportError``
     when torchao is not installed and ``ValueError`` for a config shardfuse cannot honour.
     """
@@ -62,15 +68,36 @@ def convert_to_float8_training(
     except ImportError as e:
         raise ImportError(f"float8 training needs torchao ({e}): pip install 'shardfuse[float8]'") from e
     config = torchao_float8.Float8LinearConfig() if config is None else config
-    if getattr(config, "enable_fsdp_float8_all_gather", False):
-        raise ValueError(
-            "enable_fsdp_float8_all_gather=True asks for torchao's float8 all-gather, which only PyTorch's FSDP2 "
-            "runs: under shardfuse the weights would be all-gathered in the compute dtype anyway. Pass "
-            "Float8LinearConfig(enable_fsdp_float8_all_gather=False) (the matmuls still run in float8)"
-        )
+    float8_gather = bool(getattr(config, "enable_fsdp_float8_all_gather", False))
+    if float8_gather:
+        _check_gather_dtype(config)
     if module_filter_fn is None:
         module_filter_fn = _default_filter
-    return torchao_float8.convert_to_float8_training(module, config=config, module_filter_fn=module_filter_fn)
+    module = torchao_float8.convert_to_float8_training(module, config=config, module_filter_fn=module_filter_fn)
+    if float8_gather:
+        _plain_weights(module)
+        register_marker(TorchaoFloat8Weights)
+    return module
+
+
+def _check_gather_dtype(config: Any) -> None:
+    dtype = config.cast_config_weight.target_dtype
+    if dtype != FP8_DTYPE:
+        raise ValueError(
+            f"enable_fsdp_float8_all_gather=True with weight dtype {dtype}: shardfuse's float8 all-gather casts "
+            f"to {FP8_DTYPE} only; use the default cast_config_weight, or enable_fsdp_float8_all_gather=False"
+        )
+
+
+def _plain_weights(module: nn.Module) -> None:
+    """Take torchao's FSDP2 wrapper (``WeightWithDynamicFloat8CastTensor``) off each float8 weight: shardfuse
+    flattens plain parameters, and its own gather does the float8 cast."""
+    for m in module.modules():
+        if gathers_in_float8(m):
+            w: Any = m.weight
+            inner = getattr(w, "_tensor", None)
+            if inner is not None:
+                m.weight = nn.Parameter(inner.detach(), requires_grad=bool(w.requires_grad))
 
 
 def _default_filter(module: nn.Module, fqn: str) -> bool:

@@ -52,9 +52,14 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def build(device: str = "cpu") -> Net:
+def build(device: str = "cpu", recipe: str | None = None) -> Net:
+    """The model converted with torchao's default config, or with its named recipe ("tensorwise", "rowwise")."""
     torch.manual_seed(7)
-    return convert_to_float8_training(Net().to(device))
+    if recipe is None:
+        return convert_to_float8_training(Net().to(device))
+    from torchao.float8 import Float8LinearConfig
+
+    return convert_to_float8_training(Net().to(device), config=Float8LinearConfig.from_recipe_name(recipe))
 
 
 def wrap(model: Net, **kw) -> FSDP:
@@ -97,10 +102,10 @@ def reference_step(ref: Net, opt: torch.optim.Optimizer, step: int, world: int, 
     return losses
 
 
-def check_parity(device: str = "cpu", steps: int = 3) -> bool:
+def check_parity(device: str = "cpu", steps: int = 3, recipe: str | None = None) -> bool:
     rank, world = dist.get_rank(), dist.get_world_size()
-    ref = build(device)
-    model = wrap(build(device))
+    ref = build(device, recipe)
+    model = wrap(build(device, recipe))
     assert type(model.module.blocks[0].module.fc1).__name__ == "Float8Linear"
     assert type(model.module.head) is nn.Linear  # 13 outputs: not a multiple of 16, left alone
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
@@ -198,6 +203,11 @@ def test_parity_nested(pool):
     assert all(pool.run(check_parity))
 
 
+def test_parity_nested_rowwise_recipe(pool):
+    """torchao's rowwise recipe (per-row scales, computed by each layer from its gathered weight)."""
+    assert all(pool.run(check_parity, "cpu", 2, "rowwise"))
+
+
 def test_mixed_precision(pool):
     assert all(pool.run(check_mixed_precision))
 
@@ -208,13 +218,6 @@ def test_summon_and_state_dicts(pool):
 
 def test_clip_grad_norm(pool):
     assert all(pool.run(check_clip_grad_norm))
-
-
-def test_convert_refuses_the_fsdp2_float8_all_gather():
-    from torchao.float8 import Float8LinearConfig
-
-    with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather=True asks for torchao's float8 all-gather"):
-        convert_to_float8_training(Net(), config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
 
 
 def test_convert_refuses_a_wrapped_model(pool):

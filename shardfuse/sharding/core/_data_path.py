@@ -11,7 +11,10 @@ Two kinds of kernel call pass through it (docs/kernels.md, "Validated forms and 
   :func:`gradient_divide_factors` read the user's tensors and settings, so they check every argument: these
   calls are the wrap-time checks (a float64 parameter is refused here).
 
-The multi-tensor kernels (``cast_shards``, ``chunk_cat``, the list form of ``pre_divide_pad``) are not here:
+The float8 shard cast (``fp8_amax``, ``cast_fp8_shards``, the float8 all-gather of ``_fp8_gather.py``) is a
+validated kernel: it checks its arguments at each gather, a few tensors per flat parameter.
+
+The other multi-tensor kernels (``cast_shards``, ``chunk_cat``, the list form of ``pre_divide_pad``) are not here:
 each flat parameter is one tensor, so the runtime has no list to hand them.
 """
 
@@ -24,14 +27,18 @@ import torch
 from shardfuse.kernels._cast import cast_shard_unchecked as cast_shard
 from shardfuse.kernels._common import FLOAT_DTYPES
 from shardfuse.kernels._flatten import flatten_pad, unflatten_into
+from shardfuse.kernels._fp8 import FP8_DTYPE, cast_fp8_shards, fp8_amax
 from shardfuse.kernels._grad_divide import gradient_divide_factors
 from shardfuse.kernels._grad_divide import post_divide_unchecked as post_divide
 from shardfuse.kernels._grad_divide import pre_divide_pad_unchecked as pre_divide_pad
 
 __all__ = [
+    "FP8_DTYPE",
+    "cast_fp8_shards",
     "cast_shard",
     "check_plan",
     "flatten_pad",
+    "fp8_amax",
     "gradient_divide_factors",
     "post_divide",
     "pre_divide_pad",

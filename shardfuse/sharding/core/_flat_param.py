@@ -1,4 +1,4 @@
-"""Flat parameters: one padded flat shard per (dtype, requires_grad) group of a unit's own parameters.
+"""Flat parameters: one padded flat shard per (dtype, requires_grad, float8) group of a unit's own parameters.
 
 A :class:`FlatParamHandle` owns
 
@@ -9,6 +9,9 @@ A :class:`FlatParamHandle` owns
 
 Keeping the two tensors apart means neither ever changes dtype or shape, so autograd keeps a single gradient
 accumulator for ``full_param`` across several forward passes, and ``flat.grad`` is always shard-shaped.
+
+A float8 flat parameter (``fp8``, see ``_fp8_gather.py``) gathers float8 bytes instead while its shard is on the
+compute device: ``full_param`` then only receives the gradient, its storage is never allocated.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from shardfuse._streams import Streams, record_event, use_stream, wait_event, wa
 from shardfuse.sharding.core import _collectives as coll
 from shardfuse.sharding.core import _data_path as dp
 from shardfuse.sharding.core._config import MISSING_GROUP, Groups
+from shardfuse.sharding.core._fp8_gather import Float8Gather
 from shardfuse.sharding.core._host_protocol import HostSide
 from shardfuse.sharding.core._registry import (  # SHARD_MARK_KEY: re-exported for _dcp, _dcp_guard, _optim_state
     SHARD_MARK_ATTR,
@@ -149,6 +153,18 @@ class FlatParamHandle:
         self.view_ranges: list[tuple[int, int]] = []
         # Host buffers of a shard stepped by an OffloadOptimizer (_host_shard.HostShard), else None.
         self.host: HostSide | None = None
+        # The float8 all-gather of float8 weights (use_float8), else None.
+        self.fp8: Float8Gather | None = None
+
+    def use_float8(self, marker: Any) -> None:
+        """Gather this group's weights as float8 bytes (``marker``: see ``_fp8_gather.py``) while the shard is on
+        the compute device."""
+        modules: list[nn.Module | None] = [None] * len(self.shapes)
+        for s in self.slots:
+            if modules[s.index] is None:
+                modules[s.index] = s.module
+        self.fp8 = Float8Gather(marker, modules)
+        self.fp8.set_pieces(self.numels, self.rank, self.shard_numel)
 
     @property
     def group(self) -> coll.ProcessGroup:
@@ -330,6 +346,7 @@ class FlatParamHandle:
         state.setdefault("attr_slots", state["slots"])  # pickled before sharing across units: nothing lent
         state.setdefault("host", None)
         state.setdefault("unsynced_grad", None)
+        state.setdefault("fp8", None)
         if "groups" not in state:  # pickled before the groups were shared: the unit points it at its own
             state["groups"] = Groups(MISSING_GROUP, MISSING_GROUP, state.pop("rank"), state.pop("world_size"))
             state.pop("group", None)
@@ -377,6 +394,17 @@ class FlatParamHandle:
         if step.is_full and step.gathered_version == self.flat._version:
             return
         ag = streams.all_gather
+        fp8 = self.fp8
+        if fp8 is not None and host is None and self.flat.device == self.made(self.full_data).device:
+            with profiled("shardfuse.sharding:all_gather_fp8"):
+                wait_stream(ag, streams.current())
+                with use_stream(ag):
+                    fp8.gather(self.flat.detach(), self.padded_numel, self.rank, self.group, self.world_size)
+                    step.ag_event = record_event(ag)
+            step.is_full, step.float8 = True, True
+            step.gathered_version = self.flat._version
+            return
+        step.float8 = False
         with profiled("shardfuse.sharding:all_gather"):
             # The all-gather stream waits for all compute queued so far: the optimizer's last writes to the
             # shard, and the last reads of any buffer freed to this stream's pool, which it may now reuse.
@@ -414,12 +442,19 @@ class FlatParamHandle:
             return
         # No record_stream: the block returns to the all-gather stream's pool, and every later allocation
         # there is preceded by that stream waiting for the compute stream (see unshard).
-        self.made(self.full_data).untyped_storage().resize_(0)
+        if self.step.float8:
+            assert self.fp8 is not None
+            self.fp8.free()
+        else:
+            self.made(self.full_data).untyped_storage().resize_(0)
         self.step.freed()
         self.clear_views()
 
     def views(self) -> list[torch.Tensor]:
         """Views of the gathered full buffer shaped like the original parameters (autograd-connected)."""
+        if self.step.float8:  # the layers' float8 weights over the gathered bytes
+            assert self.fp8 is not None
+            return self.fp8.weights(self.made(self.full_param), self.split_sizes, self.shapes)
         # torch.split_with_sizes skips Tensor.split's Python layer.
         chunks = torch.split_with_sizes(self.made(self.full_param), self.split_sizes)
         return [c.view(s) for c, s in zip(chunks, self.shapes)]

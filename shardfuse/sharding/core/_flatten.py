@@ -1,5 +1,7 @@
 """Wrap time: a unit's own parameters become flat shards, one :class:`FlatParamHandle` per (dtype,
-requires_grad) group; parameters a sibling unit flattened first are borrowed instead."""
+requires_grad, float8) group; parameters a sibling unit flattened first are borrowed instead. Float8 weights (those
+a registered marker claims, ``_fp8_gather.py``) get flat parameters of their own, so the other groups keep their
+padding, optimizer state and state dicts."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from torch import nn
 
 from shardfuse.sharding.core._config import Groups, ShardingConfig, check_param_dtype, param_device, shard_device
 from shardfuse.sharding.core._flat_param import BorrowedSlot, FlatParamHandle, ParamSlot, ParamTable
+from shardfuse.sharding.core._fp8_gather import marker_of
 from shardfuse.sharding.core._registry import (
     FLATTENED_MARK,
     OWNED_MARK,
@@ -34,7 +37,7 @@ class _Found:
 def flatten_own_params(
     module: nn.Module, config: ShardingConfig, groups: Groups
 ) -> tuple[list[FlatParamHandle], ParamTable, list[BorrowedSlot]]:
-    """Flatten ``module``'s own parameters (not those of nested units) per (dtype, requires_grad) group.
+    """Flatten ``module``'s own parameters (not those of nested units) per (dtype, requires_grad, float8) group.
 
     The original ``nn.Parameter`` objects leave their modules' ``_parameters`` (marked with ``FLATTENED_MARK``);
     the returned handles own the shards (kept where :func:`~shardfuse.sharding.core._config.shard_device` says).
@@ -47,9 +50,13 @@ def flatten_own_params(
         _refuse_nested_lenders(module, found.borrowed)
     placed = param_device(type(module).__name__, {f"{pre}{n}": p.device for pre, _, n, p in found.regs})
     where = shard_device(config, groups, placed)
-    by_group: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
+    markers: dict[int, object] = {}  # id(p) -> the float8 marker of its first registration
+    for _, m, n, p in found.regs:
+        if id(p) not in markers:
+            markers[id(p)] = marker_of(m, n, p)
+    by_group: dict[tuple[torch.dtype, bool, bool], list[nn.Parameter]] = {}
     for p in found.unique.values():
-        by_group.setdefault((p.dtype, p.requires_grad), []).append(p)
+        by_group.setdefault((p.dtype, p.requires_grad, markers[id(p)] is not None), []).append(p)
     handles: list[FlatParamHandle] = []
     table: ParamTable = {}
     for hi, params in enumerate(by_group.values()):
@@ -57,6 +64,8 @@ def flatten_own_params(
         slots = [ParamSlot(m, n, f"{pre}{n}", index[id(p)]) for pre, m, n, p in found.regs if id(p) in index]
         handle = FlatParamHandle(params, slots, groups=groups, shard_device=where,
                                  pin=config.offload.move_params_to_cpu)
+        if markers[id(params[0])] is not None:
+            handle.use_float8(markers[id(params[0])])
         handles.append(handle)
         for s in slots:
             table.setdefault(id(s.module), []).append((s.attr, hi, s.index))

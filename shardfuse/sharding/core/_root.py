@@ -119,6 +119,8 @@ def reset_root(unit: Unit) -> None:
         if h.full_param is not None:
             h.reshard()
         h.full_param = None
+        if h.fp8 is not None:
+            h.fp8.drop()
     unit.root_state = None
     unit.is_root = None
 

@@ -22,6 +22,9 @@ class HandleStep:
     """The shard's version counter at that gather: a changed shard (an optimizer step) is gathered again."""
     forward_version: int | None = None
     """The shard's version when forward last used it: backward must see the same parameters."""
+    float8: bool = False
+    """The gathered buffer is the float8 bytes of a float8 flat parameter (``_fp8_gather.py``), not the
+    compute-dtype full buffer."""
     ag_event: Any = None
     """The event of a pending all-gather the compute stream has not waited for yet (None on the CPU)."""
     fired: bool = False
@@ -36,9 +39,9 @@ class HandleStep:
         # Runs for every flat parameter at the end of every backward: one dict update from the defaults read
         # once from the fields (below the class), not a dataclasses.fields() walk and a setattr per field.
         if keep_full:
-            kept = (self.is_full, self.gathered_version, self.ag_event)
+            kept = (self.is_full, self.float8, self.gathered_version, self.ag_event)
             self.__dict__.update(_DEFAULTS)
-            self.is_full, self.gathered_version, self.ag_event = kept
+            self.is_full, self.float8, self.gathered_version, self.ag_event = kept
         else:
             self.__dict__.update(_DEFAULTS)
 

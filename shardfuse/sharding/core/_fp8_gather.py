@@ -1,0 +1,148 @@
+"""The float8 all-gather of a flat parameter: its shard is cast to float8 (e4m3) straight into this rank's slice of
+a uint8 all-gather buffer, and the layers compute with float8 weights over the gathered bytes.
+
+The sharding core never imports torchao. A float8 library (``shardfuse.float8``) registers a *marker* here at
+conversion time; at wrap time the flattener asks the markers which parameters are float8 weights, and those get
+flat parameters of their own (groups keyed ``(dtype, requires_grad, float8)``). A marker is a class (or object)
+with three static methods:
+
+- ``marks(module, name, param) -> bool``: ``module.<name>`` is a weight to all-gather in float8;
+- ``amax_to_scale(amax, modules) -> Tensor``: the float32 scales of a vector of amaxes, one per weight of
+  ``modules`` (the library's formula, with each layer's settings);
+- ``weight(data, scale, dtype, module) -> Tensor``: the layer's weight over ``data`` (float8, the weight's shape)
+  and ``scale`` (0-dim float32), whose matmul casts nothing again and whose gradient is a plain ``dtype`` tensor.
+
+The gather (:meth:`Float8Gather.gather`), when the shard changed since the last one (its version counter or its
+storage): one ``fp8_amax`` launch over this rank's piece of each weight, one ``all_reduce(MAX)`` (so each scale is
+from the weight's amax over every rank, as torchao's tensorwise dynamic scale and
+``precompute_float8_dynamic_scale_for_fsdp``), the scales; then, at every gather, one ``cast_fp8_shards`` launch
+into the rank's uint8 slice and the all-gather of the bytes. The compute-dtype full buffer is never allocated:
+:class:`_Float8Weights` hands autograd the layer weights as outputs of the (unallocated) full parameter, so their
+gradients flow into ``full_param.grad`` and the normal reduce-scatter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardfuse.sharding.core import _collectives as coll
+from shardfuse.sharding.core import _data_path as dp
+
+__all__ = ["Float8Gather", "marker_of", "register_marker"]
+
+# The registered markers (classes or plain objects with the three methods above), in registration order. Nothing
+# live: no modules, tensors or handles, only the library's code. Listed on docs/process-wide.md.
+_MARKERS: list[Any] = []
+
+
+def register_marker(marker: Any) -> None:
+    """Let ``marker`` mark float8 weights at every later wrap (idempotent)."""
+    for name in ("marks", "amax_to_scale", "weight"):
+        if not callable(getattr(marker, name, None)):
+            raise TypeError(f"a float8 gather marker needs a callable {name}(), {marker!r} has none")
+    if marker not in _MARKERS:
+        _MARKERS.append(marker)
+
+
+def marker_of(module: nn.Module, name: str, param: nn.Parameter) -> Any | None:
+    """The marker that claims ``module.<name>`` as a float8 weight, or None."""
+    for marker in _MARKERS:
+        if marker.marks(module, name, param):
+            return marker
+    return None
+
+
+class Float8Gather:
+    """The float8 side of one flat parameter: where each weight's piece sits in this rank's shard, the scales and
+    the gathered bytes (their storage allocated only while gathered, like the compute-dtype full buffer)."""
+
+    def __init__(self, marker: Any, modules: list[nn.Module | None]) -> None:
+        self.marker = marker
+        self.modules = modules  # the module of each weight (its float8 config)
+        self.pieces: list[tuple[int, int]] = []  # (offset in the shard, length) of each weight's piece
+        self.scales: torch.Tensor | None = None  # float32, one per weight, written in place at each refresh
+        self.data: torch.Tensor | None = None  # uint8, padded full size: gathered into
+        self.read: torch.Tensor | None = None  # alias of ``data`` the layer weights view (own version counter)
+        self.scaled_for: tuple[int, int] | None = None  # (version, storage address) of the shard scaled last
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "scales": None, "data": None, "read": None, "scaled_for": None}
+
+    def drop(self) -> None:
+        """Forget the buffers (the shard moved or changed dtype): the next gather makes them again."""
+        self.scales = self.data = self.read = None
+        self.scaled_for = None
+
+    def set_pieces(self, numels: list[int], rank: int, shard_numel: int) -> None:
+        start, end = rank * shard_numel, (rank + 1) * shard_numel
+        self.pieces = []
+        offset = 0
+        for n in numels:
+            lo, hi = max(offset, start), min(offset + n, end)
+            self.pieces.append((lo - start, hi - lo) if hi > lo else (0, 0))
+            offset += n
+
+    def gather(self, shard: torch.Tensor, padded_numel: int, rank: int, group: Any, world_size: int) -> None:
+        """Refresh the scales if ``shard`` changed, cast it into this rank's slice of the bytes, all-gather them
+        (on the current stream: the caller's all-gather stream)."""
+        if self.data is None or self.data.device != shard.device:
+            self.data = torch.empty(padded_numel, dtype=torch.uint8, device=shard.device)
+            self.read = self.data.data
+            self.scales = torch.ones(len(self.pieces), dtype=torch.float32, device=shard.device)
+            self.scaled_for = None
+        storage = self.data.untyped_storage()
+        if storage.size() == 0:
+            storage.resize_(padded_numel)
+        segments = [shard.narrow(0, a, n) for a, n in self.pieces]
+        key = (shard._version, shard.untyped_storage().data_ptr())
+        scales = self.scales
+        assert scales is not None
+        if key != self.scaled_for:
+            amax = dp.fp8_amax(segments)
+            coll.all_reduce_(amax, group, world_size, op="max")
+            scales.copy_(self.marker.amax_to_scale(amax, self.modules))
+            self.scaled_for = key
+        shard_numel = padded_numel // world_size
+        local = self.data.narrow(0, rank * shard_numel, shard_numel)
+        dp.cast_fp8_shards(segments, scales, local, offsets=[a for a, _ in self.pieces])
+        coll.all_gather_into(self.data, local, group, world_size)
+
+    def free(self) -> None:
+        if self.data is not None:
+            self.data.untyped_storage().resize_(0)
+
+    def weights(self, full_param: torch.Tensor, split_sizes: list[int], shapes: list[torch.Size]) -> list[torch.Tensor]:
+        """The layers' weights over the gathered bytes, autograd outputs of ``full_param`` (never read)."""
+        return list(_Float8Weights.apply(full_param, self, split_sizes, shapes))
+
+
+class _Float8Weights(torch.autograd.Function):
+    """``full_param`` -> the float8 weights; backward: their gradients as one flat gradient of ``full_param``."""
+
+    @staticmethod
+    def forward(ctx: Any, full_param: torch.Tensor, gather: Float8Gather, split_sizes: list[int],
+                shapes: list[torch.Size]) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)  # a zeros_like of a float8 weight is not what the gradient needs
+        ctx.split_sizes = split_sizes
+        ctx.shapes = shapes
+        ctx.dtype, ctx.device = full_param.dtype, full_param.device
+        read, scales = gather.read, gather.scales
+        assert read is not None and scales is not None
+        chunks = torch.split_with_sizes(read.view(dp.FP8_DTYPE), split_sizes)
+        return tuple(
+            gather.marker.weight(c.view(s), scales[i], full_param.dtype, gather.modules[i])
+            for i, (c, s) in enumerate(zip(chunks, shapes))
+        )
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        sizes = ctx.split_sizes
+        parts = [
+            torch.zeros(n, dtype=ctx.dtype, device=ctx.device) if g is None else g.reshape(-1).to(ctx.dtype)
+            for g, n in zip(grads, sizes)
+        ]
+        parts.append(torch.zeros(sizes[-1], dtype=ctx.dtype, device=ctx.device))  # the padding tail
+        return torch.cat(parts), None, None, None
