@@ -308,18 +308,18 @@ def build_lone() -> FSDP:
     return wrap(model)
 
 
-def unit_gathers(model: nn.Module, world: int, joint: bool = True) -> list[tuple[torch.dtype, int, int]]:
-    """(dtype, fewest, most elements) of each all-gather of the units: a flat parameter's padded buffer (uint8
-    for float8) when gathered alone, or (``joint``), for float8 and compute-dtype flat parameters together, the
-    bytes of both (each rank's parts 16-byte aligned)."""
+def unit_gathers(model: nn.Module, world: int) -> list[tuple[torch.dtype, int, int]]:
+    """(dtype, fewest, most elements) of each unit's one all-gather: a lone flat parameter's padded buffer (uint8
+    for float8), or, for float8 and compute-dtype flat parameters together, the bytes of both (each rank's parts
+    16-byte aligned)."""
     from shardfuse.sharding.core._tree import require_unit
 
     out = []
     for m in model.modules():
         if isinstance(m, FSDP) and require_unit(m).handles:
             hs = require_unit(m).handles
-            if len(hs) == 1 or not joint:
-                out.extend((torch.uint8 if h.fp8 else h.compute_dtype, h.padded_numel, h.padded_numel) for h in hs)
+            if len(hs) == 1:
+                out.append((torch.uint8 if hs[0].fp8 else hs[0].compute_dtype, hs[0].padded_numel, hs[0].padded_numel))
                 continue
             assert {h.fp8 is not None for h in hs} == {True, False}
             least = sum(h.padded_numel * (1 if h.fp8 else h.compute_dtype.itemsize) for h in hs)
@@ -327,21 +327,15 @@ def unit_gathers(model: nn.Module, world: int, joint: bool = True) -> list[tuple
     return sorted(out, key=lambda g: (g[1], str(g[0])))
 
 
-def check_wire_is_uint8(layout: str) -> bool:
+def check_wire_is_uint8(lone: bool) -> bool:
     """Every float8 flat parameter is all-gathered as uint8 (its compute-dtype full buffer never allocated): in
-    one all-gather per unit with the unit's other (compute-dtype) flat parameter, alone in its unit ("lone"), or
-    apart from the other flat parameter when the unit is above the joint gather's size bound ("apart"). The
-    scales of all float8 flat parameters (several units) come from one all_reduce(MAX) per step; the bytes and
-    scales are torchao's cast of the weights."""
+    one all-gather per unit with the unit's other (compute-dtype) flat parameter, or alone (``lone``). The scales
+    of all float8 flat parameters (several units) come from one all_reduce(MAX) per step; the bytes and scales
+    are torchao's cast of the weights."""
     from shardfuse.sharding.core import _collectives as coll
-    from shardfuse.sharding.core import _joint_gather
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    lone = layout == "lone"
     model = build_lone() if lone else wrap(build())
-    bound = _joint_gather.JOINT_GATHER_MAX_BYTES
-    if layout == "apart":
-        _joint_gather.JOINT_GATHER_MAX_BYTES = 0
     gathers: list[tuple[torch.dtype, int]] = []
     reduces: list[str] = []
     gather, reduce = coll.all_gather_into, coll.all_reduce_
@@ -368,7 +362,7 @@ def check_wire_is_uint8(layout: str) -> bool:
             loss = loss_of(model, *batch(step, rank, "cpu"))
             assert_same_float8(seen, want8)
             # forward: one all-gather per unit (the prefetch of the next unit included)
-            want = unit_gathers(model, world, joint=layout != "apart")
+            want = unit_gathers(model, world)
             got = sorted(gathers, key=lambda g: (g[1], str(g[0])))
             fits = [d == wd and lo <= n <= hi for (d, n), (wd, lo, hi) in zip(got, want)]
             assert len(got) == len(want) and all(fits), (got, want)
@@ -380,13 +374,12 @@ def check_wire_is_uint8(layout: str) -> bool:
             assert len(float8_handles(model)) == (5 if lone else 3) and reduces == ["max"], reduces
     finally:
         coll.all_gather_into, coll.all_reduce_ = gather, reduce
-        _joint_gather.JOINT_GATHER_MAX_BYTES = bound
     return True
 
 
-@pytest.mark.parametrize("layout", ["joint", "lone", "apart"])
-def test_wire_dtype_is_uint8(pool, layout):
-    assert all(pool.run(check_wire_is_uint8, layout))
+@pytest.mark.parametrize("lone", [False, True], ids=["with_other_params", "float8_alone"])
+def test_wire_dtype_is_uint8(pool, lone):
+    assert all(pool.run(check_wire_is_uint8, lone))
 
 
 def check_written_shard_rescaled() -> bool:
