@@ -446,51 +446,6 @@ class FlatParamHandle:
             return None
         return fp8, shard, self.group, self.world_size
 
-    # One all-gather for several flat parameters (``_joint_gather.py``): each casts its shard into its part of
-    # this rank's slice of one uint8 buffer, then takes its gathered bytes back from every rank's slice.
-
-    def needs_gather(self) -> bool:
-        """The full parameters are not gathered from the shard as it is now."""
-        step = self.step
-        return not (step.is_full and step.gathered_version == self.flat._version)
-
-    def gathers_on_device(self) -> bool:
-        """The shard is on the compute device, not stepped on the host: its gather needs no copy in."""
-        full = self.full_data
-        return self.host is None and full is not None and self.flat.device == full.device
-
-    @property
-    def wire_itemsize(self) -> int:
-        """Bytes per element on the wire: 1 for float8 bytes, else the compute dtype's size."""
-        return 1 if self.gathers_float8() else self.made(self.full_data).element_size()
-
-    def cast_local(self, local: torch.Tensor) -> None:
-        """Allocate the gathered buffer and cast the shard into ``local`` (uint8, the shard's wire bytes)."""
-        shard = self.flat.detach()
-        if self.fp8 is not None and self.gathers_float8():
-            self.fp8.prepare(shard, self.padded_numel, self.group, self.world_size)
-            self.fp8.cast_into(shard, local)
-            return
-        full_data = self.made(self.full_data)
-        storage = full_data.untyped_storage()
-        if storage.size() == 0:
-            storage.resize_(self.nbytes)
-        dp.cast_shard(shard, local.view(full_data.dtype))
-
-    def gathered_bytes(self) -> torch.Tensor:
-        """The gathered buffer (float8 bytes or the compute-dtype full buffer) as uint8, after :meth:`cast_local`."""
-        if self.fp8 is not None and self.gathers_float8():
-            assert self.fp8.data is not None
-            return self.fp8.data
-        return self.made(self.full_data).view(torch.uint8)
-
-    def mark_full(self, ag_event: Any) -> None:
-        """The gather of the shard as it is now was issued (``ag_event``: its end on the all-gather stream)."""
-        step = self.step
-        step.is_full, step.float8 = True, self.gathers_float8()
-        step.gathered_version = self.flat._version
-        step.ag_event = ag_event
-
     def wait_full(self, streams: Streams) -> None:
         """Make the compute stream wait for the pending all-gather of this handle."""
         step = self.step

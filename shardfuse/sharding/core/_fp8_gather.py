@@ -107,9 +107,9 @@ class Float8Gather:
         self.scales.copy_(self.marker.amax_to_scale(amax, self.modules))
         self.scaled_for = self._key(shard)
 
-    def prepare(self, shard: torch.Tensor, padded_numel: int, group: Any, world_size: int) -> None:
-        """Allocate the gathered bytes; refresh the scales if ``shard`` changed since :func:`refresh_scales` (the
-        fallback: a unit run outside the root's forward)."""
+    def gather(self, shard: torch.Tensor, padded_numel: int, rank: int, group: Any, world_size: int) -> None:
+        """Refresh the scales if ``shard`` changed since :func:`refresh_scales` (the fallback), cast it into this
+        rank's slice of the bytes, all-gather them (on the current stream: the caller's all-gather stream)."""
         if self.data is None or self.data.device != shard.device:
             self.data = torch.empty(padded_numel, dtype=torch.uint8, device=shard.device)
             self.read = self.data.data
@@ -118,21 +118,11 @@ class Float8Gather:
             storage.resize_(padded_numel)
         if self.stale(shard):
             refresh_scales([(self, shard, group, world_size)])
-
-    def cast_into(self, shard: torch.Tensor, local: torch.Tensor) -> None:
-        """Cast ``shard`` to float8 bytes into ``local`` (uint8, the shard's size): one launch."""
         scales = self.scales
-        assert scales is not None, "prepare() first"
-        dp.cast_fp8_shards(self.segments(shard), scales, local, offsets=[a for a, _ in self.pieces])
-
-    def gather(self, shard: torch.Tensor, padded_numel: int, rank: int, group: Any, world_size: int) -> None:
-        """Cast ``shard`` into this rank's slice of the bytes and all-gather them (on the current stream: the
-        caller's all-gather stream)."""
-        self.prepare(shard, padded_numel, group, world_size)
-        assert self.data is not None
+        assert scales is not None
         shard_numel = padded_numel // world_size
         local = self.data.narrow(0, rank * shard_numel, shard_numel)
-        self.cast_into(shard, local)
+        dp.cast_fp8_shards(self.segments(shard), scales, local, offsets=[a for a, _ in self.pieces])
         coll.all_gather_into(self.data, local, group, world_size)
 
     def free(self) -> None:

@@ -37,7 +37,6 @@ from shardfuse.sharding.core._grad_reduce import (
     flush_unsynced,
     reduce_grad,
 )
-from shardfuse.sharding.core._joint_gather import gather_jointly
 from shardfuse.sharding.core._registry import iter_own_modules
 from shardfuse.sharding.core._state import TrainingState, check_state
 
@@ -245,10 +244,7 @@ class Unit:
 
     def unshard(self) -> None:
         streams = self.require_root_state().streams
-        handles = self.gather_handles
-        if len(handles) > 1 and any(h.fp8 is not None for h in handles):
-            handles = gather_jointly(handles, streams)  # float8 and other flat parameters: one all-gather
-        for h in handles:
+        for h in self.gather_handles:
             h.unshard(streams)
 
     def wait_and_set_views(self, set_views: bool = True) -> None:
