@@ -395,7 +395,7 @@ class FlatParamHandle:
             return
         ag = streams.all_gather
         fp8 = self.fp8
-        if fp8 is not None and host is None and self.flat.device == self.made(self.full_data).device:
+        if fp8 is not None and self.gathers_float8():
             with profiled("shardfuse.sharding:all_gather_fp8"):
                 wait_stream(ag, streams.current())
                 with use_stream(ag):
@@ -428,6 +428,23 @@ class FlatParamHandle:
                 step.ag_event = record_event(ag)
         step.is_full = True
         step.gathered_version = self.flat._version
+
+    def gathers_float8(self) -> bool:
+        """The next gather sends float8 bytes: a float8 group whose shard is on the compute device (not stepped on
+        the host)."""
+        full = self.full_data
+        return self.fp8 is not None and self.host is None and full is not None and self.flat.device == full.device
+
+    def stale_float8(self) -> tuple[Float8Gather, torch.Tensor, coll.ProcessGroup, int] | None:
+        """``(gather, shard, group, world size)`` for ``refresh_scales`` when this handle gathers float8 bytes from
+        a shard changed since its scales were refreshed, else None."""
+        fp8 = self.fp8
+        if fp8 is None or not self.gathers_float8():
+            return None
+        shard = self.flat.detach()  # shares the version counter
+        if not fp8.stale(shard):
+            return None
+        return fp8, shard, self.group, self.world_size
 
     def wait_full(self, streams: Streams) -> None:
         """Make the compute stream wait for the pending all-gather of this handle."""

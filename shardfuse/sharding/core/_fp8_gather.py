@@ -12,11 +12,14 @@ with three static methods:
 - ``weight(data, scale, dtype, module) -> Tensor``: the layer's weight over ``data`` (float8, the weight's shape)
   and ``scale`` (0-dim float32), whose matmul casts nothing again and whose gradient is a plain ``dtype`` tensor.
 
-The gather (:meth:`Float8Gather.gather`), when the shard changed since the last one (its version counter or its
-storage): one ``fp8_amax`` launch over this rank's piece of each weight, one ``all_reduce(MAX)`` (so each scale is
-from the weight's amax over every rank, as torchao's tensorwise dynamic scale and
-``precompute_float8_dynamic_scale_for_fsdp``), the scales; then, at every gather, one ``cast_fp8_shards`` launch
-into the rank's uint8 slice and the all-gather of the bytes. The compute-dtype full buffer is never allocated:
+Scales: each weight's scale is from its amax over every rank (torchao's tensorwise dynamic scale, as
+``precompute_float8_dynamic_scale_for_fsdp`` computes it after the optimizer step). :func:`refresh_scales`, called
+by the root at the start of its forward, refreshes every float8 flat parameter of the tree whose shard changed
+since its last refresh (its version counter or its storage) at once: one ``fp8_amax`` launch over this rank's
+piece of each of their weights and one ``all_reduce(MAX)`` per process group. A gather that still finds its shard
+changed (a unit run outside the root's forward) refreshes its own scales the same way (the fallback). Then, at
+every gather (:meth:`Float8Gather.gather`), one ``cast_fp8_shards`` launch into the rank's uint8 slice and the
+all-gather of the bytes. The compute-dtype full buffer is never allocated:
 :class:`_Float8Weights` hands autograd the layer weights as outputs of the (unallocated) full parameter, so their
 gradients flow into ``full_param.grad`` and the normal reduce-scatter.
 """
@@ -31,7 +34,7 @@ from torch import nn
 from shardfuse.sharding.core import _collectives as coll
 from shardfuse.sharding.core import _data_path as dp
 
-__all__ = ["Float8Gather", "marker_of", "register_marker"]
+__all__ = ["Float8Gather", "marker_of", "refresh_scales", "register_marker"]
 
 # The registered markers (classes or plain objects with the three methods above), in registration order. Nothing
 # live: no modules, tensors or handles, only the library's code. Listed on docs/process-wide.md.
@@ -85,29 +88,41 @@ class Float8Gather:
             self.pieces.append((lo - start, hi - lo) if hi > lo else (0, 0))
             offset += n
 
+    def stale(self, shard: torch.Tensor) -> bool:
+        """``shard`` changed (or moved) since the scales were last refreshed from it."""
+        return self.scales is None or self.scales.device != shard.device or self._key(shard) != self.scaled_for
+
+    @staticmethod
+    def _key(shard: torch.Tensor) -> tuple[int, int]:
+        return shard._version, shard.untyped_storage().data_ptr()
+
+    def segments(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's piece of each weight in ``shard``."""
+        return [shard.narrow(0, a, n) for a, n in self.pieces]
+
+    def set_scales(self, amax: torch.Tensor, shard: torch.Tensor) -> None:
+        """The scales of the weights' global amaxes ``amax`` (one per weight), refreshed from ``shard``."""
+        if self.scales is None or self.scales.device != shard.device:
+            self.scales = torch.empty(len(self.pieces), dtype=torch.float32, device=shard.device)
+        self.scales.copy_(self.marker.amax_to_scale(amax, self.modules))
+        self.scaled_for = self._key(shard)
+
     def gather(self, shard: torch.Tensor, padded_numel: int, rank: int, group: Any, world_size: int) -> None:
-        """Refresh the scales if ``shard`` changed, cast it into this rank's slice of the bytes, all-gather them
-        (on the current stream: the caller's all-gather stream)."""
+        """Refresh the scales if ``shard`` changed since :func:`refresh_scales` (the fallback), cast it into this
+        rank's slice of the bytes, all-gather them (on the current stream: the caller's all-gather stream)."""
         if self.data is None or self.data.device != shard.device:
             self.data = torch.empty(padded_numel, dtype=torch.uint8, device=shard.device)
             self.read = self.data.data
-            self.scales = torch.ones(len(self.pieces), dtype=torch.float32, device=shard.device)
-            self.scaled_for = None
         storage = self.data.untyped_storage()
         if storage.size() == 0:
             storage.resize_(padded_numel)
-        segments = [shard.narrow(0, a, n) for a, n in self.pieces]
-        key = (shard._version, shard.untyped_storage().data_ptr())
+        if self.stale(shard):
+            refresh_scales([(self, shard, group, world_size)])
         scales = self.scales
         assert scales is not None
-        if key != self.scaled_for:
-            amax = dp.fp8_amax(segments)
-            coll.all_reduce_(amax, group, world_size, op="max")
-            scales.copy_(self.marker.amax_to_scale(amax, self.modules))
-            self.scaled_for = key
         shard_numel = padded_numel // world_size
         local = self.data.narrow(0, rank * shard_numel, shard_numel)
-        dp.cast_fp8_shards(segments, scales, local, offsets=[a for a, _ in self.pieces])
+        dp.cast_fp8_shards(self.segments(shard), scales, local, offsets=[a for a, _ in self.pieces])
         coll.all_gather_into(self.data, local, group, world_size)
 
     def free(self) -> None:
@@ -117,6 +132,25 @@ class Float8Gather:
     def weights(self, full_param: torch.Tensor, split_sizes: list[int], shapes: list[torch.Size]) -> list[torch.Tensor]:
         """The layers' weights over the gathered bytes, autograd outputs of ``full_param`` (never read)."""
         return list(_Float8Weights.apply(full_param, self, split_sizes, shapes))
+
+
+def refresh_scales(stale: list[tuple[Float8Gather, torch.Tensor, Any, int]]) -> None:
+    """Refresh the scales of each ``(gather, shard, process group, world size)``: per process group and device,
+    one ``fp8_amax`` launch over every weight piece of their shards and one ``all_reduce(MAX)`` of the amaxes.
+    Collective: every rank of each group passes the same gathers, in the same order."""
+    batches: dict[tuple[int, torch.device], list[tuple[Float8Gather, torch.Tensor, Any, int]]] = {}
+    for item in stale:
+        batches.setdefault((id(item[2]), item[1].device), []).append(item)
+    for batch in batches.values():
+        segments = [seg for g, shard, _, _ in batch for seg in g.segments(shard)]
+        amax = dp.fp8_amax(segments)
+        _, _, group, world_size = batch[0]
+        coll.all_reduce_(amax, group, world_size, op="max")
+        start = 0
+        for g, shard, _, _ in batch:
+            n = len(g.pieces)
+            g.set_scales(amax[start:start + n], shard)
+            start += n
 
 
 class _Float8Weights(torch.autograd.Function):

@@ -26,9 +26,10 @@ from torch.utils import _pytree as pytree
 from shardfuse._graph_guard import refuse_in_capture
 from shardfuse._logging import warn_once
 from shardfuse._profiling import profiled
-from shardfuse._streams import Streams, wait_stream
+from shardfuse._streams import Streams, use_stream, wait_stream
 from shardfuse.sharding.core._config import Groups, ShardingConfig
 from shardfuse.sharding.core._flat_param import BorrowedSlot, FlatParamHandle, ParamTable
+from shardfuse.sharding.core._fp8_gather import refresh_scales
 from shardfuse.sharding.core._grad_reduce import (
     PendingFrees,
     ReduceConfig,
@@ -55,6 +56,21 @@ def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     return pytree.tree_map_only(
         torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, tree
     )
+
+
+def refresh_float8_scales(rs: RootState) -> None:
+    """At the root's forward: the float8 scales of every unit whose shard changed since the last step (the
+    optimizer step, a load, a write), in one ``all_reduce(MAX)`` per process group (torchao's
+    ``precompute_float8_dynamic_scale_for_fsdp``), on the all-gather stream ahead of the gathers."""
+    stale = [s for u in rs.units for h in u.handles if (s := h.stale_float8()) is not None]
+    if not stale:
+        return
+    streams = rs.streams
+    ag = streams.all_gather
+    with profiled("shardfuse.sharding:refresh_float8_scales"):
+        wait_stream(ag, streams.current())
+        with use_stream(ag):
+            refresh_scales(stale)
 
 
 class RootState:
@@ -292,6 +308,7 @@ class Unit:
             if self.is_root:
                 rs.fwd_pos = 0
                 rs.prefetch_ok = rs.order_recorded
+                refresh_float8_scales(rs)
                 if cfg.mixed_precision:
                     args, kwargs = cast_floats((args, kwargs), self.input_dtype)
             if cfg.force_input_to_fp32 and not cfg.mixed_precision:
