@@ -11,6 +11,7 @@ waits for the post-backward stream at the end of backward before anyone reads it
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -105,29 +106,62 @@ def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pe
         )
     dest, accumulate = (None, False) if hold else _destination(handle, grad.device)
     lowp = None if dest is None else exact_compute_dtype_grad(handle, cfg, grad)
+    direct = direct_predivide(handle, cfg, dest, accumulate)
     post_backward = streams.post_backward
     wait_stream(post_backward, streams.current())
     with profiled("shardfuse.sharding:reduce_scatter"), use_stream(post_backward):
         g = grad.view(-1)
-        if cfg.predivide == 1.0 and cfg.reduce_dtype == g.dtype:
+        predivide = cfg.predivide if direct is None else direct
+        if predivide == 1.0 and cfg.reduce_dtype == g.dtype:
             rs_in = g  # padding of the full gradient is already zero (SplitBackward fills it)
         else:
             rs_in = torch.empty(handle.padded_numel, dtype=cfg.reduce_dtype, device=g.device)
-            dp.pre_divide_pad(g.narrow(0, 0, handle.numel), rs_in, cfg.predivide)
-        if handle.world_size == 1:
+            dp.pre_divide_pad(g.narrow(0, 0, handle.numel), rs_in, predivide)
+        if direct is not None and dest is not None:  # straight into the sharded gradient: no post-divide pass
+            coll.reduce_scatter_into(dest, rs_in, cfg.group, handle.world_size)
+        else:
             rs_out = rs_in
-        else:
-            rs_out = torch.empty(handle.shard_numel, dtype=cfg.reduce_dtype, device=g.device)
-            coll.reduce_scatter_into(rs_out, rs_in, cfg.group, handle.world_size)
-        if dest is None:  # the replica all-reduce is skipped: accumulate this rank's partial sum locally
-            held = handle.unsynced_grad
-            handle.unsynced_grad = rs_out if held is None else held.add_(rs_out)
-        else:
-            _finish(handle, cfg, rs_out, dest, accumulate, pending, post_backward, lowp)
+            if handle.world_size != 1:
+                rs_out = torch.empty(handle.shard_numel, dtype=cfg.reduce_dtype, device=g.device)
+                coll.reduce_scatter_into(rs_out, rs_in, cfg.group, handle.world_size)
+            if dest is None:  # the replica all-reduce is skipped: accumulate this rank's partial sum locally
+                held = handle.unsynced_grad
+                handle.unsynced_grad = rs_out if held is None else held.add_(rs_out)
+            else:
+                _finish(handle, cfg, rs_out, dest, accumulate, pending, post_backward, lowp)
         event = record_event(post_backward)  # after the copy to the host: ``grad`` (lowp's storage) is held to it
     if handle.host is not None and dest is not None:
         pending.add_copy_source(dest, event, streams)
     pending.add(grad, event, streams)
+
+
+def direct_predivide(handle: FlatParamHandle, cfg: ReduceConfig, dest: torch.Tensor | None,
+                     accumulate: bool) -> float | None:
+    """The pre-divide factor with which the reduce-scatter may write straight into the sharded gradient ``dest``
+    (saving the post-divide pass, one read and one write of the shard, and its scratch buffer), or None.
+
+    It may where the post-divide would only copy: a fresh gradient on the device (nothing to accumulate, no host
+    copy, no replica all-reduce in between), in the reduce dtype, and a post-divide factor of 1. A post-divide
+    factor that is a power of two moves into the pre-divide when the reduce dtype is fp32 or fp64 and a pre-divide
+    pass runs anyway: scaling by a power of two commutes with rounded addition, so the sum is the same bits
+    outside the subnormal range (FairScale's split of the factors guards fp16 sums, which never take this path).
+    """
+    if dest is None or accumulate or handle.host is not None or handle.world_size == 1 or cfg.groups.hybrid:
+        return None
+    if dest.dtype != cfg.reduce_dtype:
+        return None
+    pre, post = cfg.predivide, cfg.postdivide
+    if post == 1.0:
+        return pre
+    if pre != 1.0 and cfg.reduce_dtype in (torch.float32, torch.float64) and _power_of_two(pre) \
+            and _power_of_two(post):
+        return pre * post
+    return None
+
+
+def _power_of_two(x: float) -> bool:
+    mantissa, _ = math.frexp(x)
+    return x > 0 and mantissa == 0.5
 
 
 def flush_unsynced(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pending: PendingFrees) -> None:
