@@ -15,6 +15,7 @@ the end generates a few tokens. Data are random tokens: this shows the mechanics
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import tempfile
 import time
@@ -173,9 +174,13 @@ def main() -> int:
         prompt = data[0][:1, :8]
         tokens = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
     say(f"generated: {tokens[0, 8:].tolist()}")
-    dist.destroy_process_group()
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    # main()'s models are gone once collected: a gloo group still held by them at interpreter exit can abort the
+    # process ("terminate called without an active exception"; docs/troubleshooting.md).
+    gc.collect()
+    dist.destroy_process_group()
+    raise SystemExit(code)
