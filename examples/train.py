@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import math
 import os
 import resource
@@ -386,14 +385,6 @@ def threads_per_rank(world: int) -> int:
     return max(1, cores // world)
 
 
-def close_process_group() -> None:
-    """Destroy the process group once nothing of the run holds it: ``run()``'s model and optimizer sit in reference
-    cycles until a collection, and a gloo group still alive at interpreter exit can abort the process
-    ("terminate called without an active exception"; docs/troubleshooting.md)."""
-    gc.collect()
-    dist.destroy_process_group()
-
-
 def _spawned(local_rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads_per_rank(world))  # OMP_NUM_THREADS was set before the spawn
@@ -402,7 +393,7 @@ def _spawned(local_rank: int, world: int, port: int, args: argparse.Namespace) -
     try:
         ok = run(local_rank, world, local_rank, args)
     finally:
-        close_process_group()
+        dist.destroy_process_group()
     if not ok:
         raise SystemExit(1)
 
@@ -427,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             ok = run(rank, world, local_rank, args)
         finally:
-            close_process_group()
+            dist.destroy_process_group()
         return 0 if ok else 1
     check_mesh(args.mesh, args.world_size)
     use_cuda = torch.cuda.device_count() >= args.world_size and not args.cpu

@@ -29,6 +29,7 @@ the wrapper too.
 from __future__ import annotations
 
 import functools
+import gc
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -56,12 +57,17 @@ def close_all_captured_steps() -> None:
 
 
 def _destroy_process_group(group: Any = None) -> None:
-    """``torch.distributed.destroy_process_group``, after closing the captured steps when the default group (and
-    with it every group) is torn down: NCCL waits for the graphs that captured a communicator's collectives to be
-    destroyed before it destroys the communicator."""
+    """``torch.distributed.destroy_process_group``, after a garbage collection and closing the captured steps when
+    the default group (and with it every group) is torn down.
+
+    The collection frees what a finished run left in reference cycles (a wrapped model, its optimizer, a
+    DeviceMesh): they hold process groups, and a gloo group kept alive into interpreter exit can abort the process
+    ("terminate called without an active exception", docs/troubleshooting.md). Closing the steps: NCCL waits for
+    the graphs that captured a communicator's collectives to be destroyed before it destroys the communicator."""
     from torch.distributed import distributed_c10d
 
     if group is None or group is distributed_c10d.GroupMember.WORLD:
+        gc.collect()
         close_all_captured_steps()
     if _torch_destroy_process_group is None:  # pragma: no cover - installed before it can be called
         raise RuntimeError("shardfuse: torch.distributed.destroy_process_group was not wrapped")

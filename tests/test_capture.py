@@ -7,9 +7,11 @@ tests/sharding/test_capture_gpu.py runs the same checks with NCCL and real CUDA 
 from __future__ import annotations
 
 import copy
+import gc
 import pickle
 import re
 import traceback
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -300,6 +302,35 @@ def test_destroy_process_group_closes_captured_steps(tmp_path):
     assert run.closed
     with pytest.raises(CaptureError, match="was closed"):
         run(x, y)
+
+
+def _train_and_drop(device: torch.device) -> Any:
+    """Wrap and train a model, leave it in a reference cycle, drop it; returns a weak reference to it."""
+    model = build(3, device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batches(1, 1, device, seed=5)[0]
+    make_step(model, opt)(x, y)
+    model.cycle = [model, opt]  # only a collection frees it
+    return weakref.ref(model)
+
+
+def test_destroy_process_group_collects_what_a_run_left_in_cycles(tmp_path):
+    """A finished run's model in a reference cycle holds its process groups; destroying the default group collects
+    it first, so no gloo group outlives the destroy into interpreter exit (the exit abort of
+    docs/troubleshooting.md). Destroying another group collects nothing."""
+    if dist.is_initialized():
+        pytest.skip("this process already belongs to a process group")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    gc.disable()
+    try:
+        dropped = _train_and_drop(_cpu())
+        sub = dist.new_group([0])
+        dist.destroy_process_group(sub)
+        assert dropped() is not None, "destroying a subgroup ran a collection"
+    finally:
+        dist.destroy_process_group()
+        gc.enable()
+    assert dropped() is None, "the default group was destroyed while a dropped model in a cycle still held it"
 
 
 def test_documented_snippet_runs_on_the_host():
