@@ -62,7 +62,9 @@ def refresh_float8_scales(rs: RootState) -> None:
     """At the root's forward: the float8 scales of every unit whose shard changed since the last step (the
     optimizer step, a load, a write), in one ``all_reduce(MAX)`` per process group (torchao's
     ``precompute_float8_dynamic_scale_for_fsdp``), on the all-gather stream ahead of the gathers."""
-    stale = [s for u in rs.units for h in u.handles if (s := h.stale_float8()) is not None]
+    if not rs.float8_handles:  # the common case, kept off the per-step path: no walk over every handle
+        return
+    stale = [s for h in rs.float8_handles if (s := h.stale_float8()) is not None]
     if not stale:
         return
     streams = rs.streams
@@ -80,6 +82,8 @@ class RootState:
         self.root = root
         self.units = units
         self.streams = streams
+        # Handles that gather float8 bytes: fixed at wrap time (flattening), before this state is made.
+        self.float8_handles = [h for u in units for h in u.handles if h.fp8 is not None]
         self.fwd_order: list[Unit] = []
         self.order_recorded = False
         self.fwd_pos = 0
