@@ -8,7 +8,8 @@ Per variant and round, one step of torch's fused AdamW over ``--params`` billion
 flat shards, as OffloadOptimizer steps a host shard:
 - ``separate``: clipping's scale (``_foreach_mul_``), ``optimizer.step()``, then the bf16 compute copy, each a pass
   over the whole shard (the path before the chunked one);
-- ``chunk=C``: ``_host_fused.step_in_chunks`` with C elements per chunk (the three in one cache-sized pass).
+- ``chunk=C``: ``_host_fused.step_in_chunks`` with C elements per chunk (the three in one cache-sized pass); in
+  ``plain`` it runs one kernel call per shard whatever C (no pass shares the cache), so those rows time that path.
 - ``spec chunk=C`` (with ``--spec``, ``plain`` setting only): the speculative out-of-place update of
   ``OffloadOptimizer(speculative_clip=True)`` (``_speculative.update_out_of_place``): per C-element chunk the
   originals' chunk (parameters, moments) is copied into spare buffers, then the fused kernel updates the spares;

@@ -106,3 +106,50 @@ def test_bad_chunk_is_refused(chunk):
     opt = torch.optim.AdamW([p], fused=True)
     with pytest.raises(ValueError, match=f"multiple of {ALIGN}.*{chunk}"):
         step_in_chunks([(opt, [p], _settings(opt))], None, p, None, chunk)
+
+
+@pytest.mark.parametrize("scaled,copied", [(False, False), (True, False), (False, True)],
+                         ids=["plain", "scale", "copy"])
+def test_chunks_only_where_a_pass_shares_the_cache(monkeypatch, scaled, copied):
+    """With neither clipping's scale nor the compute copy each parameter takes one kernel call (chunks would only add
+    per-call overhead); with either, one call per chunk. Equal to torch's fused step either way."""
+    from shardfuse.sharding.host import _host_fused
+
+    calls: list[int] = []
+    real = _host_fused.call_fused_adam
+
+    def counting(kernel, params, *args, **kwargs):
+        calls.append(params[0].numel())
+        return real(kernel, params, *args, **kwargs)
+
+    monkeypatch.setattr(_host_fused, "call_fused_adam", counting)
+    n = sum(SPLITS) + 3 * ALIGN + 777
+    flat = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    ref_flat = flat.clone()
+    views, ref_views = _views(flat), _views(ref_flat)
+    opt = torch.optim.AdamW(views, lr=1e-2, fused=True)
+    ref = torch.optim.AdamW(ref_views, lr=1e-2, fused=True)
+    copy = torch.empty(n, dtype=torch.bfloat16)
+    for step in range(2):
+        for v, r in zip(views, ref_views):
+            v.grad = torch.randn(v.shape, generator=torch.Generator().manual_seed(step))
+            r.grad = v.grad.clone()
+        coef = torch.tensor(0.25) if scaled else None
+        if step == 0:  # the optimizer's own step makes the state
+            if coef is not None:
+                torch._foreach_mul_([v.grad for v in views], coef)
+            opt.step()
+            copy.copy_(flat)
+        else:
+            assert step_in_chunks([(opt, views, _settings(opt))], coef, flat, copy if copied else None, ALIGN)
+        if coef is not None:
+            torch._foreach_mul_([r.grad for r in ref_views], coef)
+        ref.step()
+    assert torch.equal(flat, ref_flat)
+    if copied:
+        assert torch.equal(copy, ref_flat.to(torch.bfloat16)), "the compute copy differs"
+    whole = [v.numel() for v in views]
+    if scaled or copied:
+        assert len(calls) > len(views) and max(calls) <= ALIGN, f"kernel calls over {calls} elements"
+    else:
+        assert calls == whole, f"kernel calls over {calls} elements, expected one per parameter {whole}"
