@@ -147,7 +147,8 @@ for stage in "${STAGES[@]}"; do
       # Issue 31's table at 1K tokens/GPU, fused AdamW, on every local GPU: per round (CT_ROUNDS, default 3; CT_STEPS
       # timed steps, default 20, after 3 warm-up) the decoder (one GPU captured, shardfuse eager and captured,
       # FairScale when its wheel is in .whl/, FSDP2 + per-layer compile), HF Llama (the same but FairScale) and the
-      # many-shape SFT loop (bench.e2e.sft), each its own process under `timeout`; then the captured step's profile
+      # many-shape SFT loop (bench.e2e.sft: bf16 compute, CT_SFT_BATCH samples per rank of up to 2048 tokens, default 1,
+      # ~1K tokens/GPU on average like the other rows), each its own process under `timeout`; then the captured step's profile
       # (bench.e2e.overlap --captured --baseline --eager). bench.e2e.capture_table joins the rounds into one JSON per
       # part, copies them to $FINAL and prints the table (again last, below the summary). Rows carry host_load:
       # set BENCH_HOST_SHARED=1 when another job runs on this host.
@@ -164,7 +165,7 @@ for stage in "${STAGES[@]}"; do
           --model hf-llama "${CT_COMMON[@]}" --name "ct_hf_r$r" \
           --impls baseline-graph,shardfuse,shardfuse-graph,fsdp2-compile
         step "ct-sft-r$r" "${CT_TIMEOUT:-300}" torchrun --standalone --nproc_per_node "$NGPU" -m bench.e2e.sft \
-          --config 1b --steps "${CT_STEPS:-20}" --name "ct_sft_r$r"
+          --config 1b --bf16 --batch "${CT_SFT_BATCH:-1}" --steps "${CT_STEPS:-20}" --name "ct_sft_r$r"
       done
       step ct-overlap 240 torchrun --standalone --nproc_per_node "$NGPU" -m bench.e2e.overlap \
         --captured --baseline --eager

@@ -38,11 +38,13 @@ CONFIGS = {
 BUCKETS = {"tiny": (16, 32, 48, 64), "1b": (256, 512, 1024, 2048)}
 
 
-def build(cfg: LlamaConfig, device: torch.device) -> FSDP:
-    """The model, one unit per decoder layer; every rank starts from the same weights."""
+def build(cfg: LlamaConfig, device: torch.device, bf16: bool = False) -> FSDP:
+    """The model, one unit per decoder layer; every rank starts from the same weights. ``bf16``: compute in
+    bfloat16 on fp32 shards (mixed precision), as fine-tuning runs for real."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(device)
-    with shardfuse.enable_wrap(wrapper_cls=FSDP):
+    precision = dict(mixed_precision=True, compute_dtype=torch.bfloat16) if bf16 else {}
+    with shardfuse.enable_wrap(wrapper_cls=FSDP, **precision):
         return shardfuse.wrap(shardfuse.auto_wrap(model, auto_wrap_policy=shardfuse.no_split_modules_policy(model)))
 
 

@@ -14,7 +14,9 @@ over ranks), real tokens/s/GPU (the unpadded tokens of all ranks' batches per se
 padded tokens/s/GPU, the peak memory and every timed step's loss (mean over ranks); per round whether the two
 loops' losses are equal and their largest relative difference. AdamW at ``--lr`` (default 1e-4: at the example's
 1e-3 the 1B model diverges within a few steps and then bf16's nondeterministic kernels send the two loops
-apart), ``--exact``: attention through SDPA's math backend (the example's bit-equality setting).
+apart), ``--exact``: attention through SDPA's math backend (the example's bit-equality setting), ``--bf16``: mixed
+precision (bf16 compute on fp32 shards; the capture table runs it at ``--batch 1``, ~1K tokens/GPU on average, where
+the host's launch work is what a captured step saves).
 
 Rank 0 writes ``e2e_sft_<N>gpu.json`` (an e2e file: regime ``sft``, rows ``shardfuse`` and ``shardfuse-graph``,
 each with ``host_load``) through ``bench.common.write_result``; a CPU run writes where ``bench.e2e.run``'s smoke
@@ -46,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1, help="eager then captured, this often")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--exact", action="store_true", help="attention through SDPA's math backend (bit-equal loops)")
+    p.add_argument("--bf16", action="store_true", help="mixed precision: bf16 compute on fp32 shards (the example "
+                   "trains in fp32)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--name", default=None, help="result name (default e2e_sft_<N>gpu)")
     args = p.parse_args(argv)
@@ -78,14 +82,14 @@ def sync(device: torch.device) -> None:
 
 
 def run_loop(config: str, plan: dict[str, Any], device: torch.device, captured: bool, lr: float,
-             warmup: int = 2) -> dict[str, Any]:
+             warmup: int = 2, bf16: bool = False) -> dict[str, Any]:
     """Train a fresh model over the plan's batches, eager or captured; returns this rank's numbers."""
     from transformers import LlamaConfig
 
     import shardfuse
     from examples.sft_buckets import CONFIGS, build, make_optimizer, make_step
 
-    model = build(LlamaConfig(**CONFIGS[config], attn_implementation="sdpa"), device)
+    model = build(LlamaConfig(**CONFIGS[config], attn_implementation="sdpa"), device, bf16=bf16)
     opt = make_optimizer(model, device)
     for group in opt.param_groups:  # a tensor lr under capturable AdamW stays a tensor
         group["lr"] = torch.tensor(lr, device=device) if torch.is_tensor(group["lr"]) else lr
@@ -162,7 +166,7 @@ def run_round(args: argparse.Namespace, rnd: int, plan: dict[str, Any], device: 
     with exact_attention(device) if args.exact else contextlib.nullcontext():
         for impl, captured in (("shardfuse", False), ("shardfuse-graph", True)):
             load = host_load_fields(dist.get_world_size())
-            mine = run_loop(args.config, plan, device, captured, args.lr)
+            mine = run_loop(args.config, plan, device, captured, args.lr, bf16=args.bf16)
             ranks: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(ranks, mine, group=host)
             rows.append({**make_row(impl, rnd, ranks, plan, args.batch), **load})
@@ -184,7 +188,8 @@ def main(argv: list[str] | None = None) -> None:
         "config": {"model": args.config, "model_kind": "hf-llama", "world_size": world, "device": device.type,
                    "steps": args.steps, "warmup": len(plan["warm"]) + 1, "lr": args.lr,
                    "optimizer": "AdamW (fused, capturable)" if device.type == "cuda" else "AdamW",
-                   "compute_dtype": "float32 (the example wraps without mixed precision)",
+                   "compute_dtype": "bfloat16 (mixed precision, fp32 shards)" if args.bf16 else
+                   "float32 (the example wraps without mixed precision)",
                    "regimes": {REGIME: [args.batch, plan["buckets"][-1]]}, "buckets": list(plan["buckets"]),
                    "exact_attention": args.exact, "loop": "examples/sft_buckets.py",
                    "hf_config": dict(CONFIGS[args.config])},  # fmt: skip

@@ -515,8 +515,8 @@ def merge(paths: list[str], args: argparse.Namespace) -> None:
 
     Each configuration's rows keep the floor of the call that measured them (the resident run is in every call);
     a (config, impl, variant) measured twice keeps the later file's row; the environment (commit, host) is the
-    last file's, ``merged_from`` lists each file's commit, and each row gets its own file's commit (``commit``)
-    where it has none.
+    last file's, ``merged_from`` lists each file's commit, and each row gets its own file's commit, date and host
+    core count (``commit``, ``date``, ``host_cores``) where it has none.
     """
     files = [json.loads(Path(p).read_text()) for p in paths]
     gpus = {f.get("env", {}).get("gpu_name") for f in files}
@@ -526,6 +526,8 @@ def merge(paths: list[str], args: argparse.Namespace) -> None:
     for f in files:
         for r in f.get("results", []):
             r.setdefault("commit", f.get("env", {}).get("commit"))
+            r.setdefault("date", f.get("env", {}).get("date"))
+            r.setdefault("host_cores", (f.get("host") or {}).get("cpu_count"))  # hosts differ in CPU optimizer speed
             rows[(r["config"], r["impl"], r.get("variant", ""))] = r
     payload = dict(files[-1])
     payload.update(results=list(rows.values()), merged_from=[{"path": p, "commit": f.get("env", {}).get("commit"),

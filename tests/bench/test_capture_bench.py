@@ -6,6 +6,7 @@ captured loop gives the eager loop's losses and that its bucket padding gives th
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -185,14 +186,14 @@ def test_plan_accuracy_skips_rows_on_a_loaded_host(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------------ SFT bench, gloo
 
 
-def check_sft_bench_loops(steps: int) -> dict[str, Any]:
+def check_sft_bench_loops(steps: int, bf16: bool = False) -> dict[str, Any]:
     """The bench's eager and captured loops on the same plan (on the CPU the captured step runs eagerly under
     capture_step's contract: graphs per bucket bookkept, warm-up at capture time, the same calls)."""
     from bench.e2e.sft import plan_batches, run_loop
 
     plan = plan_batches("tiny", steps, 2, torch.device("cpu"))
-    eager = run_loop("tiny", plan, torch.device("cpu"), captured=False, lr=1e-3)
-    captured = run_loop("tiny", plan, torch.device("cpu"), captured=True, lr=1e-3)
+    eager = run_loop("tiny", plan, torch.device("cpu"), captured=False, lr=1e-3, bf16=bf16)
+    captured = run_loop("tiny", plan, torch.device("cpu"), captured=True, lr=1e-3, bf16=bf16)
     return {"eager": eager["losses"], "captured": captured["losses"], "graphs": captured["graphs"],
             "warm": [b.bucket for b in plan["warm"]], "timed": [b.bucket for b in plan["timed"]],
             "real": eager["real_tokens"], "padded": eager["padded_tokens"]}  # fmt: skip
@@ -222,6 +223,15 @@ def check_bucket_padding_gives_the_unpadded_loss() -> list[tuple[float, float]]:
                 count += int((labels[1:] != -100).sum())
             out.append((padded.item(), (total / count).item()))
     return out
+
+
+def test_sft_bench_bf16_trains_apart_from_fp32_on_gloo(pool) -> None:
+    """--bf16 (the capture table's SFT rows): the loops still agree, and the compute is not the fp32 one."""
+    pytest.importorskip("transformers")
+    bf16, fp32 = pool.run(check_sft_bench_loops, 2, True), pool.run(check_sft_bench_loops, 2, False)
+    for b, f in zip(bf16, fp32):
+        assert b["captured"] == b["eager"] and all(math.isfinite(x) for x in b["eager"])
+        assert b["eager"] != f["eager"], "--bf16 gave the fp32 losses: the mixed precision never reached the model"
 
 
 def test_sft_bench_captured_losses_equal_eager_on_gloo(pool) -> None:

@@ -219,7 +219,9 @@ def test_ssd_settings_direct_io_and_the_mode_recorded(tmp_path, monkeypatch) -> 
 
 def test_merge_keeps_each_rows_commit(tmp_path) -> None:
     def result(commit: str, impl: str, step_ms: float) -> dict[str, Any]:
-        return {"kind": "offload_big", "env": {"gpu_name": "G", "commit": commit}, "floors": {},
+        cores = 16 if commit == "aaaa" else 32
+        return {"kind": "offload_big", "env": {"gpu_name": "G", "commit": commit, "date": f"d-{commit}"},
+                "host": {"cpu_count": cores}, "floors": {},
                 "results": [{"config": "tiny", "impl": impl, "step_ms": step_ms, "step_ms_min": step_ms,
                              "step_ms_max": step_ms, "tokens_per_step": 64, "tokens_per_s": 64e3 / step_ms}]}
 
@@ -229,6 +231,9 @@ def test_merge_keeps_each_rows_commit(tmp_path) -> None:
     big.main(["--merge", str(a), str(b), "--out", str(out)])
     merged = json.loads(out.read_text())
     assert {r["impl"]: r["commit"] for r in merged["results"]} == {"shardfuse": "aaaa", "deepspeed-zero3": "bbbb"}
+    # hosts differ (a 16- and a 32-core one differ 1.5x in CPU optimizer speed): each row keeps its own
+    assert {r["impl"]: (r["host_cores"], r["date"]) for r in merged["results"]} == {
+        "shardfuse": (16, "d-aaaa"), "deepspeed-zero3": (32, "d-bbbb")}
     assert merged["env"]["commit"] == "bbbb" and [m["commit"] for m in merged["merged_from"]] == ["aaaa", "bbbb"]
 
 
