@@ -63,9 +63,11 @@ for stage in "${STAGES[@]}"; do
       step env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv;
         python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.nccl.version())"' ;;
     tests)
-      # The GPU-marked tests by default (CI runs the CPU suite); TEST_MARK="" runs everything.
-      step tests 420 python3 -m pytest -q --timeout=300 -p no:cacheprovider tests -m "${TEST_MARK-gpu or multigpu}" \
-        --junitxml="$OUT/tests-junit.xml" ;;
+      # The GPU-marked tests by default (CI runs the CPU suite); TEST_MARK="" runs everything. One line per test
+      # (-v) and failures' tracebacks as they happen (--tb=short -rfE): a run cut by the limit still names what failed
+      # (225 tests took ~470 s on 2 H200s on 2026-11-28; TESTS_TIMEOUT, default 560).
+      step tests "${TESTS_TIMEOUT:-560}" python3 -m pytest -v --tb=short -rfE --durations=15 --timeout=300 \
+        -p no:cacheprovider tests -m "${TEST_MARK-gpu or multigpu}" --junitxml="$OUT/tests-junit.xml" ;;
     kernels)
       step kernels 360 python3 -m bench.kernels.run --sizes "${KERNEL_SIZES:-1M,16M,64M,256M,512M}" ;;
     kernels-pb)
@@ -224,5 +226,6 @@ tar -C "$OUT" -czf "$FINAL/suite.tgz" .
 echo
 echo "== gpu_suite summary ($NGPU GPUs; logs and JSON in suite.tgz)"
 grep -hE '[0-9]+ (passed|failed|skipped|error)' "$OUT/tests.log" 2>/dev/null | tail -n 1
+grep -hE ' (FAILED|ERROR)( |$)' "$OUT/tests.log" 2>/dev/null | sort -u | head -n 20
 cat "$SUMMARY"
 if [ -f "$OUT/capture_table.txt" ]; then echo; cat "$OUT/capture_table.txt"; fi
