@@ -44,6 +44,7 @@ class OffloadBigRow:
     ssd_io_mode: str | None = None
     commit: str | None = None  # the commit of the call that measured the row (merged files)
     host_load: str | None = None  # set (why) when the host was loaded while the row was measured (bench.host_load)
+    host_cores: int | None = None  # the measuring host's cores (merged files; else the file's ``host``)
 
     @classmethod
     def parse(cls, r: dict[str, Any]) -> OffloadBigRow:
@@ -56,7 +57,7 @@ class OffloadBigRow:
             status=_text(r.get("status")) or "error", reason=_text(r.get("reason")),
             **{k: _int(r.get(k)) for k in ints}, **{k: num(r.get(k)) for k in floats},
             ssd_io_mode=_text(r.get("ssd_io_mode")), commit=_text(r.get("commit")),
-            host_load=_text(r.get("host_load")),
+            host_load=_text(r.get("host_load")), host_cores=_int(r.get("host_cores")),
         )  # fmt: skip
 
     @property

@@ -112,7 +112,7 @@ def _offload_time(shape: ModelShape, setup: Setup, work: Workload, f: Floors, fw
     resident_fwd = fwd / m * setup.resident_params / shape.params  # overlaps the update
     opt_gpu = per_byte * setup.resident_params / setup.shard
     if setup.step_in_backward:
-        tail = max(bwd_phases[-1], host)
+        tail = max(bwd_phases[-1], host - resident_fwd)
         step = sum(fwd_phases) + sum(bwd_phases[:-1]) + tail + opt_gpu
     else:
         step = sum(fwd_phases) + sum(bwd_phases) + max(0.0, host - resident_fwd) + opt_gpu
