@@ -107,3 +107,21 @@ def test_user_factor_equal_to_world_size_goes_direct(pool):
     # gradient_predivide_factor=world size: post-divide 1, the reduce-scatter writes the gradient directly.
     for r in _run(pool, FP32_REDUCE, factor=float(WORLD)):
         assert r["direct_posts"] == 0, f"post-divide by 1 still ran: {r}"
+
+
+def test_shard_on_the_host_keeps_the_post_divide():
+    # move_params_to_cpu without an OffloadOptimizer: the reduce-scatter writes a device temporary that the
+    # post-divide step copies to the host; written "directly", flat.grad was never set (FairScale's GradScaler
+    # tests saw no gradient on a rank). Only the shard's own flat.grad may take the direct write.
+    from types import SimpleNamespace
+
+    from shardfuse.sharding.core._grad_reduce import direct_predivide
+
+    flat = torch.zeros(8)
+    handle = SimpleNamespace(host=None, world_size=2, flat=flat)
+    cfg = SimpleNamespace(groups=SimpleNamespace(hybrid=False), reduce_dtype=torch.float32, predivide=2.0,
+                          postdivide=1.0)
+    device_temporary = torch.empty(4)
+    assert direct_predivide(handle, cfg, device_temporary, accumulate=False) is None  # type: ignore[arg-type]
+    flat.grad = torch.empty_like(flat)
+    assert direct_predivide(handle, cfg, flat.grad, accumulate=False) == 2.0  # type: ignore[arg-type]

@@ -63,8 +63,10 @@ def test_nccl_checkpoint_wrapper_parity(pool, offload_to_cpu, fsdp_outside):
         # bf16 compute, fp32 reduce, as in the benchmark; bf16 rounding over 5 SGD steps.
         (dict(nested=True, optim="sgd", mixed_precision=True, compute_dtype=torch.bfloat16,
               fp32_reduce_scatter=True), (2e-2, 2e-2)),
+        # shards and fp32 gradients on the host: the reduce-scatter's result must still land in flat.grad.
+        (dict(nested=True, optim="sgd", move_params_to_cpu=True), (1e-5, 1e-5)),
     ],
-    ids=["fp32", "bf16-fp32-reduce"],
+    ids=["fp32", "bf16-fp32-reduce", "fp32-params-on-host"],
 )
 def test_nccl_parity(pool, case):
     cfg, tol = case
@@ -219,11 +221,14 @@ def check_device_placement() -> list[str]:
                      move_params_to_cpu=move)
         out = model(torch.randn(4, 5, device="cuda"))
         out.sum().backward()
+        # Every shard holds its gradient where the shard lives (fp32 at 2 ranks once landed on the host without
+        # a post-divide: FairScale's GradScaler tests found it missing).
+        grads = {"none" if p.grad is None else p.grad.device.type for p in model.parameters()}
         sd_devices = {v.device.type for v in model.state_dict().values()}
-        seen.append(f"{next(model.parameters()).device.type}/{out.device.type}/{sorted(sd_devices)}")
+        seen.append(f"{next(model.parameters()).device.type}/{out.device.type}/{sorted(sd_devices)}/{sorted(grads)}")
     return seen
 
 
 def test_nccl_shard_and_state_dict_devices(pool):
-    want = ["cpu/cuda/['cpu']", "cpu/cuda/['cpu']", "cuda/cuda/['cuda']"]
+    want = ["cpu/cuda/['cpu']/['cpu']", "cpu/cuda/['cpu']/['cpu']", "cuda/cuda/['cuda']/['cuda']"]
     assert pool.run(check_device_placement) == [want] * WORLD

@@ -140,13 +140,18 @@ def direct_predivide(handle: FlatParamHandle, cfg: ReduceConfig, dest: torch.Ten
     """The pre-divide factor with which the reduce-scatter may write straight into the sharded gradient ``dest``
     (saving the post-divide pass, one read and one write of the shard, and its scratch buffer), or None.
 
-    It may where the post-divide would only copy: a fresh gradient on the device (nothing to accumulate, no host
-    copy, no replica all-reduce in between), in the reduce dtype, and a post-divide factor of 1. A post-divide
-    factor that is a power of two moves into the pre-divide when the reduce dtype is fp32 or fp64 and a pre-divide
-    pass runs anyway: scaling by a power of two commutes with rounded addition, so the sum is the same bits
-    outside the subnormal range (FairScale's split of the factors guards fp16 sums, which never take this path).
+    It may where the post-divide would only copy: a fresh gradient on the device that is the shard's own
+    ``flat.grad`` (nothing to accumulate, no host copy, no replica all-reduce in between), in the reduce dtype,
+    and a post-divide factor of 1. A post-divide factor that is a power of two moves into the pre-divide when the
+    reduce dtype is fp32 or fp64 and a pre-divide pass runs anyway: scaling by a power of two commutes with
+    rounded addition, so the sum is the same bits outside the subnormal range (FairScale's split of the factors
+    guards fp16 sums, which never take this path).
     """
     if dest is None or accumulate or handle.host is not None or handle.world_size == 1 or cfg.groups.hybrid:
+        return None
+    if dest is not handle.flat.grad:
+        # A shard kept on the host (move_params_to_cpu): ``dest`` is a device temporary whose copy to the host
+        # runs in the post-divide's step (_finish); writing straight into it would leave ``flat.grad`` unset.
         return None
     if dest.dtype != cfg.reduce_dtype:
         return None
