@@ -1,0 +1,161 @@
+"""The views' gradients pre-divided straight into the reduce-scatter input (``_fused_grads.py``), without their
+concatenation: every reduce-scatter input is the same bytes as on the path through ``torch.split_with_sizes``
+(``FlatParamHandle.fuse_grads = False``), and so is every sharded gradient, on fresh random data with odd sizes
+(padding at 2 and 4 ranks). Covered: fp32, bf16 compute with fp32 and bf16 reduce-scatter, tied, frozen and unused
+parameters, two forwards of a unit in one backward, activation checkpointing, ``no_sync`` accumulation, hybrid
+sharding; and that the fused path runs (its launches counted, no ``aten::cat`` in backward)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from shardfuse.sharding.core import _collectives as coll
+from shardfuse.sharding.core import _data_path as dp
+from shardfuse.sharding.core._flat_param import FlatParamHandle
+from tests.sharding._models import batch, build, loss_fn, wrap_model
+
+WORLD = 2
+BF16 = dict(mixed_precision=True, compute_dtype=torch.bfloat16)
+
+
+def _model(cfg: dict[str, Any]) -> nn.Module:
+    net = build(cfg)
+    if cfg.get("unused"):  # a parameter of a unit that runs but gets no gradient: zeros in the reduce input
+        net.blocks[0].unused = nn.Linear(3, 5)
+    kw = {k: v for k, v in cfg.items() if k in ("mixed_precision", "compute_dtype", "fp32_reduce_scatter")}
+    if cfg.get("mesh"):
+        kw["device_mesh"] = init_device_mesh("cpu", cfg["mesh"], mesh_dim_names=("replicate", "shard"))
+    return wrap_model(net, {**cfg, **kw})
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(-1).view(torch.uint8).clone()
+
+
+def _gradient_cats(prof: Any) -> int:
+    """``aten::cat`` calls in backward but those building a launch table inside the kernel's own range."""
+    def in_kernel(e: Any) -> bool:
+        while e is not None:
+            if e.name == "shardfuse.kernels:pre_divide_pad":
+                return True
+            e = e.cpu_parent
+        return False
+
+    return sum(1 for e in prof.events() if e.name == "aten::cat" and not in_kernel(e))
+
+
+def _run(cfg: dict[str, Any], fused: bool) -> dict[str, Any]:
+    """Every reduce-scatter input and the final sharded gradients after two steps (``no_sync_micro`` micro-batches
+    each), with the fused path on or off; the fused launches and backward ``aten::cat`` calls counted."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    real_rs, real_pieces = coll.reduce_scatter_into, dp.pre_divide_pad_pieces
+    inputs: list[torch.Tensor] = []
+    fused_calls: list[int] = []
+
+    def recording_rs(out: torch.Tensor, inp: torch.Tensor, *a: Any, **k: Any) -> Any:
+        inputs.append(_bytes(inp))
+        return real_rs(out, inp, *a, **k)
+
+    def counting_pieces(*a: Any, **k: Any) -> Any:
+        fused_calls.append(1)
+        return real_pieces(*a, **k)
+
+    cats = 0
+    try:
+        coll.reduce_scatter_into, dp.pre_divide_pad_pieces = recording_rs, counting_pieces
+        FlatParamHandle.fuse_grads = fused
+        model = _model(cfg)
+        micro = cfg.get("no_sync_micro", 1)
+        for step in range(2):
+            for m in range(micro):
+                ids, target = batch(step * micro + m, rank, ws)
+                loss = loss_fn(model, ids, target, step, cfg)
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    if m < micro - 1:
+                        with model.no_sync():
+                            loss.backward()
+                    else:
+                        loss.backward()
+                cats += _gradient_cats(prof)
+        grads = [_bytes(p.grad) for p in model.parameters() if p.grad is not None]
+    finally:
+        coll.reduce_scatter_into, dp.pre_divide_pad_pieces = real_rs, real_pieces
+        FlatParamHandle.fuse_grads = True
+    return {"inputs": inputs, "grads": grads, "fused_calls": len(fused_calls), "cats": cats}
+
+
+def compare(cfg: dict[str, Any]) -> dict[str, Any]:
+    new, old = _run(cfg, True), _run(cfg, False)
+    return {
+        "n_inputs": (len(new["inputs"]), len(old["inputs"])),
+        "inputs_equal": len(new["inputs"]) == len(old["inputs"])
+        and all(torch.equal(a, b) for a, b in zip(new["inputs"], old["inputs"])),
+        "grads_equal": len(new["grads"]) == len(old["grads"]) > 0
+        and all(torch.equal(a, b) for a, b in zip(new["grads"], old["grads"])),
+        "fused_calls": (new["fused_calls"], old["fused_calls"]),
+        "cats": (new["cats"], old["cats"]),
+    }
+
+
+def _check(pool: Any, cfg: dict[str, Any], fused: bool = True) -> list[dict[str, Any]]:
+    results = pool.run(compare, cfg)
+    for r in results:
+        assert r["n_inputs"][0] > 0, f"no reduce-scatter ran: {r}"
+        assert r["inputs_equal"], f"a reduce-scatter input differs from the concatenating path's: {r}"
+        assert r["grads_equal"], f"a sharded gradient differs from the concatenating path's: {r}"
+        assert r["fused_calls"][1] == 0, f"the old path ran the fused launch: {r}"
+        if fused:
+            assert r["fused_calls"][0] > 0, f"the fused path never ran: {r}"
+    return results
+
+
+CASES = {
+    "fp32": {},
+    "bf16_fp32_reduce": {**BF16, "fp32_reduce_scatter": True},
+    "bf16_bf16_reduce": {**BF16, "fp32_reduce_scatter": False},
+    "tied": {"tied": True},
+    "frozen": {"frozen": True, **BF16, "fp32_reduce_scatter": True},
+    "unused": {"unused": True},
+    "ckpt": {"ckpt": True, **BF16, "fp32_reduce_scatter": True},
+    "not_nested": {"nested": False},
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fused_reduce_input_is_the_concatenating_paths(pool, name):
+    for r in _check(pool, CASES[name]):
+        # The only cat left is none: split_with_sizes' backward concatenated once per flat parameter.
+        assert r["cats"][0] == 0 and r["cats"][1] > 0, f"backward still concatenates: {r}"
+
+
+def test_two_forwards_in_one_backward_sum_as_the_engine_does(pool):
+    # The second node's gradients make the stash flat (the engine's sum order): the old reduction then runs.
+    _check(pool, {"multi_forward": True, **BF16, "fp32_reduce_scatter": True}, fused=False)
+
+
+@pytest.mark.parametrize("reduce32", [True, False])
+def test_no_sync_accumulation(pool, reduce32):
+    # Micro-batches under no_sync add into full_param.grad piece by piece; the synced one adds onto that sum.
+    _check(pool, {"no_sync_micro": 3, **BF16, "fp32_reduce_scatter": reduce32}, fused=False)
+
+
+def test_predivide_one_keeps_the_concatenation_as_the_input(pool):
+    # gradient_predivide_factor=1 in the reduce dtype: no pre-divide pass to fold the concatenation into.
+    results = pool.run(compare, {"gradient_predivide_factor": 1.0})
+    for r in results:
+        assert r["inputs_equal"] and r["grads_equal"], r
+        assert r["fused_calls"] == (0, 0), r
+
+
+def test_hybrid_sharding(pool4):
+    _check(pool4, {"mesh": (2, 2), **BF16, "fp32_reduce_scatter": True})
+
+
+def test_fused_path_is_the_default():
+    assert FlatParamHandle.fuse_grads is True
