@@ -24,14 +24,14 @@ WORLD = 2
 BF16 = dict(mixed_precision=True, compute_dtype=torch.bfloat16)
 
 
-def _model(cfg: dict[str, Any]) -> nn.Module:
+def _model(cfg: dict[str, Any], device: torch.device) -> nn.Module:
     net = build(cfg)
     if cfg.get("unused"):  # a parameter of a unit that runs but gets no gradient: zeros in the reduce input
         net.blocks[0].unused = nn.Linear(3, 5)
     kw = {k: v for k, v in cfg.items() if k in ("mixed_precision", "compute_dtype", "fp32_reduce_scatter")}
     if cfg.get("mesh"):
         kw["device_mesh"] = init_device_mesh("cpu", cfg["mesh"], mesh_dim_names=("replicate", "shard"))
-    return wrap_model(net, {**cfg, **kw})
+    return wrap_model(net.to(device), {**cfg, **kw})
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -50,7 +50,7 @@ def _gradient_cats(prof: Any) -> int:
     return sum(1 for e in prof.events() if e.name == "aten::cat" and not in_kernel(e))
 
 
-def _run(cfg: dict[str, Any], fused: bool) -> dict[str, Any]:
+def _run(cfg: dict[str, Any], fused: bool, device: torch.device) -> dict[str, Any]:
     """Every reduce-scatter input and the final sharded gradients after two steps (``no_sync_micro`` micro-batches
     each), with the fused path on or off; the fused launches and backward ``aten::cat`` calls counted."""
     rank, ws = dist.get_rank(), dist.get_world_size()
@@ -70,11 +70,11 @@ def _run(cfg: dict[str, Any], fused: bool) -> dict[str, Any]:
     try:
         coll.reduce_scatter_into, dp.pre_divide_pad_pieces = recording_rs, counting_pieces
         FlatParamHandle.fuse_grads = fused
-        model = _model(cfg)
+        model = _model(cfg, device)
         micro = cfg.get("no_sync_micro", 1)
         for step in range(2):
             for m in range(micro):
-                ids, target = batch(step * micro + m, rank, ws)
+                ids, target = (t.to(device) for t in batch(step * micro + m, rank, ws))
                 loss = loss_fn(model, ids, target, step, cfg)
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                     if m < micro - 1:
@@ -90,8 +90,9 @@ def _run(cfg: dict[str, Any], fused: bool) -> dict[str, Any]:
     return {"inputs": inputs, "grads": grads, "fused_calls": len(fused_calls), "cats": cats}
 
 
-def compare(cfg: dict[str, Any]) -> dict[str, Any]:
-    new, old = _run(cfg, True), _run(cfg, False)
+def compare(cfg: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+    new, old = _run(cfg, True, dev), _run(cfg, False, dev)
     return {
         "n_inputs": (len(new["inputs"]), len(old["inputs"])),
         "inputs_equal": len(new["inputs"]) == len(old["inputs"])
@@ -103,8 +104,8 @@ def compare(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _check(pool: Any, cfg: dict[str, Any], fused: bool = True) -> list[dict[str, Any]]:
-    results = pool.run(compare, cfg)
+def check(pool: Any, cfg: dict[str, Any], fused: bool = True, device: str = "cpu") -> list[dict[str, Any]]:
+    results = pool.run(compare, cfg, device)
     for r in results:
         assert r["n_inputs"][0] > 0, f"no reduce-scatter ran: {r}"
         assert r["inputs_equal"], f"a reduce-scatter input differs from the concatenating path's: {r}"
@@ -129,20 +130,20 @@ CASES = {
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_fused_reduce_input_is_the_concatenating_paths(pool, name):
-    for r in _check(pool, CASES[name]):
+    for r in check(pool, CASES[name]):
         # The only cat left is none: split_with_sizes' backward concatenated once per flat parameter.
         assert r["cats"][0] == 0 and r["cats"][1] > 0, f"backward still concatenates: {r}"
 
 
 def test_two_forwards_in_one_backward_sum_as_the_engine_does(pool):
     # The second node's gradients make the stash flat (the engine's sum order): the old reduction then runs.
-    _check(pool, {"multi_forward": True, **BF16, "fp32_reduce_scatter": True}, fused=False)
+    check(pool, {"multi_forward": True, **BF16, "fp32_reduce_scatter": True}, fused=False)
 
 
 @pytest.mark.parametrize("reduce32", [True, False])
 def test_no_sync_accumulation(pool, reduce32):
     # Micro-batches under no_sync add into full_param.grad piece by piece; the synced one adds onto that sum.
-    _check(pool, {"no_sync_micro": 3, **BF16, "fp32_reduce_scatter": reduce32}, fused=False)
+    check(pool, {"no_sync_micro": 3, **BF16, "fp32_reduce_scatter": reduce32}, fused=False)
 
 
 def test_predivide_one_keeps_the_concatenation_as_the_input(pool):
@@ -154,7 +155,7 @@ def test_predivide_one_keeps_the_concatenation_as_the_input(pool):
 
 
 def test_hybrid_sharding(pool4):
-    _check(pool4, {"mesh": (2, 2), **BF16, "fp32_reduce_scatter": True})
+    check(pool4, {"mesh": (2, 2), **BF16, "fp32_reduce_scatter": True})
 
 
 def test_fused_path_is_the_default():
