@@ -17,12 +17,25 @@ gradients (zeros where a view got none), so the reduce-scatter input is the same
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from shardfuse.sharding.core._flat_param import FlatParamHandle
+from shardfuse.sharding.core._step_state import HandleStep
+
+
+class FlatParamHandle(Protocol):
+    """What this module reads of a ``_flat_param.FlatParamHandle`` (which imports this module)."""
+
+    split_sizes: list[int]
+    shapes: list[torch.Size]
+    numels: list[int]
+    numel: int
+    padded_numel: int
+    full_param: torch.Tensor | None
+    step: HandleStep
+
+    def made(self, full: torch.Tensor | None) -> torch.Tensor: ...
 
 # What a handle's views received in this backward pass: their gradients (None: no gradient), or, once a second
 # node of the handle contributed, their sum as one padded flat gradient.
