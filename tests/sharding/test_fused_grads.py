@@ -18,6 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from shardfuse.sharding.core import _collectives as coll
 from shardfuse.sharding.core import _data_path as dp
 from shardfuse.sharding.core._flat_param import FlatParamHandle
+from shardfuse.sharding.core._fused_grads import Unflatten, add_contribution, materialize
+from shardfuse.sharding.core._step_state import HandleStep
 from tests.sharding._models import batch, build, loss_fn, wrap_model
 
 WORLD = 2
@@ -137,21 +139,72 @@ def test_fused_reduce_input_is_the_concatenating_paths(pool, name):
 
 def test_two_forwards_in_one_backward_sum_as_the_engine_does(pool):
     # The second node's gradients make the stash flat (the engine's sum order): the old reduction then runs.
-    check(pool, {"multi_forward": True, **BF16, "fp32_reduce_scatter": True}, fused=False)
+    check(pool, {"multi_forward": True, "unused": True, **BF16, "fp32_reduce_scatter": True}, fused=False)
 
 
 @pytest.mark.parametrize("reduce32", [True, False])
 def test_no_sync_accumulation(pool, reduce32):
     # Micro-batches under no_sync add into full_param.grad piece by piece; the synced one adds onto that sum.
-    check(pool, {"no_sync_micro": 3, **BF16, "fp32_reduce_scatter": reduce32}, fused=False)
+    check(pool, {"no_sync_micro": 3, "unused": True, **BF16, "fp32_reduce_scatter": reduce32}, fused=False)
 
 
-def test_predivide_one_keeps_the_concatenation_as_the_input(pool):
-    # gradient_predivide_factor=1 in the reduce dtype: no pre-divide pass to fold the concatenation into.
-    results = pool.run(compare, {"gradient_predivide_factor": 1.0})
-    for r in results:
-        assert r["inputs_equal"] and r["grads_equal"], r
-        assert r["fused_calls"] == (0, 0), r
+class _Layout:
+    """The parts of a flat parameter handle the unflatten node reads (two parameters and a padding tail)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.shapes = [torch.Size([2, 3]), torch.Size([4])]
+        self.numels = [6, 4]
+        self.numel, self.padded_numel = 10, 12
+        self.split_sizes = [6, 4, 2]
+        self.full_param = torch.zeros(12, dtype=dtype, requires_grad=True)
+        self.step = HandleStep()
+
+    def made(self, full: torch.Tensor | None) -> torch.Tensor:
+        assert full is not None
+        return full
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stash_sums_are_the_engines_bits(dtype):
+    # Two nodes of one handle in one backward, the first without a gradient for `a`, the second -0.0 for it
+    # (-0.0 + 0.0 is +0.0 in the engine's sum of the two concatenations), added onto an existing gradient with
+    # -0.0 in it (no_sync, as AccumulateGrad adds): the same bits as the split path.
+    gen = torch.Generator().manual_seed(0)
+    gb = torch.randn(4, generator=gen).to(dtype)
+    neg = torch.full((2, 3), -0.0, dtype=dtype)
+    held = torch.randn(12, generator=gen).to(dtype)
+    held[:3] = -0.0
+    held[10:] = 0.0
+
+    ref = torch.zeros(12, dtype=dtype, requires_grad=True)
+    ref.grad = held.clone()
+    (_, rb, _), (ra2, _, _) = torch.split_with_sizes(ref, [6, 4, 2]), torch.split_with_sizes(ref, [6, 4, 2])
+    ((rb * gb).sum() + (ra2.view(2, 3) * neg).sum()).backward()
+
+    h = _Layout(dtype)
+    h.full_param.grad = held.clone()
+    token = torch.empty(0, dtype=dtype, requires_grad=True)
+    (_, b), (a2, _) = Unflatten.apply(token, [h.full_param], h), Unflatten.apply(token, [h.full_param], h)
+    ((b * gb).sum() + (a2 * neg).sum()).backward()
+    assert h.full_param.grad is not None and isinstance(h.step.fused, torch.Tensor)  # two nodes: summed flat
+    materialize(h, h.full_param, h.step.fused)
+    assert torch.equal(_bits(h.full_param.grad), _bits(ref.grad))
+
+    # One node kept apart, materialized fresh: the concatenation split's backward makes (zeros for `a`).
+    fresh = add_contribution(h, None, (None, gb))
+    h.full_param.grad = None
+    materialize(h, h.full_param, fresh)
+    cat = torch.cat([torch.zeros(6, dtype=dtype), gb, torch.zeros(2, dtype=dtype)])
+    assert torch.equal(_bits(h.full_param.grad), _bits(cat))
+
+    # One node kept apart, added onto a gradient with -0.0 where `a` got none: AccumulateGrad's held + cat.
+    h.full_param.grad = held.clone()
+    materialize(h, h.full_param, add_contribution(h, None, (None, gb)))
+    assert torch.equal(_bits(h.full_param.grad), _bits(held + cat))
 
 
 def test_hybrid_sharding(pool4):
