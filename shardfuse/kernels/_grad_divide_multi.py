@@ -1,8 +1,9 @@
 """The public ``pre_divide_pad``: one gradient, or a list of gradients in one launch through a pointer table.
 
-The list form serves the public API only: the sharding runtime's gradient is already one flat buffer, which
-it hands to ``_grad_divide.pre_divide_pad_unchecked`` directly, so the multi-tensor kernel, its launch plans
-and their cache live here, in a module the runtime's path never reaches. A list's plan (the metadata table
+The list form serves the public API and the sharding runtime's gradients kept apart by the unflatten node
+(``sharding/core/_fused_grads.py``, through ``_data_path.pre_divide_pad_pieces``); a flat gradient goes to
+``_grad_divide.pre_divide_pad_unchecked`` directly. The multi-tensor kernel, its launch plans and their cache
+live here. A list's plan (the metadata table
 and launch arguments) is cached per set of tensors and stream: a repeat call skips validation, table
 building and the host-to-device copy.
 

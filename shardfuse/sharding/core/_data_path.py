@@ -14,8 +14,11 @@ Two kinds of kernel call pass through it (docs/kernels.md, "Validated forms and 
 The float8 shard cast (``fp8_amax``, ``cast_fp8_shards``, the float8 all-gather of ``_fp8_gather.py``) is a
 validated kernel: it checks its arguments at each gather, a few tensors per flat parameter.
 
-The other multi-tensor kernels (``cast_shards``, ``chunk_cat``, the list form of ``pre_divide_pad``) are not here:
-each flat parameter is one tensor, so the runtime has no list to hand them.
+:func:`pre_divide_pad_pieces` takes the parameters' gradients of one flat parameter, kept apart by the unflatten
+node (``_fused_grads.py``), into its padded reduce-scatter input: the list form of ``pre_divide_pad``, one launch
+(validated on its first call with a set of tensors, cached after), or one trusted launch per gradient while a
+CUDA graph is captured. The other multi-tensor kernels (``cast_shards``, ``chunk_cat``) are not here: each flat
+parameter is one tensor, so the runtime has no list to hand them.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from shardfuse.kernels._fp8 import FP8_DTYPE, cast_fp8_shards, fp8_amax
 from shardfuse.kernels._grad_divide import gradient_divide_factors
 from shardfuse.kernels._grad_divide import post_divide_unchecked as post_divide
 from shardfuse.kernels._grad_divide import pre_divide_pad_unchecked as pre_divide_pad
+from shardfuse.kernels._grad_divide_multi import pre_divide_pad as pre_divide_pad_list
 
 __all__ = [
     "FP8_DTYPE",
@@ -42,6 +46,7 @@ __all__ = [
     "gradient_divide_factors",
     "post_divide",
     "pre_divide_pad",
+    "pre_divide_pad_pieces",
     "unflatten_into",
 ]
 
@@ -88,3 +93,20 @@ def check_plan(
                 f"finite factors to gradient_predivide_factor or set_gradient_divide_factors"
             )
 
+
+
+def pre_divide_pad_pieces(grads: list[torch.Tensor], out: torch.Tensor, factor: float) -> None:
+    """``pre_divide_pad(cat(grads), out, factor)`` without the concatenation: each gradient (contiguous, one
+    dtype) scaled and cast into its slice of ``out``, the tail after them zero; the same bytes elementwise."""
+    if out.is_cuda and torch.cuda.is_current_stream_capturing():
+        # The list form copies a table of the gradients' addresses from pinned host memory, which a graph would
+        # copy again at every replay, after that memory went back to its pool: per gradient, the addresses are
+        # kernel arguments the graph keeps.
+        offset = 0
+        for g in grads:
+            if g.numel():
+                pre_divide_pad(g, out.narrow(0, offset, g.numel()), factor)
+            offset += g.numel()
+        out.narrow(0, offset, out.numel() - offset).zero_()
+        return
+    pre_divide_pad_list(grads, out, factor)

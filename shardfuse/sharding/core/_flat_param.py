@@ -32,6 +32,7 @@ from shardfuse.sharding.core import _collectives as coll
 from shardfuse.sharding.core import _data_path as dp
 from shardfuse.sharding.core._config import MISSING_GROUP, Groups
 from shardfuse.sharding.core._fp8_gather import Float8Gather
+from shardfuse.sharding.core._fused_grads import Unflatten
 from shardfuse.sharding.core._host_protocol import HostSide
 from shardfuse.sharding.core._registry import (  # SHARD_MARK_KEY: re-exported for _dcp, _dcp_guard, _optim_state
     SHARD_MARK_ATTR,
@@ -82,6 +83,10 @@ class BorrowedSlot:
 
 class FlatParamHandle:
     """One flat parameter group of a unit: sharded storage, the gathered full buffer and their views."""
+
+    # Views made by the Unflatten node (_fused_grads.py): their gradients go to the reduce-scatter input without
+    # being concatenated first. False: torch.split_with_sizes, one flat gradient (the path it is tested against).
+    fuse_grads = True
 
     def __init__(
         self,
@@ -138,6 +143,7 @@ class FlatParamHandle:
         # Set by init_full_buffer() (lazy init, once the compute device is final).
         self.full_param: torch.Tensor | None = None
         self.full_data: torch.Tensor | None = None  # alias of full_param with its own version counter
+        self.grad_token: torch.Tensor | None = None  # see init_full_buffer
         self.compute_dtype = self.dtype
         self.step = HandleStep()  # per-step flags, apart from this fixed layout
         # Hybrid sharding under set_requires_all_reduce(False): this rank's reduce-scattered gradient sum, not yet
@@ -184,10 +190,12 @@ class FlatParamHandle:
     # ----------------------------------------------------------------------------------------------
 
     def init_full_buffer(
-        self, compute_dtype: torch.dtype, device: torch.device, on_grad: Callable[[torch.Tensor], None]
+        self, compute_dtype: torch.dtype, device: torch.device, on_grad: Callable[[torch.Tensor], None],
+        on_fused: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         """Create the (unallocated) full buffer in ``compute_dtype`` on ``device``; ``on_grad(full_param)``
-        runs once autograd has accumulated its gradient (the post-backward hook)."""
+        runs once autograd has accumulated its gradient (the post-backward hook), ``on_fused(grad_token)`` once
+        the views made by the Unflatten node received theirs (its post-backward hook; None: views by split)."""
         self.compute_dtype = compute_dtype
         full = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
         full.untyped_storage().resize_(0)
@@ -196,6 +204,11 @@ class FlatParamHandle:
         # ``.data`` gives an alias with a separate version counter: writing gathered values through it does
         # not invalidate the views autograd saved for backward.
         self.full_data = full.data
+        # The empty leaf every Unflatten node of this handle feeds (see _fused_grads.py): no memory, one hook.
+        self.grad_token = None
+        if on_fused is not None:
+            self.grad_token = torch.empty(0, dtype=compute_dtype, device=device, requires_grad=True)
+            self.grad_token.register_post_accumulate_grad_hook(on_fused)
         self.step.reset()
         self._on_grad = on_grad
         self._hooked = False
@@ -339,7 +352,8 @@ class FlatParamHandle:
         state = dict(self.__dict__)
         for key in ("_on_grad", "_hooked"):
             state.pop(key, None)
-        state.update(full_param=None, full_data=None, step=HandleStep(), host=None, unsynced_grad=None)
+        state.update(full_param=None, full_data=None, grad_token=None, step=HandleStep(), host=None,
+                     unsynced_grad=None)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -347,6 +361,7 @@ class FlatParamHandle:
         state.setdefault("host", None)
         state.setdefault("unsynced_grad", None)
         state.setdefault("fp8", None)
+        state.setdefault("grad_token", None)
         if "groups" not in state:  # pickled before the groups were shared: the unit points it at its own
             state["groups"] = Groups(MISSING_GROUP, MISSING_GROUP, state.pop("rank"), state.pop("world_size"))
             state.pop("group", None)
@@ -472,8 +487,12 @@ class FlatParamHandle:
         if self.step.float8:  # the layers' float8 weights over the gathered bytes
             assert self.fp8 is not None
             return self.fp8.weights(self.made(self.full_param), self.split_sizes, self.shapes)
+        full = self.made(self.full_param)
+        token = self.grad_token
+        if token is not None and self.fuse_grads and full.requires_grad and torch.is_grad_enabled():
+            return list(Unflatten.apply(token, [full], self))
         # torch.split_with_sizes skips Tensor.split's Python layer.
-        chunks = torch.split_with_sizes(self.made(self.full_param), self.split_sizes)
+        chunks = torch.split_with_sizes(full, self.split_sizes)
         return [c.view(s) for c, s in zip(chunks, self.shapes)]
 
     def set_views(self) -> None:

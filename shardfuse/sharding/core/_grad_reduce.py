@@ -22,8 +22,13 @@ from shardfuse.sharding.core import _collectives as coll
 from shardfuse.sharding.core import _data_path as dp
 from shardfuse.sharding.core._config import Groups
 from shardfuse.sharding.core._flat_param import FlatParamHandle
+from shardfuse.sharding.core._fused_grads import flat_of
 
 logger = logging.getLogger(__name__)
+
+# What the post-backward stream read and the compute stream must not free early: a full gradient, or the
+# parameters' gradients it was not concatenated from (_fused_grads.py).
+Held = torch.Tensor | list[torch.Tensor | None]
 
 
 @dataclass
@@ -46,14 +51,14 @@ class ReduceConfig:
 class PendingFrees:
     """Tensors read by the post-backward stream, released once the compute stream has waited for the read."""
 
-    items: list[tuple[torch.Tensor, torch.cuda.Event | None]] = field(default_factory=list)
+    items: list[tuple[Held, torch.cuda.Event | None]] = field(default_factory=list)
     # Offloaded gradients: (flat parameter, host copy being written on the post-backward stream, its device
     # source, kept alive until the post-backward stream has finished with it).
     host_grads: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     # Shards of an OffloadOptimizer whose gradient copy to the host is in flight (landed at the end of backward),
     # and the device sources of those copies, each freed once the compute stream has waited for its copy.
     landing: list[FlatParamHandle] = field(default_factory=list)
-    copies: list[tuple[torch.Tensor, torch.cuda.Event | None]] = field(default_factory=list)
+    copies: list[tuple[Held, torch.cuda.Event | None]] = field(default_factory=list)
 
     def add_copy_source(self, tensor: torch.Tensor, event: torch.cuda.Event | None, streams: Streams,
                         keep: int = 4) -> None:
@@ -61,7 +66,7 @@ class PendingFrees:
         far the copies may lag the backward)."""
         _hold(self.copies, tensor, event, streams, keep)
 
-    def add(self, tensor: torch.Tensor, event: torch.cuda.Event | None, streams: Streams, keep: int = 1) -> None:
+    def add(self, tensor: Held, event: torch.cuda.Event | None, streams: Streams, keep: int = 1) -> None:
         """Hold ``tensor`` until ``event``; release older entries beyond ``keep`` after a device-side wait."""
         _hold(self.items, tensor, event, streams, keep)
 
@@ -71,7 +76,7 @@ class PendingFrees:
         self.copies.clear()
 
 
-def _hold(held: list[tuple[torch.Tensor, torch.cuda.Event | None]], tensor: torch.Tensor,
+def _hold(held: list[tuple[Held, torch.cuda.Event | None]], tensor: Held,
           event: torch.cuda.Event | None, streams: Streams, keep: int) -> None:
     """Append (tensor, event) to ``held``; entries beyond ``keep`` go after the compute stream waited for them."""
     if event is None:  # CPU: everything already ran synchronously
@@ -84,10 +89,12 @@ def _hold(held: list[tuple[torch.Tensor, torch.cuda.Event | None]], tensor: torc
 
 
 def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pending: PendingFrees,
-                all_reduce: bool = True) -> None:
+                all_reduce: bool = True, pieces: list[torch.Tensor | None] | None = None) -> None:
     """Reduce-scatter ``handle.full_param.grad`` into ``handle.flat.grad`` (accumulating into an existing one).
 
-    The full gradient is detached from ``full_param`` immediately, so it is freed as soon as the
+    ``pieces``: the parameters' gradients of a fresh backward kept apart (``_fused_grads.py``, with no
+    ``full_param.grad``), pre-divided straight into the reduce-scatter input: the same bytes as their
+    concatenation's. The full gradient is detached from ``full_param`` immediately, so it is freed as soon as the
     post-backward stream has consumed it. Under hybrid sharding the reduce-scattered shard is then all-reduced
     across replicas on the same stream, unless ``all_reduce`` is False (``set_requires_all_reduce(False)``):
     then it is added to ``handle.unsynced_grad`` instead, and the next all-reduce carries that sum once.
@@ -95,7 +102,7 @@ def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pe
     full_param = handle.made(handle.full_param)
     grad = full_param.grad
     full_param.grad = None
-    if grad is None:
+    if grad is None and pieces is None:
         return
     handle.grads_from_views()
     hold = cfg.groups.hybrid and not all_reduce
@@ -104,25 +111,24 @@ def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pe
             f"set_requires_all_reduce(False) with an OffloadOptimizer is not supported ({handle.names[0]} is "
             f"offloaded: its host step expects the all-reduced gradient each backward): use no_sync() to accumulate"
         )
-    dest, accumulate = (None, False) if hold else _destination(handle, grad.device)
-    lowp = None if dest is None else exact_compute_dtype_grad(handle, cfg, grad)
+    device = handle.made(handle.full_data).device
+    dest, accumulate = (None, False) if hold else _destination(handle, device)
+    lowp = None if dest is None or grad is None else exact_compute_dtype_grad(handle, cfg, grad)
     direct = direct_predivide(handle, cfg, dest, accumulate)
+    predivide = cfg.predivide if direct is None else direct
+    if pieces is not None and predivide == 1.0 and cfg.reduce_dtype == handle.compute_dtype:
+        # No pre-divide pass to fold the concatenation into: the concatenation is the reduce-scatter input.
+        grad, pieces = flat_of(handle, pieces), None
     post_backward = streams.post_backward
     wait_stream(post_backward, streams.current())
     with profiled("shardfuse.sharding:reduce_scatter"), use_stream(post_backward):
-        g = grad.view(-1)
-        predivide = cfg.predivide if direct is None else direct
-        if predivide == 1.0 and cfg.reduce_dtype == g.dtype:
-            rs_in = g  # padding of the full gradient is already zero (SplitBackward fills it)
-        else:
-            rs_in = torch.empty(handle.padded_numel, dtype=cfg.reduce_dtype, device=g.device)
-            dp.pre_divide_pad(g.narrow(0, 0, handle.numel), rs_in, predivide)
+        rs_in = _reduce_input(handle, cfg, grad, pieces, predivide)
         if direct is not None and dest is not None:  # straight into the sharded gradient: no post-divide pass
             coll.reduce_scatter_into(dest, rs_in, cfg.group, handle.world_size)
         else:
             rs_out = rs_in
             if handle.world_size != 1:
-                rs_out = torch.empty(handle.shard_numel, dtype=cfg.reduce_dtype, device=g.device)
+                rs_out = torch.empty(handle.shard_numel, dtype=cfg.reduce_dtype, device=device)
                 coll.reduce_scatter_into(rs_out, rs_in, cfg.group, handle.world_size)
             if dest is None:  # the replica all-reduce is skipped: accumulate this rank's partial sum locally
                 held = handle.unsynced_grad
@@ -132,7 +138,30 @@ def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pe
         event = record_event(post_backward)  # after the copy to the host: ``grad`` (lowp's storage) is held to it
     if handle.host is not None and dest is not None:
         pending.add_copy_source(dest, event, streams)
-    pending.add(grad, event, streams)
+    kept: Held | None = grad if pieces is None else pieces
+    if kept is not None:  # always: reduce_grad returned early when there was neither
+        pending.add(kept, event, streams)
+
+
+def _reduce_input(handle: FlatParamHandle, cfg: ReduceConfig, grad: torch.Tensor | None,
+                  pieces: list[torch.Tensor | None] | None, predivide: float) -> torch.Tensor:
+    """On the post-backward stream: the padded reduce-scatter input, pre-divided and cast from the full gradient
+    ``grad`` or from the parameters' gradients ``pieces`` (None: zeros, as their concatenation holds)."""
+    if pieces is not None:
+        rs_in = torch.empty(handle.padded_numel, dtype=cfg.reduce_dtype, device=handle.made(handle.full_data).device)
+        full_dtype = handle.compute_dtype
+        # The multi-tensor kernel reads contiguous tensors of one dtype, as the concatenation would have held them.
+        grads = [torch.zeros(n, dtype=full_dtype, device=rs_in.device) if g is None else g.contiguous()
+                 for g, n in zip(pieces, handle.numels)]
+        dp.pre_divide_pad_pieces(grads, rs_in, predivide)
+        return rs_in
+    assert grad is not None  # reduce_grad returns early when there is neither
+    g = grad.view(-1)
+    if predivide == 1.0 and cfg.reduce_dtype == g.dtype:
+        return g  # padding of the full gradient is already zero (SplitBackward fills it)
+    rs_in = torch.empty(handle.padded_numel, dtype=cfg.reduce_dtype, device=g.device)
+    dp.pre_divide_pad(g.narrow(0, 0, handle.numel), rs_in, predivide)
+    return rs_in
 
 
 def direct_predivide(handle: FlatParamHandle, cfg: ReduceConfig, dest: torch.Tensor | None,

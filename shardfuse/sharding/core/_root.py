@@ -170,7 +170,7 @@ def _init_unit(unit: Unit) -> None:
     for h in unit.handles:
         if h.full_param is None:
             dtype = precision.compute_dtype if precision.mixed_precision and precision.compute_dtype else h.dtype
-            h.init_full_buffer(dtype, unit.compute_device, _post_backward_hook(unit, h))
+            h.init_full_buffer(dtype, unit.compute_device, _post_backward_hook(unit, h), _fused_grad_hook(unit, h))
     unit.reduce_cfg.reduce_dtype = precision.reduce_dtype({h.compute_dtype for h in unit.handles})
     rc = unit.reduce_cfg
     for h in unit.handles:  # once, here: the per-step kernel launches (_data_path) check nothing
@@ -189,6 +189,20 @@ def _post_backward_hook(unit: Unit, handle: FlatParamHandle) -> Callable[[torch.
         u, h = unit_ref(), handle_ref()
         if u is not None and h is not None:
             u.post_backward(h, full_param)
+
+    return hook
+
+
+def _fused_grad_hook(unit: Unit, handle: FlatParamHandle) -> Callable[[torch.Tensor], None]:
+    """The grad token's post-accumulate-grad hook (``_fused_grads.py``), holding both weakly like
+    :func:`_post_backward_hook`."""
+    unit_ref, handle_ref = weakref.ref(unit), weakref.ref(handle)
+
+    def hook(token: torch.Tensor) -> None:
+        token.grad = None  # an empty tensor: dropped, so the next backward sets it instead of adding
+        u, h = unit_ref(), handle_ref()
+        if u is not None and h is not None:
+            u.post_backward_fused(h)
 
     return hook
 

@@ -30,6 +30,7 @@ from shardfuse._streams import Streams, use_stream, wait_stream
 from shardfuse.sharding.core._config import Groups, ShardingConfig
 from shardfuse.sharding.core._flat_param import BorrowedSlot, FlatParamHandle, ParamTable
 from shardfuse.sharding.core._fp8_gather import refresh_scales
+from shardfuse.sharding.core._fused_grads import materialize
 from shardfuse.sharding.core._grad_reduce import (
     PendingFrees,
     ReduceConfig,
@@ -432,8 +433,27 @@ class Unit:
     # 3. post-backward
     # ----------------------------------------------------------------------------------------------
 
-    def post_backward(self, handle: FlatParamHandle, full_param: torch.Tensor) -> None:
-        """Hook on the full buffer's gradient: reduce-scatter it into the shard's gradient, reshard."""
+    def post_backward_fused(self, handle: FlatParamHandle) -> None:
+        """Hook on the grad token (``_fused_grads.py``): the views' gradients of this backward pass go to the
+        reduce-scatter input as they are where that is the old path's result; elsewhere they become the flat
+        gradient ``AccumulateGrad`` would have made, and the old path runs on it."""
+        stash, handle.step.fused = handle.step.fused, None
+        if stash is None:
+            return
+        full_param = handle.made(handle.full_param)
+        # Kept apart only for a fresh gradient reduced now by the device path: a second node's sum is already
+        # flat; under no_sync (or onto a no_sync sum) the flat gradient must persist in full_param.grad; an
+        # offloaded shard's reduction reads the flat gradient (exact_compute_dtype_grad, the host copies).
+        if (isinstance(stash, torch.Tensor) or full_param.grad is not None or not self.require_backward_grad_sync
+                or handle.host is not None):
+            materialize(handle, full_param, stash)
+            stash = None
+        self.post_backward(handle, full_param, stash)
+
+    def post_backward(self, handle: FlatParamHandle, full_param: torch.Tensor,
+                      pieces: list[torch.Tensor | None] | None = None) -> None:
+        """Hook on the full buffer's gradient: reduce-scatter it (or the views' gradients ``pieces``) into the
+        shard's gradient, reshard."""
         with profiled("shardfuse.sharding:post_backward"):
             if self.training_state not in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST) and not (
                 # A handle lent to a sibling: the borrower's outputs alone may have led backward here.
@@ -449,7 +469,7 @@ class Unit:
             handle.step.fired = True
             rs = self.require_root_state()
             if self.require_backward_grad_sync:
-                reduce_grad(handle, self.reduce_cfg, rs.streams, rs.pending, self.require_all_reduce)
+                reduce_grad(handle, self.reduce_cfg, rs.streams, rs.pending, self.require_all_reduce, pieces)
             # Under no_sync the full gradient stays in full_param.grad and keeps accumulating.
             if not self.keeps_full(handle):
                 handle.reshard()

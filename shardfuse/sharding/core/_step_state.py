@@ -32,6 +32,9 @@ class HandleStep:
     grad_reduced: bool = False
     """A reduction wrote ``flat.grad`` in this backward: only then do the original-parameter views' gradients
     follow it (after a ``no_sync`` backward ``flat.grad`` may be a stale one the user zeroed on the views)."""
+    fused: Any = None
+    """The views' gradients kept apart by the unflatten node (``_fused_grads.Stash``) until the grad token's hook
+    reduces them."""
 
     def reset(self, keep_full: bool = False) -> None:
         """No step in flight: the full buffer freed, nothing pending, no hook fired. ``keep_full``: the gathered
