@@ -33,6 +33,7 @@ def check_captured_fused_equals_eager_old(cfg: dict[str, Any], micro: int, steps
     dev = torch.device("cuda", torch.cuda.current_device())
     data = batches(steps + 1, micro, dev, seed=100 + dist.get_rank())
     out = []
+    default = FlatParamHandle.fuse_grads
     try:
         for fused in (False, True):
             FlatParamHandle.fuse_grads = fused
@@ -49,7 +50,7 @@ def check_captured_fused_equals_eager_old(cfg: dict[str, Any], micro: int, steps
                 losses = [step(x, y) for x, y in data[1:]]
             out.append((torch.stack(losses).cpu(), {k: v.cpu() for k, v in model.state_dict().items()}))
     finally:
-        FlatParamHandle.fuse_grads = True
+        FlatParamHandle.fuse_grads = default
     (old_losses, old_sd), (new_losses, new_sd) = out
     assert torch.equal(new_losses, old_losses), (new_losses, old_losses)
     for k, v in old_sd.items():

@@ -84,9 +84,10 @@ class BorrowedSlot:
 class FlatParamHandle:
     """One flat parameter group of a unit: sharded storage, the gathered full buffer and their views."""
 
-    # Views made by the Unflatten node (_fused_grads.py): their gradients go to the reduce-scatter input without
-    # being concatenated first. False: torch.split_with_sizes, one flat gradient (the path it is tested against).
-    fuse_grads = True
+    # True: views made by the Unflatten node (_fused_grads.py), whose gradients go to the reduce-scatter input
+    # without being concatenated first. False (the default until its GPU tests have run: the CPU suite proves it
+    # bit-equal, NCCL streams and CUDA-graph capture are unchecked): torch.split_with_sizes, one flat gradient.
+    fuse_grads = False
 
     def __init__(
         self,
