@@ -14,6 +14,8 @@
 #                                           e2e and offload, interleaved rounds; about 6-7 minutes, see below)
 #                                           capture-table (issue 31's table at 1K tokens/GPU: captured vs eager
 #                                           vs one GPU captured vs peers, SFT, the captured step's profile)
+#                                           fused-ab (the fused gradient pre-divide, SHARDFUSE_FUSED_GRADS off and
+#                                           on, interleaved rounds of the 1K decoder, eager and captured)
 #
 # Every step runs under `timeout` so a hang cannot eat the lease; a failed step is reported and the
 # suite goes on. Multi-GPU steps issue the same collectives on every rank (fixed step counts).
@@ -180,6 +182,20 @@ for stage in "${STAGES[@]}"; do
         --captured --baseline --eager
       step ct-table 60 python3 -m bench.e2e.capture_table --dir "$BENCH_OUT/$GPU_KEY" --rounds "${CT_ROUNDS:-3}" \
         --copy-to "$FINAL" --text "$OUT/capture_table.txt" ;;
+    fused-ab)
+      # FlatParamHandle.fuse_grads (SHARDFUSE_FUSED_GRADS, off by default until its GPU tests pass: run the tests
+      # stage first) off and on, interleaved (which goes first alternates), FA_ROUNDS rounds (default 3): the
+      # decoder at 1K tokens/GPU, fused AdamW, shardfuse eager and captured (bench.e2e.run, FA_STEPS timed steps
+      # after 3 warm-up) -> fused_ab_r<round>_f<0|1>.json, joined by bench.e2e.fused_ab (fused_ab.json in $FINAL).
+      for ((r = 0; r < ${FA_ROUNDS:-3}; r++)); do
+        order=(0 1); [ $((r % 2)) -eq 1 ] && order=(1 0)
+        for f in "${order[@]}"; do
+          SHARDFUSE_FUSED_GRADS=$f step "fused-ab-r$r-f$f" "${FA_TIMEOUT:-150}" torchrun --standalone \
+            --nproc_per_node "$NGPU" -m bench.e2e.run --model decoder --regime 1k --no-baseline --optim fused \
+            --steps "${FA_STEPS:-20}" --warmup 3 --impls shardfuse,shardfuse-graph --name "fused_ab_r${r}_f$f"
+        done
+      done
+      step fused-ab 60 python3 -m bench.e2e.fused_ab --dir "$BENCH_OUT/$GPU_KEY" --out "$FINAL/fused_ab.json" ;;
     e2e-fp8|e2e-8b)
       # Issue 32, float8 side by side, 2 rounds, every decoder layer compiled (torchao from .whl/ when not installed;
       # carry it). e2e-fp8: the 6.7B decoder at 1 x 4096 tokens/GPU, bf16 and float8 (tensorwise; FSDP2 with

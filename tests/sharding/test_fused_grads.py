@@ -210,3 +210,43 @@ def test_stash_sums_are_the_engines_bits(dtype):
 
 def test_hybrid_sharding(pool4):
     check(pool4, {"mesh": (2, 2), **BF16, "fp32_reduce_scatter": True})
+
+
+def _handles_fused(model: nn.Module) -> list[bool]:
+    from shardfuse.sharding.core._tree import units_below
+
+    return [h.grad_token is not None for u in units_below(model._unit) for h in u.handles]
+
+
+def check_environment_switch() -> list[list[bool]]:
+    """Off by default; SHARDFUSE_FUSED_GRADS=1 turns the path on for the units initialised after it is set."""
+    import os
+
+    seen = []
+    for value in (None, "1"):
+        if value is None:
+            os.environ.pop("SHARDFUSE_FUSED_GRADS", None)
+        else:
+            os.environ["SHARDFUSE_FUSED_GRADS"] = value
+        try:
+            model = _model({}, torch.device("cpu"))
+            ids, target = batch(0, dist.get_rank(), dist.get_world_size())
+            loss_fn(model, ids, target, 0, {}).backward()  # lazy init, one fused (or not) backward
+            seen.append(_handles_fused(model))
+        finally:
+            os.environ.pop("SHARDFUSE_FUSED_GRADS", None)
+    return seen
+
+
+def test_environment_switch_turns_the_path_on(pool):
+    for off, on in pool.run(check_environment_switch):
+        assert off and not any(off), f"fused by default: {off}"
+        assert on and all(on), f"SHARDFUSE_FUSED_GRADS=1 left handles unfused: {on}"
+
+
+def test_environment_switch_rejects_other_values(monkeypatch):
+    from shardfuse.sharding.core._fused_grads import requested_by_environment
+
+    monkeypatch.setenv("SHARDFUSE_FUSED_GRADS", "yes")
+    with pytest.raises(ValueError, match="SHARDFUSE_FUSED_GRADS='yes'"):
+        requested_by_environment()

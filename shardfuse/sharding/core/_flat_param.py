@@ -32,7 +32,7 @@ from shardfuse.sharding.core import _collectives as coll
 from shardfuse.sharding.core import _data_path as dp
 from shardfuse.sharding.core._config import MISSING_GROUP, Groups
 from shardfuse.sharding.core._fp8_gather import Float8Gather
-from shardfuse.sharding.core._fused_grads import Unflatten
+from shardfuse.sharding.core._fused_grads import Unflatten, requested_by_environment
 from shardfuse.sharding.core._host_protocol import HostSide
 from shardfuse.sharding.core._registry import (  # SHARD_MARK_KEY: re-exported for _dcp, _dcp_guard, _optim_state
     SHARD_MARK_ATTR,
@@ -87,6 +87,7 @@ class FlatParamHandle:
     # True: views made by the Unflatten node (_fused_grads.py), whose gradients go to the reduce-scatter input
     # without being concatenated first. False (the default until its GPU tests have run: the CPU suite proves it
     # bit-equal, NCCL streams and CUDA-graph capture are unchecked): torch.split_with_sizes, one flat gradient.
+    # Read at lazy init (init_full_buffer), as SHARDFUSE_FUSED_GRADS=1 is.
     fuse_grads = False
 
     def __init__(
@@ -206,8 +207,9 @@ class FlatParamHandle:
         # not invalidate the views autograd saved for backward.
         self.full_data = full.data
         # The empty leaf every Unflatten node of this handle feeds (see _fused_grads.py): no memory, one hook.
+        # Made only where that path is chosen (fuse_grads or SHARDFUSE_FUSED_GRADS=1): views() follows it.
         self.grad_token = None
-        if on_fused is not None:
+        if on_fused is not None and (self.fuse_grads or requested_by_environment()):
             self.grad_token = torch.empty(0, dtype=compute_dtype, device=device, requires_grad=True)
             self.grad_token.register_post_accumulate_grad_hook(on_fused)
         self.step.reset()
@@ -490,7 +492,7 @@ class FlatParamHandle:
             return self.fp8.weights(self.made(self.full_param), self.split_sizes, self.shapes)
         full = self.made(self.full_param)
         token = self.grad_token
-        if token is not None and self.fuse_grads and full.requires_grad and torch.is_grad_enabled():
+        if token is not None and full.requires_grad and torch.is_grad_enabled():
             return list(Unflatten.apply(token, [full], self))
         # torch.split_with_sizes skips Tensor.split's Python layer.
         chunks = torch.split_with_sizes(full, self.split_sizes)

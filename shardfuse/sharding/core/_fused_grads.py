@@ -16,6 +16,7 @@ gradients (zeros where a view got none), so the reduce-scatter input is the same
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any, Protocol
 
@@ -36,6 +37,19 @@ class FlatParamHandle(Protocol):
     step: HandleStep
 
     def made(self, full: torch.Tensor | None) -> torch.Tensor: ...
+
+FUSED_GRADS_ENV = "SHARDFUSE_FUSED_GRADS"
+
+
+def requested_by_environment() -> bool:
+    """``SHARDFUSE_FUSED_GRADS=1``: this path for every handle initialised from now on (read at each unit's lazy
+    init), as ``FlatParamHandle.fuse_grads = True`` does; off by default until its GPU tests have run."""
+    value = os.environ.get(FUSED_GRADS_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{FUSED_GRADS_ENV}={value!r}: set it to 1 (fused gradient pre-divide) or 0 (off, the "
+                         f"default), or unset it")
+    return value == "1"
+
 
 # What a handle's views received in this backward pass: their gradients (None: no gradient), or, once a second
 # node of the handle contributed, their sum as one padded flat gradient.
