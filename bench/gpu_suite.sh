@@ -162,7 +162,8 @@ for stage in "${STAGES[@]}"; do
       # ~1K tokens/GPU on average like the other rows), each its own process under `timeout`; then the captured step's profile
       # (bench.e2e.overlap --captured --baseline --eager). bench.e2e.capture_table joins the rounds into one JSON per
       # part, copies them to $FINAL and prints the table (again last, below the summary). Rows carry host_load:
-      # set BENCH_HOST_SHARED=1 when another job runs on this host.
+      # set BENCH_HOST_SHARED=1 when another job runs on this host. CT_DECODER_IMPLS / CT_HF_IMPLS replace the
+      # rows' implementations (e.g. add shardfuse-graph+split and fsdp2-compile+split: embedding and head as units).
       if compgen -G ".whl/*.whl" >/dev/null; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
           .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
@@ -171,10 +172,10 @@ for stage in "${STAGES[@]}"; do
       for ((r = 0; r < ${CT_ROUNDS:-3}; r++)); do
         step "ct-decoder-r$r" "${CT_TIMEOUT:-300}" torchrun --standalone --nproc_per_node "$NGPU" -m bench.e2e.run \
           --model decoder "${CT_COMMON[@]}" --name "ct_decoder_r$r" \
-          --impls baseline-graph,shardfuse,shardfuse-graph,fairscale,fsdp2-compile
+          --impls "${CT_DECODER_IMPLS:-baseline-graph,shardfuse,shardfuse-graph,fairscale,fsdp2-compile}"
         step "ct-hf-r$r" "${CT_TIMEOUT:-300}" torchrun --standalone --nproc_per_node "$NGPU" -m bench.e2e.run \
           --model hf-llama "${CT_COMMON[@]}" --name "ct_hf_r$r" \
-          --impls baseline-graph,shardfuse,shardfuse-graph,fsdp2-compile
+          --impls "${CT_HF_IMPLS:-baseline-graph,shardfuse,shardfuse-graph,fsdp2-compile}"
         step "ct-sft-r$r" "${CT_TIMEOUT:-300}" torchrun --standalone --nproc_per_node "$NGPU" -m bench.e2e.sft \
           --config 1b --bf16 --batch "${CT_SFT_BATCH:-1}" --steps "${CT_STEPS:-20}" --name "ct_sft_r$r"
       done

@@ -44,6 +44,11 @@ class ModelSpec:
     n_layers: int
     max_seq_len: int
     config: dict[str, Any]  # recorded in the result JSON's config
+    # The input embedding and the output head as (parent, attribute) pairs: the ``+split`` variant wraps each as a
+    # sharded unit of its own (torchtitan's layout), so the first all-gather and the last reduce-scatter of a step
+    # carry the embedding alone and the head's reduction overlaps the layers' backward.
+    edges: Callable[[nn.Module], list[tuple[nn.Module, str]]] = lambda model: []
+    split_edges: bool = False  # set by the +split variant for the wrapper
 
     def flops_per_step(self, batch: int, seq: int) -> float:
         """Training flops of one step on one GPU: 6 N T for the matrix products plus causal attention."""
@@ -71,6 +76,7 @@ def _decoder_spec(name: str) -> ModelSpec:
         layers=lambda model: model.layers, logits=lambda model, tokens: model(tokens),
         num_params=cfg.num_params(), vocab_size=cfg.vocab_size, dim=cfg.dim, n_layers=cfg.n_layers,
         max_seq_len=cfg.max_seq_len, config=asdict(cfg),
+        edges=lambda model: [(model, "tok_embeddings"), (model, "output")],
     )  # fmt: skip
 
 
@@ -110,6 +116,7 @@ def _hf_llama_spec(name: str) -> ModelSpec:
     return ModelSpec(
         kind="hf-llama", name=name, tag="hf", layer_cls=LlamaDecoderLayer, make=make,
         layers=lambda model: model.model.layers, logits=_hf_logits,
+        edges=lambda model: [(model.model, "embed_tokens"), (model, "lm_head")],
         num_params=num_params, vocab_size=c["vocab_size"], dim=c["num_attention_heads"] * head_dim,
         n_layers=c["num_hidden_layers"], max_seq_len=c["max_position_embeddings"],
         config={

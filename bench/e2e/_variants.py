@@ -15,6 +15,9 @@ modifier. Bases that take modifiers: ``shardfuse``, ``shardfuse-budget``, ``fsdp
 - ``+ac``: activation checkpointing of every decoder layer (torch's ``checkpoint_wrapper``; the wrapper is the
   sharded unit).
 - ``+compile``: ``torch.compile`` of every decoder layer (``module.compile()``, before wrapping, as torchtitan).
+- ``+split``: the input embedding and the output head wrapped as units of their own (torchtitan's layout), for
+  ``shardfuse``, ``shardfuse-graph``, ``fsdp2`` and ``fsdp2-compile``: the step's first all-gather and last
+  reduce-scatter carry the embedding alone.
 - ``+once``: run in one round only, after every round of the others (a configuration expected to run out of
   memory goes last: a rank that fails alone would leave the others waiting in a collective).
 - ``shardfuse-budget``: shardfuse with ``move_params_to_cpu=True`` and ``OffloadOptimizer(gpu_budget_gib=
@@ -42,8 +45,9 @@ import torch
 from torch import nn
 
 BASES = ("shardfuse", "shardfuse-budget", "fsdp2")  # the implementations that take modifiers
+SPLIT_BASES = ("shardfuse", "shardfuse-graph", "fsdp2", "fsdp2-compile")  # the ones that take +split
 RECIPES = ("tensorwise", "rowwise")
-MODIFIERS = ("fp8", "fp8row", "ac", "compile", "once")
+MODIFIERS = ("fp8", "fp8row", "ac", "compile", "once", "split")
 FP8_RECIPE = {"fp8": "tensorwise", "fp8row": "rowwise"}
 DYNAMO_RECOMPILE_LIMIT = 64  # every variant is a new guard set on the same layer code; the default 8 falls back
 _FLOAT8_ALIGN = 16  # torch._scaled_mm takes weights whose both dimensions are multiples of 16
@@ -59,11 +63,12 @@ class Variant:
     ac: bool = False
     compile: bool = False
     once: bool = False
+    split: bool = False
 
     @property
-    def modifiers(self) -> tuple[str | None, bool, bool]:
+    def modifiers(self) -> tuple[str | None, bool, bool, bool]:
         """What "FSDP2 with the same modifiers" matches (``+once`` only says when the run goes)."""
-        return (self.float8, self.ac, self.compile)
+        return (self.float8, self.ac, self.compile, self.split)
 
     @property
     def fp8_all_gather(self) -> bool:
@@ -94,10 +99,13 @@ def parse_variant(name: str, known: Sequence[str], *, float8: str | None = None,
         raise ValueError(f"{name!r}: float8 recipes {sorted(recipes)} at once (from the name and --float8): "
                          f"give one, +fp8 for tensorwise or +fp8row for rowwise")
     v = Variant(name, base, float8=next(iter(recipes), None), ac=ac or "ac" in mods,
-                compile=compile or "compile" in mods, once="once" in mods)
-    if base not in BASES and v.modifiers != (None, False, False):
+                compile=compile or "compile" in mods, once="once" in mods, split="split" in mods)
+    if base not in BASES and v.modifiers[:3] != (None, False, False):
         raise ValueError(f"{name!r}: float8, activation checkpointing and compile apply to {', '.join(BASES)} only "
                          f"(drop --float8/--ac/--compile or the modifier, or pick one of those)")
+    if v.split and base not in SPLIT_BASES:
+        raise ValueError(f"{name!r}: +split (embedding and output head as units of their own) applies to "
+                         f"{', '.join(SPLIT_BASES)} only: drop it or pick one of those")
     return v
 
 
@@ -227,7 +235,9 @@ def prepare(v: Variant, model: nn.Module, spec: Any, device: torch.device, args:
     if v.base == "shardfuse-budget":
         model, opt, extra = _wrap_budget(model, layer_cls, device, args)
         return Prepared(model, opt, None, {**info, **extra})
-    model = wrappers[v.base](model, dataclasses.replace(spec, layer_cls=layer_cls), device)
+    if v.split:
+        info["split"] = "input embedding and output head as units of their own"
+    model = wrappers[v.base](model, dataclasses.replace(spec, layer_cls=layer_cls, split_edges=v.split), device)
     fused = args.optim == "fused" and device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, capturable=capturable and device.type == "cuda",
                             fused=fused)

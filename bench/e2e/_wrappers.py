@@ -39,13 +39,34 @@ def unavailable_reason(impl: str) -> str | None:
     return None
 
 
+def split_edges(model: nn.Module, spec: ModelSpec) -> list[tuple[nn.Module, str]]:
+    """The input embedding and output head to wrap as units of their own (``+split``; none without it). They
+    must not share a parameter (tied embeddings): one parameter cannot live in two units."""
+    if not spec.split_edges:
+        return []
+    edges = spec.edges(model)
+    if not edges:
+        raise ValueError(f"+split: the {spec.kind} model names no input embedding and output head (ModelSpec.edges)")
+    seen: dict[int, str] = {}
+    for parent, attr in edges:
+        for name, p in getattr(parent, attr).named_parameters():
+            if id(p) in seen:
+                raise ValueError(f"+split: {attr}.{name} is tied to {seen[id(p)]} (one parameter in two units): "
+                                 f"run without +split, or untie the weights")
+            seen[id(p)] = f"{attr}.{name}"
+    return edges
+
+
 def _wrap_with(package: str, model: nn.Module, spec: ModelSpec) -> nn.Module:
-    """Each decoder layer, then the root, in ``package``'s FSDP (bf16 compute, fp32 reduce-scatter), through
-    the public wrapping API that every shardfuse version exports."""
+    """Each decoder layer (and with ``+split`` the input embedding and the output head), then the root, in
+    ``package``'s FSDP (bf16 compute, fp32 reduce-scatter), through the public wrapping API that every shardfuse
+    version exports."""
     sf = importlib.import_module(package)
     kwargs = dict(mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True)
     with sf.enable_wrap(wrapper_cls=sf.FullyShardedDataParallel, **kwargs):
         model = sf.auto_wrap(model, auto_wrap_policy=sf.ModuleClassWrapPolicy({spec.layer_cls}))
+        for parent, attr in split_edges(model, spec):
+            setattr(parent, attr, sf.wrap(getattr(parent, attr)))
         return sf.wrap(model)
 
 
@@ -60,12 +81,15 @@ def wrap_shardfuse_ref(model: nn.Module, spec: ModelSpec, device: torch.device) 
 
 
 def wrap_fsdp2(model: nn.Module, spec: ModelSpec, device: torch.device) -> nn.Module:
-    """``fully_shard`` on each decoder layer, then on the root."""
+    """``fully_shard`` on each decoder layer (and with ``+split`` the input embedding and the output head, as
+    torchtitan does), then on the root."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in spec.layers(model):
         fully_shard(layer, mp_policy=mp)
+    for parent, attr in split_edges(model, spec):
+        fully_shard(getattr(parent, attr), mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     return model
 

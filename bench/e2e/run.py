@@ -576,7 +576,7 @@ def main(argv: list[str] | None = None) -> None:
         path = write_result(name, _with_summary(payload))
         print_table(rows)
         print_summary(payload["summary"])
-        if any(v.name != v.base or v.modifiers != (None, False, False) for v in variants.values()):
+        if any(v.name != v.base or v.modifiers != (None, False, False, False) for v in variants.values()):
             print("\n" + "\n".join(variants_.variant_table(payload)))
         print(f"wrote {path}", flush=True)
     dist.barrier(group=host_group)

@@ -3,6 +3,7 @@ out-of-memory rows, the deadline, the ratios against FSDP2, and a tiny CPU run o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -293,3 +294,56 @@ def test_gpu_suite_stages_run_the_variants_and_print_the_table_last(tmp_path: Pa
     assert summary.rstrip().splitlines()[-1].startswith(str(tmp_path / "out" / "work" / "results"))
     text = (REPO / "bench" / "gpu_suite.sh").read_text()
     assert int(re.search(r'step "\$stage" (\d+) torchrun', text)[1]) <= 600  # the device's 10 minutes a command
+
+
+def test_split_parses_for_the_bases_that_take_it() -> None:
+    known = (*KNOWN, "fsdp2-compile")
+    for name in ("shardfuse+split", "shardfuse-graph+split", "fsdp2+split+ac", "fsdp2-compile+split"):
+        v = parse_variant(name, known)
+        assert v.split and v.modifiers[3] is True, name
+    assert parse_variant("fsdp2+ac+split", known).modifiers == parse_variant("fsdp2+split+ac", known).modifiers
+    assert parse_variant("fsdp2+ac", known).modifiers != parse_variant("fsdp2+split+ac", known).modifiers
+    for name in ("fairscale+split", "shardfuse-budget+split", "fsdp1+split"):
+        with pytest.raises(ValueError, match=r"\+split .* applies to shardfuse, shardfuse-graph, fsdp2, fsdp2-compile"):
+            parse_variant(name, known)
+
+
+def _units(model: torch.nn.Module) -> list[str]:
+    """The sharded units' module names, the wrappers' own level left out (shardfuse's or FSDP2's)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from shardfuse import FullyShardedDataParallel
+
+    return sorted(name.replace("_fsdp_wrapped_module.", "") for name, m in model.named_modules()
+                  if isinstance(m, (FullyShardedDataParallel, FSDPModule)))
+
+
+@pytest.mark.parametrize("base", ["shardfuse", "fsdp2"])
+def test_split_wraps_the_embedding_and_the_head_as_units(base: str, world_of_one) -> None:
+    from bench.e2e.run import WRAPPERS, model_spec
+
+    spec = model_spec("decoder", "tiny")
+    args = SimpleNamespace(lr=1e-4, optim="foreach", budget_gib=None)
+    cpu = torch.device("cpu")
+    tokens = torch.randint(0, spec.vocab_size, (2, 16))
+    logits = {}
+    for name in (base, f"{base}+split"):
+        prepared = variants.prepare(parse_variant(name, KNOWN), spec.make(cpu, 0), spec, cpu, args, WRAPPERS)
+        want = ["", "layers.0", "layers.1"] + (["output", "tok_embeddings"] if "split" in name else [])
+        assert _units(prepared.model) == sorted(want), name
+        assert ("split" in prepared.info) == ("split" in name)
+        logits[name] = spec.logits(prepared.model, tokens).detach().float()
+    # The same weights: where the units are drawn does not change the forward.
+    assert torch.equal(logits[base], logits[f"{base}+split"])
+
+
+def test_split_refuses_tied_weights() -> None:
+    from bench.e2e._wrappers import split_edges
+    from bench.e2e.run import model_spec
+
+    spec = model_spec("decoder", "tiny")
+    model = spec.make(torch.device("cpu"), 0)
+    model.output.weight = model.tok_embeddings.weight
+    with pytest.raises(ValueError, match="output.weight is tied to tok_embeddings.weight"):
+        split_edges(model, dataclasses.replace(spec, split_edges=True))
+    assert split_edges(model, spec) == []  # without +split nothing is split
