@@ -40,8 +40,9 @@ def unavailable_reason(impl: str) -> str | None:
 
 
 def split_edges(model: nn.Module, spec: ModelSpec) -> list[tuple[nn.Module, str]]:
-    """The input embedding and output head to wrap as units of their own (``+split``; none without it). They
-    must not share a parameter (tied embeddings): one parameter cannot live in two units."""
+    """The input embedding and output head to wrap as units of their own (``+split``; none without it), the head
+    last (the wrappers keep it gathered from forward to backward). They must not share a parameter (tied
+    embeddings): one parameter cannot live in two units."""
     if not spec.split_edges:
         return []
     edges = spec.edges(model)
@@ -65,8 +66,12 @@ def _wrap_with(package: str, model: nn.Module, spec: ModelSpec) -> nn.Module:
     kwargs = dict(mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True)
     with sf.enable_wrap(wrapper_cls=sf.FullyShardedDataParallel, **kwargs):
         model = sf.auto_wrap(model, auto_wrap_policy=sf.ModuleClassWrapPolicy({spec.layer_cls}))
-        for parent, attr in split_edges(model, spec):
-            setattr(parent, attr, sf.wrap(getattr(parent, attr)))
+        edges = split_edges(model, spec)
+        for i, (parent, attr) in enumerate(edges):
+            # The head runs last in forward and first in backward: kept gathered between them (torchtitan's
+            # reshard_after_forward=False for it), as the root it belonged to.
+            last = i == len(edges) - 1
+            setattr(parent, attr, sf.wrap(getattr(parent, attr), **({"reshard_after_forward": False} if last else {})))
         return sf.wrap(model)
 
 
@@ -88,8 +93,9 @@ def wrap_fsdp2(model: nn.Module, spec: ModelSpec, device: torch.device) -> nn.Mo
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in spec.layers(model):
         fully_shard(layer, mp_policy=mp)
-    for parent, attr in split_edges(model, spec):
-        fully_shard(getattr(parent, attr), mp_policy=mp)
+    edges = split_edges(model, spec)
+    for i, (parent, attr) in enumerate(edges):
+        fully_shard(getattr(parent, attr), mp_policy=mp, reshard_after_forward=i < len(edges) - 1)
     fully_shard(model, mp_policy=mp)
     return model
 

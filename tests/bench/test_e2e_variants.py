@@ -333,6 +333,9 @@ def test_split_wraps_the_embedding_and_the_head_as_units(base: str, world_of_one
         assert _units(prepared.model) == sorted(want), name
         assert ("split" in prepared.info) == ("split" in name)
         logits[name] = spec.logits(prepared.model, tokens).detach().float()
+        if "split" in name and base == "shardfuse":  # the head stays gathered for backward, the embedding not
+            assert not prepared.model.output.reshard_after_forward
+            assert prepared.model.tok_embeddings.reshard_after_forward
     # The same weights: where the units are drawn does not change the forward.
     assert torch.equal(logits[base], logits[f"{base}+split"])
 
