@@ -14,6 +14,8 @@
 #                                           e2e and offload, interleaved rounds; about 6-7 minutes, see below)
 #                                           capture-table (issue 31's table at 1K tokens/GPU: captured vs eager
 #                                           vs one GPU captured vs peers, SFT, the captured step's profile)
+#                                           spec-finetune (issue 30: speculative clipping's commit rate and
+#                                           step time on a fine-tune, one GPU)
 #                                           fused-ab (the fused gradient pre-divide, SHARDFUSE_FUSED_GRADS off and
 #                                           on, interleaved rounds of the 1K decoder, eager and captured)
 #
@@ -183,6 +185,13 @@ for stage in "${STAGES[@]}"; do
         --captured --baseline --eager
       step ct-table 60 python3 -m bench.e2e.capture_table --dir "$BENCH_OUT/$GPU_KEY" --rounds "${CT_ROUNDS:-3}" \
         --copy-to "$FINAL" --text "$OUT/capture_table.txt" ;;
+    spec-finetune)
+      # Issue 30 item 3: speculative clipping on a fine-tune, one GPU: HF Llama (SF_CONFIG, default 1b) fully
+      # offloaded, pre-trained on the repository's prose then fine-tuned on its code, clip 1.0, without and with
+      # speculative_clip; how often it commits, the step times, and whether the losses are the same bits.
+      step spec-finetune "${SF_TIMEOUT:-560}" python3 -m bench.offload.spec_finetune --config "${SF_CONFIG:-1b}" \
+        --pretrain-steps "${SF_PRETRAIN:-50}" --steps "${SF_STEPS:-200}" --seq "${SF_SEQ:-1024}" \
+        --out "$FINAL/spec_finetune.json" ;;
     fused-ab)
       # FlatParamHandle.fuse_grads (SHARDFUSE_FUSED_GRADS, off by default until its GPU tests pass: run the tests
       # stage first) off and on, interleaved (which goes first alternates), FA_ROUNDS rounds (default 3): the

@@ -1,0 +1,45 @@
+"""``bench.offload.spec_finetune``: speculative clipping on a two-phase fine-tune, on the CPU with the tiny model.
+Clipping that never fires commits every fine-tune step; clipping that always fires redoes every one; the losses are
+the same bits as without speculation either way (the bench's own check, exit status 0)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.offload import spec_finetune
+
+
+@pytest.mark.parametrize("max_norm,fires", [(1e9, False), (1e-9, True)], ids=["never-fires", "always-fires"])
+def test_commits_when_clipping_does_not_fire_and_redoes_when_it_does(tmp_path: Path, max_norm: float,
+                                                                     fires: bool) -> None:
+    pytest.importorskip("transformers")
+    out = tmp_path / "spec.json"
+    steps = 4
+    code = spec_finetune.main(["--config", "tiny", "--device", "cpu", "--pretrain-steps", "2", "--steps", str(steps),
+                               "--seq", "48", "--skip", "1", "--max-norm", str(max_norm), "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert code == 0 and result["losses_equal"] is True
+    plain, spec = result["rows"]
+    assert (plain["speculative_clip"], spec["speculative_clip"]) == (False, True)
+    for row in (plain, spec):
+        assert row["steps"] == steps and row["clip_fired"] == (steps if fires else 0)
+    committed, redone = spec["finetune_steps_committed"], spec["finetune_steps_redone"]
+    assert (committed, redone) == ((0, steps) if fires else (steps, 0)), spec
+    assert spec["commit_share"] == committed / steps
+    assert (spec["finetune_units_redone"] > 0) == fires and (spec["finetune_units_committed"] > 0) != fires
+    # Both phases recorded for both runs, the prose phase first.
+    for run in result["runs"]:
+        assert len(run["prose"]["steps"]) == 2 and len(run["code"]["steps"]) == steps
+
+
+def test_corpus_is_the_repository_text_and_windows_fit() -> None:
+    prose, code = spec_finetune.corpus("prose"), spec_finetune.corpus("code")
+    assert prose.numel() > 10_000 and code.numel() > 10_000 and int(prose.max()) < 256
+    batches = spec_finetune.windows(code, 3, 2, 17, seed=5)
+    assert [tuple(b.shape) for b in batches] == [(2, 17)] * 3
+    assert all(bytes(row.tolist()) in bytes(code.tolist()) for row in batches[0])  # contiguous windows
+    with pytest.raises(ValueError, match="lower --seq"):
+        spec_finetune.windows(code[:10], 1, 1, 17, seed=0)
