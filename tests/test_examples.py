@@ -38,6 +38,9 @@ def _script_env() -> dict[str, str]:
     env["TRITON_INTERPRET"] = "0"
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.pop("OMP_NUM_THREADS", None)  # the script's own launcher divides the cores among its ranks
+    # As a user starts it from a shell: not under torchrun, whatever an earlier test left in this process.
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
     return env
 
 

@@ -151,21 +151,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda":  # the two runs must take the same kernels to compare bits
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
+# What the one-rank process group sets in the environment: put back on return, so a caller in the same process
+# (a test, then a subprocess it starts) does not inherit a finished group's rank and port.
+_GROUP_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "CUBLAS_WORKSPACE_CONFIG")
+
+
+def _both_runs(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    """The plain and the speculative run in a one-rank group; the environment and torch's determinism setting
+    as they were before, after."""
     import torch.distributed as dist
 
     from bench.offload.big_impls import init_world_of_one
 
-    init_world_of_one(device)
+    saved_env = {k: os.environ.get(k) for k in _GROUP_ENV}
+    deterministic = torch.are_deterministic_algorithms_enabled()
     try:
-        runs = [train(args, device, speculative) for speculative in (False, True)]
+        if device.type == "cuda":  # the two runs must take the same kernels to compare bits
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+        init_world_of_one(device)
+        try:
+            return [train(args, device, speculative) for speculative in (False, True)]
+        finally:
+            dist.destroy_process_group()
     finally:
-        dist.destroy_process_group()
+        torch.use_deterministic_algorithms(deterministic)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    runs = _both_runs(args, device)
     plain, spec = runs
     equal = [a["loss"] for a in plain["prose"]["steps"] + plain["code"]["steps"]] == \
         [b["loss"] for b in spec["prose"]["steps"] + spec["code"]["steps"]]

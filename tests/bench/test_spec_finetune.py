@@ -5,6 +5,7 @@ the same bits as without speculation either way (the bench's own check, exit sta
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,11 @@ def test_commits_when_clipping_does_not_fire_and_redoes_when_it_does(tmp_path: P
     pytest.importorskip("transformers")
     out = tmp_path / "spec.json"
     steps = 4
+    env_before = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     code = spec_finetune.main(["--config", "tiny", "--device", "cpu", "--pretrain-steps", "2", "--steps", str(steps),
                                "--seq", "48", "--skip", "1", "--max-norm", str(max_norm), "--out", str(out)])
+    # The one-rank group's variables are gone again: a script started later must not think it runs under torchrun.
+    assert {k: os.environ.get(k) for k in env_before} == env_before
     result = json.loads(out.read_text())
     assert code == 0 and result["losses_equal"] is True
     plain, spec = result["rows"]
