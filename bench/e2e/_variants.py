@@ -18,6 +18,10 @@ modifier. Bases that take modifiers: ``shardfuse``, ``shardfuse-budget``, ``fsdp
 - ``+split``: the input embedding and the output head wrapped as units of their own (torchtitan's layout), for
   ``shardfuse``, ``shardfuse-graph``, ``fsdp2`` and ``fsdp2-compile``: the step's first all-gather and last
   reduce-scatter carry the embedding alone.
+- ``+fused``: shardfuse's fused gradient pre-divide for this run (``FlatParamHandle.fuse_grads``, what
+  ``SHARDFUSE_FUSED_GRADS=1`` turns on for a whole process), for ``shardfuse``, ``shardfuse-graph`` and
+  ``shardfuse-budget``: its runs and the default path's interleave in one job. Runs without it get the default
+  (the environment variable still forces it on). FSDP2 has no such path: ratios match FSDP2 without it.
 - ``+once``: run in one round only, after every round of the others (a configuration expected to run out of
   memory goes last: a rank that fails alone would leave the others waiting in a collective).
 - ``shardfuse-budget``: shardfuse with ``move_params_to_cpu=True`` and ``OffloadOptimizer(gpu_budget_gib=
@@ -46,8 +50,9 @@ from torch import nn
 
 BASES = ("shardfuse", "shardfuse-budget", "fsdp2")  # the implementations that take modifiers
 SPLIT_BASES = ("shardfuse", "shardfuse-graph", "fsdp2", "fsdp2-compile")  # the ones that take +split
+FUSED_BASES = ("shardfuse", "shardfuse-graph", "shardfuse-budget")  # the ones that take +fused
 RECIPES = ("tensorwise", "rowwise")
-MODIFIERS = ("fp8", "fp8row", "ac", "compile", "once", "split")
+MODIFIERS = ("fp8", "fp8row", "ac", "compile", "once", "split", "fused")
 FP8_RECIPE = {"fp8": "tensorwise", "fp8row": "rowwise"}
 DYNAMO_RECOMPILE_LIMIT = 64  # every variant is a new guard set on the same layer code; the default 8 falls back
 _FLOAT8_ALIGN = 16  # torch._scaled_mm takes weights whose both dimensions are multiples of 16
@@ -64,6 +69,7 @@ class Variant:
     compile: bool = False
     once: bool = False
     split: bool = False
+    fused: bool = False
 
     @property
     def modifiers(self) -> tuple[str | None, bool, bool, bool]:
@@ -99,13 +105,17 @@ def parse_variant(name: str, known: Sequence[str], *, float8: str | None = None,
         raise ValueError(f"{name!r}: float8 recipes {sorted(recipes)} at once (from the name and --float8): "
                          f"give one, +fp8 for tensorwise or +fp8row for rowwise")
     v = Variant(name, base, float8=next(iter(recipes), None), ac=ac or "ac" in mods,
-                compile=compile or "compile" in mods, once="once" in mods, split="split" in mods)
+                compile=compile or "compile" in mods, once="once" in mods, split="split" in mods,
+                fused="fused" in mods)
     if base not in BASES and v.modifiers[:3] != (None, False, False):
         raise ValueError(f"{name!r}: float8, activation checkpointing and compile apply to {', '.join(BASES)} only "
                          f"(drop --float8/--ac/--compile or the modifier, or pick one of those)")
     if v.split and base not in SPLIT_BASES:
         raise ValueError(f"{name!r}: +split (embedding and output head as units of their own) applies to "
                          f"{', '.join(SPLIT_BASES)} only: drop it or pick one of those")
+    if v.fused and base not in FUSED_BASES:
+        raise ValueError(f"{name!r}: +fused (shardfuse's fused gradient pre-divide) applies to "
+                         f"{', '.join(FUSED_BASES)} only: drop it or pick one of those")
     return v
 
 
@@ -213,6 +223,14 @@ def _wrap_budget(model: nn.Module, layer_cls: type[nn.Module], device: torch.dev
     return model, opt, {"gpu_budget_gib": args.budget_gib, "host_threads": threads, "host_optimizer": "AdamW fused"}
 
 
+def _choose_gradient_path(fused: bool) -> None:
+    """Every shardfuse run sets the class default its units read at lazy init (the first step, after this):
+    runs of one process go one after the other, so each gets its own choice whatever ran before."""
+    from shardfuse.sharding.core._flat_param import FlatParamHandle
+
+    FlatParamHandle.fuse_grads = fused
+
+
 def prepare(v: Variant, model: nn.Module, spec: Any, device: torch.device, args: Any,
             wrappers: dict[str, Callable[..., nn.Module]], capturable: bool = False) -> Prepared:
     """Float8, then checkpointing, then compile (torchtitan's order), then the wrapper and the optimizer."""
@@ -237,6 +255,10 @@ def prepare(v: Variant, model: nn.Module, spec: Any, device: torch.device, args:
         return Prepared(model, opt, None, {**info, **extra})
     if v.split:
         info["split"] = "input embedding and output head as units of their own"
+    if v.base in FUSED_BASES:
+        _choose_gradient_path(v.fused)
+        if v.fused:
+            info["fused_grads"] = "views' gradients pre-divided straight into the reduce-scatter input"
     model = wrappers[v.base](model, dataclasses.replace(spec, layer_cls=layer_cls, split_edges=v.split), device)
     fused = args.optim == "fused" and device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, capturable=capturable and device.type == "cuda",
@@ -320,7 +342,7 @@ def steady_round_s(rows: Sequence[dict[str, Any]], warmup: int) -> float:
 
 def _modifier_key(impl: str) -> tuple[str, tuple[str, ...]]:
     base, mods = split_name(impl)
-    return base, tuple(sorted(m for m in mods if m != "once"))
+    return base, tuple(sorted(m for m in mods if m not in ("once", "fused")))
 
 
 def variant_ratios(summary: list[dict[str, Any]]) -> None:

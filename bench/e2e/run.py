@@ -275,11 +275,11 @@ def measure(
     leftover = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     data = make_data(spec.vocab_size, batch, seq, rank, args.seed, device)
     model = spec.make(device, args.seed)
-    graphed = impl in CAPTURED_IMPLS
     variant = args.variants.get(impl) or variants_.Variant(impl, impl)
+    graphed = variant.base in CAPTURED_IMPLS  # shardfuse-graph+split is captured too
     prepared = variants_.prepare(variant, model, spec, device, args, WRAPPERS, capturable=graphed)
     model, opt, after_step = prepared.model, prepared.opt, prepared.after_step
-    autocast = impl in ONE_GPU_IMPLS
+    autocast = variant.base in ONE_GPU_IMPLS
     if device.type == "cuda":
         mem_after_wrap = torch.cuda.memory_allocated(device) - leftover
         torch.cuda.reset_peak_memory_stats(device)
@@ -346,7 +346,7 @@ def run_one(
     """Measure one (impl, regime) on all ranks in lockstep; returns the row (meaningful on rank 0)."""
     batch, seq = REGIMES[regime]
     row: dict[str, Any] = {"impl": impl, "regime": regime, **host_load_fields(world)}
-    only_rank0 = impl in ONE_GPU_IMPLS
+    only_rank0 = variants_.split_name(impl)[0] in ONE_GPU_IMPLS
     mine: dict[str, Any] = {}
     error, oom = None, False
     if not only_rank0 or rank == 0:

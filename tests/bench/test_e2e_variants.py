@@ -350,3 +350,70 @@ def test_split_refuses_tied_weights() -> None:
     with pytest.raises(ValueError, match="output.weight is tied to tok_embeddings.weight"):
         split_edges(model, dataclasses.replace(spec, split_edges=True))
     assert split_edges(model, spec) == []  # without +split nothing is split
+
+
+def test_fused_parses_for_shardfuse_and_compares_with_fsdp2_without_it() -> None:
+    known = (*KNOWN, "fsdp2-compile")
+    for name in ("shardfuse+fused", "shardfuse-graph+fused+split", "shardfuse-budget+fused"):
+        assert parse_variant(name, known).fused, name
+    assert not parse_variant("shardfuse-graph+split", known).fused
+    for name in ("fsdp2+fused", "fairscale+fused", "fsdp2-compile+fused"):
+        with pytest.raises(ValueError, match=r"\+fused .* applies to shardfuse, shardfuse-graph, shardfuse-budget"):
+            parse_variant(name, known)
+    summary = [{"impl": i, "regime": "1k", "step_ms_median": ms, "peak_gib_max": 1.0}
+               for i, ms in (("fsdp2", 10.0), ("shardfuse+fused", 5.0), ("shardfuse", 8.0))]
+    variant_ratios(summary)
+    assert summary[1]["fsdp2_same"] == "fsdp2" and summary[1]["vs_fsdp2_same"] == 2.0
+
+
+def _grad_tokens(model: torch.nn.Module) -> list[bool]:
+    """Per flat handle of every unit: whether its views come from the fused path's Unflatten node."""
+    from shardfuse import FullyShardedDataParallel
+
+    return [h.grad_token is not None for m in model.modules() if isinstance(m, FullyShardedDataParallel)
+            for h in m._unit.handles]
+
+
+def test_fused_picks_the_gradient_path_of_each_run_whatever_ran_before(world_of_one, monkeypatch) -> None:
+    from bench.e2e.run import WRAPPERS, model_spec
+    from shardfuse.sharding.core._flat_param import FlatParamHandle
+
+    monkeypatch.delenv("SHARDFUSE_FUSED_GRADS", raising=False)
+    monkeypatch.setattr(FlatParamHandle, "fuse_grads", FlatParamHandle.fuse_grads)  # restored after the test
+    spec = model_spec("decoder", "tiny")
+    args = SimpleNamespace(lr=1e-4, optim="foreach", budget_gib=None)
+    cpu = torch.device("cpu")
+    tokens = torch.randint(0, spec.vocab_size, (2, 16))
+    losses = {}
+    for name in ("shardfuse+fused", "shardfuse", "shardfuse+fused+split"):
+        prepared = variants.prepare(parse_variant(name, KNOWN), spec.make(cpu, 0), spec, cpu, args, WRAPPERS)
+        loss = spec.logits(prepared.model, tokens).float().square().mean()
+        loss.backward()
+        fused = _grad_tokens(prepared.model)
+        assert fused and all(f == ("fused" in name) for f in fused), (name, fused)
+        assert ("fused_grads" in prepared.info) == ("fused" in name)
+        losses[name] = [p.grad.clone() for p in prepared.model.parameters()]
+    # The same gradients either way (the CPU suite proves the bytes; here: the bench's switch reaches them).
+    for a, b in zip(losses["shardfuse"], losses["shardfuse+fused"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_captured_bases_with_modifiers_are_captured(world_of_one, monkeypatch) -> None:
+    """``shardfuse-graph+split`` is a captured run: the name's base decides, not the whole name."""
+    import shardfuse
+    from bench.e2e import run
+
+    captured: list[str] = []
+
+    def record(step, example, warmup):
+        captured.append("step")
+        return step
+
+    monkeypatch.setattr(shardfuse, "capture_step", record)
+    args = run.parse_args(["--device", "cpu", "--config", "tiny", "--impls", "shardfuse-graph+split,shardfuse+split",
+                           "--steps", "1", "--warmup", "1", "--optim", "foreach"])
+    spec = run.model_spec("decoder", "tiny")
+    for impl, want in (("shardfuse-graph+split", ["step"]), ("shardfuse+split", [])):
+        captured.clear()
+        out = run.measure(impl, "1k", spec, args, torch.device("cpu"), 0)
+        assert captured == want and math.isfinite(out["loss_last"]), impl
