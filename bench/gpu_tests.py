@@ -5,8 +5,9 @@ multi-GPU tests on all of them (``bash bench/gpu_suite.sh tests`` runs this).
 
 Run one after the other, the 225 GPU tests took ~470 s on 2 H200s (2026-11-28), device time a session pays twice
 over on a 2-GPU machine. Here each GPU runs its own pytest process over a share of the test files that need
-one GPU (``gpu and not multigpu``), balanced by test count; the ``multigpu`` tests then run in one process that
-sees every GPU. Every process logs one line per test with failures as they happen (``-v --tb=short -rfE``) to
+one GPU (``gpu and not multigpu``), balanced by test count; the ``multigpu`` tests (2 ranks each) then run in one
+process that sees every GPU, or on 4 GPUs and more in one process per pair of GPUs. Every process logs one line per
+test and each failure's traceback as it happens (``bench._instant_failures``; ``-v --tb=short -rfE``) to
 ``DIR/tests-<part>.log`` and writes ``DIR/tests-<part>-junit.xml``; the summary last lists every FAILED/ERROR line
 and each part's pytest result. Exit status: 0 when every part passed (or had nothing to run), else 1.
 ``--dry-run`` prints the plan (the commands and their files) without running it: no GPU needed.
@@ -58,8 +59,8 @@ def split_files(node_ids: list[str], parts: int) -> list[list[str]]:
 
 def pytest_command(files: list[str], mark: str, junit: Path, timeout_per_test: int, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "pytest", "-v", "--tb=short", "-rfE", "--durations=10",
-            f"--timeout={timeout_per_test}", "-p", "no:cacheprovider", *files, "-m", mark, f"--junitxml={junit}",
-            *extra]
+            f"--timeout={timeout_per_test}", "-p", "no:cacheprovider", "-p", "bench._instant_failures", *files,
+            "-m", mark, f"--junitxml={junit}", *extra]
 
 
 def plan(gpus: int, out: Path, timeout_per_test: int, extra: list[str],
@@ -71,10 +72,18 @@ def plan(gpus: int, out: Path, timeout_per_test: int, extra: list[str],
         stages.append([(f"gpu{i}", {"CUDA_VISIBLE_DEVICES": str(i)},
                         pytest_command(files, ONE_GPU_MARK, out / f"tests-gpu{i}-junit.xml", timeout_per_test, extra))
                        for i, files in enumerate(groups)])
-    multi_files = list(dict.fromkeys(node.split("::", 1)[0] for node in multi_gpu))
-    if multi_files and gpus >= 2:
-        stages.append([("multigpu", {}, pytest_command(multi_files, MULTI_GPU_MARK, out / "tests-multigpu-junit.xml",
-                                                      timeout_per_test, extra))])
+    if multi_gpu and gpus >= 2:
+        # The multi-GPU tests run 2 ranks: on 4 GPUs or more, one process per pair of GPUs, each over a share of
+        # the files (they ran ~9 s each, one after the other, and set the length of the whole stage).
+        pairs = split_files(multi_gpu, gpus // 2) if gpus >= 4 else [list(dict.fromkeys(
+            node.split("::", 1)[0] for node in multi_gpu))]
+        stage = []
+        for i, files in enumerate(pairs):
+            name = "multigpu" if len(pairs) == 1 else f"multigpu{i}"
+            env = {} if len(pairs) == 1 else {"CUDA_VISIBLE_DEVICES": f"{2 * i},{2 * i + 1}"}
+            stage.append((name, env, pytest_command(files, MULTI_GPU_MARK, out / f"tests-{name}-junit.xml",
+                                                    timeout_per_test, extra)))
+        stages.append(stage)
     return stages
 
 
@@ -114,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus", type=int, default=None, help="GPUs to spread the one-GPU tests over (default: all)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"), help="folder for the logs and JUnit files")
     ap.add_argument("--timeout", type=float, default=540.0, help="seconds for the whole run")
-    ap.add_argument("--timeout-per-test", type=int, default=300)
+    ap.add_argument("--timeout-per-test", type=int, default=150,
+                    help="seconds one test may run (pytest-timeout; the slowest GPU test took ~40 s)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     ap.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     args = ap.parse_args(argv)

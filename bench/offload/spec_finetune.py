@@ -103,6 +103,9 @@ def train(args: argparse.Namespace, device: torch.device, speculative: bool) -> 
                 opt.zero_grad(set_to_none=True)
                 rows.append({"loss": loss.item(), "norm": norm, "fired": norm > args.max_norm,
                              "s": time.perf_counter() - start})
+                if len(rows) % 25 == 0 or len(rows) == steps:  # progress, so a run cut by its limit says how far
+                    print(f"speculative_clip={speculative} {kind} step {len(rows)}/{steps}: loss {rows[-1]['loss']:.4f}"
+                          f" norm {norm:.3f} {1e3 * rows[-1]['s']:.0f} ms", flush=True)
             opt.synchronize()
             after = opt.host_stats()
             record[kind] = {"steps": rows, "spec": {k.removeprefix("spec_"): after[k] - before.get(k, 0.0)

@@ -77,3 +77,38 @@ def test_dry_run_prints_the_plan(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "stage 0 gpu0: CUDA_VISIBLE_DEVICES=0" in out and "stage 0 gpu1: CUDA_VISIBLE_DEVICES=1" in out
     assert "stage 1 multigpu:" in out and "tests/m.py" in out
     assert not list(tmp_path.glob("tests-*.log")), "a dry run ran something"
+
+
+def test_four_gpus_run_the_multi_gpu_tests_on_two_pairs(tmp_path: Path) -> None:
+    one = _nodes({"tests/k.py": 4})
+    multi = _nodes({"tests/capture.py": 24, "tests/fsdp.py": 11, "tests/fused.py": 9, "tests/dcp.py": 1})
+    stages = gpu_tests.plan(4, tmp_path, 150, [], one, multi)
+    assert [name for name, _, _ in stages[1]] == ["multigpu0", "multigpu1"]
+    assert [env for _, env, _ in stages[1]] == [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}]
+    files = [[a for a in cmd if a.startswith("tests/")] for _, _, cmd in stages[1]]
+    assert sorted(f for fs in files for f in fs) == ["tests/capture.py", "tests/dcp.py", "tests/fsdp.py",
+                                                     "tests/fused.py"]
+    assert files[0] == ["tests/capture.py"]  # balanced by count: 24 against 21
+    for name, _, cmd in stages[1]:
+        assert f"--junitxml={tmp_path / f'tests-{name}-junit.xml'}" in cmd and "--timeout=150" in cmd
+    # 3 GPUs: one pair only, in one process that sees every GPU (as on 2)
+    assert [(n, e) for n, e, _ in gpu_tests.plan(3, tmp_path, 150, [], one, multi)[1]] == [("multigpu", {})]
+
+
+def test_failures_print_their_traceback_as_they_happen(tmp_path: Path) -> None:
+    """The plugin every part loads: the traceback comes right after the failing test's line, before the next
+    test runs (a run killed at its limit keeps it), not only in the final summary."""
+    import subprocess
+    import sys
+
+    (tmp_path / "test_x.py").write_text(
+        "def test_fails():\n    assert 1 + 1 == 3, 'arithmetic moved'\n\n"
+        "def test_next():\n    print('NEXT RAN')\n")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-v", "-s", "-p", "no:cacheprovider", "-p",
+                           "bench._instant_failures", str(tmp_path / "test_x.py")],
+                          capture_output=True, text=True, cwd=gpu_tests.Path(gpu_tests.__file__).parents[1])
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    out = proc.stdout
+    first = out.index("--- ")
+    assert "test_x.py::test_fails failed in call" in out[first:first + 200]
+    assert "arithmetic moved" in out[first:out.index("NEXT RAN")]

@@ -51,9 +51,10 @@ def _train_sharded(cfg: dict[str, Any], steps: int):
 
 def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor, tol: tuple[float, float] | None) -> None:
     if tol is None:
+        got = got.to(want.device)  # move_params_to_cpu: the state dict is on the host, the reference may not be
         assert torch.equal(got, want), f"{name}: max |diff| = {(got.float() - want.float()).abs().max().item():.3e}"
     else:
-        diff = (got.float() - want.float()).abs()
+        diff = (got.float().to(want.device) - want.float()).abs()
         bound = tol[1] + tol[0] * want.float().abs()
         worst = diff.max().item()
         assert bool((diff <= bound).all()), f"{name}: max |diff| = {worst:.3e} (rtol={tol[0]}, atol={tol[1]})"
