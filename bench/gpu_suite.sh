@@ -68,10 +68,17 @@ for stage in "${STAGES[@]}"; do
         python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.nccl.version())"' ;;
     tests)
       # The GPU-marked tests (CI runs the CPU suite): bench.gpu_tests spreads the one-GPU ones over every local GPU
-      # by file, then runs the multi-GPU ones; one line per test and failures as they happen in tests-<part>.log, so
-      # a run cut by the limit still names what failed (one after the other, the 225 tests took ~470 s on 2 H200s on
-      # 2026-11-28; TESTS_TIMEOUT, default 560). TEST_MARK="..." runs that selection in one process instead
+      # by file, then the multi-GPU ones (on 4 GPUs: one process per pair); one line per test and each failure's
+      # traceback as it happens in tests-<part>.log, so a run cut by the limit still says what failed and why (one
+      # after the other the 225 tests took ~470 s on 2 H200s; split, 229 took 259 s on 4 H200s, 2026-11-28;
+      # TESTS_TIMEOUT, default 560). TEST_MARK="..." runs that selection in one process instead
       # (TEST_MARK="" runs everything).
+      # torchao from .whl/ when the machine lacks it (carry .whl): without it the float8 GPU tests skip at collection
+      # and never show in the count.
+      python3 -c 'import torchao' 2>/dev/null || { compgen -G ".whl/torchao*.whl" >/dev/null && python3 -m pip install \
+        -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-ao .whl/torchao*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/site-ao"; }
+      python3 -c "import torchao" 2>/dev/null || echo "tests: no torchao (carry .whl): the float8 GPU tests skip"
       if [ -n "${TEST_MARK+x}" ]; then
         step tests "${TESTS_TIMEOUT:-560}" python3 -m pytest -v --tb=short -rfE --durations=15 --timeout=300 \
           -p no:cacheprovider tests -m "$TEST_MARK" --junitxml="$OUT/tests-junit.xml"

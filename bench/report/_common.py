@@ -34,6 +34,18 @@ IMPL_SHORT = {
     "fsdp1": "FSDP1",
     "fairscale": "FairScale",
 }
+# bench.e2e._variants' modifiers (``fsdp2+fp8+ac``): what each adds to the base's name.
+MODIFIER_LABEL = {
+    "fp8": "torchao float8 (tensorwise)",
+    "fp8row": "torchao float8 (rowwise)",
+    "ac": "activation checkpointing",
+    "compile": "per-layer `torch.compile`",
+    "split": "embedding and output head as units of their own",
+    "fused": "fused gradient pre-divide (`SHARDFUSE_FUSED_GRADS=1`)",
+    "once": "one round",
+}
+MODIFIER_SHORT = {"fp8": "float8", "fp8row": "float8 rowwise", "ac": "AC", "compile": "compile", "split": "split",
+                  "fused": "fused grads", "once": "once"}
 CAPTURED = "shardfuse-graph"  # shardfuse's whole step captured by ``capture_step`` into a CUDA graph, replayed
 REGIME_ORDER = ("8k", "4k", "1k", "sft")
 REGIME_LABEL = {

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bench.report._common import IMPL_LABEL, IMPL_SHORT
+from bench.report._common import IMPL_LABEL, IMPL_SHORT, MODIFIER_LABEL, MODIFIER_SHORT
 from bench.results_io import E2EConfig, Result
 
 # The model an e2e file trained (``config.model_kind``, written by bench/e2e/run.py's ModelSpec; a file without
@@ -30,13 +30,25 @@ def ref_label(res: Result, short: bool = False) -> str:
     return f"shardfuse at `{commit}` (reference)" if commit else IMPL_LABEL["shardfuse-ref"]
 
 
+def _with_modifiers(impl: str, names: dict[str, str], modifiers: dict[str, str]) -> str:
+    """``shardfuse-graph+fused``: the base's name, then what each known modifier adds (else the name as it is)."""
+    base, *mods = impl.split("+")
+    if base not in names or not mods or any(m not in modifiers for m in mods):
+        return impl
+    return f"{names[base]}, " + ", ".join(modifiers[m] for m in mods)
+
+
 def impl_label(res: Result, impl: str) -> str:
-    return ref_label(res) if impl == "shardfuse-ref" else IMPL_LABEL.get(impl, impl)
+    if impl == "shardfuse-ref":
+        return ref_label(res)
+    return IMPL_LABEL.get(impl) or _with_modifiers(impl, IMPL_LABEL, MODIFIER_LABEL)
 
 
 def impl_short(res: Result, impl: str) -> str:
     """A short name for running text (``shardfuse-ref``: "shardfuse at <commit>")."""
-    return ref_label(res, short=True) if impl == "shardfuse-ref" else IMPL_SHORT.get(impl, impl)
+    if impl == "shardfuse-ref":
+        return ref_label(res, short=True)
+    return IMPL_SHORT.get(impl) or _with_modifiers(impl, IMPL_SHORT, MODIFIER_SHORT)
 
 
 @dataclass(frozen=True)

@@ -193,3 +193,16 @@ def test_model_plots(tmp_path: Path) -> None:
     pngs = sorted(p.name for p in (tmp_path / "docs" / "img").glob("*.png"))
     assert pngs == ["h200_e2e_7b_2gpu_tokens.png", "h200_e2e_hf_2gpu_tokens.png"]
     assert "](img/h200_e2e_hf_2gpu_tokens.png)" in _section(text, HF_TITLE)
+
+
+def test_names_with_modifiers_read_as_the_base_and_what_each_adds() -> None:
+    from bench.report._models import impl_label, impl_short
+
+    res = None  # only shardfuse-ref reads the result
+    assert impl_label(res, "shardfuse-graph+fused") == ("shardfuse, step captured by `capture_step` (CUDA graph), "
+                                                        "fused gradient pre-divide (`SHARDFUSE_FUSED_GRADS=1`)")
+    assert impl_short(res, "fsdp2-compile+split") == "FSDP2 + compile, split"
+    assert impl_short(res, "shardfuse+fp8+ac") == "shardfuse, float8, AC"
+    # an unknown base or modifier: the name as it is
+    assert impl_label(res, "mystery+fused") == "mystery+fused" and impl_short(res, "shardfuse+odd") == "shardfuse+odd"
+    assert impl_label(res, "shardfuse") == "shardfuse `FullyShardedDataParallel`"
