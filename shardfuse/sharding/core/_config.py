@@ -4,8 +4,8 @@ FairScale's ~24 keyword arguments are the fields of small frozen policies (preci
 gradient reduction, state dicts, parameter presentation); :class:`ShardingConfig` holds one of each. The
 wrapper's keyword pass-through (:data:`OPTIONS`), its read-only attributes (:class:`ConfigView`) and its
 signature come from ``dataclasses.fields()`` of these policies. Each rule lives here with an error that names
-the fix, and so does the choice of the compute device; the runtime reads the result and never re-checks it.
-:class:`Groups` is the one copy of a unit's process groups, shared by its handles and its gradient reduction.
+the fix; the runtime reads the result and never re-checks it. A unit's process groups are ``_groups.py``'s, where
+its shards live and where it computes ``_devices.py``'s.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import Any, Generic, Protocol, TypeVar, overload
 import torch
 
 from shardfuse._logging import warn_once
-from shardfuse.sharding.core import _collectives as coll
 from shardfuse.sharding.core import _data_path as dp
 
 logger = logging.getLogger(__name__)
@@ -29,7 +28,6 @@ _COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Parameter dtypes the kernels shard, gather and reduce.
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # What a pickled unit holds instead of its process groups until the user sets them again.
-MISSING_GROUP = "MISSING"
 
 
 class TierSettings(Protocol):
@@ -260,104 +258,6 @@ class ConfigView:
     verbose = _Setting[bool]()
 
 
-class Groups:
-    """The process groups of one unit and this process's place in them.
-
-    The one copy: the unit, its flat-parameter handles and its gradient reduction hold this object, so
-    :meth:`replace` (``set_groups``, after unpickling) changes them all. Hybrid sharding adds its replicate
-    group (and the mesh) here: flat sharding has none.
-    """
-
-    # Class-level defaults: units pickled before hybrid sharding existed unpickle as flat ones.
-    replicate_group: Any = None
-    replicate_size: int = 1
-    replicate_rank: int = 0
-    mesh: Any = None
-    # The 1-D DeviceMesh of ``process_group`` per device type, made by the checkpoint layer on first use (its
-    # DTensors need one); dropped when the groups change or pickle.
-    dcp_meshes: dict[str, Any] | None = None
-
-    def __init__(self, process_group: coll.ProcessGroup, reduce_scatter_group: coll.ProcessGroup, rank: int,
-                 world_size: int, replicate_group: coll.ProcessGroup | None = None, mesh: Any = None) -> None:
-        self.process_group = process_group  # the shard group (hybrid sharding: the mesh's "shard" dimension)
-        self.reduce_scatter_group = reduce_scatter_group
-        self.rank = rank  # in the shard group
-        self.world_size = world_size  # of the shard group: the shards are cut for it
-        # Hybrid sharding: the replicas of this rank's shard (the mesh's "replicate" dimension), all-reduced
-        # after each reduce-scatter; None for flat sharding. ``mesh``: the DeviceMesh given, if any.
-        self.replicate_group = replicate_group
-        self.replicate_size = 1 if replicate_group is None else coll.world_size(replicate_group)
-        self.replicate_rank = 0 if replicate_group is None else coll.rank(replicate_group)
-        self.mesh = mesh
-
-    @property
-    def hybrid(self) -> bool:
-        """Gradients are all-reduced across more than one replica (a replicate group of size > 1)."""
-        return self.replicate_size > 1
-
-    @property
-    def total_world(self) -> int:
-        """Every rank that trains this unit: shard ranks times replicas (the divide factors' product)."""
-        return self.world_size * self.replicate_size
-
-    def replace(self, owner: str, process_group: Any | None = None, reduce_scatter_group: Any | None = None) -> None:
-        """Set new groups (e.g. after unpickling); they must hold this rank at the same place."""
-        for name, g in (("process_group", process_group), ("process_group_reduce_scatter", reduce_scatter_group)):
-            if g is not None and (coll.rank(g), coll.world_size(g)) != (self.rank, self.world_size):
-                raise ValueError(
-                    f"{name} of {owner} must keep rank={self.rank} of world_size={self.world_size}, got "
-                    f"rank={coll.rank(g)} of {coll.world_size(g)}: the shards were cut for the original group"
-                )
-        if process_group is not None:
-            self.process_group = process_group
-            self.dcp_meshes = None
-        if reduce_scatter_group is not None:
-            self.reduce_scatter_group = reduce_scatter_group
-
-    @property
-    def missing(self) -> bool:
-        """Pickling dropped the groups and the user has not set them again."""
-        return MISSING_GROUP in (self.process_group, self.reduce_scatter_group)
-
-    @property
-    def device(self) -> torch.device:
-        """Where this group's collectives take tensors: the current GPU under NCCL, else the host."""
-        if coll.is_cuda_group(self.process_group) and torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-    def __getstate__(self) -> dict:
-        # Process groups do not pickle; the user sets them again (FairScale's "MISSING" convention).
-        if self.replicate_group is not None or self.mesh is not None:
-            raise NotImplementedError(
-                "pickling a hybrid-sharded (device_mesh / HYBRID_SHARD) FullyShardedDataParallel is not supported: "
-                "its replicate group and mesh cannot be set again after unpickling; save model.state_dict() "
-                "instead and load it into a model wrapped on the new mesh"
-            )
-        return {**self.__dict__, "process_group": MISSING_GROUP, "reduce_scatter_group": MISSING_GROUP,
-                "dcp_meshes": None}
-
-
-def resolve_groups(process_group: Any | None, process_group_reduce_scatter: Any | None) -> Groups:
-    """The unit's groups (default: the world group); the reduce-scatter group must hold the same ranks."""
-    group = coll.default_group() if process_group is None else process_group
-    rank, world = coll.rank(group), coll.world_size(group)
-    if isinstance(process_group_reduce_scatter, str):
-        raise NotImplementedError(
-            f"process_group_reduce_scatter={process_group_reduce_scatter!r}: pass a ProcessGroup with the "
-            f"same ranks (e.g. torch.distributed.new_group()) or None"
-        )
-    if process_group_reduce_scatter is None:
-        return Groups(group, group, rank, world)
-    rs_size, rs_rank = coll.world_size(process_group_reduce_scatter), coll.rank(process_group_reduce_scatter)
-    if (rs_size, rs_rank) != (world, rank):
-        raise ValueError(
-            f"process_group_reduce_scatter must hold the same ranks as process_group: got "
-            f"size={rs_size} rank={rs_rank} vs size={world} rank={rank}"
-        )
-    return Groups(group, process_group_reduce_scatter, rank, world)
-
-
 # ------------------------------------------------------------------------------------------------------
 # keyword arguments -> ShardingConfig
 # ------------------------------------------------------------------------------------------------------
@@ -523,68 +423,3 @@ def check_compute_dtype(config: ShardingConfig, dtypes: Iterable[torch.dtype], m
             f"has {wrong} parameters: cast the model first (e.g. model.half() for pure fp16), or pass "
             f"mixed_precision=True"
         )
-
-
-def check_sync_module_states(groups: Groups) -> None:
-    """``sync_module_states`` broadcasts, so it needs a real process group."""
-    if not coll.is_process_group(groups.process_group):
-        raise ValueError(
-            "sync_module_states=True needs a torch.distributed process group to broadcast with, got "
-            f"{type(groups.process_group).__name__}: pass a real group, or drop sync_module_states"
-        )
-
-
-def param_device(module_name: str, placed: dict[str, torch.device]) -> torch.device | None:
-    """The one device of a unit's own parameters (``placed``: name -> device), or None without parameters."""
-    devices = set(placed.values())
-    if len(devices) > 1:
-        where = sorted(f"{n}: {d}" for n, d in placed.items())[:8]
-        raise ValueError(
-            f"parameters of {module_name} are on several devices ({sorted(map(str, devices))}, e.g. {where}): move "
-            f"the module to one device before wrapping"
-        )
-    return next(iter(devices)) if devices else None
-
-
-# ------------------------------------------------------------------------------------------------------
-# devices: where shards are kept and where a unit computes, chosen here only
-# ------------------------------------------------------------------------------------------------------
-
-
-def _default_gpu(groups: Groups) -> torch.device | None:
-    return groups.device if groups.device.type == "cuda" else None
-
-
-def shard_device(config: ShardingConfig, groups: Groups, found: torch.device | None) -> torch.device:
-    """Where a unit keeps its shards, for parameters ``found`` on a device (None: meta-built or none yet).
-
-    With ``move_params_to_cpu`` the host; under NCCL, parameters left on the CPU go to the compute device (the
-    current GPU by default), as FairScale moves such modules; else where the parameters are.
-    """
-    requested = config.compute_device
-    if config.offload.move_params_to_cpu:
-        return torch.device("cpu")
-    gpu = _default_gpu(groups)
-    if found is None:  # nothing placed yet (a meta-built module gets its storage here)
-        return requested or gpu or torch.device("cpu")
-    if requested is not None and gpu is None and requested.type != found.type:
-        raise ValueError(
-            f"compute_device={requested} differs from the parameters' device {found}: move the module to "
-            f"{requested} before wrapping, or pass move_params_to_cpu=True"
-        )
-    if gpu is not None and found.type == "cpu":
-        return requested or gpu
-    return found
-
-
-def compute_device(config: ShardingConfig, shards: torch.device | None, fallback: torch.device | None) -> torch.device:
-    """Where a unit computes (settled at lazy init): beside its shards, or with ``move_params_to_cpu`` on the
-    requested (default: the current) GPU; a unit without parameters computes where ``fallback`` (its buffers or
-    nested parameters) is."""
-    if config.offload.move_params_to_cpu:
-        if config.compute_device is not None:
-            return config.compute_device
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    if shards is not None:
-        return shards
-    return config.compute_device or fallback or torch.device("cpu")

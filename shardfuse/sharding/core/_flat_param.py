@@ -30,9 +30,9 @@ from shardfuse._profiling import profiled
 from shardfuse._streams import Streams, record_event, use_stream, wait_event, wait_stream
 from shardfuse.sharding.core import _collectives as coll
 from shardfuse.sharding.core import _data_path as dp
-from shardfuse.sharding.core._config import MISSING_GROUP, Groups
 from shardfuse.sharding.core._fp8_gather import Float8Gather
 from shardfuse.sharding.core._fused_grads import Unflatten, requested_by_environment
+from shardfuse.sharding.core._groups import MISSING_GROUP, Groups
 from shardfuse.sharding.core._host_protocol import HostSide
 from shardfuse.sharding.core._registry import (  # SHARD_MARK_KEY: re-exported for _dcp, _dcp_guard, _optim_state
     SHARD_MARK_ATTR,

@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shardfuse.sharding.core._config import Groups, ShardingConfig, check_param_dtype, param_device, shard_device
+from shardfuse.sharding.core._config import ShardingConfig, check_param_dtype
+from shardfuse.sharding.core._devices import param_device, shard_device
 from shardfuse.sharding.core._flat_param import BorrowedSlot, FlatParamHandle, ParamSlot, ParamTable
 from shardfuse.sharding.core._fp8_gather import marker_of
+from shardfuse.sharding.core._groups import Groups
 from shardfuse.sharding.core._registry import (
     FLATTENED_MARK,
     OWNED_MARK,
@@ -40,7 +42,7 @@ def flatten_own_params(
     """Flatten ``module``'s own parameters (not those of nested units) per (dtype, requires_grad, float8) group.
 
     The original ``nn.Parameter`` objects leave their modules' ``_parameters`` (marked with ``FLATTENED_MARK``);
-    the returned handles own the shards (kept where :func:`~shardfuse.sharding.core._config.shard_device` says).
+    the returned handles own the shards (kept where :func:`~shardfuse.sharding.core._devices.shard_device` says).
     Groups come in order of first appearance. A parameter a sibling unit already flattened (shared across
     units) is not flattened again but borrowed: its registrations come back as :class:`BorrowedSlot`, in the
     table as handle index ``-1 - k`` for the ``k``-th of them.

@@ -20,9 +20,9 @@ from shardfuse._profiling import profiled
 from shardfuse._streams import Streams, record_event, use_stream, wait_event, wait_stream
 from shardfuse.sharding.core import _collectives as coll
 from shardfuse.sharding.core import _data_path as dp
-from shardfuse.sharding.core._config import Groups
 from shardfuse.sharding.core._flat_param import FlatParamHandle
 from shardfuse.sharding.core._fused_grads import flat_of
+from shardfuse.sharding.core._groups import Groups
 
 logger = logging.getLogger(__name__)
 

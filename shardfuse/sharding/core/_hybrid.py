@@ -21,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from shardfuse.sharding.core import _collectives as coll
-from shardfuse.sharding.core._config import Groups, resolve_groups
+from shardfuse.sharding.core._groups import Groups, resolve_groups
 
 MESH_DIMS = ("replicate", "shard")
 

@@ -19,7 +19,7 @@ from shardfuse._logging import warn_once
 from shardfuse._streams import Streams
 from shardfuse.sharding.core import _collectives as coll
 from shardfuse.sharding.core import _data_path as dp
-from shardfuse.sharding.core._config import compute_device
+from shardfuse.sharding.core._devices import compute_device
 from shardfuse.sharding.core._flat_param import FlatParamHandle
 from shardfuse.sharding.core._hybrid import check_one_mesh, layout
 from shardfuse.sharding.core._registry import OWNED_MARK, WRAPPED_MARK, iter_own_modules

@@ -27,7 +27,7 @@ from shardfuse._graph_guard import refuse_in_capture
 from shardfuse._logging import warn_once
 from shardfuse._profiling import profiled
 from shardfuse._streams import Streams, use_stream, wait_stream
-from shardfuse.sharding.core._config import Groups, ShardingConfig
+from shardfuse.sharding.core._config import ShardingConfig
 from shardfuse.sharding.core._flat_param import BorrowedSlot, FlatParamHandle, ParamTable
 from shardfuse.sharding.core._fp8_gather import refresh_scales
 from shardfuse.sharding.core._fused_grads import materialize
@@ -38,6 +38,7 @@ from shardfuse.sharding.core._grad_reduce import (
     flush_unsynced,
     reduce_grad,
 )
+from shardfuse.sharding.core._groups import Groups
 from shardfuse.sharding.core._registry import iter_own_modules
 from shardfuse.sharding.core._state import TrainingState, check_state
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from shardfuse._logging import warn_once
 from shardfuse.sharding.core import _collectives as coll
-from shardfuse.sharding.core._config import Groups, check_sync_module_states
+from shardfuse.sharding.core._groups import Groups, check_sync_module_states
 from shardfuse.sharding.core._registry import FLATTENED_MARK, handle_of, iter_own_modules
 
 logger = logging.getLogger(__name__)
