@@ -195,15 +195,19 @@ for stage in "${STAGES[@]}"; do
     spec-finetune)
       # Issue 30 item 3: speculative clipping on a fine-tune, one GPU: HF Llama (SF_CONFIG, default 1b) fully
       # offloaded, pre-trained on the repository's prose then fine-tuned on its code, clip 1.0, without and with
-      # speculative_clip; how often it commits, the step times, and whether the losses are the same bits.
+      # speculative_clip; how often it commits, the step times, and whether the losses are the same bits. The two
+      # runs need ~340 s on an H200 (~630 ms a step): keep SF_TIMEOUT at its default. SF_MAX_NORM (default 1.0)
+      # sets the clip (a model trained from scratch keeps norms of 3-6: at 1.0 clipping fires every step), SF_TAG
+      # a suffix of the JSON's name.
       step spec-finetune "${SF_TIMEOUT:-560}" python3 -m bench.offload.spec_finetune --config "${SF_CONFIG:-1b}" \
         --pretrain-steps "${SF_PRETRAIN:-50}" --steps "${SF_STEPS:-200}" --seq "${SF_SEQ:-1024}" \
-        --out "$FINAL/spec_finetune.json" ;;
+        --max-norm "${SF_MAX_NORM:-1.0}" --out "$FINAL/spec_finetune${SF_TAG:-}.json" ;;
     fused-ab)
-      # FlatParamHandle.fuse_grads (SHARDFUSE_FUSED_GRADS, off by default until its GPU tests pass: run the tests
-      # stage first) off and on, interleaved (which goes first alternates), FA_ROUNDS rounds (default 3): the
-      # decoder at 1K tokens/GPU, fused AdamW, shardfuse eager and captured (bench.e2e.run, FA_STEPS timed steps
-      # after 3 warm-up) -> fused_ab_r<round>_f<0|1>.json, joined by bench.e2e.fused_ab (fused_ab.json in $FINAL).
+      # FlatParamHandle.fuse_grads (SHARDFUSE_FUSED_GRADS; on by default since 2026-11-28) off and on, interleaved
+      # (which goes first alternates), FA_ROUNDS rounds (default 3): the decoder at 1K tokens/GPU, fused AdamW,
+      # shardfuse eager and captured (bench.e2e.run, FA_STEPS timed steps after 3 warm-up) ->
+      # fused_ab_r<round>_f<0|1>.json, joined by bench.e2e.fused_ab (fused_ab.json in $FINAL). The +fused / +unfused
+      # modifiers of bench.e2e put both paths in one process instead (rows of one job, e.g. the capture table's).
       for ((r = 0; r < ${FA_ROUNDS:-3}; r++)); do
         order=(0 1); [ $((r % 2)) -eq 1 ] && order=(1 0)
         for f in "${order[@]}"; do

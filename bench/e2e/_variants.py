@@ -18,10 +18,10 @@ modifier. Bases that take modifiers: ``shardfuse``, ``shardfuse-budget``, ``fsdp
 - ``+split``: the input embedding and the output head wrapped as units of their own (torchtitan's layout), for
   ``shardfuse``, ``shardfuse-graph``, ``fsdp2`` and ``fsdp2-compile``: the step's first all-gather and last
   reduce-scatter carry the embedding alone.
-- ``+fused``: shardfuse's fused gradient pre-divide for this run (``FlatParamHandle.fuse_grads``, what
-  ``SHARDFUSE_FUSED_GRADS=1`` turns on for a whole process), for ``shardfuse``, ``shardfuse-graph`` and
-  ``shardfuse-budget``: its runs and the default path's interleave in one job. Runs without it get the default
-  (the environment variable still forces it on). FSDP2 has no such path: ratios match FSDP2 without it.
+- ``+fused`` / ``+unfused``: shardfuse's fused gradient pre-divide on / off for this run
+  (``FlatParamHandle.fuse_grads``, on by default; ``SHARDFUSE_FUSED_GRADS=1``/``0`` sets it for a whole process
+  and then wins), for ``shardfuse``, ``shardfuse-graph`` and ``shardfuse-budget``: both paths' runs interleave in
+  one job. Runs with neither get the library's default. FSDP2 has no such path: ratios match FSDP2 without them.
 - ``+once``: run in one round only, after every round of the others (a configuration expected to run out of
   memory goes last: a rank that fails alone would leave the others waiting in a collective).
 - ``shardfuse-budget``: shardfuse with ``move_params_to_cpu=True`` and ``OffloadOptimizer(gpu_budget_gib=
@@ -50,9 +50,9 @@ from torch import nn
 
 BASES = ("shardfuse", "shardfuse-budget", "fsdp2")  # the implementations that take modifiers
 SPLIT_BASES = ("shardfuse", "shardfuse-graph", "fsdp2", "fsdp2-compile")  # the ones that take +split
-FUSED_BASES = ("shardfuse", "shardfuse-graph", "shardfuse-budget")  # the ones that take +fused
+FUSED_BASES = ("shardfuse", "shardfuse-graph", "shardfuse-budget")  # the ones that take +fused / +unfused
 RECIPES = ("tensorwise", "rowwise")
-MODIFIERS = ("fp8", "fp8row", "ac", "compile", "once", "split", "fused")
+MODIFIERS = ("fp8", "fp8row", "ac", "compile", "once", "split", "fused", "unfused")
 FP8_RECIPE = {"fp8": "tensorwise", "fp8row": "rowwise"}
 DYNAMO_RECOMPILE_LIMIT = 64  # every variant is a new guard set on the same layer code; the default 8 falls back
 _FLOAT8_ALIGN = 16  # torch._scaled_mm takes weights whose both dimensions are multiples of 16
@@ -69,7 +69,7 @@ class Variant:
     compile: bool = False
     once: bool = False
     split: bool = False
-    fused: bool = False
+    fused: bool | None = None  # +fused / +unfused; None: the library's default
 
     @property
     def modifiers(self) -> tuple[str | None, bool, bool, bool]:
@@ -106,15 +106,17 @@ def parse_variant(name: str, known: Sequence[str], *, float8: str | None = None,
                          f"give one, +fp8 for tensorwise or +fp8row for rowwise")
     v = Variant(name, base, float8=next(iter(recipes), None), ac=ac or "ac" in mods,
                 compile=compile or "compile" in mods, once="once" in mods, split="split" in mods,
-                fused="fused" in mods)
+                fused=True if "fused" in mods else False if "unfused" in mods else None)
     if base not in BASES and v.modifiers[:3] != (None, False, False):
         raise ValueError(f"{name!r}: float8, activation checkpointing and compile apply to {', '.join(BASES)} only "
                          f"(drop --float8/--ac/--compile or the modifier, or pick one of those)")
     if v.split and base not in SPLIT_BASES:
         raise ValueError(f"{name!r}: +split (embedding and output head as units of their own) applies to "
                          f"{', '.join(SPLIT_BASES)} only: drop it or pick one of those")
-    if v.fused and base not in FUSED_BASES:
-        raise ValueError(f"{name!r}: +fused (shardfuse's fused gradient pre-divide) applies to "
+    if "fused" in mods and "unfused" in mods:
+        raise ValueError(f"{name!r}: +fused and +unfused at once: keep one")
+    if v.fused is not None and base not in FUSED_BASES:
+        raise ValueError(f"{name!r}: +fused / +unfused (shardfuse's fused gradient pre-divide) applies to "
                          f"{', '.join(FUSED_BASES)} only: drop it or pick one of those")
     return v
 
@@ -223,12 +225,16 @@ def _wrap_budget(model: nn.Module, layer_cls: type[nn.Module], device: torch.dev
     return model, opt, {"gpu_budget_gib": args.budget_gib, "host_threads": threads, "host_optimizer": "AdamW fused"}
 
 
-def _choose_gradient_path(fused: bool) -> None:
-    """Every shardfuse run sets the class default its units read at lazy init (the first step, after this):
-    runs of one process go one after the other, so each gets its own choice whatever ran before."""
+_LIBRARY_DEFAULT: dict[str, bool] = {}  # FlatParamHandle.fuse_grads as the library set it, before any run changed it
+
+
+def _choose_gradient_path(fused: bool | None) -> None:
+    """Every shardfuse run sets the class attribute its units read at lazy init (the first step, after this): runs
+    of one process go one after the other, so each gets its own choice (None: the library's) whatever ran before."""
     from shardfuse.sharding.core._flat_param import FlatParamHandle
 
-    FlatParamHandle.fuse_grads = fused
+    default = _LIBRARY_DEFAULT.setdefault("fuse_grads", FlatParamHandle.fuse_grads)
+    FlatParamHandle.fuse_grads = default if fused is None else fused
 
 
 def prepare(v: Variant, model: nn.Module, spec: Any, device: torch.device, args: Any,
@@ -257,8 +263,9 @@ def prepare(v: Variant, model: nn.Module, spec: Any, device: torch.device, args:
         info["split"] = "input embedding and output head as units of their own"
     if v.base in FUSED_BASES:
         _choose_gradient_path(v.fused)
-        if v.fused:
-            info["fused_grads"] = "views' gradients pre-divided straight into the reduce-scatter input"
+        if v.fused is not None:
+            info["fused_grads"] = ("views' gradients pre-divided straight into the reduce-scatter input" if v.fused
+                                   else "off: one concatenated flat gradient, then the pre-divide")
     model = wrappers[v.base](model, dataclasses.replace(spec, layer_cls=layer_cls, split_edges=v.split), device)
     fused = args.optim == "fused" and device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, capturable=capturable and device.type == "cuda",
@@ -342,7 +349,7 @@ def steady_round_s(rows: Sequence[dict[str, Any]], warmup: int) -> float:
 
 def _modifier_key(impl: str) -> tuple[str, tuple[str, ...]]:
     base, mods = split_name(impl)
-    return base, tuple(sorted(m for m in mods if m not in ("once", "fused")))
+    return base, tuple(sorted(m for m in mods if m not in ("once", "fused", "unfused")))
 
 
 def variant_ratios(summary: list[dict[str, Any]]) -> None:

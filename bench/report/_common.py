@@ -42,10 +42,11 @@ MODIFIER_LABEL = {
     "compile": "per-layer `torch.compile`",
     "split": "embedding and output head as units of their own",
     "fused": "fused gradient pre-divide (`SHARDFUSE_FUSED_GRADS=1`)",
+    "unfused": "concatenated gradients (`SHARDFUSE_FUSED_GRADS=0`)",
     "once": "one round",
 }
 MODIFIER_SHORT = {"fp8": "float8", "fp8row": "float8 rowwise", "ac": "AC", "compile": "compile", "split": "split",
-                  "fused": "fused grads", "once": "once"}
+                  "fused": "fused grads", "unfused": "unfused grads", "once": "once"}
 CAPTURED = "shardfuse-graph"  # shardfuse's whole step captured by ``capture_step`` into a CUDA graph, replayed
 REGIME_ORDER = ("8k", "4k", "1k", "sft")
 REGIME_LABEL = {

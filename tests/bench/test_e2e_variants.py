@@ -355,15 +355,18 @@ def test_split_refuses_tied_weights() -> None:
 def test_fused_parses_for_shardfuse_and_compares_with_fsdp2_without_it() -> None:
     known = (*KNOWN, "fsdp2-compile")
     for name in ("shardfuse+fused", "shardfuse-graph+fused+split", "shardfuse-budget+fused"):
-        assert parse_variant(name, known).fused, name
-    assert not parse_variant("shardfuse-graph+split", known).fused
-    for name in ("fsdp2+fused", "fairscale+fused", "fsdp2-compile+fused"):
-        with pytest.raises(ValueError, match=r"\+fused .* applies to shardfuse, shardfuse-graph, shardfuse-budget"):
+        assert parse_variant(name, known).fused is True, name
+    assert parse_variant("shardfuse-graph+unfused", known).fused is False
+    assert parse_variant("shardfuse-graph+split", known).fused is None  # the library's default
+    for name in ("fsdp2+fused", "fairscale+unfused", "fsdp2-compile+fused"):
+        with pytest.raises(ValueError, match=r"\+fused / \+unfused .* applies to shardfuse, shardfuse-graph, "):
             parse_variant(name, known)
+    with pytest.raises(ValueError, match=r"\+fused and \+unfused at once"):
+        parse_variant("shardfuse+fused+unfused", known)
     summary = [{"impl": i, "regime": "1k", "step_ms_median": ms, "peak_gib_max": 1.0}
-               for i, ms in (("fsdp2", 10.0), ("shardfuse+fused", 5.0), ("shardfuse", 8.0))]
+               for i, ms in (("fsdp2", 10.0), ("shardfuse+fused", 5.0), ("shardfuse+unfused", 8.0))]
     variant_ratios(summary)
-    assert summary[1]["fsdp2_same"] == "fsdp2" and summary[1]["vs_fsdp2_same"] == 2.0
+    assert [s.get("fsdp2_same") for s in summary[1:]] == ["fsdp2", "fsdp2"] and summary[1]["vs_fsdp2_same"] == 2.0
 
 
 def _grad_tokens(model: torch.nn.Module) -> list[bool]:
@@ -385,16 +388,18 @@ def test_fused_picks_the_gradient_path_of_each_run_whatever_ran_before(world_of_
     cpu = torch.device("cpu")
     tokens = torch.randint(0, spec.vocab_size, (2, 16))
     losses = {}
-    for name in ("shardfuse+fused", "shardfuse", "shardfuse+fused+split"):
+    # +unfused, then no modifier (the library's default: fused), +fused, +unfused again, no modifier again
+    for name, want in (("shardfuse+unfused", False), ("shardfuse", True), ("shardfuse+fused+split", True),
+                       ("shardfuse+unfused+split", False), ("shardfuse+split", True)):
         prepared = variants.prepare(parse_variant(name, KNOWN), spec.make(cpu, 0), spec, cpu, args, WRAPPERS)
         loss = spec.logits(prepared.model, tokens).float().square().mean()
         loss.backward()
         fused = _grad_tokens(prepared.model)
-        assert fused and all(f == ("fused" in name) for f in fused), (name, fused)
+        assert fused and all(f == want for f in fused), (name, fused)
         assert ("fused_grads" in prepared.info) == ("fused" in name)
         losses[name] = [p.grad.clone() for p in prepared.model.parameters()]
     # The same gradients either way (the CPU suite proves the bytes; here: the bench's switch reaches them).
-    for a, b in zip(losses["shardfuse"], losses["shardfuse+fused"], strict=True):
+    for a, b in zip(losses["shardfuse"], losses["shardfuse+unfused"], strict=True):
         assert torch.equal(a, b)
 
 

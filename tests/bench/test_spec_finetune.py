@@ -47,3 +47,28 @@ def test_corpus_is_the_repository_text_and_windows_fit() -> None:
     assert all(bytes(row.tolist()) in bytes(code.tolist()) for row in batches[0])  # contiguous windows
     with pytest.raises(ValueError, match="lower --seq"):
         spec_finetune.windows(code[:10], 1, 1, 17, seed=0)
+
+
+def test_gpu_suite_stage_passes_the_clip_and_the_tag(tmp_path: Path) -> None:
+    """``SF_MAX_NORM=8 SF_TAG=_clip8 bash bench/gpu_suite.sh spec-finetune`` runs the bench with that clip and
+    writes its own JSON; without them, clip 1.0 into spec_finetune.json (a stand-in python3 records the call)."""
+    import os
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[2]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stand_in = bin_dir / "python3"
+    stand_in.write_text('#!/usr/bin/env bash\n[ "$1" = "-m" ] && [ "$2" = bench.offload.spec_finetune ] && '
+                        'echo "$@" >> "$CALLS"\nexit 0\n')
+    stand_in.chmod(0o755)
+    calls = tmp_path / "calls.txt"
+    for extra in ({}, {"SF_MAX_NORM": "8", "SF_TAG": "_clip8"}):
+        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+               "CALLS": str(calls), **extra}
+        proc = subprocess.run(["bash", str(repo / "bench" / "gpu_suite.sh"), "spec-finetune"], cwd=repo, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-2000:]
+    plain, clip8 = calls.read_text().splitlines()
+    assert "--max-norm 1.0" in plain and plain.endswith(f"--out {tmp_path / 'out'}/spec_finetune.json")
+    assert "--max-norm 8" in clip8 and clip8.endswith(f"--out {tmp_path / 'out'}/spec_finetune_clip8.json")

@@ -219,29 +219,38 @@ def _handles_fused(model: nn.Module) -> list[bool]:
 
 
 def check_environment_switch() -> list[list[bool]]:
-    """Off by default; SHARDFUSE_FUSED_GRADS=1 turns the path on for the units initialised after it is set."""
+    """On by default; SHARDFUSE_FUSED_GRADS=0 turns the path off and =1 on for the units initialised after it is
+    set, whatever the class attribute says."""
     import os
 
     seen = []
-    for value in (None, "1"):
-        if value is None:
-            os.environ.pop("SHARDFUSE_FUSED_GRADS", None)
-        else:
-            os.environ["SHARDFUSE_FUSED_GRADS"] = value
-        try:
-            model = _model({}, torch.device("cpu"))
-            ids, target = batch(0, dist.get_rank(), dist.get_world_size())
-            loss_fn(model, ids, target, 0, {}).backward()  # lazy init, one fused (or not) backward
-            seen.append(_handles_fused(model))
-        finally:
-            os.environ.pop("SHARDFUSE_FUSED_GRADS", None)
+    default = FlatParamHandle.fuse_grads
+    try:
+        for attribute, value in ((True, None), (True, "0"), (False, "1"), (False, None)):
+            FlatParamHandle.fuse_grads = attribute
+            if value is None:
+                os.environ.pop("SHARDFUSE_FUSED_GRADS", None)
+            else:
+                os.environ["SHARDFUSE_FUSED_GRADS"] = value
+            try:
+                model = _model({}, torch.device("cpu"))
+                ids, target = batch(0, dist.get_rank(), dist.get_world_size())
+                loss_fn(model, ids, target, 0, {}).backward()  # lazy init, one fused (or not) backward
+                seen.append(_handles_fused(model))
+            finally:
+                os.environ.pop("SHARDFUSE_FUSED_GRADS", None)
+    finally:
+        FlatParamHandle.fuse_grads = default
     return seen
 
 
-def test_environment_switch_turns_the_path_on(pool):
-    for off, on in pool.run(check_environment_switch):
-        assert off and not any(off), f"fused by default: {off}"
-        assert on and all(on), f"SHARDFUSE_FUSED_GRADS=1 left handles unfused: {on}"
+def test_fused_by_default_and_the_environment_decides_when_set(pool):
+    assert FlatParamHandle.fuse_grads is True  # the library's default
+    for default, env_off, env_on, attribute_off in pool.run(check_environment_switch):
+        assert default and all(default), f"not fused by default: {default}"
+        assert env_off and not any(env_off), f"SHARDFUSE_FUSED_GRADS=0 left handles fused: {env_off}"
+        assert env_on and all(env_on), f"SHARDFUSE_FUSED_GRADS=1 left handles unfused: {env_on}"
+        assert attribute_off and not any(attribute_off), f"fuse_grads=False left handles fused: {attribute_off}"
 
 
 def test_environment_switch_rejects_other_values(monkeypatch):

@@ -84,11 +84,11 @@ class BorrowedSlot:
 class FlatParamHandle:
     """One flat parameter group of a unit: sharded storage, the gathered full buffer and their views."""
 
-    # True: views made by the Unflatten node (_fused_grads.py), whose gradients go to the reduce-scatter input
-    # without being concatenated first. False (the default until its GPU tests have run: the CPU suite proves it
-    # bit-equal, NCCL streams and CUDA-graph capture are unchecked): torch.split_with_sizes, one flat gradient.
-    # Read at lazy init (init_full_buffer), as SHARDFUSE_FUSED_GRADS=1 is.
-    fuse_grads = False
+    # True (the default): views made by the Unflatten node (_fused_grads.py), whose gradients go to the
+    # reduce-scatter input without being concatenated first (the same bytes: tested on gloo and on NCCL, eager and
+    # captured). False: torch.split_with_sizes, one flat gradient. Read at lazy init (init_full_buffer);
+    # SHARDFUSE_FUSED_GRADS=0/1, when set, decides instead.
+    fuse_grads = True
 
     def __init__(
         self,
@@ -207,9 +207,10 @@ class FlatParamHandle:
         # not invalidate the views autograd saved for backward.
         self.full_data = full.data
         # The empty leaf every Unflatten node of this handle feeds (see _fused_grads.py): no memory, one hook.
-        # Made only where that path is chosen (fuse_grads or SHARDFUSE_FUSED_GRADS=1): views() follows it.
+        # Made only where that path is chosen (SHARDFUSE_FUSED_GRADS if set, else fuse_grads): views() follows it.
         self.grad_token = None
-        if on_fused is not None and (self.fuse_grads or requested_by_environment()):
+        from_env = requested_by_environment()
+        if on_fused is not None and (self.fuse_grads if from_env is None else from_env):
             self.grad_token = torch.empty(0, dtype=compute_dtype, device=device, requires_grad=True)
             self.grad_token.register_post_accumulate_grad_hook(on_fused)
         self.step.reset()

@@ -41,14 +41,15 @@ class FlatParamHandle(Protocol):
 FUSED_GRADS_ENV = "SHARDFUSE_FUSED_GRADS"
 
 
-def requested_by_environment() -> bool:
-    """``SHARDFUSE_FUSED_GRADS=1``: this path for every handle initialised from now on (read at each unit's lazy
-    init), as ``FlatParamHandle.fuse_grads = True`` does; off by default until its GPU tests have run."""
-    value = os.environ.get(FUSED_GRADS_ENV, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{FUSED_GRADS_ENV}={value!r}: set it to 1 (fused gradient pre-divide) or 0 (off, the "
-                         f"default), or unset it")
-    return value == "1"
+def requested_by_environment() -> bool | None:
+    """``SHARDFUSE_FUSED_GRADS``: ``1`` this path, ``0`` the concatenating one, for every handle initialised from
+    now on (read at each unit's lazy init), whatever ``FlatParamHandle.fuse_grads`` says; None when unset (the
+    class attribute decides: on by default)."""
+    value = os.environ.get(FUSED_GRADS_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{FUSED_GRADS_ENV}={value!r}: set it to 1 (the fused gradient pre-divide, the default) or "
+                         f"0 (the concatenating path), or unset it")
+    return None if value == "" else value == "1"
 
 
 # What a handle's views received in this backward pass: their gradients (None: no gradient), or, once a second
