@@ -64,8 +64,9 @@ def test_every_stored_row_is_predicted_within_tolerance():
     skipped = sorted({c.skipped for c in checks if c.skipped})
     print(f"{len(compared)} rows compared; skipped: {skipped}")
     assert not failures, "\n".join(failures)
-    # Each compared row compares its step time, and its GPU peak unless a reason says why not.
-    assert all("step" in c.errors() for c in compared)
+    # Each compared row compares its step time and its GPU peak, unless a reason says why not.
+    assert all("step" in c.errors() or c.time_note for c in compared)
+    assert sum(c.time_note is not None for c in compared) <= 3, "step times left uncompared: keep them the exception"
     assert all("gpu" in c.errors() or c.memory_note for c in compared)
     assert sum("host" in c.errors() for c in compared) >= 15  # every offload_big row records its host RSS
 
@@ -75,7 +76,8 @@ def test_only_peers_captured_and_unmeasured_rows_are_skipped():
         if c.skipped is not None:
             assert ("another library" in c.skipped or "capture_step" in c.skipped
                     or "not a training step" in c.skipped or "not measured" in c.skipped
-                    or "float8 matmuls" in c.skipped or "-core host" in c.skipped), c  # fmt: skip
+                    or "float8 matmuls" in c.skipped or "-core host" in c.skipped
+                    or "many-shape SFT" in c.skipped), c  # fmt: skip
 
 
 def test_accuracy_check_fails_on_a_wrong_row(tmp_path):

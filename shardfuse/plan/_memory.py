@@ -5,7 +5,9 @@ What lives where, read from the code (``shardfuse/sharding``) and checked agains
 * **sharded** (``FullyShardedDataParallel``, mixed precision): per rank the fp32 shard (4 B/param / shard), its
   optimizer state (AdamW 8 B, SGD momentum 4 B) and, from backward to ``zero_grad``, the fp32 sharded gradient
   (4 B); while a unit computes its gathered bf16 parameters (and the next one's, prefetched), its bf16 gradient and
-  the fp32 reduce-scatter input: :data:`UNIT_TRANSIENT_BYTES` per element of the largest unit; the activations
+  the fp32 reduce-scatter input: :data:`UNIT_TRANSIENT_BYTES` per element of a block, and the root unit's gathered
+  bf16 parameters (it keeps them from forward to backward; its gradient buffers come after the activations are
+  freed); the activations
   (:func:`activation_bytes`). The peak is the larger of forward's end (state + activations) and the optimizer step
   (state + gradients). Under ``no_sync`` accumulation the unsharded bf16 gradients (2 B/param) are kept.
 * **offload** (``move_params_to_cpu=True`` + ``OffloadOptimizer``): the GPU holds the units the budget keeps
@@ -30,7 +32,8 @@ from shardfuse.plan._shapes import ModelShape
 __all__ = ["MemoryEstimate", "activation_bytes", "choose_resident", "estimate_memory", "pinned_round"]
 
 GIB = 2**30
-# Calibrated on the stored shardfuse rows (least squares on relative error, tests/test_plan.py checks all of them):
+# Calibrated on the stored shardfuse rows (least squares on relative error, tests/test_plan.py checks all of them;
+# the unit transients' split between a block and the root came later, 2026-11-28, from the first 4-GPU row's peak):
 # bench/results/h200/e2e_2gpu.json (953M, 8K and 1K tokens), e2e_4gpu.json (8K), e2e_7b_fused_2gpu.json (6.7B,
 # 4K), e2e_hf_2gpu.json (HF Llama 853M, 1K) and the full-offload rows of offload_big.json (2.9B 4K, 6.7B 2K).
 ACT_BYTES = 44.5  # activation bytes per token, per unit of width, per block (bf16 compute, SDPA attention)
@@ -38,7 +41,7 @@ LOGIT_BYTES = 9.2  # bytes per token per vocabulary entry (bf16 logits, the fp32
 # One-GPU autocast rows (offload_big resident 2.9B 4K, 6.7B 2K; e2e baseline 953M 8K): fp32 residual stream.
 PLAIN_ACT_BYTES = 53.2
 PLAIN_LOGIT_BYTES = 17.4
-UNIT_TRANSIENT_BYTES = 14  # two gathered bf16 units (4), a unit's bf16 gradient (2), fp32 reduce-scatter in/out (8)
+UNIT_TRANSIENT_BYTES = 14  # two gathered bf16 blocks (4), a block's bf16 gradient (2), fp32 reduce-scatter in/out (8)
 CKPT_SAVED_BYTES = 2.0  # activation checkpointing keeps each block's bf16 input: 2 B per token per unit of width
 HOST_BASE_BYTES = 1.3 * GIB  # a CUDA process's own RSS (torch, the CUDA context): the resident rows' 1.05-1.35 GiB
 READ_AHEAD = 2  # OffloadConfig.read_ahead's default
@@ -90,7 +93,10 @@ def _transients(shape: ModelShape, setup: Setup, work: Workload) -> float:
     act = activation_bytes(shape, work.micro_tokens, setup.checkpointing, plain=setup.kind == "plain")
     if setup.kind == "plain":
         return act + 2.0 * shape.params  # autocast's cached bf16 copies of the weights
-    extra = float(UNIT_TRANSIENT_BYTES * shape.largest_unit)
+    # At the peak (forward's end, backward's start) a block is in flight with its full transients, while the root
+    # unit, which keeps its parameters gathered, holds only those (2 B/param): its own gradient and reduce-scatter
+    # buffers come last in backward, after the activations were freed.
+    extra = float(UNIT_TRANSIENT_BYTES * shape.layer_params + 2.0 * shape.root_params)
     if work.micro_batches > 1:
         extra += 2.0 * shape.params  # no_sync keeps the unsharded bf16 gradients
         if setup.offloaded and setup.accumulate_on_gpu:
