@@ -182,12 +182,18 @@ def world_of_one():
     """A one-rank gloo process group in this process."""
     from bench.common import free_port
 
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        for k, v in saved.items():  # a later test's subprocess must not inherit this group's port
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def test_out_of_memory_is_recorded_as_an_oom_row(monkeypatch: pytest.MonkeyPatch, world_of_one) -> None:
