@@ -194,13 +194,13 @@ for stage in "${STAGES[@]}"; do
         --copy-to "$FINAL" --text "$OUT/capture_table.txt" ;;
     spec-finetune)
       # Issue 30 item 3: speculative clipping on a fine-tune, one GPU: HF Llama (SF_CONFIG, default 1b) fully
-      # offloaded, pre-trained on the repository's prose then fine-tuned on its code, clip 1.0, without and with
-      # speculative_clip; how often it commits, the step times, and whether the losses are the same bits. The two
-      # runs need ~340 s on an H200 (~630 ms a step): keep SF_TIMEOUT at its default. SF_MAX_NORM (default 1.0)
-      # sets the clip (a model trained from scratch keeps norms of 3-6: at 1.0 clipping fires every step), SF_TAG
-      # a suffix of the JSON's name.
+      # offloaded, pre-trained once on the repository's prose (resident, SF_PRETRAIN steps, fast) then fine-tuned
+      # on its code, clip 1.0, without and with speculative_clip; how often it commits, the step times, and whether
+      # the losses are the same bits. The two offloaded fine-tunes need ~2 x 200 x 0.63 s on an H200: keep
+      # SF_TIMEOUT at its default. SF_MAX_NORM (default 1.0) sets the clip (after 50 offloaded pre-training steps
+      # the norms were 3-6: at 1.0 clipping fired every step), SF_TAG a suffix of the JSON's name.
       step spec-finetune "${SF_TIMEOUT:-560}" python3 -m bench.offload.spec_finetune --config "${SF_CONFIG:-1b}" \
-        --pretrain-steps "${SF_PRETRAIN:-50}" --steps "${SF_STEPS:-200}" --seq "${SF_SEQ:-1024}" \
+        --pretrain-steps "${SF_PRETRAIN:-300}" --steps "${SF_STEPS:-200}" --seq "${SF_SEQ:-1024}" \
         --max-norm "${SF_MAX_NORM:-1.0}" --out "$FINAL/spec_finetune${SF_TAG:-}.json" ;;
     fused-ab)
       # FlatParamHandle.fuse_grads (SHARDFUSE_FUSED_GRADS; on by default since 2026-11-28) off and on, interleaved

@@ -1,23 +1,28 @@
 """Speculative clipping on a fine-tune (issue 30 item 3): how often it commits, and what it does to the step time.
 
 One device, a Hugging Face ``LlamaForCausalLM`` (random init from ``--config``, fp32 parameters; bf16 compute on a
-GPU) fully offloaded (``move_params_to_cpu=True``, ``OffloadOptimizer(gpu_budget_gib=0)``, torch's fused AdamW on
-the host), in two phases, each step clipped at ``--max-norm``:
+GPU), in two phases, each step clipped at ``--max-norm``:
 
-1. ``--pretrain-steps`` on prose: the repository's own Markdown as bytes (a token per byte);
-2. ``--steps`` on code: its Python sources as bytes: the fine-tune, measured per step (loss, the global gradient
+1. pre-training, once, with the model resident on the device (plain torch AdamW: it is fast there, so
+   ``--pretrain-steps`` can be many): ``--pretrain-steps`` on prose, the repository's own Markdown as bytes (a token
+   per byte);
+2. the fine-tune from those weights, fully offloaded (``move_params_to_cpu=True``,
+   ``OffloadOptimizer(gpu_budget_gib=0)``, torch's fused AdamW on the host, a fresh optimizer as a fine-tune from a
+   checkpoint has): ``--steps`` on code, its Python sources as bytes, measured per step (loss, the global gradient
    norm ``clip_grad_norm_`` returned, whether clipping fired, wall time from one step's start to the next's).
 
-Both phases run twice in this process from the same seed with deterministic algorithms: ``speculative_clip=False``,
-then ``True``. The losses must be the same bits (exit status 1 if not). Reported per run: the fine-tune's median
-step time (after ``--skip`` steps) with its spread, how often clipping fired, and for the speculative run the
-fine-tune's committed / redone steps and units (``OffloadOptimizer.host_stats``) and the spare host bytes.
+The fine-tune runs twice in this process from the same weights with deterministic algorithms:
+``speculative_clip=False``, then ``True``. The losses must be the same bits (exit status 1 if not). Reported per
+run: the fine-tune's median step time (after ``--skip`` steps) with its spread, how often clipping fired, and for the
+speculative run the fine-tune's committed / redone steps and units (``OffloadOptimizer.host_stats``) and the spare
+host bytes; and the pre-training's last loss and gradient norms.
 
-    python -m bench.offload.spec_finetune [--config 1b] [--pretrain-steps 100] [--steps 200] [--seq 1024]
+    python -m bench.offload.spec_finetune [--config 1b] [--pretrain-steps 300] [--steps 200] [--seq 1024]
                                           [--out spec_finetune.json]
 
-The data are real text but the model starts from random weights: the fine-tune continues a short pre-training
-on another kind of text, which is how the norm behaves after a shift of domain, not a pretrained model's.
+The data are real text but the model starts from random weights (no weights can reach the GPU machines): the
+fine-tune continues a pre-training on another kind of text, which is how the norm behaves after a shift of domain,
+not a large pretrained model's (whose norms sit lower: more pre-training steps bring this one closer).
 """
 
 from __future__ import annotations
@@ -61,15 +66,52 @@ def windows(data: torch.Tensor, steps: int, batch: int, seq: int, seed: int) -> 
     return [torch.stack([data[s:s + seq] for s in row.tolist()]) for row in starts]
 
 
-def build(config: str, device: torch.device) -> torch.nn.Module:
-    """The model on the host, one unit per decoder layer, shards kept on the host."""
+def _plain_model(config: str) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    import shardfuse
 
     torch.manual_seed(0)
     cfg = LlamaConfig(**CONFIGS[config], use_cache=False, attn_implementation="sdpa")
-    model = LlamaForCausalLM(cfg).float()
+    return LlamaForCausalLM(cfg).float()
+
+
+def pretrain(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """The pre-training phase, resident on ``device`` (bf16 autocast on a GPU), clipped like the fine-tune; the
+    weights (on the host) and per step: loss, norm, fired, seconds."""
+    model = _plain_model(args.config).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda")
+    vocab = CONFIGS[args.config]["vocab_size"]
+    rows: list[dict[str, Any]] = []
+    try:
+        for ids in windows(corpus("prose") % vocab, args.pretrain_steps, args.batch, args.seq, seed=1):
+            start = time.perf_counter()
+            ids = ids.to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            rows.append({"loss": loss.item(), "norm": norm, "fired": norm > args.max_norm,
+                         "s": time.perf_counter() - start})
+            if len(rows) % 50 == 0 or len(rows) == args.pretrain_steps:
+                print(f"pretrain step {len(rows)}/{args.pretrain_steps} (resident): loss {rows[-1]['loss']:.4f} "
+                      f"norm {norm:.3f} {1e3 * rows[-1]['s']:.0f} ms", flush=True)
+        weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    finally:
+        del model, opt
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return weights, rows
+
+
+def build(config: str, device: torch.device, weights: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
+    """The model (from ``weights`` when given) on the host, one unit per decoder layer, shards kept on the host."""
+    import shardfuse
+
+    model = _plain_model(config)
+    if weights is not None:
+        model.load_state_dict(weights)
     kwargs: dict[str, Any] = dict(move_params_to_cpu=True, compute_device=device)
     if device.type == "cuda":
         kwargs.update(mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True)
@@ -78,15 +120,17 @@ def build(config: str, device: torch.device) -> torch.nn.Module:
         return shardfuse.wrap(shardfuse.auto_wrap(model, auto_wrap_policy=policy))
 
 
-def train(args: argparse.Namespace, device: torch.device, speculative: bool) -> dict[str, Any]:
-    """Both phases with ``speculative_clip=speculative``; per fine-tune step: loss, norm, fired, seconds."""
+def train(args: argparse.Namespace, device: torch.device, speculative: bool,
+          weights: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """The fine-tune, offloaded, from ``weights``, with ``speculative_clip=speculative``; per step: loss, norm,
+    fired, seconds."""
     import shardfuse
 
-    model = build(args.config, device)
+    model = build(args.config, device, weights)
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
     opt = shardfuse.OffloadOptimizer(model, inner, gpu_budget_gib=0, speculative_clip=speculative)
     vocab = CONFIGS[args.config]["vocab_size"]
-    phases = [("prose", args.pretrain_steps, 1), ("code", args.steps, 2)]
+    phases = [("code", args.steps, 2)]
     record: dict[str, Any] = {"speculative_clip": speculative}
     try:
         for kind, steps, seed in phases:
@@ -138,7 +182,7 @@ def summarize(run: dict[str, Any], skip: int) -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", choices=sorted(CONFIGS), default="1b")
-    p.add_argument("--pretrain-steps", type=int, default=100)
+    p.add_argument("--pretrain-steps", type=int, default=300, help="resident pre-training steps (once)")
     p.add_argument("--steps", type=int, default=200, help="fine-tune steps (measured)")
     p.add_argument("--skip", type=int, default=3, help="fine-tune steps left out of the step time")
     p.add_argument("--batch", type=int, default=1)
@@ -159,9 +203,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 _GROUP_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "CUBLAS_WORKSPACE_CONFIG")
 
 
-def _both_runs(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
-    """The plain and the speculative run in a one-rank group; the environment and torch's determinism setting
-    as they were before, after."""
+def _both_runs(args: argparse.Namespace, device: torch.device) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The pre-training's steps, then the plain and the speculative fine-tune from its weights, in a one-rank
+    group; the environment and torch's determinism setting as they were before, after."""
     import torch.distributed as dist
 
     from bench.offload.big_impls import init_world_of_one
@@ -172,9 +216,10 @@ def _both_runs(args: argparse.Namespace, device: torch.device) -> list[dict[str,
         if device.type == "cuda":  # the two runs must take the same kernels to compare bits
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
+        weights, pretrained = pretrain(args, device)
         init_world_of_one(device)
         try:
-            return [train(args, device, speculative) for speculative in (False, True)]
+            return pretrained, [train(args, device, speculative, weights) for speculative in (False, True)]
         finally:
             dist.destroy_process_group()
     finally:
@@ -189,14 +234,14 @@ def _both_runs(args: argparse.Namespace, device: torch.device) -> list[dict[str,
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
-    runs = _both_runs(args, device)
+    pretrained, runs = _both_runs(args, device)
     plain, spec = runs
-    equal = [a["loss"] for a in plain["prose"]["steps"] + plain["code"]["steps"]] == \
-        [b["loss"] for b in spec["prose"]["steps"] + spec["code"]["steps"]]
+    equal = [a["loss"] for a in plain["code"]["steps"]] == [b["loss"] for b in spec["code"]["steps"]]
     rows = [summarize(r, args.skip) for r in runs]
+    norms = [r["norm"] for r in pretrained]
     result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "losses_equal": equal, "step_ratio": rows[1]["step_ms"] / rows[0]["step_ms"], "rows": rows,
-              "runs": runs}
+              "pretrain": {"steps": pretrained, "resident": True}, "runs": runs}
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1))
     for r in rows:
@@ -207,9 +252,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"speculative_clip={r['speculative_clip']!s:5s}: {r['step_ms']:.1f} ms/step "
               f"({r['step_ms_min']:.1f}-{r['step_ms_max']:.1f}) over {r['steps']} fine-tune steps; clipping fired "
               f"{r['clip_fired']} times ({r['clip_fired_share']:.1%}), median norm {r['median_norm']:.3f}{spec_txt}")
-    print(f"speculative / plain step time: {result['step_ratio']:.3f}; losses "
-          f"{'the same bits' if equal else 'DIFFER'} over {len(plain['prose']['steps']) + len(plain['code']['steps'])} "
-          f"steps")
+    if norms:
+        print(f"pre-training (resident, {len(norms)} steps): last loss {pretrained[-1]['loss']:.4f}, norm median "
+              f"{statistics.median(norms):.3f}, last {norms[-1]:.3f}")
+    print(f"speculative / plain step time: {result['step_ratio']:.3f}; fine-tune losses "
+          f"{'the same bits' if equal else 'DIFFER'} over {len(plain['code']['steps'])} steps")
     return 0 if equal else 1
 
 

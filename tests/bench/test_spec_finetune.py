@@ -34,9 +34,34 @@ def test_commits_when_clipping_does_not_fire_and_redoes_when_it_does(tmp_path: P
     assert (committed, redone) == ((0, steps) if fires else (steps, 0)), spec
     assert spec["commit_share"] == committed / steps
     assert (spec["finetune_units_redone"] > 0) == fires and (spec["finetune_units_committed"] > 0) != fires
-    # Both phases recorded for both runs, the prose phase first.
+    # The pre-training ran once (resident), the fine-tune in both runs.
+    assert len(result["pretrain"]["steps"]) == 2 and result["pretrain"]["resident"] is True
     for run in result["runs"]:
-        assert len(run["prose"]["steps"]) == 2 and len(run["code"]["steps"]) == steps
+        assert "prose" not in run and len(run["code"]["steps"]) == steps
+
+
+def test_fine_tune_starts_from_the_pretrained_weights(tmp_path: Path) -> None:
+    """The offloaded model is built from the resident pre-training's weights: its first fine-tune loss is the
+    loss of those weights on that batch (and not a fresh model's)."""
+    pytest.importorskip("transformers")
+    import torch
+
+    args = spec_finetune.parse_args(["--config", "tiny", "--device", "cpu", "--pretrain-steps", "3", "--steps", "1",
+                                     "--seq", "48", "--max-norm", "1e9"])
+    weights, rows = spec_finetune.pretrain(args, torch.device("cpu"))
+    assert len(rows) == 3 and rows[-1]["loss"] < rows[0]["loss"] + 1.0
+    fresh = spec_finetune._plain_model("tiny").state_dict()
+    assert any(not torch.equal(weights[k], fresh[k]) for k in fresh), "pre-training changed nothing"
+    ids = spec_finetune.windows(spec_finetune.corpus("code") % 256, 1, 1, 48, seed=2)[0]
+    want = spec_finetune._plain_model("tiny")
+    want.load_state_dict(weights)
+    want_loss = want(input_ids=ids, labels=ids).loss.item()
+    code = spec_finetune.main(["--config", "tiny", "--device", "cpu", "--pretrain-steps", "3", "--steps", "1",
+                               "--seq", "48", "--max-norm", "1e9", "--skip", "0", "--out", str(tmp_path / "o.json")])
+    result = json.loads((tmp_path / "o.json").read_text())
+    assert code == 0
+    for run in result["runs"]:
+        assert abs(run["code"]["steps"][0]["loss"] - want_loss) < 1e-5 * max(1.0, abs(want_loss))
 
 
 def test_corpus_is_the_repository_text_and_windows_fit() -> None:
