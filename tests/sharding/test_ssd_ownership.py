@@ -88,8 +88,16 @@ def test_one_tier_and_store_per_model_freed_with_it(tmp_path):
     assert not os.path.exists(folder_a), "the model's folder outlived it"
     assert os.listdir(tmp_path) == [os.path.basename(tb.store.dir)]  # b's store untouched
     _train(b, torch.optim.AdamW(b.parameters(), lr=1e-2))
+    # The last step's write-behind may still be running: a queued write's completion callback reaches the model,
+    # so a collection while it runs keeps the model (a cycle) until the next one. Settle it first, as a's
+    # OffloadOptimizer.close() did (a CI run on a loaded 2-core host caught the race).
+    for shard in [ssd_host(h).ssd for h in _flat_handles(b)]:
+        shard.settle()  # type: ignore[union-attr]
+    del shard
+    store_b = weakref.ref(tb.store)
     del b, tb
     gc.collect()
+    assert store_b() is None, "b's store outlived b once its I/O was done"
     for t in threading.enumerate():
         if t.name.startswith("shardfuse-ssd-io") and t.name not in threads_before:
             t.join(timeout=10)
