@@ -137,3 +137,5 @@ def test_same_bucket_on_all_ranks(pool):
     want = [bucket_length(max(ls), (8, 16, 32, 64)) for ls in lengths]
     assert [local for local, _ in out] == want
     assert [shared for _, shared in out] == [max(want)] * WORLD
+    # The longest over the ranks, not their sum: 9 and 10 share 16 (19 would take 32).
+    assert pool.run(check_same_bucket_on_all_ranks, [[9, 3], [10]]) == [(16, 16), (16, 16)]

@@ -78,6 +78,15 @@ def _train_loop(cfg: dict[str, Any], overlapped: bool) -> tuple[FSDP, Any, list[
                 losses.append(loss.item())
         if cfg.get("clip"):
             losses.append(model.clip_grad_norm_(cfg["clip"]).item())
+        if cfg.get("clip_again"):  # a second clip sees the gradients the first one scaled (torch's semantics)
+            losses.append(model.clip_grad_norm_(cfg["clip_again"]).item())
+        if cfg.get("torch_clip_again"):  # torch's function after the model's, before the step
+            losses.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["torch_clip_again"]).item())
+        if cfg.get("read_clipped"):  # what a user logging the clipped gradients reads before the step
+            if isinstance(opt, OffloadOptimizer):
+                opt.apply_pending_clip()  # the host shards' scaling waits for their update unless asked for
+            local = [p.grad.detach().float().pow(2).sum() for p in model.parameters() if p.grad is not None]
+            losses.append(torch.stack(local).sum().item())
         opt.step()
         if sched is not None:  # changes the lr while the host may still be stepping: the queued steps keep theirs
             sched.step()
@@ -146,6 +155,12 @@ CASES = {
     "tied": dict(tied=True),
     "checkpoint": dict(ckpt=True),
     "scheduler-clip": dict(scheduler=True, clip=0.05),
+    "clip-twice": dict(clip=0.05, clip_again=0.02),
+    "clip-then-read-gradients": dict(clip=0.05, read_clipped=True),
+    "clip-twice-then-read-fused": dict(fused=True, clip=0.05, clip_again=0.02, read_clipped=True),
+    "clip-then-torch-clip": dict(clip=0.05, torch_clip_again=0.02),
+    "clip-keep-grads": dict(clip=0.05, keep_grads=True, optim="sgd"),
+    "clip-keep-grads-fused": dict(fused=True, host_chunk=4096, clip=0.05, keep_grads=True),
     "resident-root-clip": dict(resident_root=True, clip=0.05),
     "step-in-backward": dict(step_in_backward=True, scheduler=True),
     "step-in-backward-no-sync": dict(step_in_backward=True, no_sync_micro=2, accumulate_on_gpu=True),

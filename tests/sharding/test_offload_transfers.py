@@ -81,6 +81,8 @@ def train(cfg: dict[str, Any], lowp: bool, keep_gib: float | None) -> dict[str, 
     os.environ[LOWP_GRADS_ENV] = "1" if lowp else "0"  # read when the OffloadOptimizer is made
     try:
         model = wrap_model(build(cfg), {**cfg, "move_params_to_cpu": True})
+        if cfg.get("divide_factors"):
+            model.set_gradient_divide_factors(*cfg["divide_factors"])
         opt = OffloadOptimizer(model, _optimizer(model, cfg), gpu_budget_gib=0,
                                accumulate_on_gpu=cfg.get("accumulate_on_gpu", False),
                                step_in_backward=cfg.get("step_in_backward", False), keep_params_gib=keep_gib)
@@ -176,6 +178,7 @@ LOWP_ON = {
 LOWP_OFF = {
     "fp32-compute": (dict(fused=True, clip=0.05), "fp32"),
     "bf16-predivide-2": (dict(BF16, gradient_predivide_factor=2.0, clip=0.05), "fp32"),
+    "bf16-postdivide-2": (dict(BF16, divide_factors=(1.0, 2.0), clip=0.05), "fp32"),
     # the second backward's gradient is added to the one held: that sum is fp32
     "bf16-keep-grads": (dict(BF16, optim="sgd", keep_grads=True), "first"),
     "bf16-zero-not-none": (dict(BF16, set_to_none=False, clip=0.05), "first"),

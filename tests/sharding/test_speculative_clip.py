@@ -103,7 +103,14 @@ def run(cfg: dict[str, Any], speculative: bool) -> tuple[FSDP, Any, list[float]]
             if cfg.get("lr_between") and step % 2:  # after the speculation read the settings, before step()
                 opt.param_groups[0]["lr"] *= 0.5
             if max_norm is not None:
-                losses.append(model.clip_grad_norm_(max_norm, cfg.get("norm_type", 2.0)).item())
+                total = model.clip_grad_norm_(max_norm, cfg.get("norm_type", 2.0)).item()
+                losses.append(total)
+                if step in cfg.get("clip_again", {}):  # a second clip at a fraction of the norm the first returned
+                    losses.append(model.clip_grad_norm_(total * cfg["clip_again"][step]).item())
+                if step in cfg.get("read_at", ()):  # the clipped gradients read before step()
+                    opt.apply_pending_clip()
+                    losses.append(sum(p.grad.double().pow(2).sum().item() for p in model.parameters()
+                                      if p.grad is not None))
             opt.step()
             if sched is not None:
                 sched.step()
@@ -175,20 +182,27 @@ CASES: dict[str, dict[str, Any]] = {
     "tied": dict(norms=[BIG, TINY, BIG, BIG], tied=True),
     "scheduler": dict(norms=[BIG, BIG, TINY, BIG], scheduler=True),
     "lr-changed-before-step": dict(norms=[BIG, BIG, BIG, BIG], lr_between=True),
+    # A coefficient just under 1 (a second clip at 0.995 the norm) redoes; at 1.5 the norm, 1 exactly, commits.
+    "clip-again-just-under": dict(norms=[BIG, BIG, BIG, BIG], clip_again={1: 0.995, 2: 1.5}, host_chunk=4096),
+    # The gradients scaled in place for a reader: the speculation read them unscaled, so it is computed again.
+    "clipped-gradients-read": dict(norms=[BIG, TINY, BIG, TINY], read_at=(0, 1), host_chunk=4096),
     "bf16-host-compute-copy": dict(norms=[BIG, TINY, BIG, None], mixed_precision=True,
                                    compute_dtype=torch.bfloat16, host_compute_copy=True, host_chunk=4096),
 }
 
 
 def _verdicts(cfg: dict[str, Any]) -> tuple[int, int]:
-    """(steps committed, steps redone) the clip calls of ``cfg`` must give: a tiny max norm redoes, and so does
-    every step from a non-finite one on (the parameters are NaN from there). An inf-norm clip (``_plain_clip``)
+    """(steps committed, steps redone) the clip calls of ``cfg`` must give: a tiny max norm redoes (unless
+    ``apply_pending_clip`` scaled the gradients before step(): no coefficient is left, the verdict commits and the
+    units are computed again, their gradients changed), so does a second clip under the norm, and so does every
+    step from a non-finite one on (the parameters are NaN from there). An inf-norm clip (``_plain_clip``)
     scales the gradients in place and leaves no coefficient: its verdict commits, and every unit is then redone
     because its gradients changed since the speculation read them."""
     if cfg.get("norm_type") == float("inf"):
         return len(cfg["norms"]), 0
     nan_from = min(cfg.get("inf_at", ()), default=len(cfg["norms"]))
-    redo = sum(1 for i, n in enumerate(cfg["norms"]) if n == TINY or (i >= nan_from and n is not None))
+    redo = sum(1 for i, n in enumerate(cfg["norms"]) if (n == TINY and i not in cfg.get("read_at", ()))
+               or (i >= nan_from and n is not None) or cfg.get("clip_again", {}).get(i, 1) < 1)
     return len(cfg["norms"]) - redo, redo
 
 

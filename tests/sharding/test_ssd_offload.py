@@ -103,6 +103,8 @@ def _train(path: str | None, cfg: dict[str, Any], steps: int = STEPS, start: int
                 losses.append(loss.item())
         if cfg.get("clip"):
             losses.append(model.clip_grad_norm_(cfg["clip"]).item())
+        if cfg.get("torch_clip_again"):  # sees the gradients the model's clip scaled (its scaling applied first)
+            losses.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["torch_clip_again"]).item())
         opt.step()
         opt.zero_grad(set_to_none=True)
         if path is not None and not isinstance(opt, OffloadOptimizer):
@@ -169,6 +171,7 @@ CASES = {
     # torch's fused AdamW updates in place without bumping the tensors' version counters, which the tier reads to
     # know what changed since it was last written
     "fused-offload-optimizer-state-clip": dict(overlapped=True, state=True, clip=0.05, fused=True),
+    "offload-optimizer-clip-then-torch-clip": dict(overlapped=True, state=True, clip=0.05, torch_clip_again=0.02),
     "fused-plain-optimizer-state": dict(state=True, fused=True),
     "fused-plain-optimizer-params-only": dict(fused=True),
     # updates start as gradients land and run on into the next forward

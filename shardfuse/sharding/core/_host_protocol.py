@@ -42,5 +42,9 @@ class HostSide(Protocol):
         ``lowp``: the same values in the compute dtype (``dest`` is their exact fp32 cast), which may cross
         instead."""
 
+    def settle_grad(self) -> None:
+        """Before the gradient is read or scaled outside an update (``torch.nn.utils.clip_grad_norm_``): apply
+        what the engine deferred to the update (the last clip's coefficient)."""
+
     def land_grad(self, flat: torch.Tensor) -> None:
         """After the copies finished (end of backward): ``flat.grad`` holds the gradient."""

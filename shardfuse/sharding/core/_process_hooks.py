@@ -207,6 +207,10 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, er
                 "speculative_clip call model.clip_grad_norm_(max_norm) instead (it decides whether the updates "
                 "stand), with step_in_backward use step_in_backward=False to clip"
             )
+    for p in params:  # a model.clip_grad_norm_ before this one may have left its scaling to the host updates
+        owner = handle_of(p)
+        if owner is not None and owner.host is not None:
+            owner.host.settle_grad()
     handles = [_sharded_handle(p) for p in params]
     groups = {id(h.group): h for h in handles if h is not None}
     if not groups:

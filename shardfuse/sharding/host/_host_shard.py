@@ -190,6 +190,9 @@ class HostShard:
         self._widen_lock = threading.Lock()  # one widening per copy (worker or end of backward)
         self._widen_pending: int | None = None  # the copy into lowp_buf not widened yet (its number)
         self._copies = 0  # compute-dtype copies sent (numbers them)
+        # Set by OffloadOptimizer (weakly: a shard must not keep its optimizer alive): its apply_pending_clip, which
+        # settle_grad calls before a reader outside the update (torch.nn.utils.clip_grad_norm_) sees the gradient.
+        self.pending_scale: weakref.WeakMethod | None = None
 
     # ----------------------------------------------------------------------------------------------
     # the update's lifecycle
@@ -310,6 +313,12 @@ class HostShard:
         if self.stage_buf is None:
             self.stage_buf = host_buffer(self.grad_buf.numel(), self.grad_buf.dtype, self.pin)
         return self.stage_buf
+
+    def settle_grad(self) -> None:
+        """Apply the clip coefficient the engine left to this shard's update (see ``pending_scale``), if any."""
+        apply = self.pending_scale() if self.pending_scale is not None else None
+        if apply is not None:
+            apply()
 
     def land_grad(self, flat: torch.Tensor) -> None:
         """After the copies finished (the caller synchronised the post-backward stream): ``flat.grad`` holds the

@@ -225,6 +225,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     host = _backing.host_of(h) or HostShard(h.flat, compute or h.dtype, pin=torch.cuda.is_available(),
                                                             name=f"{u.name}.flat_param_{i}")
                     host.keep_full_in_no_sync = self.accumulate_on_gpu
+                    host.pending_scale = weakref.WeakMethod(self.apply_pending_clip)
                     if self.step_in_backward or self.speculative_clip:
                         host.on_grad_sent = self._on_grad_sent
                     if type(host) is HostShard:  # not the SSD tier's: its landing stays fp32
@@ -427,6 +428,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "OffloadOptimizer(step_in_backward=True) updates each unit as its gradient lands, before the global "
                 "norm is known: clipping by it is impossible there; use step_in_backward=False to clip"
             )
+        self.apply_pending_clip()  # a second clip measures the gradients the first one scaled, as torch's does
         unit = self.root
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if float(norm_type) != 2.0:
@@ -451,6 +453,29 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._scale_now(coef)
         return total
 
+    @torch.no_grad()
+    def apply_pending_clip(self) -> None:
+        """Scale the host shards' gradients by the coefficient of the last ``clip_grad_norm_`` now.
+
+        ``clip_grad_norm_`` leaves the host shards' ``.grad`` unscaled and scales them inside their update at
+        ``step()`` (one pass over host memory fewer), so between the two they still hold the unclipped gradients.
+        Call this before reading or changing them there (logging the clipped gradients, adding noise); a second
+        ``clip_grad_norm_`` calls it itself. The values are the same either way. It waits for the updates in flight
+        (speculative ones included: they read these gradients); nothing pending, it returns at once."""
+        coef, deferred = self._coef, self._coef_deferred
+        self._coef, self._coef_deferred = None, set()  # the GPU-resident units were scaled at the clip
+        if coef is None or not deferred or bool(coef == 1.0):  # x * 1.0 is x: speculations stay valid
+            return
+        self.synchronize()
+        for plan in self._plans:
+            if id(plan.handle) not in deferred:
+                continue
+            grads = [p.grad for _, params in plan.groups for p in params if p.grad is not None]
+            if grads:
+                foreach_mul_(grads, coef.to(grads[0].device))
+            if isinstance(plan.host, HostShard):
+                plan.host.grad_copy.norm_valid = False  # taken before the scaling
+
     def _scale_now(self, coef: torch.Tensor) -> None:
         """Scale the gradients not stepped on the host now; keep ``coef`` for the host shards' updates."""
         self._refresh_plans()
@@ -460,7 +485,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             grads = [p.grad for _, params in plan.groups for p in params if p.grad is not None]
             if grads:
                 foreach_mul_(grads, coef.to(grads[0].device))
-        self._coef = coef if self._coef is None else self._coef * coef
+        self._coef = coef  # none pending: clip_grad_norm_ applied the last one first
         self._coef_deferred |= {id(plan.handle) for plan in self._plans if plan.host is not None}
 
     def _plain_clip(self, grads: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:

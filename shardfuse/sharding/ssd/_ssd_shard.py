@@ -301,6 +301,7 @@ class SsdHostShard(HostShard):
         """What an ``OffloadOptimizer`` set on this host shard, undone (it closed; a plain optimizer steps now)."""
         self.keep_full_in_no_sync = False
         self.on_grad_sent = None
+        self.pending_scale = None
         return self
 
     def __getstate__(self) -> dict:
