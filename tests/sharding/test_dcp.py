@@ -359,6 +359,32 @@ def test_fresh_optimizer_without_state_round_trips(pool, tmp_path):
     assert pool.run(check_fresh_optimizer_round_trip, str(tmp_path)) == [True] * WORLD
 
 
+def check_loaded_into_copies(path: str, orig: bool) -> bool:
+    """``dcp.load`` into copies of the dict's pieces (``DTensor.clone()``, e.g. the dict moved to another device
+    and back): the padded shards are rebuilt from the copies' local pieces, which hold the loaded values."""
+    a = wrap(build(), use_orig_params=orig)
+    opt_a = make_opt(param_groups(a), "adamw")
+    sharded_step(a, opt_a, 0)
+    dcp.save(a.sharded_state_dict(opt_a), checkpoint_id=path)
+    b = wrap(build(seed=3), use_orig_params=orig)
+    opt_b = make_opt(param_groups(b), "adamw", lr=1.0)
+    sharded_step(b, opt_b, 5)  # state of its own, to be replaced
+    state = torch.utils._pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v),
+                                         b.sharded_state_dict(opt_b))
+    dcp.load(state, checkpoint_id=path)
+    b.load_sharded_state_dict(state, opt_b)
+    assert same(a.state_dict(), b.state_dict()), "the loaded values did not reach the model"
+    for s in range(1, 3):
+        assert sharded_step(a, opt_a, s) == sharded_step(b, opt_b, s)
+    assert same(a.state_dict(), b.state_dict())
+    return True
+
+
+@pytest.mark.parametrize("orig", [False, True], ids=["flat", "orig-params"])
+def test_load_into_copies_of_the_pieces(pool, tmp_path, orig):
+    assert pool.run(check_loaded_into_copies, str(tmp_path), orig) == [True] * WORLD
+
+
 # --------------------------------------------------------------------------------------------------
 # 4. errors
 # --------------------------------------------------------------------------------------------------
