@@ -63,6 +63,13 @@ def check_replicated_and_errors() -> bool:
     sharded_sq = torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1e9) ** 2
     total = torch.nn.utils.clip_grad_norm_([*model.parameters(), extra], 1e9)
     torch.testing.assert_close(total ** 2, sharded_sq + 12.0, rtol=1e-5, atol=1e-5)
+    # The inf norm: the largest over the shards of every rank and the replicated gradient, here the latter.
+    sharded_max = torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1e9, norm_type=float("inf"))
+    extra.grad = torch.full((3,), 2.0 * sharded_max.item() + 1.0)
+    total = torch.nn.utils.clip_grad_norm_([*model.parameters(), extra], 1e9, norm_type=float("inf"))
+    assert total.item() == extra.grad[0].item(), (total, sharded_max)
+    extra.grad = torch.full((3,), 0.5 * sharded_max.item())  # and here the shards' (of one rank or another)
+    assert torch.nn.utils.clip_grad_norm_([*model.parameters(), extra], 1e9, norm_type=float("inf")) == sharded_max
     for p in model.parameters():
         if p.grad is not None:
             p.grad.fill_(float("nan"))
