@@ -87,6 +87,14 @@ def _train_loop(cfg: dict[str, Any], overlapped: bool) -> tuple[FSDP, Any, list[
                 opt.apply_pending_clip()  # the host shards' scaling waits for their update unless asked for
             local = [p.grad.detach().float().pow(2).sum() for p in model.parameters() if p.grad is not None]
             losses.append(torch.stack(local).sum().item())
+        if cfg.get("backward_after_clip"):  # more gradient accumulated onto the clipped one, then the step
+            ids, target = batch(100 + step, rank, ws)
+            loss = loss_fn(model, ids, target, step, cfg)
+            loss.backward()
+            losses.append(loss.item())
+        if step in cfg.get("skip_step_at", ()):  # e.g. a non-finite norm: the loop drops the gradients, no step
+            opt.zero_grad()
+            continue
         opt.step()
         if sched is not None:  # changes the lr while the host may still be stepping: the queued steps keep theirs
             sched.step()
@@ -158,6 +166,10 @@ CASES = {
     "clip-twice": dict(clip=0.05, clip_again=0.02),
     "clip-then-read-gradients": dict(clip=0.05, read_clipped=True),
     "clip-twice-then-read-fused": dict(fused=True, clip=0.05, clip_again=0.02, read_clipped=True),
+    "clip-then-skip-the-step": dict(clip=0.05, skip_step_at=(1,)),
+    "clip-then-skip-the-step-fused": dict(fused=True, host_chunk=4096, clip=0.05, skip_step_at=(0, 2)),
+    "clip-then-backward-again": dict(clip=0.05, backward_after_clip=True),
+    "clip-then-backward-again-fused": dict(fused=True, host_chunk=4096, clip=0.05, backward_after_clip=True),
     "clip-then-torch-clip": dict(clip=0.05, torch_clip_again=0.02),
     "clip-keep-grads": dict(clip=0.05, keep_grads=True, optim="sgd"),
     "clip-keep-grads-fused": dict(fused=True, host_chunk=4096, clip=0.05, keep_grads=True),

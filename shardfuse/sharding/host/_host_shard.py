@@ -332,6 +332,7 @@ class HostShard:
         if target is self.grad_buf or flat.grad is None:  # the staging buffer is used only when a gradient was held
             flat.grad = self.grad_buf if target is self.grad_buf else target.clone()
         else:
+            self.settle_grad()  # the held gradient clipped before this backward: scaled before the sum, as in torch
             flat.grad.add_(target)
 
     # ----------------------------------------------------------------------------------------------

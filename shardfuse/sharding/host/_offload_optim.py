@@ -352,6 +352,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (or zero) the gradients; a shard whose step is still queued gets it right after that step."""
+        self._coef, self._coef_deferred = None, set()  # a clip not followed by step(): its gradients are gone
         if self._spec is not None and not set_to_none:
             raise ValueError("OffloadOptimizer(speculative_clip=True) updates each unit as its gradient lands, so "
                              "every synced backward must start from no gradient: zero_grad(set_to_none=True), or "
