@@ -401,7 +401,7 @@ def check_consistent_reads_after_step() -> bool:
     outs = []
     for mode in ("overlapped", "step_in_backward", "plain"):
         model = wrap_model(build({}), {"move_params_to_cpu": True})
-        opt = make_optim(model.parameters(), {})
+        opt = inner = make_optim(model.parameters(), {})
         if mode != "plain":
             opt = OffloadOptimizer(model, opt, gpu_budget_gib=0, step_in_backward=mode == "step_in_backward")
         try:
@@ -413,17 +413,63 @@ def check_consistent_reads_after_step() -> bool:
                 opt.step()
                 if step < 2:
                     opt.zero_grad(set_to_none=True)
+            inner_osd = copy.deepcopy(inner.state_dict())  # first: the wrapped optimizer's own state_dict() waits too
             with model.summon_full_params():
                 summoned = {n: p.detach().clone() for n, p in model.named_parameters()}
-            outs.append((model.state_dict(), summoned, opt.state_dict()))
+            outs.append((model.state_dict(), summoned, opt.state_dict(), inner_osd))
         finally:
             _host_step._step_host_shard = real
-    *got, (ref_sd, ref_summ, ref_osd) = outs
-    for sd, summ, osd in got:
+    *got, (ref_sd, ref_summ, ref_osd, _) = outs
+    for sd, summ, osd, inner_osd in got:
         assert all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
         assert all(torch.equal(summ[k], ref_summ[k]) for k in ref_summ)
-        assert all(torch.equal(osd["state"][i]["exp_avg"], ref_osd["state"][i]["exp_avg"]) for i in ref_osd["state"])
+        for o in (osd, inner_osd):
+            assert all(torch.equal(o["state"][i]["exp_avg"], ref_osd["state"][i]["exp_avg"]) for i in ref_osd["state"])
     return True
+
+
+def check_module_zero_grad_after_step(set_to_none: bool) -> bool:
+    """``model.zero_grad()`` (nn.Module's, not the optimizer's: Hugging Face's Trainer calls it) right after
+    step(), while the updates still wait (slowed down on the host): the updates step the gradients of their own
+    backward, as the plain optimizer did; zeroing in place instead is refused at the next wait, not stepped."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    real = _host_step._reclaim_grads
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.05)  # every update starts after model.zero_grad() ran
+        return real(*args, **kwargs)
+
+    sds = []
+    for overlapped in (True, False):
+        model = wrap_model(build({}), {"move_params_to_cpu": True})
+        opt = make_optim(model.parameters(), {})
+        if overlapped:
+            opt = OffloadOptimizer(model, opt, gpu_budget_gib=0)
+            _host_step._reclaim_grads = slow  # type: ignore[assignment]
+        refused = pytest.raises(RuntimeError, match=r"changed after OffloadOptimizer.step\(\) queued")
+        try:
+            with refused if overlapped and not set_to_none else contextlib.nullcontext():
+                for step in range(3):  # in place: the next forward's gather waits for the update, and raises
+                    ids, target = batch(step, rank, ws)
+                    loss_fn(model, ids, target, step, {}).backward()
+                    opt.step()
+                    model.zero_grad(set_to_none=set_to_none)
+                if overlapped:
+                    opt.synchronize()
+            if overlapped and not set_to_none:
+                return True
+            if overlapped:
+                assert all(p.grad is None for p in model.parameters()), "the gradients dropped came back"
+        finally:
+            _host_step._reclaim_grads = real
+        sds.append(model.state_dict())
+    assert all(torch.equal(sds[0][k], sds[1][k]) for k in sds[1])
+    return True
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["set-to-none", "in-place"])
+def test_module_zero_grad_after_step(pool, set_to_none):
+    assert pool.run(check_module_zero_grad_after_step, set_to_none) == [True] * WORLD
 
 
 def test_reads_after_step_see_the_update(pool):
@@ -453,6 +499,42 @@ def check_load_state_dict_resumes() -> bool:
         results.append(fresh.state_dict())
     assert all(torch.equal(results[0][k], results[1][k]) for k in results[1])
     return True
+
+
+def check_the_wrapped_optimizer_used_directly() -> bool:
+    """The optimizer an OffloadOptimizer wraps, used directly: loading a state dict into it after the
+    OffloadOptimizer stepped reaches the next steps (as with the plain optimizer); its own step() is refused while
+    wrapped, and steps again after close()."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    model, opt, _ = _train({}, overlapped=True)
+    saved_model, saved_opt = model.state_dict(), opt.state_dict()
+    opt.close()
+    results = []
+    for overlapped in (True, False):
+        fresh = wrap_model(build({}), {"move_params_to_cpu": True})
+        inner = make_optim(fresh.parameters(), {})
+        o = OffloadOptimizer(fresh, inner, gpu_budget_gib=0) if overlapped else inner
+        for step in range(4):
+            if step == 1:  # after a step: the per-shard optimizers share the state the load replaces
+                fresh.load_state_dict(saved_model)
+                inner.load_state_dict(copy.deepcopy(saved_opt))
+            ids, target = batch(10 + step, rank, ws)
+            loss_fn(fresh, ids, target, step, {}).backward()
+            if step == 3 and overlapped:
+                with pytest.raises(RuntimeError, match=r"call step\(\) on the OffloadOptimizer"):
+                    inner.step()
+                o.close()  # the last step by the wrapped optimizer itself, as in the plain run
+            inner.step() if step == 3 else o.step()
+            inner.zero_grad()
+        results.append((fresh.state_dict(), inner.state_dict()["state"]))
+    (sd, state), (ref_sd, ref_state) = results
+    assert all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
+    assert all(torch.equal(state[i]["exp_avg_sq"], ref_state[i]["exp_avg_sq"]) for i in ref_state)
+    return True
+
+
+def test_the_wrapped_optimizer_used_directly(pool):
+    assert pool.run(check_the_wrapped_optimizer_used_directly) == [True] * WORLD
 
 
 def test_load_state_dict_resumes(pool):

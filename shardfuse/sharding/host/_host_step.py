@@ -173,6 +173,9 @@ def host_task(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tenso
     host, handle = plan.host, plan.handle
     if host is None or handle is None:
         raise RuntimeError("host_task() needs the plan of a host shard (one whose handle has a HostShard)")
+    # Queued by step() (not in backward): the gradients it is for, as they are now (see _reclaim_grads).
+    queued_with = [] if in_backward else [(p, p.grad, p.grad._version) for _, ps in plan.groups for p in ps
+                                          if p.grad is not None]
 
     def run() -> None:
         host.note("task")
@@ -196,10 +199,13 @@ def host_task(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tenso
                 host.sync_h2d()
                 host.note("update")
                 start = time.perf_counter()
+                dropped = _reclaim_grads(queued_with, host.life.name)
                 if update is None:
                     _step_host_shard(plan, host, handle, settings, coef)
                 else:
                     update()
+                for p in dropped:
+                    p.grad = None
                 apply_zero_grad(plan, plan.deferred_zero)
                 host.stats.update_s += time.perf_counter() - start
                 host.note("done")
@@ -210,6 +216,30 @@ def host_task(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tenso
                 _failed(host, err)
 
     return run
+
+
+def _reclaim_grads(queued_with: list[tuple[torch.Tensor, torch.Tensor, int]], name: str) -> list[torch.Tensor]:
+    """(Worker, under the step lock) The gradients an update was queued with, back where a caller dropped them
+    since (``model.zero_grad()`` right after ``step()`` sets ``.grad`` to None while the update waits: the update
+    still steps them, and the parameters it put them back on are returned, to drop again after it). A gradient
+    changed in place since (zeroed, scaled) is refused: the update would step what the caller made of it."""
+    dropped = []
+    for p, grad, version in queued_with:
+        now = p.grad
+        if now is grad and grad._version == version:
+            continue
+        if now is None and grad._version == version:
+            p.grad = grad
+            dropped.append(p)
+            continue
+        raise RuntimeError(
+            f"the gradient of a parameter of {name} changed after OffloadOptimizer.step() queued its update "
+            f"({'replaced' if now is not None and now is not grad else 'written in place'}, e.g. by "
+            f"model.zero_grad(set_to_none=False) or a clip after step()): zero the gradients with the "
+            f"OffloadOptimizer's zero_grad(), which waits for the update, or call its synchronize() before "
+            f"changing them"
+        )
+    return dropped
 
 
 def _failed(host: HostShard, err: BaseException) -> None:

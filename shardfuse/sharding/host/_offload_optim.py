@@ -22,7 +22,7 @@ from shardfuse.sharding.core._grad_reduce import clip_grad_norm
 from shardfuse.sharding.core._registry import handle_of
 from shardfuse.sharding.core._runtime import Unit
 from shardfuse.sharding.core._tree import units_below
-from shardfuse.sharding.host import _backing
+from shardfuse.sharding.host import _backing, _wrapped_hooks
 from shardfuse.sharding.host._engine import engine_of, unit_of_root
 from shardfuse.sharding.host._host_keep import choose_kept, keep_room
 from shardfuse.sharding.host._host_shard import HostShard
@@ -164,6 +164,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self._attach()
         self.root.host_engine = weakref.ref(self)
+        self._wrapped_hooks = _wrapped_hooks.attach(self, optimizer)
 
     # ----------------------------------------------------------------------------------------------
     # the user's optimizer, seen through this one
@@ -197,14 +198,20 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return f"OffloadOptimizer({self.optimizer!r}, gpu_budget_gib={self.gpu_budget_gib})"
 
     def state_dict(self) -> dict[str, Any]:
-        self.synchronize()
-        _backing.page_in_optimizer_state(self.optimizer)  # ssd: optimizer state on disk is read in
-        return self.optimizer.state_dict()
+        return self.optimizer.state_dict()  # its pre-hook calls state_read()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)  # its hooks: synchronize() before, state_loaded() after
+
+    def state_read(self) -> None:
+        """Before the user's optimizer's ``state_dict()``: the updates in flight finished, its state on disk read in."""
         self.synchronize()
-        self.optimizer.load_state_dict(state_dict)
-        self._signature = ()  # the user's optimizer has a new state dict: share it again
+        _backing.page_in_optimizer_state(self.optimizer)  # ssd: optimizer state on disk is read in
+
+    def state_loaded(self) -> None:
+        """After the user's optimizer loaded a state dict: it has a new state dict, the per-shard optimizers share
+        it from the next step on."""
+        self._signature = ()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.synchronize()
@@ -410,6 +417,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         is collected) and detach from the model, whose shards then train with a plain optimizer again."""
         self.synchronize()
         self._finalizer()
+        for hook in self._wrapped_hooks:
+            hook.remove()
         if engine_of(self.root) is self:
             self.root.host_engine = None
         for u in units_below(self.root):
