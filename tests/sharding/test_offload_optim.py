@@ -476,12 +476,18 @@ def test_reads_after_step_see_the_update(pool):
     assert pool.run(check_consistent_reads_after_step) == [True] * WORLD
 
 
+def _saved_run() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model and optimizer state dicts after a default OffloadOptimizer run (closed)."""
+    model, opt, _ = _train({}, overlapped=True)
+    saved = model.state_dict(), opt.state_dict()
+    opt.close()
+    return saved
+
+
 def check_load_state_dict_resumes() -> bool:
     """A resumed OffloadOptimizer (state loaded into a fresh optimizer) continues exactly as the plain one."""
     rank, ws = dist.get_rank(), dist.get_world_size()
-    model, opt, _ = _train({}, overlapped=True)
-    saved_model, saved_opt = model.state_dict(), opt.state_dict()
-    opt.close()
+    saved_model, saved_opt = _saved_run()
     results = []
     for overlapped in (True, False):
         fresh = wrap_model(build({}), {"move_params_to_cpu": True})
@@ -506,9 +512,7 @@ def check_the_wrapped_optimizer_used_directly() -> bool:
     OffloadOptimizer stepped reaches the next steps (as with the plain optimizer); its own step() is refused while
     wrapped, and steps again after close()."""
     rank, ws = dist.get_rank(), dist.get_world_size()
-    model, opt, _ = _train({}, overlapped=True)
-    saved_model, saved_opt = model.state_dict(), opt.state_dict()
-    opt.close()
+    saved_model, saved_opt = _saved_run()
     results = []
     for overlapped in (True, False):
         fresh = wrap_model(build({}), {"move_params_to_cpu": True})
