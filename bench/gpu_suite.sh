@@ -198,10 +198,13 @@ for stage in "${STAGES[@]}"; do
       # on its code, clip 1.0, without and with speculative_clip; how often it commits, the step times, and whether
       # the losses are the same bits. The two offloaded fine-tunes need ~2 x 200 x 0.63 s on an H200: keep
       # SF_TIMEOUT at its default. SF_MAX_NORM (default 1.0) sets the clip (after 50 offloaded pre-training steps
-      # the norms were 3-6: at 1.0 clipping fired every step), SF_TAG a suffix of the JSON's name.
+      # the norms were 3-6: at 1.0 clipping fired every step), SF_TAG a suffix of the JSON's name; then the commit case,
+      # SF_COMMIT_STEPS (default 80; 0: none) steps of the same pair at 1.25x the plain run's largest norm, and the
+      # floor (resident forward/backward, CPU AdamW alone, PCIe) measured in the same process.
       step spec-finetune "${SF_TIMEOUT:-560}" python3 -m bench.offload.spec_finetune --config "${SF_CONFIG:-1b}" \
         --pretrain-steps "${SF_PRETRAIN:-300}" --steps "${SF_STEPS:-200}" --seq "${SF_SEQ:-1024}" \
-        --max-norm "${SF_MAX_NORM:-1.0}" --out "$FINAL/spec_finetune${SF_TAG:-}.json" ;;
+        --max-norm "${SF_MAX_NORM:-1.0}" --commit-steps "${SF_COMMIT_STEPS:-80}" \
+        --out "$FINAL/spec_finetune${SF_TAG:-}.json" ;;
     fused-ab)
       # FlatParamHandle.fuse_grads (SHARDFUSE_FUSED_GRADS; on by default since 2026-11-28) off and on, interleaved
       # (which goes first alternates), FA_ROUNDS rounds (default 3): the decoder at 1K tokens/GPU, fused AdamW,

@@ -95,5 +95,42 @@ def test_gpu_suite_stage_passes_the_clip_and_the_tag(tmp_path: Path) -> None:
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-2000:]
     plain, clip8 = calls.read_text().splitlines()
-    assert "--max-norm 1.0" in plain and plain.endswith(f"--out {tmp_path / 'out'}/spec_finetune.json")
+    assert "--max-norm 1.0" in plain and "--commit-steps 80" in plain and plain.endswith(f"--out {tmp_path / 'out'}/spec_finetune.json")
     assert "--max-norm 8" in clip8 and clip8.endswith(f"--out {tmp_path / 'out'}/spec_finetune_clip8.json")
+
+
+def test_commit_pair_runs_under_a_clip_the_norms_stay_under_and_both_floors_are_reported(tmp_path: Path) -> None:
+    """``--commit-steps``: a second pair at 1.25x the plain run's largest norm, where every speculative step commits
+    and the losses are the same bits; the floor terms are measured in the process and each row is judged by them."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "spec.json"
+    code = spec_finetune.main(["--config", "tiny", "--device", "cpu", "--pretrain-steps", "3", "--steps", "3",
+                               "--seq", "48", "--skip", "1", "--max-norm", "1e-9", "--commit-steps", "3",
+                               "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert code == 0 and result["losses_equal"] and result["commit"]["losses_equal"]
+    largest = max(r["norm"] for r in result["runs"][0]["code"]["steps"])
+    plain, spec = result["commit"]["rows"]
+    assert plain["max_norm"] == spec["max_norm"] == pytest.approx(1.25 * largest)
+    assert (spec["finetune_steps_committed"], spec["finetune_steps_redone"]) == (3, 0)
+    assert plain["clip_fired"] == spec["clip_fired"] == 0
+    # The first pair, at 1e-9, redid every step.
+    assert result["rows"][1]["finetune_steps_redone"] == 3
+    floor = result["floor"]
+    assert floor["params"] == sum(p.numel() for p in spec_finetune._plain_model("tiny").parameters())
+    assert floor["clipped_floor_ms"] == pytest.approx(floor["bwd_ms"] + floor["cpu_opt_ms"])
+    assert floor["overlap_floor_ms"] == pytest.approx(max(floor["fwd_ms"] + floor["bwd_ms"], floor["cpu_opt_ms"]))
+    for row in result["rows"] + result["commit"]["rows"]:
+        assert row["vs_clipped_floor"] == pytest.approx(row["step_ms"] / floor["clipped_floor_ms"])
+        assert row["vs_overlap_floor"] == pytest.approx(row["step_ms"] / floor["overlap_floor_ms"])
+
+
+def test_commit_max_norm_given_is_used_and_bad_values_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    args = spec_finetune.parse_args(["--commit-steps", "2", "--commit-max-norm", "7.5"])
+    assert spec_finetune.commit_norm(args, {"code": {"steps": [{"norm": 100.0}]}}) == 7.5
+    args = spec_finetune.parse_args(["--commit-steps", "2"])
+    assert spec_finetune.commit_norm(args, {"code": {"steps": [{"norm": 2.0}, {"norm": 4.0}]}}) == 5.0
+    for bad in (["--commit-steps", "-1"], ["--commit-max-norm", "0"]):
+        with pytest.raises(SystemExit):
+            spec_finetune.parse_args(bad)
+        assert "--commit-max-norm > 0" in capsys.readouterr().err
