@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -70,6 +71,23 @@ def env_info() -> dict[str, Any]:
         except (AttributeError, RuntimeError):
             info["nccl"] = None
     return info
+
+
+def host_topology(device: int | None = None, sys_root: Path = Path("/sys")) -> dict[str, Any]:
+    """Where this process runs on the host: NUMA nodes, the CPUs it may use, and (on a GPU) the NUMA node of the
+    GPU's PCIe slot, so runs on different GPUs of one host can be told apart (an offloaded step leans on host
+    memory and PCIe; a GPU on the other socket can change it). None where the host does not say."""
+    nodes = sorted(p.name for p in (sys_root / "devices/system/node").glob("node[0-9]*"))
+    out: dict[str, Any] = {"numa_nodes": len(nodes) or None, "affinity_cores": len(os.sched_getaffinity(0)),
+                           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "gpu_numa_node": None}
+    if device is not None and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(device)
+        bus = [getattr(props, f"pci_{k}_id", None) for k in ("domain", "bus", "device")]
+        if None not in bus:
+            out["gpu_pci"] = f"{bus[0]:04x}:{bus[1]:02x}:{bus[2]:02x}.0"
+            with contextlib.suppress(OSError, ValueError):  # a host that does not say
+                out["gpu_numa_node"] = int((sys_root / "bus/pci/devices" / out["gpu_pci"] / "numa_node").read_text())
+    return out
 
 
 def results_path(name: str, key: str | None = None) -> Path:

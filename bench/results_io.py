@@ -61,7 +61,7 @@ class Result:
     name: str  # the file stem, e.g. "e2e_2gpu"
     path: Path
     kind: str  # "kernels", "e2e", "offload", "offload_big", "offload_attribution", "host_step", "overlap" (a
-    # captured step's profile, bench.e2e.overlap --captured), "unknown" or "unreadable"
+    # captured step's profile, bench.e2e.overlap --captured), "spec_finetune", "unknown" or "unreadable"
     data: dict[str, Any] = field(default_factory=dict)
     problem: str | None = None
 
@@ -102,6 +102,9 @@ def detect_kind(name: str, data: Any) -> str:
         return "offload_attribution"
     if data.get("kind") == "overlap":  # the captured step's profile (bench.e2e.overlap --captured)
         return "overlap"
+    if data.get("kind") == "spec_finetune" or (name.startswith("spec_finetune") and "floor" in data
+                                               and isinstance(data.get("rows"), list)):
+        return "spec_finetune"  # bench.offload.spec_finetune (files before its "kind": by name and keys)
     rows = data.get("rows")
     if data.get("kind") == "host_step" or (name == "host_step" and isinstance(rows, list) and rows
                                            and all(isinstance(r, dict) and "setting" in r for r in rows)):
@@ -137,7 +140,7 @@ def load_file(path: Path, gpu: str | None = None) -> Result:
 
 def _result_sort_key(r: Result) -> tuple[int, int, str]:
     order = {"e2e": 0, "overlap": 0, "offload": 1, "offload_big": 2, "offload_attribution": 2, "kernels": 3,
-             "host_step": 4, "unknown": 5, "unreadable": 6}
+             "spec_finetune": 2, "host_step": 4, "unknown": 5, "unreadable": 6}
     m = re.search(r"(\d+)gpu", r.name)
     return order.get(r.kind, 6), int(m.group(1)) if m else 0, r.name
 

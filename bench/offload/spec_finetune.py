@@ -250,7 +250,10 @@ def measure_floor(model_numel: int, chunk: int, device: torch.device, pretrained
     from bench.offload.big_child import copy_gbps, cpu_adamw_seconds
 
     timed = pretrained[skip:] or pretrained
-    out: dict[str, Any] = {"params": model_numel, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
+    from bench.common import host_topology
+
+    out: dict[str, Any] = {"params": model_numel, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+                           "topology": host_topology((device.index or 0) if device.type == "cuda" else None)}
     if timed:
         out["fwd_ms"] = 1e3 * statistics.median(r["fwd_s"] for r in timed)
         out["bwd_ms"] = 1e3 * statistics.median(r["bwd_s"] for r in timed)
@@ -342,6 +345,8 @@ def print_floor(floor: dict[str, Any]) -> None:
           + ", ".join(parts) + (f"; clipped floor {floor['clipped_floor_ms']:.1f} ms (backward + host update)"
                                 if "clipped_floor_ms" in floor else "")
           + f"; overlapped floor {floor['overlap_floor_ms']:.1f} ms")
+    if floor.get("topology"):
+        print(f"host topology: {floor['topology']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -351,7 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     pretrained, floor = measured["pretrained"], measured["floor"]
     pair = judge_pair(measured["runs"], args.skip, floor)
     norms = [r["norm"] for r in pretrained]
-    result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    from bench.common import env_info
+
+    result = {"kind": "spec_finetune", "env": env_info(),
+              "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "host": {"cpu_count": os.cpu_count(), "host_shared": os.environ.get("BENCH_HOST_SHARED") == "1"},
               **pair, "floor": floor, "pretrain": {"steps": pretrained, "resident": True}, "runs": measured["runs"]}
     if "commit_runs" in measured:

@@ -17,6 +17,7 @@ from bench.report._offload_big import offload_big_section
 from bench.report._plots import Plotter
 from bench.report._readme import summary_table
 from bench.report._scale import scale_section
+from bench.report._spec_finetune import spec_finetune_section
 from bench.results_io import Result
 
 HOW_MEASURED = """\
@@ -194,6 +195,8 @@ def gpu_section(gpu: str, rs: list[Result], plots: Plotter, out_dir: Path) -> li
             lines += offload_big_section(r)
         elif r.kind == "host_step":
             lines += host_step_section(r)
+        elif r.kind == "spec_finetune":
+            lines += spec_finetune_section(r)
         elif r.kind == "overlap":
             lines += overlap_section(r)
         elif r.kind == "offload_attribution":

@@ -131,6 +131,14 @@ def _medians_row(
     return row + [fmt(e.vs.get(other), ".2f", "x") if other != e.impl else DASH for other, _ in ratio_cols]
 
 
+def _rounds_named(rounds: Sequence[int | None]) -> str:
+    """`` (round 2)``, `` (rounds 0, 1, 2)``, or nothing for rows without a round."""
+    known = [r for r in rounds if r is not None]
+    if not known:
+        return ""
+    return f" (round {known[0]})" if len(known) == 1 else f" (rounds {', '.join(map(str, known))})"
+
+
 def _regime_table(
     res: Result, f: E2EFile, regime: str, ratio_cols: Sequence[tuple[str, str]], with_wrap: bool
 ) -> list[str]:
@@ -142,12 +150,15 @@ def _regime_table(
     for impl in ordered(set(ss) | {r.impl for r in rr}, IMPL_ORDER):
         label = impl_label(res, impl)
         mine = [r for r in rr if r.impl == impl]
+        loaded: dict[str, list[int | None]] = {}  # one note per host-load text, naming its rounds
         for r in mine:
             where = f" (round {r.round})" if r.round is not None else ""
             if r.step_ms is None:
                 notes.append(f"{label}: {'error' if r.error else 'skipped'}{where}: {r.why}")
             elif r.host_load:
-                notes.append(f"{label}{where}: measured on a loaded host: {r.host_load}")
+                loaded.setdefault(r.host_load, []).append(r.round)
+        notes += [f"{label}{_rounds_named(rounds)}: measured on a loaded host: {text}"
+                  for text, rounds in loaded.items()]
         e = ss.get(impl)
         if e is None:
             blank = [DASH] * (5 + with_wrap + len(ratio_cols))

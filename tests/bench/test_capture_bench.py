@@ -272,3 +272,15 @@ def test_capture_table_joins_rounds_into_one_file_per_part(tmp_path: Path, capsy
     out = capsys.readouterr().out
     assert "decoder: no file for round(s) [1]" in out and "hf: no file for round(s) [0, 1, 2]" in out
     assert "gap to one GPU captured +6.50: compute +3.00, exposed comm +3.00, idle +0.50" in out
+
+
+def test_report_names_the_loaded_rounds_once_per_implementation(tmp_path: Path) -> None:
+    """Every round on a loaded host: one note per implementation naming its rounds, not one per round."""
+    payload = _capture_payload()
+    for r in payload["results"]:
+        r["host_load"] = "BENCH_HOST_SHARED is set"
+    text = _render(tmp_path, e2e_capture_4gpu=payload)
+    notes = [line for line in text.splitlines() if "measured on a loaded host" in line]
+    impls = {r["impl"] for r in payload["results"]}
+    assert len(notes) == len(impls), notes
+    assert all("(rounds 0, 1, 2): measured on a loaded host: BENCH_HOST_SHARED is set" in n for n in notes), notes

@@ -95,7 +95,8 @@ def test_gpu_suite_stage_passes_the_clip_and_the_tag(tmp_path: Path) -> None:
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-2000:]
     plain, clip8 = calls.read_text().splitlines()
-    assert "--max-norm 1.0" in plain and "--commit-steps 80" in plain and plain.endswith(f"--out {tmp_path / 'out'}/spec_finetune.json")
+    assert "--max-norm 1.0" in plain and "--commit-steps 80" in plain
+    assert plain.endswith(f"--out {tmp_path / 'out'}/spec_finetune.json")
     assert "--max-norm 8" in clip8 and clip8.endswith(f"--out {tmp_path / 'out'}/spec_finetune_clip8.json")
 
 
@@ -134,3 +135,46 @@ def test_commit_max_norm_given_is_used_and_bad_values_are_refused(capsys: pytest
         with pytest.raises(SystemExit):
             spec_finetune.parse_args(bad)
         assert "--commit-max-norm > 0" in capsys.readouterr().err
+
+
+def test_report_renders_the_stored_file_with_both_pairs_and_the_floor(tmp_path: Path) -> None:
+    """What bench.offload.spec_finetune writes (here on the CPU, tiny model) is a known kind for bench.report, and
+    its section shows the floor, both pairs' rows with their ratios, and whether the losses agreed."""
+    pytest.importorskip("transformers")
+    from bench import report
+    from bench.results_io import load_file
+
+    gpu_dir = tmp_path / "results" / "h100"
+    gpu_dir.mkdir(parents=True)
+    out = gpu_dir / "spec_finetune.json"
+    assert spec_finetune.main(["--config", "tiny", "--device", "cpu", "--pretrain-steps", "2", "--steps", "3",
+                               "--seq", "48", "--skip", "0", "--max-norm", "1e-9", "--commit-steps", "2",
+                               "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    data["env"]["gpu_key"] = "h100"  # as a GPU run records it (a CPU run is not shown)
+    out.write_text(json.dumps(data))
+    assert load_file(out).kind == "spec_finetune"
+    page = tmp_path / "benchmarks.md"
+    assert report.main(["--results", str(tmp_path / "results"), "--out", str(page), "--no-plots"]) == 0
+    text = page.read_text()
+    section = text[text.index("### Speculative clipping on an offloaded fine-tune (`spec_finetune.json`)"):]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:5]
+    plain, spec = data["rows"]
+    assert rows[0].startswith("| 1e-09 | no | 3 |") and f"| {plain['vs_clipped_floor']:.2f}x |" in rows[0]
+    assert rows[1].startswith("| 1e-09 | yes | 3 |") and "| 0/3 |" in rows[1]
+    assert "| yes | 2 |" in rows[3] and "| 2/2 |" in rows[3]
+    assert f"CPU AdamW alone {data['floor']['cpu_opt_ms']:.1f} ms" in section
+    assert "the same bits at the fine-tune's clip; the same bits at the commit clip" in section
+
+
+def test_host_topology_reads_numa_nodes_and_affinity(tmp_path: Path) -> None:
+    """bench.common.host_topology: the NUMA node count from sysfs (a fake root here), this process's CPUs, and no
+    GPU node without a GPU index."""
+    from bench.common import host_topology
+
+    for node in ("node0", "node1", "possible"):
+        (tmp_path / "devices/system/node" / node).mkdir(parents=True)
+    topo = host_topology(None, sys_root=tmp_path)
+    assert topo["numa_nodes"] == 2 and topo["affinity_cores"] == len(os.sched_getaffinity(0))
+    assert topo["gpu_numa_node"] is None
+    assert host_topology(None, sys_root=tmp_path / "missing")["numa_nodes"] is None
