@@ -168,9 +168,10 @@ def speculation_counts(first: dict[str, float], last: dict[str, float]) -> dict[
     (warm-up left out), and the spare host memory held (nothing for other optimizers)."""
     if "spec_spare_bytes" not in last:
         return {}
-    keys = ("spec_steps_committed", "spec_steps_redone", "spec_units_committed", "spec_units_redone",
-            "spec_units_late")
-    return {**{k: int(last[k] - first[k]) for k in keys}, "spec_spare_gib": last["spec_spare_bytes"] / 2**30}
+    keys = ("spec_steps_committed", "spec_steps_redone", "spec_steps_paused", "spec_units_committed",
+            "spec_units_redone", "spec_units_late")
+    return {**{k: int(last.get(k, 0) - first.get(k, 0)) for k in keys},
+            "spec_spare_gib": last["spec_spare_bytes"] / 2**30}
 
 
 def timed_steps(trainer: Trainer, job: Job, device: torch.device, split: bool) -> dict[str, Any]:

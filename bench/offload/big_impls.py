@@ -439,6 +439,9 @@ def make_shardfuse(job: Job, device: torch.device) -> Trainer:
             extra["speculative_clip"] = True
             if os.environ.get("BIG_SPEC_GIB"):
                 extra["speculative_clip_gib"] = float(os.environ["BIG_SPEC_GIB"])
+            if os.environ.get("BIG_SPEC_BACKOFF"):  # a count, or "none": speculate on every step (the row says)
+                value = os.environ["BIG_SPEC_BACKOFF"]
+                extra["speculative_backoff"] = None if value == "none" else int(value)
             info["spec_chunk_elements"] = set_spec_chunk(os.environ.get("BIG_SPEC_CHUNK"))
         keep_gib = os.environ.get("BIG_KEEP_GIB")  # a diagnostic: the row records keep_params_gib
         if keep_gib:
@@ -449,6 +452,7 @@ def make_shardfuse(job: Job, device: torch.device) -> Trainer:
                     host_compute_copy=bool(getattr(opt, "host_compute_copy", False)),
                     speculative_clip=bool(getattr(opt, "speculative_clip", False)),
                     speculative_clip_gib=extra.get("speculative_clip_gib"),
+                    speculative_backoff=getattr(getattr(opt, "_spec", None), "backoff_after", None),
                     keep_params_gib=getattr(opt, "keep_params_gib", 0.0),
                     lowp_grads=bool(getattr(opt, "_lowp_grads", False)))
     trainer = (NoClipTrainer if sib else FairScaleStyleTrainer)(model, opt, job.cfg.accum, info)

@@ -152,7 +152,9 @@ def train(args: argparse.Namespace, device: torch.device, speculative: bool,
     max_norm = args.max_norm if max_norm is None else max_norm
     model = build(args.config, device, weights)
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
-    opt = shardfuse.OffloadOptimizer(model, inner, gpu_budget_gib=0, speculative_clip=speculative)
+    backoff = {} if args.spec_backoff is None else {"speculative_backoff": args.spec_backoff or None}
+    opt = shardfuse.OffloadOptimizer(model, inner, gpu_budget_gib=0, speculative_clip=speculative,
+                                     **(backoff if speculative else {}))
     vocab = CONFIGS[args.config]["vocab_size"]
     phases = [("code", steps, 2)]
     record: dict[str, Any] = {"speculative_clip": speculative, "max_norm": max_norm}
@@ -218,6 +220,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="steps of the second pair, at a clip the norms stay under (0: no second pair)")
     p.add_argument("--commit-max-norm", type=float, default=None,
                    help="the second pair's clip (default: 1.25x the largest norm of the plain fine-tune)")
+    p.add_argument("--spec-backoff", type=int, default=None,
+                   help="OffloadOptimizer's speculative_backoff (default: the library's; 0: never pause)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -326,7 +330,8 @@ def judge_pair(runs: list[dict[str, Any]], skip: int, floor: dict[str, Any]) -> 
 def print_pair(name: str, pair: dict[str, Any]) -> None:
     for r in pair["rows"]:
         spec_txt = (f"; committed {r['finetune_steps_committed']:.0f}/{r['steps']} steps "
-                    f"({r['commit_share']:.1%}), redone {r['finetune_steps_redone']:.0f}; units committed "
+                    f"({r['commit_share']:.1%}), redone {r['finetune_steps_redone']:.0f}, paused by the back-off "
+                    f"{r.get('finetune_steps_paused', 0):.0f}; units committed "
                     f"{r['finetune_units_committed']:.0f}, redone {r['finetune_units_redone']:.0f}, late "
                     f"{r['finetune_units_late']:.0f}; spare {r['spare_gib']:.2f} GiB" if r["speculative_clip"] else "")
         floors = "".join(f"; {r[k]:.2f}x the {k[3:].replace('_', ' ')}" for k in ("vs_clipped_floor",

@@ -24,6 +24,8 @@ def _row(row: dict[str, Any]) -> list[Any]:
     committed = "-"
     if row.get("speculative_clip"):
         committed = f"{row.get('finetune_steps_committed', 0):.0f}/{steps}"
+        paused = row.get("finetune_steps_paused", 0)
+        committed += f" ({paused:.0f} paused)" if paused else ""
     return [f"{row.get('max_norm', float('nan')):.3g}", "yes" if row.get("speculative_clip") else "no", steps,
             f"{row['step_ms']:.1f}", f"{row['step_ms_min']:.0f}-{row['step_ms_max']:.0f}",
             f"{row.get('clip_fired', 0)}/{steps}", committed, _ratio(row, "vs_clipped_floor"),

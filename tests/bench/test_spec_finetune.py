@@ -21,7 +21,8 @@ def test_commits_when_clipping_does_not_fire_and_redoes_when_it_does(tmp_path: P
     steps = 4
     env_before = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     code = spec_finetune.main(["--config", "tiny", "--device", "cpu", "--pretrain-steps", "2", "--steps", str(steps),
-                               "--seq", "48", "--skip", "1", "--max-norm", str(max_norm), "--out", str(out)])
+                               "--seq", "48", "--skip", "1", "--max-norm", str(max_norm), "--spec-backoff", "0",
+                               "--out", str(out)])  # 0: speculate on every step (no back-off)
     # The one-rank group's variables are gone again: a script started later must not think it runs under torchrun.
     assert {k: os.environ.get(k) for k in env_before} == env_before
     result = json.loads(out.read_text())
@@ -105,7 +106,7 @@ def test_commit_pair_runs_under_a_clip_the_norms_stay_under_and_both_floors_are_
     and the losses are the same bits; the floor terms are measured in the process and each row is judged by them."""
     pytest.importorskip("transformers")
     out = tmp_path / "spec.json"
-    code = spec_finetune.main(["--config", "tiny", "--device", "cpu", "--pretrain-steps", "3", "--steps", "3",
+    code = spec_finetune.main(["--config", "tiny", "--device", "cpu", "--pretrain-steps", "3", "--steps", "4",
                                "--seq", "48", "--skip", "1", "--max-norm", "1e-9", "--commit-steps", "3",
                                "--out", str(out)])
     result = json.loads(out.read_text())
@@ -115,8 +116,10 @@ def test_commit_pair_runs_under_a_clip_the_norms_stay_under_and_both_floors_are_
     assert plain["max_norm"] == spec["max_norm"] == pytest.approx(1.25 * largest)
     assert (spec["finetune_steps_committed"], spec["finetune_steps_redone"]) == (3, 0)
     assert plain["clip_fired"] == spec["clip_fired"] == 0
-    # The first pair, at 1e-9, redid every step.
-    assert result["rows"][1]["finetune_steps_redone"] == 3
+    # The first pair, at 1e-9: clipping fired on every step; the library's back-off (3) paused the fourth.
+    first = result["rows"][1]
+    assert (first["finetune_steps_redone"], first["finetune_steps_paused"], first["finetune_steps_committed"]) == (
+        3, 1, 0)
     floor = result["floor"]
     assert floor["params"] == sum(p.numel() for p in spec_finetune._plain_model("tiny").parameters())
     assert floor["clipped_floor_ms"] == pytest.approx(floor["bwd_ms"] + floor["cpu_opt_ms"])

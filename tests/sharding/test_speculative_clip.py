@@ -90,7 +90,8 @@ def run(cfg: dict[str, Any], speculative: bool) -> tuple[FSDP, Any, list[float]]
         opt = OffloadOptimizer(model, _optimizer(cfg, model.parameters()), gpu_budget_gib=cfg.get("gpu_budget", 0),
                                accumulate_on_gpu=cfg.get("accumulate_on_gpu", False),
                                host_compute_copy=cfg.get("host_compute_copy", False), speculative_clip=speculative,
-                               speculative_clip_gib=cfg.get("spare_gib"))
+                               speculative_clip_gib=cfg.get("spare_gib"),
+                               **({"speculative_backoff": cfg["backoff"]} if "backoff" in cfg else {}))
         if cfg.get("freeze"):  # frozen after wrapping: a view without gradient in a trained shard (a gap)
             for name, p in model.named_parameters():
                 if any(part in name for part in cfg["freeze"]):
@@ -161,6 +162,8 @@ def check_same_as_clipped(cfg: dict[str, Any]) -> dict[str, float]:
 
 
 STEPS = 5
+# "backoff": OffloadOptimizer's speculative_backoff (unset: the library's default, DEFAULT_BACKOFF; None: never).
+DEFAULT_BACKOFF = 3
 CASES: dict[str, dict[str, Any]] = {
     "commit-fused": dict(norms=[BIG] * STEPS, host_chunk=4096),
     "redo-fused": dict(norms=[TINY] * STEPS, host_chunk=4096),
@@ -191,33 +194,44 @@ CASES: dict[str, dict[str, Any]] = {
     # A step dropped after the clip: its speculations are never committed, the next step's start afresh.
     "step-skipped-after-clip": dict(norms=[BIG, TINY, BIG, BIG, TINY], skip_at=(1, 2), host_chunk=4096),
     "clipped-gradients-read": dict(norms=[BIG, TINY, BIG, TINY], read_at=(0, 1), host_chunk=4096),
+    # Speculation pauses after 2 redone steps, stays paused while clipping fires, and resumes the step after one
+    # whose norm is under the clip (that one updates after the norm, unspeculated); the library's default of 3.
+    "backoff-pauses-and-resumes": dict(norms=[TINY, TINY, TINY, TINY, BIG, BIG, BIG], backoff=2, host_chunk=4096),
+    "backoff-default": dict(norms=[TINY, TINY, TINY, TINY, BIG, TINY, BIG], optim="adamw"),
+    "backoff-never": dict(norms=[TINY] * 5, backoff=None, host_chunk=4096),
     "bf16-host-compute-copy": dict(norms=[BIG, TINY, BIG, None], mixed_precision=True,
                                    compute_dtype=torch.bfloat16, host_compute_copy=True, host_chunk=4096),
 }
 
 
-def _verdicts(cfg: dict[str, Any]) -> tuple[int, int]:
-    """(steps committed, steps redone) the clip calls of ``cfg`` must give: a tiny max norm redoes (unless
+def _verdicts(cfg: dict[str, Any]) -> tuple[int, int, int]:
+    """(steps committed, steps redone, steps paused) the clip calls of ``cfg`` must give: a tiny max norm redoes (unless
     ``apply_pending_clip`` scaled the gradients before step(): no coefficient is left, the verdict commits and the
     units are computed again, their gradients changed), so does a second clip under the norm, and so does every
     step from a non-finite one on (the parameters are NaN from there). An inf-norm clip (``_plain_clip``)
     scales the gradients in place and leaves no coefficient: its verdict commits, and every unit is then redone
     because its gradients changed since the speculation read them."""
     if cfg.get("norm_type") == float("inf"):
-        return len(cfg["norms"]), 0
+        return len(cfg["norms"]), 0, 0
     nan_from = min(cfg.get("inf_at", ()), default=len(cfg["norms"]))
     steps = [i for i in range(len(cfg["norms"])) if i not in cfg.get("skip_at", ())]  # no verdict without step()
-    redo = sum(1 for i in steps if (cfg["norms"][i] == TINY and i not in cfg.get("read_at", ()))
-               or (i >= nan_from and cfg["norms"][i] is not None) or cfg.get("clip_again", {}).get(i, 1) < 1)
-    return len(steps) - redo, redo
+    counts, streak = [0, 0, 0], 0  # committed, redone, paused; consecutive redo verdicts (the back-off's count)
+    for i in steps:
+        redo = ((cfg["norms"][i] == TINY and i not in cfg.get("read_at", ()))
+                or (i >= nan_from and cfg["norms"][i] is not None) or cfg.get("clip_again", {}).get(i, 1) < 1)
+        backoff = cfg.get("backoff", DEFAULT_BACKOFF)
+        paused = backoff is not None and streak >= backoff
+        counts[2 if paused else int(redo)] += 1
+        streak = streak + 1 if redo else 0
+    return counts[0], counts[1], counts[2]
 
 
 @pytest.mark.parametrize("cfg", list(CASES.values()), ids=list(CASES))
 def test_bit_identical_to_the_clipped_path(pool, cfg):
     stats = pool.run(check_same_as_clipped, cfg)
-    commit, redo = _verdicts(cfg)
+    commit, redo, paused = _verdicts(cfg)
     for s in stats:
-        assert (s["spec_steps_committed"], s["spec_steps_redone"]) == (commit, redo), s
+        assert (s["spec_steps_committed"], s["spec_steps_redone"], s["spec_steps_paused"]) == (commit, redo, paused), s
         assert s["spec_spare_bytes"] > 0, s
         if cfg.get("norm_type") == float("inf"):
             assert s["spec_units_committed"] == 0 and s["spec_units_redone"] > 0, s
@@ -325,6 +339,9 @@ def check_refusals() -> bool:
         OffloadOptimizer(model, _optimizer({}, model.parameters()), step_in_backward=True, speculative_clip=True)
     with pytest.raises(ValueError, match="speculative_clip_gib.*-1"):
         OffloadOptimizer(model, _optimizer({}, model.parameters()), speculative_clip=True, speculative_clip_gib=-1)
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match=f"speculative_backoff must be a positive int .* got {bad!r}"):
+            OffloadOptimizer(model, _optimizer({}, model.parameters()), speculative_clip=True, speculative_backoff=bad)
     opt = OffloadOptimizer(model, _optimizer({}, model.parameters()), gpu_budget_gib=0, speculative_clip=True)
     ids, target = batch(0, rank, ws)
     loss_fn(model, ids, target, 0, {}).backward()

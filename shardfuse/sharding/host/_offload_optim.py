@@ -95,6 +95,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         speculative_clip_gib: host memory (GiB) for the spare buffers (shard, state, compute copy: 12 B/param with
             AdamW); the units that fit, in the order their gradients land, speculate, the others update after the
             norm. ``None``: every offloaded unit.
+        speculative_backoff: after this many consecutive steps in which clipping fired (the speculations redone),
+            stop speculating until a step's norm is under the clip again (same bits; ``None``: never stop).
         keep_params_gib: GPU memory (GiB) for keeping offloaded units' gathered compute-dtype parameters from
             their forward to their backward (with ``reshard_after_forward``), so backward gathers nothing: no second
             host->device copy of the shard (``_host_keep``). Units are picked from the end of the forward order
@@ -122,9 +124,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, gpu_budget_gib: float | None = None,
                  accumulate_on_gpu: bool = False, step_in_backward: bool = False,
                  host_compute_copy: bool = False, host_threads: int | None = None, speculative_clip: bool = False,
-                 speculative_clip_gib: float | None = None, keep_params_gib: float | None = 0.0) -> None:
+                 speculative_clip_gib: float | None = None, keep_params_gib: float | None = 0.0,
+                 speculative_backoff: int | None = 3) -> None:
         _check_arguments(model, optimizer, gpu_budget_gib)
-        _check_speculative(speculative_clip, speculative_clip_gib, step_in_backward)
+        _check_speculative(speculative_clip, speculative_clip_gib, step_in_backward, speculative_backoff)
         if keep_params_gib is not None and not keep_params_gib >= 0:
             raise ValueError(f"keep_params_gib must be >= 0 (GiB) or None (the room left on the device), got "
                              f"{keep_params_gib!r}")
@@ -134,7 +137,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.host_compute_copy = host_compute_copy
         self._stepped_in_backward: set[int] = set()
         self.speculative_clip = speculative_clip
-        self._spec = Speculation(speculative_clip_gib) if speculative_clip else None
+        self._spec = Speculation(speculative_clip_gib, speculative_backoff) if speculative_clip else None
         # Not Optimizer.__init__: param_groups, state and defaults are the user's optimizer's (properties below).
         self.optimizer = optimizer
         self.model = model
@@ -556,7 +559,11 @@ def _close_worker(worker: StepWorker, held: list[tuple[Any, list[Any]]]) -> None
         worker.close()
 
 
-def _check_speculative(speculative_clip: bool, gib: float | None, step_in_backward: bool) -> None:
+def _check_speculative(speculative_clip: bool, gib: float | None, step_in_backward: bool,
+                       backoff: int | None = None) -> None:
+    if backoff is not None and not (isinstance(backoff, int) and not isinstance(backoff, bool) and backoff >= 1):
+        raise ValueError(f"speculative_backoff must be a positive int (consecutive clipped steps before speculation "
+                         f"pauses) or None (never pause), got {backoff!r}")
     if speculative_clip and step_in_backward:
         raise ValueError("speculative_clip=True starts each unit's update in backward itself (out of place, so it can "
                          "still clip); step_in_backward=True updates in place and cannot clip: choose one")
