@@ -296,6 +296,7 @@ def _all_runs(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         weights, pretrained = pretrain(args, device)
         numel = sum(v.numel() for k, v in weights.items() if v.is_floating_point())
         floor = measure_floor(numel, max(v.numel() for v in weights.values()), device, pretrained, args.skip)
+        print_floor(floor)  # now, so that a run cut by its limit still says what its host could do
         init_world_of_one(device)
         try:
             out: dict[str, Any] = {"pretrained": pretrained, "floor": floor,
@@ -371,7 +372,6 @@ def main(argv: list[str] | None = None) -> int:
         result["commit"] = {**judge_pair(measured["commit_runs"], args.skip, floor), "runs": measured["commit_runs"]}
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1))
-    print_floor(floor)
     print_pair("fine-tune", pair)
     if "commit" in result:
         print_pair("commit case", result["commit"])
