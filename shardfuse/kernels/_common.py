@@ -205,10 +205,12 @@ _LIST_FIELDS: dict[str, tuple[Callable[[torch.Tensor], Any], ...]] = {
 
 def tensors_key(tensors: Sequence[torch.Tensor], layout: str) -> tuple:
     """The part of a plan key for a list of tensors: addresses, sizes (``layout``: "flat" numels, "shaped"
-    shapes, "strided" shapes and strides), dtypes, contiguity and devices."""
+    shapes, "strided" shapes and strides), dtypes, contiguity and devices; one flat tuple, field after field
+    (its length tells the tensor count), which is cheaper to build, hash and compare than a tuple per field."""
     if not isinstance(tensors, (list, tuple)):
         raise TypeError("a plan key is built from a list of tensors")  # anything else: no key, validation explains
-    return tuple(tuple(map(field, tensors)) for field in _LIST_FIELDS[layout])
+    a, b, c, d, e = _LIST_FIELDS[layout]
+    return (*map(a, tensors), *map(b, tensors), *map(c, tensors), *map(d, tensors), *map(e, tensors))
 
 
 def tensor_key(t: torch.Tensor | None) -> tuple | None:
@@ -243,8 +245,8 @@ def stream_key(device: torch.device) -> int | None:
         return 0
     if torch.cuda.is_current_stream_capturing():
         return None
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return torch._C._cuda_getCurrentRawStream(index)
+    index = device.index  # a tensor's device always has one
+    return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device() if index is None else index)
 
 
 class PlanCache:
