@@ -301,7 +301,7 @@ def cast_shards(
         dests: torch.Tensor | list[torch.Tensor]
         if isinstance(out, torch.Tensor):
             dests = out
-        elif isinstance(out, Iterable):
+        elif type(out) is list or isinstance(out, Iterable):  # a list first: the ABC check costs more
             dests = list(out)
             if offsets is None and use_foreach(srcs):
                 try:
