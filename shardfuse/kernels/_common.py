@@ -245,8 +245,8 @@ def stream_key(device: torch.device) -> int | None:
         return 0
     if torch.cuda.is_current_stream_capturing():
         return None
-    index = device.index  # a tensor's device always has one
-    return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device() if index is None else index)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return torch._C._cuda_getCurrentRawStream(index)
 
 
 class PlanCache:
