@@ -175,6 +175,10 @@ def test_list_same_addresses_other_shapes(torch_path):
         cast_shards(srcs, outs)
         for s, o in zip(srcs, outs):
             assert_bits(o, s.reshape(-1))
+    square = pool[:16].view(4, 4)
+    cast_shards([square], [out_pool[:16]])
+    with pytest.raises(ValueError, match=r"srcs\[0\] must be contiguous"):
+        cast_shards([square.t()], [out_pool[:16]])  # the same address, shape and dtype; other strides
 
 
 # ------------------------------------------------------------------ chunk_cat: the factor checked on every hit
@@ -212,12 +216,16 @@ def test_chunk_cat_torch_plan_with_each_factor(torch_path, monkeypatch):
         chunk_cat(tensors, 3, factor=0.0, out=out)
 
 
-def test_chunk_cat_same_addresses_empty_or_0_dim(torch_path):
+def test_chunk_cat_same_addresses_other_layouts(torch_path):
     pool = fresh(64, torch.bfloat16)
     first = [pool[:15].view(5, 3), pool[16:27]]
     assert_bits(chunk_cat(first, 3), chunk_cat_ref(first, 3))
-    for tensors in ([pool[:0], pool[16:27]], [pool[0], pool[16:27]], [pool[:15].view(3, 5), pool[16:27]]):
-        # The same addresses as the PyTorch plan's; an empty or 0-dim tensor PyTorch rejects: the kernel runs.
+    square = pool[32:48].view(4, 4)
+    # At the PyTorch plan's addresses: an empty or a 0-dim tensor (PyTorch rejects them: the kernel runs), another
+    # shape; then a square tensor and its transpose (the same address, shape and dtype, other strides).
+    others = ([pool[:0], pool[16:27]], [pool[0], pool[16:27]], [pool[:15].view(3, 5), pool[16:27]], [square],
+              [square.t()])
+    for tensors in others:
         assert_bits(chunk_cat(tensors, 3), chunk_cat_ref(tensors, 3))
 
 
