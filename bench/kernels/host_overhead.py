@@ -9,7 +9,8 @@ left is validation, plan lookup, table building and dispatch, the part that does
 On a GPU the kernels really launch on tiny tensors, so the time per call is the host's launch path end
 to end (the GPU finishes each tiny kernel long before the next is issued). Where a launcher hands over to
 a PyTorch op past a dispatch threshold, the 1000-tensor case is also timed with the Triton path forced.
-Times are medians of ``torch.utils.benchmark.Timer.blocked_autorange`` (which synchronises CUDA).
+Times are medians of ``torch.utils.benchmark.Timer.blocked_autorange`` (which synchronises CUDA). The PyTorch
+path of the dispatching entry points, against the bare PyTorch sequence: ``python -m bench.kernels.dispatch_overhead``.
 """
 
 from __future__ import annotations

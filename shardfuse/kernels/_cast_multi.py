@@ -93,7 +93,10 @@ class _Plan(NamedTuple):
     device: torch.device
     launches: tuple[_Launch, ...]
     torch_path: bool = False  # below the crossover: the PyTorch sequence (``_torch_copy``), no launch
-    spans: tuple[int, ...] | None = None  # torch path, flat out: offset then numel of every source
+    # Torch path, flat out: the sizes that cut out.view(-1) into the destinations (and the gaps between them),
+    # and each source's piece (None: the first len(srcs) pieces, in order; see _flat_pieces).
+    split_sizes: tuple[int, ...] = ()
+    pick: tuple[int, ...] | None = None
     flatten: bool = False  # torch path: some source's shape differs from its destination's (copy 1-D views)
 
 
@@ -158,13 +161,15 @@ def _validate_cast_shards(
 
 @common.plan_key
 def _key(srcs: list[torch.Tensor], out: torch.Tensor | list[torch.Tensor], offsets: Sequence[int] | None):
+    # Shapes, not only numels: the PyTorch path's plan records whether sources and destinations differ in shape.
     if isinstance(out, torch.Tensor):
         # The destination addresses in the table are out's address plus the offsets: both are in the key.
         placement = None if offsets is None else tuple(map(operator.index, offsets))
-        return out.device, (common.tensors_key(srcs, "flat"), common.tensor_key(out), placement)
+        return out.device, (common.tensors_key(srcs, "shaped"), common.tensor_key(out), placement)
     if offsets is not None:
         raise ValueError("offsets with a list out")  # no key: the validating path explains
-    return out[0].device, (common.tensors_key(srcs, "flat"), common.tensors_key(out, "flat"))
+    # One key for sources and destinations together (cheaper than two), and where the sources end.
+    return out[0].device, (len(srcs), common.tensors_key(srcs + out, "shaped"))
 
 
 def _build_plan(
@@ -179,18 +184,44 @@ def _build_plan(
     family = "cast_shards_flat" if flat else "cast_shards_list"
     nbytes = sum(s.numel() * (s.element_size() + d.element_size()) for s, d in zip(srcs, dsts))
     if not _crossover.use_triton_at(family, device, len(srcs), nbytes):
-        spans = None
-        if flat:
-            start = out.view(-1).data_ptr()  # type: ignore[union-attr]
-            spans = tuple(v for d in dsts for v in ((d.data_ptr() - start) // d.element_size(), d.numel()))
         reshape = any(s.shape != d.shape for s, d in zip(srcs, dsts))
-        return _Plan(device, (), True, spans, reshape)
+        if not isinstance(out, torch.Tensor):
+            return _Plan(device, (), True, flatten=reshape)
+        numels = [s.numel() for s in srcs]
+        places = common.block_starts(numels) if offsets is None else [operator.index(o) for o in offsets]
+        return _Plan(device, (), True, *_flat_pieces(places, numels, out.numel()), reshape)
     groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
     for i, (s, d) in enumerate(zip(srcs, dsts)):
         if s.numel():
             groups.setdefault((s.dtype, d.dtype), []).append(i)
     dst_addrs = [d.data_ptr() for d in dsts]
     return _Plan(device, tuple(_plan_group(srcs, idx, dst_addrs, device, flat) for idx in groups.values()))
+
+
+def _flat_pieces(offsets: list[int], numels: list[int], total: int) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """How the PyTorch path cuts a flat ``out`` of ``total`` elements with one ``split_with_sizes`` (one C++
+    call, where a slice per destination costs a Python call each): sizes covering all of it (a gap between
+    destinations, or after the last, is a piece of its own; an empty destination off the boundaries gets an empty
+    piece at the end), and each source's piece (None: the first ``len(numels)`` pieces in order, the case of
+    sources back to back). Validated offsets: the non-empty ranges are disjoint and inside ``out``."""
+    sizes: list[int] = []
+    pick = [-1] * len(numels)
+    pos = 0
+    for offset, i in sorted(zip(offsets, range(len(numels)))):
+        k = numels[i]
+        if k == 0 and offset != pos:
+            continue  # the empty piece at the end serves it
+        if offset > pos:
+            sizes.append(offset - pos)  # a gap nobody writes
+        pick[i] = len(sizes)
+        sizes.append(k)
+        pos = offset + k
+    if total > pos:
+        sizes.append(total - pos)
+    if -1 in pick:
+        sizes.append(0)
+        pick = [len(sizes) - 1 if p < 0 else p for p in pick]
+    return tuple(sizes), (None if pick == list(range(len(numels))) else tuple(pick))
 
 
 def _plan_group(
@@ -227,8 +258,8 @@ def _torch_copy(plan: _Plan, srcs: list[torch.Tensor], out: torch.Tensor | list[
     if not srcs:
         return
     if isinstance(out, torch.Tensor):
-        flat, spans = out.view(-1), plan.spans or ()
-        dsts = [flat[spans[i] : spans[i] + spans[i + 1]] for i in range(0, len(spans), 2)]
+        pieces = (out if out.dim() == 1 else out.view(-1)).split_with_sizes(plan.split_sizes)
+        dsts = pieces[: len(srcs)] if plan.pick is None else [pieces[i] for i in plan.pick]
     else:
         dsts = [d.view(-1) for d in out] if plan.flatten else out
     torch._foreach_copy_(dsts, [s.view(-1) for s in srcs] if plan.flatten else srcs)
@@ -270,7 +301,7 @@ def cast_shards(
         dests: torch.Tensor | list[torch.Tensor]
         if isinstance(out, torch.Tensor):
             dests = out
-        elif isinstance(out, Iterable):
+        elif type(out) is list or isinstance(out, Iterable):  # a list first: the ABC check costs more
             dests = list(out)
             if offsets is None and use_foreach(srcs):
                 try:

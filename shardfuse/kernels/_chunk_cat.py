@@ -242,10 +242,12 @@ def _torch_computes_same(tensors: list[torch.Tensor], factor: float, out_dtype: 
     return all(t.dim() > 0 and t.numel() > 0 for t in tensors)
 
 
-def _run_torch(tensors: list[torch.Tensor], world_size: int, factor: float, out: torch.Tensor) -> torch.Tensor:
-    """The PyTorch sequence for a validated call (``out`` of the right shape, apart from the inputs)."""
+def _run_torch(tensors: list[torch.Tensor], world_size: int, scale: tuple[float, bool, bool],
+               out: torch.Tensor) -> torch.Tensor:
+    """The PyTorch sequence for a validated call (``out`` of the right shape, apart from the inputs), given
+    ``scale = common.scale_args(factor)`` of a factor it scales exactly (1, or a multiply)."""
     torch._chunk_cat(tensors, 0, world_size, out=out)
-    kernel_factor, divide, _ = common.scale_args(factor)
+    kernel_factor, divide, _ = scale
     if divide:
         out.mul_(kernel_factor)  # x * 2**-k rounds like x / 2**k: one rounding of one value
     return out
@@ -342,9 +344,11 @@ def chunk_cat(
             if out is None:
                 out = torch.empty(plan.shape, dtype=plan.dtype, device=plan.device)
             if isinstance(plan, _TorchPlan):
-                factor = common.check_factor(factor)
-                if _torch_computes_same(tensors, factor, plan.dtype):
-                    return _run_torch(tensors, world_size, factor, out)
+                # The plan holds only for tensors PyTorch takes, without a cast (its key fixes both): the
+                # factor alone, not in the key, decides whether PyTorch computes the kernel's bits.
+                scale = common.scale_args(common.check_factor(factor))
+                if scale[2] or not scale[1]:  # a multiply, or no division
+                    return _run_torch(tensors, world_size, scale, out)
                 plan = None  # a factor the PyTorch sequence cannot scale exactly: build the kernel's plan
             else:
                 _run(plan, tensors, out, common.check_factor(factor))
@@ -358,7 +362,7 @@ def chunk_cat(
             return out
         if _below_crossover(tensors, out) and _torch_computes_same(tensors, factor, out_dtype):
             _PLANS.put(key, _TorchPlan(out.device, (world_size, row_numel), out_dtype))
-            return _run_torch(tensors, world_size, factor, out)
+            return _run_torch(tensors, world_size, common.scale_args(factor), out)
         strided = [i for i, t in enumerate(tensors) if not t.is_contiguous()]
         if strided:
             logger.debug("chunk_cat: copying non-contiguous tensors %s to contiguous first", strided)

@@ -205,10 +205,12 @@ _LIST_FIELDS: dict[str, tuple[Callable[[torch.Tensor], Any], ...]] = {
 
 def tensors_key(tensors: Sequence[torch.Tensor], layout: str) -> tuple:
     """The part of a plan key for a list of tensors: addresses, sizes (``layout``: "flat" numels, "shaped"
-    shapes, "strided" shapes and strides), dtypes, contiguity and devices."""
+    shapes, "strided" shapes and strides), dtypes, contiguity and devices; one flat tuple, field after field
+    (its length tells the tensor count), which is cheaper to build, hash and compare than a tuple per field."""
     if not isinstance(tensors, (list, tuple)):
         raise TypeError("a plan key is built from a list of tensors")  # anything else: no key, validation explains
-    return tuple(tuple(map(field, tensors)) for field in _LIST_FIELDS[layout])
+    a, b, c, d, e = _LIST_FIELDS[layout]
+    return (*map(a, tensors), *map(b, tensors), *map(c, tensors), *map(d, tensors), *map(e, tensors))
 
 
 def tensor_key(t: torch.Tensor | None) -> tuple | None:
@@ -265,6 +267,9 @@ class PlanCache:
         # cache, so hash it once per call (an int key makes the LRU bookkeeping cheap); a colliding key
         # only costs a rebuild.
         self._plans: OrderedDict[int, tuple[Hashable, Any]] = OrderedDict()
+        # The (key, plan) stored or found last: the most recently used entry, so a call repeating the previous
+        # one finds it with one comparison (no hashing, no lock) and leaves the LRU order as it is, right.
+        self._last: tuple[Hashable, Any] | None = None
         self._lock = threading.Lock()
         _CACHES.append(self)
 
@@ -276,13 +281,18 @@ class PlanCache:
         CPU tensors and the interpreter has been switched off since (the reference path runs then)."""
         if key is None:
             return None
-        h = hash(key)
-        with self._lock:
-            entry = self._plans.get(h)
-            if entry is None or entry[0] != key:
-                return None
-            self._plans.move_to_end(h)
-            plan = entry[1]
+        last = self._last
+        if last is not None and last[0] == key:
+            plan = last[1]
+        else:
+            h = hash(key)
+            with self._lock:
+                entry = self._plans.get(h)
+                if entry is None or entry[0] != key:
+                    return None
+                self._plans.move_to_end(h)
+                self._last = entry
+                plan = entry[1]
         return plan if plan.device.type == "cuda" or interpreting() else None
 
     def put(self, key: Hashable | None, plan: Any) -> None:
@@ -290,14 +300,16 @@ class PlanCache:
             return
         h = hash(key)
         with self._lock:
-            self._plans[h] = (key, plan)
+            self._plans[h] = entry = (key, plan)
             self._plans.move_to_end(h)
             while len(self._plans) > self.maxsize:
                 self._plans.popitem(last=False)
+            self._last = entry if h in self._plans else None
 
     def clear(self) -> None:
         with self._lock:
             self._plans.clear()
+            self._last = None
 
 
 _CACHES: list[PlanCache] = []

@@ -123,6 +123,30 @@ def test_plan_cache_lru_and_interpreter(monkeypatch):
     assert cache.get(("k", 2)) is plans[2]
 
 
+def test_plan_cache_last_entry_keeps_the_lru_order():
+    class Plan:
+        device = torch.device("cpu")
+
+    cache = common.PlanCache(maxsize=2)
+    p0, p1, p2 = Plan(), Plan(), Plan()
+    cache.put(("k", 0), p0)
+    cache.put(("k", 1), p1)
+    for _ in range(3):  # the first finds it in the LRU order, the others as the last entry used
+        assert cache.get(("k", 0)) is p0
+    cache.put(("k", 2), p2)  # evicts the least recently used: k1, not k0
+    assert cache.get(("k", 1)) is None and cache.get(("k", 0)) is p0 and cache.get(("k", 2)) is p2
+    assert hash((-1,)) == hash((-2,))  # CPython: hash(-1) == hash(-2)
+    cache.put((-1,), p1)
+    assert cache.get((-2,)) is None, "a key with the same hash got another key's plan"
+    cache.put((-2,), p2)
+    assert cache.get((-1,)) is None and cache.get((-2,)) is p2
+    cache.clear()
+    assert cache.get((-2,)) is None and len(cache) == 0
+    empty = common.PlanCache(maxsize=0)
+    empty.put(("k", 0), p0)
+    assert empty.get(("k", 0)) is None, "a cache of no entries served the plan it evicted"
+
+
 def test_triton_device(monkeypatch):
     t = torch.zeros(1)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
