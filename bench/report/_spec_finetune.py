@@ -6,17 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.report._common import env_line, table
+from bench.report._common import env_line, fmt, table
 from bench.results_io import Result
 
 HEADER = ["clip", "speculative_clip", "steps", "median ms", "min-max ms", "clipping fired", "committed",
           "vs clipped floor", "vs overlapped floor"]
 ALIGN = ["r", "l", "r", "r", "r", "r", "r", "r", "r"]
-
-
-def _ratio(row: dict[str, Any], key: str) -> str:
-    value = row.get(key)
-    return f"{value:.2f}x" if isinstance(value, (int, float)) else "-"
 
 
 def _row(row: dict[str, Any]) -> list[Any]:
@@ -28,8 +23,8 @@ def _row(row: dict[str, Any]) -> list[Any]:
         committed += f" ({paused:.0f} paused)" if paused else ""
     return [f"{row.get('max_norm', float('nan')):.3g}", "yes" if row.get("speculative_clip") else "no", steps,
             f"{row['step_ms']:.1f}", f"{row['step_ms_min']:.0f}-{row['step_ms_max']:.0f}",
-            f"{row.get('clip_fired', 0)}/{steps}", committed, _ratio(row, "vs_clipped_floor"),
-            _ratio(row, "vs_overlap_floor")]
+            f"{row.get('clip_fired', 0)}/{steps}", committed, fmt(row.get("vs_clipped_floor"), ".2f", "x"),
+            fmt(row.get("vs_overlap_floor"), ".2f", "x")]
 
 
 def _floor_line(floor: dict[str, Any]) -> str:
