@@ -235,9 +235,13 @@ for stage in "${STAGES[@]}"; do
         E2E_FP8=(--config 7b --regime 4k --deadline "${E2E_DEADLINE:-440}"
                  --impls "${E2E_IMPLS:-fsdp2,shardfuse,fsdp2+fp8,shardfuse+fp8}")
       else
+        # Issue 32 asks for the 8B at 8K on H100s (80 GB), where FSDP2 needs activation checkpointing to fit: on a
+        # larger GPU every rank's allocations are capped at E2E_GPU_MEM_GIB (default 78, an H100 80GB's 79.2 GiB
+        # less the CUDA context and NCCL's buffers, which the cap does not count; empty: no cap).
         E2E_NAME="e2e_8b_${NGPU}gpu"
         E2E_FP8=(--config 8b --regime 8k1 --deadline "${E2E_DEADLINE:-400}"
                  --impls "${E2E_IMPLS:-fsdp2+ac,shardfuse,shardfuse-budget,fsdp2+fp8+ac,shardfuse+fp8,fsdp2+once}")
+        [ -n "${E2E_GPU_MEM_GIB-78}" ] && E2E_FP8+=(--gpu-mem-gib "${E2E_GPU_MEM_GIB-78}")
       fi
       step "$stage" 560 torchrun --standalone --nproc_per_node "$NGPU" -m bench.e2e.run --no-baseline --compile \
         --optim fused --rounds 2 --steps "${E2E_STEPS:-8}" --warmup 3 --name "$E2E_NAME" "${E2E_FP8[@]}" ${E2E_ARGS:-}

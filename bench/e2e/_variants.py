@@ -55,6 +55,7 @@ RECIPES = ("tensorwise", "rowwise")
 MODIFIERS = ("fp8", "fp8row", "ac", "compile", "once", "split", "fused", "unfused")
 FP8_RECIPE = {"fp8": "tensorwise", "fp8row": "rowwise"}
 DYNAMO_RECOMPILE_LIMIT = 64  # every variant is a new guard set on the same layer code; the default 8 falls back
+GIB = 1 << 30
 _FLOAT8_ALIGN = 16  # torch._scaled_mm takes weights whose both dimensions are multiples of 16
 
 
@@ -128,6 +129,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--float8", choices=RECIPES, default=None, help="torchao float8 training for every impl")
     p.add_argument("--budget-gib", type=float, default=None,
                    help="shardfuse-budget's OffloadOptimizer gpu_budget_gib (default: what the device had free)")
+    p.add_argument("--gpu-mem-gib", type=float, default=None, metavar="GIB",
+                   help="cap what each rank may allocate on its GPU (torch.cuda.set_per_process_memory_fraction), "
+                        "to run a smaller GPU's memory on a larger one (an H100 80GB's on an H200: 78); a GPU "
+                        "with less memory than this runs uncapped")
     p.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
                    help="start no round (and no +once run) that would end past this many seconds from the start")
 
@@ -137,10 +142,27 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace, impls:
     """The parsed variant of every name of ``impls``; ``p.error`` on a wrong name or option."""
     if (args.budget_gib is not None and args.budget_gib < 0) or (args.deadline is not None and args.deadline <= 0):
         p.error(f"need --budget-gib >= 0 and --deadline > 0, got {args.budget_gib=} {args.deadline=}")
+    if args.gpu_mem_gib is not None and not args.gpu_mem_gib > 0:
+        p.error(f"need --gpu-mem-gib > 0 (GiB), got {args.gpu_mem_gib}")
     try:
         return {i: parse_variant(i, known, float8=args.float8, ac=args.ac, compile=args.compile) for i in impls}
     except ValueError as exc:
         p.error(f"--impls {args.impls!r}: {exc}")
+
+
+def cap_gpu_memory(gib: float | None, device: torch.device) -> dict[str, Any]:
+    """Cap this process's allocations on ``device`` at ``gib`` GiB (``--gpu-mem-gib``) and say so for the result's
+    config. Only the caching allocator is capped: the CUDA context, NCCL's and cuBLAS's buffers come on top, as
+    on the smaller GPU they come out of its memory, so a cap a little under that GPU's ``total_memory`` (78 of an
+    H100 80GB's 79.2 GiB) is the fair emulation. OffloadOptimizer's default budget plans within the cap."""
+    if gib is None or device.type != "cuda":
+        return {"gpu_mem_cap_gib": None}
+    total = torch.cuda.get_device_properties(device).total_memory
+    if gib * GIB >= total:
+        return {"gpu_mem_cap_gib": None, "gpu_mem_cap_note": f"--gpu-mem-gib {gib:g} >= the device's "
+                f"{total / GIB:.1f} GiB: uncapped"}
+    torch.cuda.set_per_process_memory_fraction(gib * GIB / total, device)
+    return {"gpu_mem_cap_gib": gib, "gpu_mem_total_gib": round(total / GIB, 2)}
 
 
 def unavailable(v: Variant) -> str | None:
@@ -411,6 +433,10 @@ def variant_table(payload: dict[str, Any]) -> list[str]:
     lines.append("(median step times over rounds; vs FSDP2: FSDP2's median / this one, > 1 is faster; same = FSDP2 "
                  "with the same modifiers, best = FSDP2's fastest configuration that ran; peak/same: this peak / "
                  "that one)")
+    cap = (payload.get("config") or {}).get("gpu_mem_cap_gib")
+    if cap:
+        lines.append(f"(every rank's GPU allocations capped at {cap:g} GiB of "
+                     f"{payload['config'].get('gpu_mem_total_gib', '?')}: --gpu-mem-gib, a smaller GPU's memory)")
     return lines
 
 

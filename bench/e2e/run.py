@@ -536,6 +536,7 @@ def main(argv: list[str] | None = None) -> None:
     rank, world, local_rank = _init_distributed(args)
     device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
     default_output(device)
+    mem_cap = variants_.cap_gpu_memory(args.gpu_mem_gib, device)
     # Host-side bookkeeping goes through gloo, so waiting ranks never spin on a GPU collective.
     host_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
     spec = model_spec(args.model, args.config)
@@ -555,7 +556,7 @@ def main(argv: list[str] | None = None) -> None:
             "peak_tflops": args.peak_tflops, "regimes": {r: REGIMES[r] for r in regimes},
             "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
             "compile": args.compile, "ac": args.ac, "float8": args.float8, "budget_gib": args.budget_gib,
-            "deadline_s": args.deadline,
+            "deadline_s": args.deadline, **mem_cap,
         },
         "results": [],
     }

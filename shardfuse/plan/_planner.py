@@ -14,7 +14,7 @@ from shardfuse.plan._time import StepTime, estimate_time
 
 __all__ = ["GPU_USABLE", "HOST_USABLE", "Prediction", "candidate_setups", "offload_setup", "predict", "recommend"]
 
-GPU_USABLE = 0.92  # of a GPU's memory: what OffloadOptimizer's default budget takes (allocator slack left)
+GPU_USABLE = 0.92  # of a GPU's memory: what OffloadOptimizer's default budget takes (sharding.host._placement's)
 HOST_USABLE = 0.90  # of a node's memory (the OS, page cache, data loaders)
 
 

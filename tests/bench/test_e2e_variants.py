@@ -64,6 +64,7 @@ def test_run_arguments_take_variants(capsys: pytest.CaptureFixture) -> None:
         (["--impls", "deepspeed+fp8"], "unknown ['deepspeed+fp8']"),
         (["--deadline", "0"], "--deadline > 0"),
         (["--budget-gib", "-1"], "--budget-gib >= 0"),
+        (["--gpu-mem-gib", "0"], "--gpu-mem-gib > 0"),
     ]:
         with pytest.raises(SystemExit):
             parse_args(["--device", "cpu", *argv])
@@ -175,6 +176,27 @@ def test_variant_table_shows_oom_rows_and_ratios() -> None:
     text = "\n".join(variant_table(payload))
     assert "1.400x" in text and "fsdp2+ac" in text
     assert "fsdp2+once             8k1    oom: rank 0: OutOfMemoryError" in text
+    assert "capped" not in text
+    payload["config"] = {"gpu_mem_cap_gib": 78.0, "gpu_mem_total_gib": 139.8}
+    assert variant_table(payload)[-1] == ("(every rank's GPU allocations capped at 78 GiB of 139.8: --gpu-mem-gib, "
+                                          "a smaller GPU's memory)")
+
+
+def test_gpu_memory_cap_sets_the_fraction_of_a_larger_gpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from bench.e2e._variants import GIB, cap_gpu_memory
+
+    set_calls: list[tuple[float, object]] = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=140 * GIB))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: set_calls.append((f, d)))
+    cuda = torch.device("cuda", 1)
+    assert cap_gpu_memory(None, cuda) == {"gpu_mem_cap_gib": None} and not set_calls
+    assert cap_gpu_memory(78.0, torch.device("cpu")) == {"gpu_mem_cap_gib": None} and not set_calls
+    assert cap_gpu_memory(78.0, cuda) == {"gpu_mem_cap_gib": 78.0, "gpu_mem_total_gib": 140.0}
+    assert set_calls == [(pytest.approx(78 / 140), cuda)]
+    uncapped = cap_gpu_memory(150.0, cuda)  # a GPU smaller than the cap runs as it is
+    assert uncapped["gpu_mem_cap_gib"] is None and "uncapped" in uncapped["gpu_mem_cap_note"] and len(set_calls) == 1
 
 
 @pytest.fixture
@@ -295,6 +317,8 @@ def test_gpu_suite_stages_run_the_variants_and_print_the_table_last(tmp_path: Pa
         assert value["--impls"].split(",") == impls
         parsed = parse_args(["--device", "cpu", *args[args.index("-m") + 2:]])  # the options are the runner's
         assert parsed.variants[impls[-1]].compile
+        # the 8B runs within an H100 80GB's memory (issue 32's setting) on a larger GPU; the 6.7B uncapped
+        assert parsed.gpu_mem_gib == (78.0 if stage == "e2e-8b" else None)
         # The step ran under its timeout; its table (here: no result file) is in the summary printed last.
         assert re.search(rf"^{stage}\s+rc=0", summary, re.M) and f"{name}.json: no such result file" in summary
     assert summary.rstrip().splitlines()[-1].startswith(str(tmp_path / "out" / "work" / "results"))

@@ -627,6 +627,32 @@ def test_choose_resident_counts_from_the_start():
     assert choose_resident(sizes, budget_bytes=1e18, bytes_per_element=16) == 4
 
 
+def test_default_budget_respects_the_process_memory_fraction(monkeypatch):
+    """The default budget plans within ``set_per_process_memory_fraction``'s cap (a GPU shared between processes):
+    planning for the whole device would place units the allocator then refuses."""
+    from types import SimpleNamespace
+
+    from shardfuse.plan._planner import GPU_USABLE as PLANNER_USABLE
+    from shardfuse.sharding.host import _host_keep, _placement
+
+    total = 80 * (1 << 30) + 12345
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total))
+    fraction = {"value": 0.375}
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: fraction["value"],
+                        raising=False)
+    device = torch.device("cuda", 0)
+    assert _placement.usable_device_bytes(device) == pytest.approx(_placement.GPU_USABLE * total * 0.375)
+    fraction["value"] = 1.0
+    assert _placement.usable_device_bytes(device) == pytest.approx(_placement.GPU_USABLE * total)
+    monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction")  # an older torch: the whole device
+    assert _placement.usable_device_bytes(device) == pytest.approx(_placement.GPU_USABLE * total)
+    # keep_params_gib=None's room is the same cap less what the allocator reserved
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.5, raising=False)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 1 << 30)
+    assert _host_keep.keep_room(device, None) == pytest.approx(_placement.GPU_USABLE * total * 0.5 - (1 << 30))
+    assert PLANNER_USABLE == _placement.GPU_USABLE  # the planner predicts the budget the optimizer takes
+
+
 def test_step_worker_runs_the_smallest_key_first_and_rekeys():
     import threading
 

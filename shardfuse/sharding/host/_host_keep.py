@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from shardfuse.sharding.host._host_shard import HostShard
+from shardfuse.sharding.host._placement import usable_device_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -24,14 +25,14 @@ GIB = 1 << 30
 
 def keep_room(device: torch.device, gpu_budget_gib: float | None) -> float:
     """``keep_params_gib=None``: the bytes left at the peak of the steps so far, under ``gpu_budget_gib`` where one
-    other than 0 is given (less ``max_memory_allocated``), else under 92% of the device (less
+    other than 0 is given (less ``max_memory_allocated``), else under ``usable_device_bytes`` (less
     ``max_memory_reserved``, as the budget's own default); 0 off CUDA."""
     if device.type != "cuda":
         return 0.0
     if gpu_budget_gib:
         room = gpu_budget_gib * GIB - torch.cuda.max_memory_allocated(device)
     else:
-        room = 0.92 * torch.cuda.get_device_properties(device).total_memory - torch.cuda.max_memory_reserved(device)
+        room = usable_device_bytes(device) - torch.cuda.max_memory_reserved(device)
     logger.info("OffloadOptimizer: %.2f GiB to keep gathered parameters from forward to backward", room / GIB)
     return max(0.0, room)
 

@@ -38,7 +38,12 @@ from shardfuse.sharding.host._host_step import (
     step_plan,
 )
 from shardfuse.sharding.host._host_trace import HostTrace
-from shardfuse.sharding.host._placement import choose_resident, make_resident, state_bytes_per_element
+from shardfuse.sharding.host._placement import (
+    choose_resident,
+    make_resident,
+    state_bytes_per_element,
+    usable_device_bytes,
+)
 from shardfuse.sharding.host._speculative import Speculation
 
 logger = logging.getLogger(__name__)
@@ -526,8 +531,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._placements = PLACEMENTS  # nothing fitted the first time: the peak will not change
             return set()
         if self.gpu_budget_gib is None:
-            total = torch.cuda.get_device_properties(device).total_memory
-            allowed = 0.92 * total - torch.cuda.max_memory_reserved(device)
+            allowed = usable_device_bytes(device) - torch.cuda.max_memory_reserved(device)
         else:
             allowed = self.gpu_budget_gib * GIB - torch.cuda.max_memory_allocated(device)
         handles = [h for h in self._handles_in_order() if h.host is not None and h.orig_views is None]

@@ -12,6 +12,19 @@ import torch
 from shardfuse.sharding.core._flat_param import FlatParamHandle
 from shardfuse.sharding.host import _backing
 
+# Of what the process may allocate on the GPU, the share the default budget takes (allocator slack left).
+GPU_USABLE = 0.92
+
+
+def usable_device_bytes(device: torch.device) -> float:
+    """What the default budget (``gpu_budget_gib=None``) may fill on ``device``: ``GPU_USABLE`` of the device's
+    memory, under the cap ``torch.cuda.set_per_process_memory_fraction`` set for this process (a GPU shared with
+    other processes), so the default never plans for memory the allocator would refuse."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.8
+    fraction = get_fraction(device) if get_fraction is not None else 1.0
+    return GPU_USABLE * total * min(1.0, fraction)
+
 
 def state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of per-element optimizer state per fp32 parameter element (for the residency budget)."""
