@@ -13,8 +13,8 @@ to what that fit gives for the stored files. The families and the rows each is f
   (``chunk_cat_dispatch`` rows);
 - ``"concat"``: ``concat_microbatches`` vs ``torch.cat`` (``concat`` rows).
 
-The H100 rules come from ``bench/results/h100/kernels.json`` (commit b5976d4); the H200 file (commit bdbd4d6) holds
-only ``concat`` rows that time both sides. Any other GPU kind (and the H200 for the other families) gets
+The H100 rules come from ``bench/results/h100/kernels.json`` (commit b5976d4), the H200 rules from
+``bench/results/h200/kernels.json`` (commit 2a8b2bd, one GPU of a quiet 2 x H200 host). Any other GPU kind gets
 ``FALLBACK``: for each family, the most cautious of the measured kinds' rules (:func:`merge`). CPU tensors under
 Triton's interpreter always take the kernel (``CPU``), so that the CPU suite exercises it.
 
@@ -75,7 +75,10 @@ MEASURED: dict[str, dict[str, Crossover]] = {
         "concat": Crossover(min_bytes=268427264),
     },
     "h200": {
-        "concat": NEVER,
+        "cast_shards_list": Crossover(min_bytes=12582912, max_tensors=17),
+        "cast_shards_flat": Crossover(min_bytes=math.inf, many_tensors=1000),
+        "chunk_cat": Crossover(min_bytes=199535616, max_tensors=17, big_tensor_bytes=2100374),
+        "concat": Crossover(min_bytes=4294950912),
     },
 }
 
