@@ -9,6 +9,7 @@ is uint8; ``no_sync``, clipping, ``summon_full_params`` and state dicts agree wi
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import pytest
@@ -261,8 +262,31 @@ def _check_equals_fsdp2(dtype: torch.dtype, device: str, steps: int, compiled: b
         dp.cast_shard = cast
 
 
+def assert_float8_close(got: dict, want: dict) -> None:
+    """Float8 weights of two independently compiled runs after their parameters parted by summation order: the
+    same scales to 1e-5 and, dequantised, the same values to one e4m3 step (2**-3, or one subnormal step) where at
+    most 1% of the bytes differ. A stale or missing scale (no amax all-reduce, no refresh after the step) moves
+    every scale by far more."""
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    for key, (data, scale) in want.items():
+        torch.testing.assert_close(got[key][1], scale, rtol=1e-5, atol=0, msg=lambda m, key=key: f"{key}: {m}")
+        assert (got[key][0] != data).float().mean().item() <= 0.01, key
+        deq = [d.view(torch.float8_e4m3fn).float() / s for d, s in ((got[key][0], got[key][1]), (data, scale))]
+        sub = 2**-9 / scale.item()  # one subnormal e4m3 step, dequantised: near zero a step is no relative one
+        torch.testing.assert_close(deq[0], deq[1], rtol=2**-3, atol=sub, msg=lambda m, key=key: f"{key}: {m}")
+
+
 def _equals_fsdp2(dtype: torch.dtype, device: str, steps: int, compiled: bool) -> bool:
+    """Bit-equal, except with compiled blocks on a GPU: there inductor benchmarks reduction configs at each compile
+    (two compiles of one block on an H200 sum its bias gradients in different orders: ``same_layout_fresh_compile``
+    of tests/float8/diagnose_compiled_bias.py), so two independently compiled models part in the last bits from
+    the first backward. Then the first forward's float8 bytes and scales (from the same initial weights) are still
+    bit-equal, and after that the losses, the float8 weights and the parameters agree within what summation order
+    explains."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    exact = not compiled or device == "cpu"
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-3, "atol": 1e-4}
 
     rank = dist.get_rank()
     theirs = fsdp2_model(dtype, device, compiled)
@@ -282,11 +306,17 @@ def _equals_fsdp2(dtype: torch.dtype, device: str, steps: int, compiled: bool) -
             opt.step()
             losses.append(loss.item())
         precompute_float8_dynamic_scale_for_fsdp(theirs)
-        assert_same_float8(seen_ours, seen_theirs)
-        assert losses[0] == losses[1], (step, losses)
+        if exact or step == 0:
+            assert_same_float8(seen_ours, seen_theirs)
+        else:
+            assert_float8_close(seen_ours, seen_theirs)
+        assert losses[0] == losses[1] if exact else math.isclose(*losses, rel_tol=tol["rtol"]), (step, losses)
     want, got = full_params(theirs), full_params(ours)
     for k, v in want.items():
-        assert torch.equal(got[k], v), k
+        if exact:
+            assert torch.equal(got[k], v), k
+        else:
+            torch.testing.assert_close(got[k], v, **tol, msg=lambda m, k=k: f"{k}: {m}")
     return True
 
 
@@ -597,3 +627,21 @@ def check_pickle_round_trip() -> bool:
 
 def test_pickle_round_trip(pool):
     assert all(pool.run(check_pickle_round_trip))
+
+
+def test_float8_close_check_fails_on_a_stale_scale_or_many_bytes() -> None:
+    """The compiled GPU comparison's tolerance (``assert_float8_close``) admits last-bit parting, nothing more."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(64, 32, generator=gen)
+    scale = 448.0 / w.abs().max()
+    data = (w * scale).to(torch.float8_e4m3fn).view(torch.uint8)
+    want = {"fc": (data, scale)}
+    near = data.clone()
+    near[0, 0] += 1  # one byte one code away (a weight rounding to the next float8 value)
+    assert_float8_close({"fc": (near, scale.clone())}, want)
+    with pytest.raises(AssertionError):  # a scale from other weights (not refreshed after the step)
+        assert_float8_close({"fc": (data, scale * 1.001)}, want)
+    many = data.clone()
+    many[:2] += 1  # 3% of the bytes
+    with pytest.raises(AssertionError):
+        assert_float8_close({"fc": (many, scale)}, want)

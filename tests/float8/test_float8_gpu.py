@@ -4,7 +4,9 @@ the checks of tests/float8/test_float8_training.py with CUDA tensors, where ``Fl
 
 The float8 all-gather (tests/float8/test_float8_all_gather.py) against FSDP2 + torchao's float8 all-gather, eager
 and with every block ``torch.compile``d on both sides: bytes, scales, losses and parameters bit-equal, in fp32
-and in bf16 mixed precision (on the GPU the bf16 cast of the other parameters rounds as torch's does).
+and in bf16 mixed precision (on the GPU the bf16 cast of the other parameters rounds as torch's does). Compiled,
+the first forward's bytes and scales are bit-equal and the rest agrees within summation order: two compiles of
+one block on a GPU need not sum in the same order (``_equals_fsdp2`` says more).
 
     PYTHONPATH=$PWD python -m pytest -q tests/float8/test_float8_gpu.py
 """
