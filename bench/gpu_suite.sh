@@ -223,9 +223,9 @@ for stage in "${STAGES[@]}"; do
     e2e-fp8|e2e-8b)
       # Issue 32, float8 side by side, 2 rounds, every decoder layer compiled (torchao from .whl/ when not installed;
       # carry it). e2e-fp8: the 6.7B decoder at 1 x 4096 tokens/GPU, bf16 and float8 (tensorwise; FSDP2 with
-      # torchao's fp8 all-gather, shardfuse with its own) -> e2e_7b_fp8_<N>gpu.json, ~380 s. e2e-8b: Llama-3-8B's
+      # torchao's fp8 all-gather, shardfuse with its own) -> e2e_7b_fp8_<N>gpu.json, ~100 s on 4 H200s. e2e-8b: Llama-3-8B's
       # shape at 1 x 8192 tokens/GPU: FSDP2 with activation checkpointing against shardfuse without, then FSDP2
-      # without it once, last (it may run out of memory: an oom row) -> e2e_8b_<N>gpu.json, ~500 s. The table of
+      # without it once, last (it may run out of memory: an oom row) -> e2e_8b_<N>gpu.json, ~220 s on 4 H200s. The table of
       # ratios against FSDP2 (same modifiers; its best that fit) goes into the summary printed last.
       python3 -c 'import torchao' 2>/dev/null || { compgen -G ".whl/torchao*.whl" >/dev/null && python3 -m pip install \
         -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-ao .whl/torchao*.whl \
@@ -242,6 +242,11 @@ for stage in "${STAGES[@]}"; do
         E2E_FP8=(--config 8b --regime 8k1 --deadline "${E2E_DEADLINE:-400}"
                  --impls "${E2E_IMPLS:-fsdp2+ac,shardfuse,shardfuse-budget,fsdp2+fp8+ac,shardfuse+fp8,fsdp2+once}")
         [ -n "${E2E_GPU_MEM_GIB-78}" ] && E2E_FP8+=(--gpu-mem-gib "${E2E_GPU_MEM_GIB-78}")
+        # Near the cap the caching allocator's fixed segments strand memory (shardfuse ran out with 15 GiB reserved
+        # but free, 2026-11-28): every implementation runs with expandable segments, torchtitan's default too
+        # (E2E_ALLOC_CONF, default expandable_segments:True; empty: the allocator's default).
+        [ -n "${E2E_ALLOC_CONF-expandable_segments:True}" ] \
+          && export PYTORCH_CUDA_ALLOC_CONF="${E2E_ALLOC_CONF-expandable_segments:True}"
       fi
       step "$stage" 560 torchrun --standalone --nproc_per_node "$NGPU" -m bench.e2e.run --no-baseline --compile \
         --optim fused --rounds 2 --steps "${E2E_STEPS:-8}" --warmup 3 --name "$E2E_NAME" "${E2E_FP8[@]}" ${E2E_ARGS:-}

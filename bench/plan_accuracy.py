@@ -182,6 +182,17 @@ def time_note(res: Result, impl: str) -> str | None:
     return None
 
 
+def _e2e_config_reason(config: dict, peak_gib: float | None) -> str | None:
+    """Why an e2e row's setting is outside the planner's model (compiled layers, a memory cap it nearly filled)."""
+    if config.get("compile"):
+        return "every decoder layer torch.compile'd: the planner predicts eager steps (fused elementwise kernels)"
+    cap = config.get("gpu_mem_cap_gib")
+    if cap and peak_gib and peak_gib >= 0.95 * cap:
+        return ("peak within 5% of the run's GPU memory cap (--gpu-mem-gib): the caching allocator's retries and "
+                "flushes slow the step")
+    return None
+
+
 def _e2e_checks(res: Result) -> list[Check]:
     e = res.e2e()
     shape = e2e_shape(e)
@@ -196,6 +207,7 @@ def _e2e_checks(res: Result) -> list[Check]:
             why = "many-shape SFT (bench.e2e.sft): variable lengths padded to buckets, no one shape to predict"
         if why is None and r.impl not in ("shardfuse", "baseline"):
             why = f"implementation {r.impl!r} not modelled"
+        why = why or _e2e_config_reason(res.data.get("config") or {}, r.peak_gib)
         if why is not None or not r.batch or not r.seq:
             out.append(Check(res.gpu, res.name, label, skipped=why or "no batch/seq recorded"))
             continue

@@ -555,6 +555,7 @@ def main(argv: list[str] | None = None) -> None:
             "compute_dtype": "bfloat16", "reduce_dtype": "float32",
             "peak_tflops": args.peak_tflops, "regimes": {r: REGIMES[r] for r in regimes},
             "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
+            "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
             "compile": args.compile, "ac": args.ac, "float8": args.float8, "budget_gib": args.budget_gib,
             "deadline_s": args.deadline, **mem_cap,
         },

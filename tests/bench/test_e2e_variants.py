@@ -452,3 +452,25 @@ def test_captured_bases_with_modifiers_are_captured(world_of_one, monkeypatch) -
         captured.clear()
         out = run.measure(impl, "1k", spec, args, torch.device("cpu"), 0)
         assert captured == want and math.isfinite(out["loss_last"]), impl
+
+
+def test_report_row_compares_the_best_configuration_of_each() -> None:
+    """The report's extra row for a file with variants: shardfuse's fastest run against FSDP2's fastest."""
+    from bench.report._readme import _best_of_each_row
+    from bench.results_io import Result
+
+    def entry(impl: str, ms: float) -> dict:
+        return {"impl": impl, "regime": "8k1", "rounds": 2, "step_ms_median": ms, "tok_s_gpu_median": 8192e3 / ms}
+
+    summary = [entry("fsdp2+ac", 1021.8), entry("fsdp2+fp8+ac", 825.2), entry("shardfuse", 1809.4),
+               entry("shardfuse+fp8", 726.2)]
+    res = Result("h200", "e2e_8b_4gpu", Path("e2e_8b_4gpu.json"), "e2e",
+                 {"config": {"world_size": 4}, "results": [], "summary": summary})
+    metric, cell, *others = _best_of_each_row(res, "8k1")
+    assert metric == "tokens/s/GPU, median of 2 rounds"
+    assert cell == "11,281 (shardfuse (float8); 1.14x FSDP2's best, fsdp2 (float8, AC))"
+    assert "9,927" in others  # FSDP2's column holds its best run
+    two = [entry("fsdp2", 10.0), entry("shardfuse", 9.0)]
+    plain = Result("h200", "e2e_2gpu", Path("e2e_2gpu.json"), "e2e",
+                   {"config": {"world_size": 2}, "results": [], "summary": two})
+    assert _best_of_each_row(plain, "8k1") is None  # no variants: the usual row says it all
