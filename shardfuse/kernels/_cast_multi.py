@@ -14,7 +14,7 @@ Layout: ``@triton.jit`` kernel, launcher (``cast_shards``), reference (``cast_sh
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -98,6 +98,8 @@ class _Plan(NamedTuple):
     split_sizes: tuple[int, ...] = ()
     pick: tuple[int, ...] | None = None
     flatten: bool = False  # torch path: some source's shape differs from its destination's (copy 1-D views)
+    # The layout guard of the tensors the plan was built for (_common.layout_guard; the key holds their addresses).
+    check: Callable[..., bool] | None = None
 
 
 
@@ -160,16 +162,15 @@ def _validate_cast_shards(
 
 
 @common.plan_key
-def _key(srcs: list[torch.Tensor], out: torch.Tensor | list[torch.Tensor], offsets: Sequence[int] | None):
-    # Shapes, not only numels: the PyTorch path's plan records whether sources and destinations differ in shape.
-    if isinstance(out, torch.Tensor):
-        # The destination addresses in the table are out's address plus the offsets: both are in the key.
-        placement = None if offsets is None else tuple(map(operator.index, offsets))
-        return out.device, (common.tensors_key(srcs, "shaped"), common.tensor_key(out), placement)
-    if offsets is not None:
+def _key(tensors: list[torch.Tensor], num_srcs: int, flat: bool, offsets: Sequence[int] | None):
+    """``tensors``: the sources, then the flat ``out`` or the destinations (one list: one read of each address).
+    The key holds their addresses, where the sources end and the offsets (a flat out's destination addresses are
+    its address plus the offsets); the plan's layout guard checks every tensor's shape, strides, dtype and device.
+    """
+    if offsets is not None and not flat:
         raise ValueError("offsets with a list out")  # no key: the validating path explains
-    # One key for sources and destinations together (cheaper than two), and where the sources end.
-    return out[0].device, (len(srcs), common.tensors_key(srcs + out, "shaped"))
+    placement = None if offsets is None else tuple(map(operator.index, offsets))
+    return tensors[-1].device, (num_srcs, flat, placement, common.addresses(tensors))
 
 
 def _build_plan(
@@ -311,11 +312,16 @@ def cast_shards(
                     pass  # PyTorch refused the arguments: the validating path says why, or handles them
         else:
             raise TypeError(f"out must be a tensor or a list of tensors, got a {type(out).__name__}")
-        key = _key(srcs, dests, offsets)
-        plan = _PLANS.get(key)
+        # Every tensor the plan reads or writes: the key's addresses and the plan's layout guard cover them all.
+        guarded: list[torch.Tensor] | None = None
+        if type(srcs) is list:
+            guarded = [*srcs, dests] if isinstance(dests, torch.Tensor) else srcs + dests
+        key = None if guarded is None else _key(guarded, len(srcs), isinstance(dests, torch.Tensor), offsets)
+        plan = _PLANS.get(key, guarded)
         if plan is None:
             plan = _build_plan(srcs, dests, offsets)
-            if plan is not None:
+            if plan is not None and key is not None and guarded is not None:
+                plan = plan._replace(check=common.layout_guard(guarded))
                 _PLANS.put(key, plan)
         if plan is None:
             _copy_all(srcs, _validate_cast_shards(srcs, dests, offsets))  # the reference's copies

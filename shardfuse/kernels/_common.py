@@ -213,6 +213,71 @@ def tensors_key(tensors: Sequence[torch.Tensor], layout: str) -> tuple:
     return (*map(a, tensors), *map(b, tensors), *map(c, tensors), *map(d, tensors), *map(e, tensors))
 
 
+def addresses(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    """The part of a plan key for a list of tensors whose plan also holds a :func:`layout_guard` of them: their
+    addresses alone (every other field is the guard's to check, at a fraction of the cost of reading it here)."""
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError("a plan key is built from a list of tensors")  # anything else: no key, validation explains
+    return tuple(map(_T.data_ptr, tensors))
+
+
+# PyTorch's C++ check of tensor metadata, the one torch.compile's guards run; private, so with a fallback.
+try:
+    from torch._C._dynamo import guards as _dynamo_guards
+
+    _TensorGuards: Any = getattr(_dynamo_guards, "TensorGuards", None)
+except ImportError:  # pragma: no cover - a PyTorch built without dynamo
+    _TensorGuards = None
+
+_STRIDE = _T.stride
+_DEVICE = operator.attrgetter("device")
+
+
+def _layout_fields(tensors: Sequence[torch.Tensor]) -> tuple:
+    return (*map(type, tensors), *map(_SHAPE, tensors), *map(_STRIDE, tensors), *map(_DTYPE, tensors),
+            *map(_DEVICE, tensors))
+
+
+class _FieldGuard:
+    """:func:`layout_guard` in Python: the tensors' types, shapes, strides, dtypes and devices, read again."""
+
+    __slots__ = ("_fields",)
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._fields = _layout_fields(tensors)
+
+    def check(self, *tensors: torch.Tensor) -> bool:
+        try:
+            return _layout_fields(tensors) == self._fields
+        except (TypeError, AttributeError):
+            return False
+
+
+def layout_guard(tensors: Sequence[torch.Tensor], *, native: bool = True) -> Callable[..., bool]:
+    """``check(*same_count_of_tensors) -> bool``: whether each tensor has the Python type, shape, strides, dtype
+    and device (and requires_grad and dispatch keys) that ``tensors`` have now. With the addresses in the plan
+    key (:func:`addresses`), it pins down every byte a plan reads and writes, so a tensor whose storage, shape,
+    strides, dtype or device changed never finds a plan built for another (a failed check is a miss: the call
+    validates and builds again). Anything else that fails it (another requires_grad, an inference-mode call) only
+    costs a rebuild.
+
+    The check is ``torch._C._dynamo.guards.TensorGuards`` given every size and stride (a None there would leave
+    that dimension unchecked): one C++ call, about as cheap for all the tensors as one attribute read of each in
+    Python. Where PyTorch lacks it, or it does not accept these tensors (``native=False`` forces this), the same
+    fields are read in Python. It must be given as many tensors as it was built from (the key's addresses fix the
+    count): TensorGuards raises otherwise.
+    """
+    if native and _TensorGuards is not None:
+        try:
+            guards = _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                                   dynamic_dims_strides=[list(t.stride()) for t in tensors])
+            if guards.check(*tensors):
+                return guards.check
+        except Exception:  # noqa: BLE001 - a private API whose signature may change: the Python fields then
+            pass
+    return _FieldGuard(tensors).check
+
+
 def tensor_key(t: torch.Tensor | None) -> tuple | None:
     """The part of a plan key for one tensor argument (an ``out`` buffer, a flat source): its address is
     in it, so the overlap checks made when the plan was built hold for every call that finds the plan."""
@@ -276,8 +341,9 @@ class PlanCache:
     def __len__(self) -> int:
         return len(self._plans)
 
-    def get(self, key: Hashable | None) -> Any:
-        """The plan stored under ``key``; None if there is none, or if it was built for the interpreter on
+    def get(self, key: Hashable | None, guarded: Sequence[torch.Tensor] | None = None) -> Any:
+        """The plan stored under ``key``; None if there is none, if its ``check`` (a :func:`layout_guard`) fails
+        for ``guarded`` (given for plans keyed by :func:`addresses`), or if it was built for the interpreter on
         CPU tensors and the interpreter has been switched off since (the reference path runs then)."""
         if key is None:
             return None
@@ -293,6 +359,8 @@ class PlanCache:
                 self._plans.move_to_end(h)
                 self._last = entry
                 plan = entry[1]
+        if guarded is not None and not plan.check(*guarded):
+            return None
         return plan if plan.device.type == "cuda" or interpreting() else None
 
     def put(self, key: Hashable | None, plan: Any) -> None:
