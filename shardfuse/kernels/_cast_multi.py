@@ -161,16 +161,20 @@ def _validate_cast_shards(
     return dsts
 
 
-@common.plan_key
-def _key(tensors: list[torch.Tensor], num_srcs: int, flat: bool, offsets: Sequence[int] | None):
+def _key(tensors: list[torch.Tensor], num_srcs: int, flat: bool, offsets: Sequence[int] | None) -> tuple | None:
     """``tensors``: the sources, then the flat ``out`` or the destinations (one list: one read of each address).
     The key holds their addresses, where the sources end and the offsets (a flat out's destination addresses are
     its address plus the offsets); the plan's layout guard checks every tensor's shape, strides, dtype and device.
     """
-    if offsets is not None and not flat:
-        raise ValueError("offsets with a list out")  # no key: the validating path explains
-    placement = None if offsets is None else tuple(map(operator.index, offsets))
-    return tensors[-1].device, (num_srcs, flat, placement, common.addresses(tensors))
+    if offsets is None:
+        return common.guarded_key(tensors, num_srcs, flat)
+    if not flat:
+        return None  # offsets with a list out: no key, the validating path explains
+    try:
+        placement = tuple(map(operator.index, offsets))
+    except TypeError:
+        return None
+    return common.guarded_key(tensors, num_srcs, flat, placement)
 
 
 def _build_plan(

@@ -197,10 +197,9 @@ def _guarded(tensors: list[torch.Tensor], out: torch.Tensor | None) -> list[torc
     return tensors if out is None else [*tensors, out]
 
 
-@common.plan_key
-def _key(guarded: list[torch.Tensor], world_size: int, dtype: torch.dtype | None, has_out: bool):
+def _key(guarded: list[torch.Tensor], world_size: int, dtype: torch.dtype | None, has_out: bool) -> tuple | None:
     # type(world_size): True == 1, but only an int passes validation.
-    return guarded[0].device, (world_size, type(world_size), dtype, has_out, common.addresses(guarded))
+    return common.guarded_key(guarded, world_size, type(world_size), dtype, has_out)
 
 
 def _build_plan(tensors: list[torch.Tensor], world_size: int, out: torch.Tensor, numels: list[int],

@@ -213,12 +213,24 @@ def tensors_key(tensors: Sequence[torch.Tensor], layout: str) -> tuple:
     return (*map(a, tensors), *map(b, tensors), *map(c, tensors), *map(d, tensors), *map(e, tensors))
 
 
-def addresses(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
-    """The part of a plan key for a list of tensors whose plan also holds a :func:`layout_guard` of them: their
-    addresses alone (every other field is the guard's to check, at a fraction of the cost of reading it here)."""
-    if not isinstance(tensors, (list, tuple)):
-        raise TypeError("a plan key is built from a list of tensors")  # anything else: no key, validation explains
-    return tuple(map(_T.data_ptr, tensors))
+def guarded_key(tensors: list[torch.Tensor], *parts: Any) -> tuple | None:
+    """The plan-cache key of a call whose plan holds a :func:`layout_guard` of ``tensors`` (every tensor it reads
+    and writes, all on one device once validated): the current stream (as :func:`plan_key`), the dispatch overrides
+    in force, ``parts``, and the tensors' addresses alone; their other fields are the guard's to check, at a
+    fraction of the cost of reading them here. None where :func:`plan_key` gives None (graph capture, malformed
+    arguments). One function rather than :func:`plan_key`'s layers: this runs on every call of a dispatching
+    entry point, whose PyTorch path is a few microseconds of host time."""
+    try:
+        first = tensors[0]
+        if first.is_cuda:
+            if torch.cuda.is_current_stream_capturing():
+                return None
+            stream = torch._C._cuda_getCurrentRawStream(first.get_device())
+        else:
+            stream = 0
+        return (stream, _crossover._token, parts, tuple(map(_T.data_ptr, tensors)))
+    except (TypeError, AttributeError, IndexError):
+        return None  # no key: the validating path says what is wrong
 
 
 # PyTorch's C++ check of tensor metadata, the one torch.compile's guards run; private, so with a fallback.
@@ -256,7 +268,7 @@ class _FieldGuard:
 def layout_guard(tensors: Sequence[torch.Tensor], *, native: bool = True) -> Callable[..., bool]:
     """``check(*same_count_of_tensors) -> bool``: whether each tensor has the Python type, shape, strides, dtype
     and device (and requires_grad and dispatch keys) that ``tensors`` have now. With the addresses in the plan
-    key (:func:`addresses`), it pins down every byte a plan reads and writes, so a tensor whose storage, shape,
+    key (:func:`guarded_key`), it pins down every byte a plan reads and writes, so a tensor whose storage, shape,
     strides, dtype or device changed never finds a plan built for another (a failed check is a miss: the call
     validates and builds again). Anything else that fails it (another requires_grad, an inference-mode call) only
     costs a rebuild.
@@ -343,7 +355,7 @@ class PlanCache:
 
     def get(self, key: Hashable | None, guarded: Sequence[torch.Tensor] | None = None) -> Any:
         """The plan stored under ``key``; None if there is none, if its ``check`` (a :func:`layout_guard`) fails
-        for ``guarded`` (given for plans keyed by :func:`addresses`), or if it was built for the interpreter on
+        for ``guarded`` (given for plans keyed by :func:`guarded_key`), or if it was built for the interpreter on
         CPU tensors and the interpreter has been switched off since (the reference path runs then)."""
         if key is None:
             return None

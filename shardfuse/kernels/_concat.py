@@ -146,10 +146,9 @@ class _Plan(NamedTuple):
     check: Callable[..., bool] | None = None  # the layout guard of the tensors (and out) it was built for
 
 
-@common.plan_key
-def _key(guarded: list[torch.Tensor], has_out: bool):
+def _key(guarded: list[torch.Tensor], has_out: bool) -> tuple | None:
     """``guarded``: the inputs, then ``out`` if given. The key holds their addresses, the plan their layout guard."""
-    return guarded[0].device, (has_out, common.addresses(guarded))
+    return common.guarded_key(guarded, has_out)
 
 
 def _copy_width(tensors: list[torch.Tensor]) -> int:
