@@ -4,9 +4,10 @@ The public multi-tensor form of :mod:`shardfuse.kernels._cast`, kept in a module
 runtime casts one flat shard per gather (``_cast.cast_shard_unchecked``) and never reaches this code. A
 host-built owner column maps each program to its tensor in one load, so the launch count does not grow with
 the tensor count and nothing waits on the host. The launch plans (device tables included) are cached per set
-of tensors, so a repeat call costs little more than the launch itself, plus reading each tensor's address and
-layout for the plan key. From ``FOREACH_MIN_TENSORS`` tensors on, that per-tensor Python work costs more than
-PyTorch's C++ ``torch._foreach_copy_``, so the list form hands over to it (docs/kernels.md, "Dispatch").
+of tensors, so a repeat call costs little more than the launch itself, plus reading each tensor's address for
+the plan key and checking their layouts against the plan's guard (one C++ call for all of them). From
+``FOREACH_MIN_TENSORS`` tensors on, that per-tensor Python work costs more than PyTorch's C++
+``torch._foreach_copy_``, so the list form hands over to it (docs/kernels.md, "Dispatch").
 
 Layout: ``@triton.jit`` kernel, launcher (``cast_shards``), reference (``cast_shards_ref``).
 """
@@ -245,9 +246,6 @@ def _plan_group(
 
 
 def _run_plan(plan: _Plan, srcs: list[torch.Tensor], out: torch.Tensor | list[torch.Tensor]) -> None:
-    if plan.torch_path:
-        _torch_copy(plan, srcs, out)
-        return
     with common.device_guard(plan.device):
         for la in plan.launches:
             dst_like = out if la.dst_like < 0 else out[la.dst_like]
@@ -329,6 +327,8 @@ def cast_shards(
                 _PLANS.put(key, plan)
         if plan is None:
             _copy_all(srcs, _validate_cast_shards(srcs, dests, offsets))  # the reference's copies
+        elif plan.torch_path:
+            _torch_copy(plan, srcs, dests)
         else:
             _run_plan(plan, srcs, dests)
         return dests

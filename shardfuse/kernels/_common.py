@@ -229,7 +229,7 @@ def guarded_key(tensors: list[torch.Tensor], *parts: Any) -> tuple | None:
         else:
             stream = 0
         return (stream, _crossover._token, parts, tuple(map(_T.data_ptr, tensors)))
-    except (TypeError, AttributeError, IndexError):
+    except (TypeError, AttributeError, IndexError, RuntimeError):  # e.g. a tensor with no storage to address
         return None  # no key: the validating path says what is wrong
 
 

@@ -78,6 +78,16 @@ def test_guard_falls_back_to_python_fields():
     assert check(t) and not check(t.t()) and not check(fresh(6).view(3, 2))
 
 
+def test_guarded_key_holds_stream_overrides_parts_and_every_address():
+    a, b = fresh(4), fresh(5)
+    key = _common.guarded_key([a, b], 3, None)
+    assert key == (0, _crossover.token(), (3, None), (a.data_ptr(), b.data_ptr()))
+    assert _common.guarded_key([a, b[1:]], 3, None) != key
+    assert _common.guarded_key([b, a], 3, None) != key
+    for malformed in ([], [a, 2.0], [3]):
+        assert _common.guarded_key(malformed) is None  # no key: the validating path says what is wrong
+
+
 # ------------------------------------------------------------------ same addresses, other layouts
 
 
