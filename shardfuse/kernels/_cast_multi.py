@@ -74,7 +74,7 @@ def _cast_shards_kernel(table, num_tensors, src_like, dst_like, ALIGNED: tl.cons
 # Launchers
 # --------------------------------------------------------------------------------------------------
 
-_PLANS = common.PlanCache()
+_PLANS = common.GuardedPlanCache()
 
 
 class _Launch(NamedTuple):

@@ -42,7 +42,7 @@ __all__ = ["chunk_cat", "chunk_cat_ref"]
 TORCH_MIN_TENSORS = 96
 TORCH_MAX_OUT_BYTES_PER_TENSOR = 512 * 1024
 
-_PLANS = common.PlanCache()
+_PLANS = common.GuardedPlanCache()
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -353,9 +353,8 @@ class PlanCache:
     def __len__(self) -> int:
         return len(self._plans)
 
-    def get(self, key: Hashable | None, guarded: Sequence[torch.Tensor] | None = None) -> Any:
-        """The plan stored under ``key``; None if there is none, if its ``check`` (a :func:`layout_guard`) fails
-        for ``guarded`` (given for plans keyed by :func:`guarded_key`), or if it was built for the interpreter on
+    def get(self, key: Hashable | None) -> Any:
+        """The plan stored under ``key``; None if there is none, or if it was built for the interpreter on
         CPU tensors and the interpreter has been switched off since (the reference path runs then)."""
         if key is None:
             return None
@@ -363,7 +362,10 @@ class PlanCache:
         if last is not None and last[0] == key:
             plan = last[1]
         else:
-            h = hash(key)
+            try:
+                h = hash(key)
+            except TypeError:
+                return None  # an unhashable argument in the key (a list for an int): the validating path explains
             with self._lock:
                 entry = self._plans.get(h)
                 if entry is None or entry[0] != key:
@@ -371,14 +373,15 @@ class PlanCache:
                 self._plans.move_to_end(h)
                 self._last = entry
                 plan = entry[1]
-        if guarded is not None and not plan.check(*guarded):
-            return None
         return plan if plan.device.type == "cuda" or interpreting() else None
 
     def put(self, key: Hashable | None, plan: Any) -> None:
         if key is None:
             return
-        h = hash(key)
+        try:
+            h = hash(key)
+        except TypeError:
+            return
         with self._lock:
             self._plans[h] = entry = (key, plan)
             self._plans.move_to_end(h)
@@ -390,6 +393,61 @@ class PlanCache:
         with self._lock:
             self._plans.clear()
             self._last = None
+
+
+class GuardedPlanCache(PlanCache):
+    """A :class:`PlanCache` of plans keyed by :func:`guarded_key` (addresses), each with a ``check`` (its
+    :func:`layout_guard`). Up to ``layouts`` plans share a key, newest first, and a lookup returns the first whose
+    check passes: tensors that the caching allocator hands out at the same addresses with other shapes (one layer's
+    activations after another's) keep a plan each rather than evicting each other's on every call."""
+
+    def __init__(self, maxsize: int = 64, layouts: int = 4) -> None:
+        super().__init__(maxsize)
+        self.layouts = layouts
+
+    def get(self, key: Hashable | None, guarded: Any = ()) -> Any:
+        """The plan under ``key`` built for tensors laid out as ``guarded`` are now (every tensor the call reads
+        and writes, as given to :func:`guarded_key`); None as :meth:`PlanCache.get` says, or if no plan's check
+        passes."""
+        if key is None:
+            return None
+        last = self._last
+        if last is not None and last[0] == key:
+            plans = last[1]
+        else:
+            try:
+                h = hash(key)
+            except TypeError:
+                return None
+            with self._lock:
+                entry = self._plans.get(h)
+                if entry is None or entry[0] != key:
+                    return None
+                self._plans.move_to_end(h)
+                self._last = entry
+                plans = entry[1]
+        for plan in plans:
+            if plan.check(*guarded):
+                return plan if plan.device.type == "cuda" or interpreting() else None
+        return None
+
+    def put(self, key: Hashable | None, plan: Any) -> None:
+        """Store ``plan`` (with its ``check``) first among the plans under ``key``, dropping the oldest past
+        ``layouts``; as in :meth:`PlanCache.put`, the stored tuple is never changed afterwards."""
+        if key is None:
+            return
+        try:
+            h = hash(key)
+        except TypeError:
+            return
+        with self._lock:
+            entry = self._plans.get(h)
+            older = entry[1][: self.layouts - 1] if entry is not None and entry[0] == key else ()
+            self._plans[h] = entry = (key, (plan, *older))
+            self._plans.move_to_end(h)
+            while len(self._plans) > self.maxsize:
+                self._plans.popitem(last=False)
+            self._last = entry if h in self._plans else None
 
 
 _CACHES: list[PlanCache] = []

@@ -31,7 +31,7 @@ __all__ = ["concat_microbatches", "split_microbatches", "concat_microbatches_ref
 _BITS_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _WIDE_BYTES = 4  # narrower dtypes are copied as 4-byte words where sizes and addresses allow
 
-_PLANS = common.PlanCache()
+_PLANS = common.GuardedPlanCache()
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -88,6 +88,13 @@ def test_guarded_key_holds_stream_overrides_parts_and_every_address():
         assert _common.guarded_key(malformed) is None  # no key: the validating path says what is wrong
 
 
+def test_unhashable_arguments_get_the_validating_error(guard):
+    tensors = [fresh(8).view(4, 2)]
+    chunk_cat(tensors, 2)  # a plan in the cache: the next key is compared with it, then hashed
+    with pytest.raises(ValueError, match=r"chunk_cat needs an integer world_size >= 1, got world_size=\[2\]"):
+        chunk_cat(tensors, [2])
+
+
 # ------------------------------------------------------------------ same addresses, other layouts
 
 
@@ -228,7 +235,39 @@ def test_requires_grad_toggled_between_calls(path):
         assert_bits(out, torch.cat([s.detach() for s in srcs]).bfloat16())
 
 
+# ------------------------------------------------------------------ several layouts at one set of addresses
+
+
+def test_layouts_at_the_same_addresses_keep_a_plan_each(path, monkeypatch):
+    # What the caching allocator does between layers: other shapes at the same addresses, call after call.
+    cache = _concat_module()._PLANS
+    stored = []
+    original = cache.put
+    monkeypatch.setattr(cache, "put", lambda key, plan: (stored.append(plan), original(key, plan)))
+    x = fresh(60)
+    layouts = [[x[:24].view(6, 4), x[24:].view(9, 4)], [x[:24].view(12, 2), x[24:].view(18, 2)],
+               [x[:24].view(3, 8), x[24:48].view(3, 8)], [x[:24].view(24, 1), x[24:].view(36, 1)]]
+    for _ in range(3):
+        for parts in layouts:
+            assert_bits(concat_microbatches(parts), torch.cat(parts))
+    assert len(stored) == 4, "each layout's plan is built once"
+    assert len(cache) == 1  # one set of addresses: one key
+    fifth = [x[:24].view(2, 12), x[24:48].view(2, 12)]
+    for parts in (fifth, layouts[0], layouts[1]):  # past `layouts` plans per key, the oldest goes
+        assert_bits(concat_microbatches(parts), torch.cat(parts))
+    assert len(stored) == 7
+    for parts in (fifth, *layouts):
+        assert_bits(concat_microbatches(parts), torch.cat(parts))
+    assert len(stored) == 9  # the fifth hits; layouts[2] and layouts[3] had been dropped in turn
+
+
 # ------------------------------------------------------------------ helpers
+
+
+def _concat_module():
+    import importlib
+
+    return importlib.import_module("shardfuse.kernels._concat")  # the attribute of the package is the function
 
 
 def _as_list(x):
