@@ -279,15 +279,34 @@ def layout_guard(tensors: Sequence[torch.Tensor], *, native: bool = True) -> Cal
     fields are read in Python. It must be given as many tensors as it was built from (the key's addresses fix the
     count): TensorGuards raises otherwise.
     """
-    if native and _TensorGuards is not None:
+    if native and _native_guards_work():
         try:
-            guards = _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
-                                   dynamic_dims_strides=[list(t.stride()) for t in tensors])
+            guards = _native_guards(tensors)
             if guards.check(*tensors):
                 return guards.check
         except Exception:  # noqa: BLE001 - a private API whose signature may change: the Python fields then
             pass
     return _FieldGuard(tensors).check
+
+
+def _native_guards(tensors: Sequence[torch.Tensor]) -> Any:
+    return _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                         dynamic_dims_strides=[list(t.stride()) for t in tensors])
+
+
+@functools.cache
+def _native_guards_work() -> bool:
+    """Whether this PyTorch's TensorGuards, as :func:`layout_guard` builds it, tells apart what the plans need
+    (another size, strides, dtype): checked once, so that a private API that changed meaning falls back to Python."""
+    if _TensorGuards is None:
+        return False
+    try:
+        t = torch.zeros(2, 3)
+        check = _native_guards([t]).check
+        others = (t.view(3, 2), t.t(), t[:, :2], t.view(torch.int32))
+        return bool(check(t)) and not any(check(o) for o in others)
+    except Exception:  # noqa: BLE001 - see layout_guard
+        return False
 
 
 def tensor_key(t: torch.Tensor | None) -> tuple | None:

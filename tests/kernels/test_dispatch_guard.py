@@ -29,9 +29,9 @@ KIND = _crossover.gpu_kind(torch.device(DEVICE))
 def guard(request, monkeypatch):
     """Each test with PyTorch's TensorGuards and with the Python fields (as on a PyTorch without it)."""
     if request.param == "python":
-        monkeypatch.setattr(_common, "_TensorGuards", None)
-    elif _common._TensorGuards is None:
-        pytest.skip("this PyTorch has no torch._C._dynamo.guards.TensorGuards")
+        monkeypatch.setattr(_common, "_native_guards_work", lambda: False)
+    elif not _common._native_guards_work():
+        pytest.skip("this PyTorch has no torch._C._dynamo.guards.TensorGuards that tells layouts apart")
     _common.clear_plan_caches()
     yield request.param
     _common.clear_plan_caches()
@@ -56,6 +56,8 @@ def test_guard_tells_every_field_apart(guard):
     pool = fresh(64)
     square = pool[:16].view(4, 4)
     check = _common.layout_guard([square, pool[16:24]])
+    native = type(getattr(check, "__self__", None)).__name__ == "TensorGuards"
+    assert native == (guard == "native"), "the guard under test is not the one asked for"
     assert check(square, pool[16:24])
     assert check(pool[:16].view(4, 4), fresh(8))  # other tensors of the same layouts: the key tells addresses
     others = [
@@ -72,10 +74,23 @@ def test_guard_tells_every_field_apart(guard):
     assert not check(square, pool[16:25])
 
 
-def test_guard_falls_back_to_python_fields():
+def test_guard_falls_back_to_python_fields(monkeypatch):
     t = fresh(6).view(2, 3)
     check = _common.layout_guard([t], native=False)
     assert check(t) and not check(t.t()) and not check(fresh(6).view(3, 2))
+    assert isinstance(check.__self__, _common._FieldGuard)
+
+    class Unchecked:  # a TensorGuards that leaves sizes unchecked, as a None size would
+        def __init__(self, *tensors, **kwargs):
+            self.check = lambda *ts: len(ts) == len(tensors)
+
+    monkeypatch.setattr(_common, "_TensorGuards", Unchecked)
+    _common._native_guards_work.cache_clear()
+    try:
+        assert not _common._native_guards_work()
+        assert isinstance(_common.layout_guard([t]).__self__, _common._FieldGuard)
+    finally:
+        _common._native_guards_work.cache_clear()
 
 
 def test_guarded_key_holds_stream_overrides_parts_and_every_address():
