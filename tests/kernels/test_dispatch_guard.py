@@ -239,6 +239,23 @@ def test_concat_parts_reshaped_at_the_same_addresses(path):
         assert_bits(got, torch.cat(parts))
 
 
+def test_strided_input_with_other_strides_into_out(guard):
+    # The PyTorch path caches plans for non-contiguous inputs: a plan keyed by address, shape, dtype and contiguity
+    # alone (as before the guard) served the second call below and let it read an input that overlaps out.
+    buf = fresh(64)
+    before = buf.clone()
+    with _crossover.override(dict.fromkeys(_crossover.FAMILIES, "torch"), kind=KIND):
+        out = buf[32:40].view(2, 4)
+        chunk_cat([buf[:16].view(4, 4)[:, :2]], 2, out=out)
+        with pytest.raises(ValueError, match=r"chunk_cat: tensors\[0\] and out overlap"):
+            chunk_cat([buf.as_strided((4, 2), (11, 1), 0)], 2, out=out)  # elements 33, 34 are in out
+        out = buf[40:48].view(4, 2)
+        concat_microbatches([buf[:16].view(4, 4)[:, :2]], out=out)
+        with pytest.raises(ValueError, match=r"concat_microbatches: tensors\[0\] and out overlap"):
+            concat_microbatches([buf.as_strided((4, 2), (13, 1), 0)], out=out)  # elements 39, 40
+    assert torch.equal(buf[:32], before[:32])
+
+
 def test_requires_grad_toggled_between_calls(path):
     # A guard also checks requires_grad: a change is a miss, not a wrong answer.
     srcs = [fresh(9), fresh(4)]
