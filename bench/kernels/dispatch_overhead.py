@@ -4,7 +4,8 @@
 
 (from the repository root). Below its size crossover (``shardfuse.kernels._crossover``) each dispatching entry
 point runs the PyTorch sequence it replaces; what it adds on top is host work: the plan key (every tensor's
-address and layout), the plan lookup, building the destination views. Each row times a repeat call of the entry
+address), the plan lookup and its layout guard (one C++ check of every tensor's layout), building the destination
+views. Each row times a repeat call of the entry
 point with its crossover forced to "torch" (the plan cached by the warm-up call) beside the bare PyTorch
 sequence on the same tensors, and prints both and the difference, in microseconds per call.
 

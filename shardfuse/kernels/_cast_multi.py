@@ -4,9 +4,10 @@ The public multi-tensor form of :mod:`shardfuse.kernels._cast`, kept in a module
 runtime casts one flat shard per gather (``_cast.cast_shard_unchecked``) and never reaches this code. A
 host-built owner column maps each program to its tensor in one load, so the launch count does not grow with
 the tensor count and nothing waits on the host. The launch plans (device tables included) are cached per set
-of tensors, so a repeat call costs little more than the launch itself, plus reading each tensor's address and
-layout for the plan key. From ``FOREACH_MIN_TENSORS`` tensors on, that per-tensor Python work costs more than
-PyTorch's C++ ``torch._foreach_copy_``, so the list form hands over to it (docs/kernels.md, "Dispatch").
+of tensors, so a repeat call costs little more than the launch itself, plus reading each tensor's address for
+the plan key and checking their layouts against the plan's guard (one C++ call for all of them). From
+``FOREACH_MIN_TENSORS`` tensors on, that per-tensor Python work costs more than PyTorch's C++
+``torch._foreach_copy_``, so the list form hands over to it (docs/kernels.md, "Dispatch").
 
 Layout: ``@triton.jit`` kernel, launcher (``cast_shards``), reference (``cast_shards_ref``).
 """
@@ -14,7 +15,7 @@ Layout: ``@triton.jit`` kernel, launcher (``cast_shards``), reference (``cast_sh
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -73,7 +74,7 @@ def _cast_shards_kernel(table, num_tensors, src_like, dst_like, ALIGNED: tl.cons
 # Launchers
 # --------------------------------------------------------------------------------------------------
 
-_PLANS = common.PlanCache()
+_PLANS = common.GuardedPlanCache()
 
 
 class _Launch(NamedTuple):
@@ -98,6 +99,8 @@ class _Plan(NamedTuple):
     split_sizes: tuple[int, ...] = ()
     pick: tuple[int, ...] | None = None
     flatten: bool = False  # torch path: some source's shape differs from its destination's (copy 1-D views)
+    # The layout guard of the tensors the plan was built for (_common.layout_guard; the key holds their addresses).
+    check: Callable[..., bool] | None = None
 
 
 
@@ -159,17 +162,20 @@ def _validate_cast_shards(
     return dsts
 
 
-@common.plan_key
-def _key(srcs: list[torch.Tensor], out: torch.Tensor | list[torch.Tensor], offsets: Sequence[int] | None):
-    # Shapes, not only numels: the PyTorch path's plan records whether sources and destinations differ in shape.
-    if isinstance(out, torch.Tensor):
-        # The destination addresses in the table are out's address plus the offsets: both are in the key.
-        placement = None if offsets is None else tuple(map(operator.index, offsets))
-        return out.device, (common.tensors_key(srcs, "shaped"), common.tensor_key(out), placement)
-    if offsets is not None:
-        raise ValueError("offsets with a list out")  # no key: the validating path explains
-    # One key for sources and destinations together (cheaper than two), and where the sources end.
-    return out[0].device, (len(srcs), common.tensors_key(srcs + out, "shaped"))
+def _key(tensors: list[torch.Tensor], num_srcs: int, flat: bool, offsets: Sequence[int] | None) -> tuple | None:
+    """``tensors``: the sources, then the flat ``out`` or the destinations (one list: one read of each address).
+    The key holds their addresses, where the sources end and the offsets (a flat out's destination addresses are
+    its address plus the offsets); the plan's layout guard checks every tensor's shape, strides, dtype and device.
+    """
+    if offsets is None:
+        return common.guarded_key(tensors, num_srcs, flat)
+    if not flat:
+        return None  # offsets with a list out: no key, the validating path explains
+    try:
+        placement = tuple(map(operator.index, offsets))
+    except TypeError:
+        return None
+    return common.guarded_key(tensors, num_srcs, flat, placement)
 
 
 def _build_plan(
@@ -240,9 +246,6 @@ def _plan_group(
 
 
 def _run_plan(plan: _Plan, srcs: list[torch.Tensor], out: torch.Tensor | list[torch.Tensor]) -> None:
-    if plan.torch_path:
-        _torch_copy(plan, srcs, out)
-        return
     with common.device_guard(plan.device):
         for la in plan.launches:
             dst_like = out if la.dst_like < 0 else out[la.dst_like]
@@ -311,14 +314,21 @@ def cast_shards(
                     pass  # PyTorch refused the arguments: the validating path says why, or handles them
         else:
             raise TypeError(f"out must be a tensor or a list of tensors, got a {type(out).__name__}")
-        key = _key(srcs, dests, offsets)
-        plan = _PLANS.get(key)
+        # Every tensor the plan reads or writes: the key's addresses and the plan's layout guard cover them all.
+        guarded: list[torch.Tensor] | None = None
+        if type(srcs) is list:
+            guarded = [*srcs, dests] if isinstance(dests, torch.Tensor) else srcs + dests
+        key = None if guarded is None else _key(guarded, len(srcs), isinstance(dests, torch.Tensor), offsets)
+        plan = _PLANS.get(key, guarded)
         if plan is None:
             plan = _build_plan(srcs, dests, offsets)
-            if plan is not None:
+            if plan is not None and key is not None and guarded is not None:
+                plan = plan._replace(check=common.layout_guard(guarded))
                 _PLANS.put(key, plan)
         if plan is None:
             _copy_all(srcs, _validate_cast_shards(srcs, dests, offsets))  # the reference's copies
+        elif plan.torch_path:
+            _torch_copy(plan, srcs, dests)
         else:
             _run_plan(plan, srcs, dests)
         return dests

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -42,7 +42,7 @@ __all__ = ["chunk_cat", "chunk_cat_ref"]
 TORCH_MIN_TENSORS = 96
 TORCH_MAX_OUT_BYTES_PER_TENSOR = 512 * 1024
 
-_PLANS = common.PlanCache()
+_PLANS = common.GuardedPlanCache()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -174,6 +174,7 @@ class _TorchPlan(NamedTuple):
     device: torch.device
     shape: tuple[int, int]
     dtype: torch.dtype
+    check: Callable[..., bool]  # the layout guard of the tensors (and out) it was built for
 
 
 class _Plan(NamedTuple):
@@ -188,13 +189,17 @@ class _Plan(NamedTuple):
     aligned: bool  # given a 16-byte aligned out
     in_vec: int
     out_vec: int
+    check: Callable[..., bool] | None = None  # the layout guard of the tensors (and out) it was built for
 
 
-@common.plan_key
-def _key(tensors: list[torch.Tensor], world_size: int, dtype: torch.dtype | None, out: torch.Tensor | None):
+def _guarded(tensors: list[torch.Tensor], out: torch.Tensor | None) -> list[torch.Tensor]:
+    """The tensors a plan reads and writes: the key holds their addresses, the plan their layout guard."""
+    return tensors if out is None else [*tensors, out]
+
+
+def _key(guarded: list[torch.Tensor], world_size: int, dtype: torch.dtype | None, has_out: bool) -> tuple | None:
     # type(world_size): True == 1, but only an int passes validation.
-    layout = common.tensors_key(tensors, "shaped")
-    return tensors[0].device, (world_size, type(world_size), dtype, common.tensor_key(out), layout)
+    return common.guarded_key(guarded, world_size, type(world_size), dtype, has_out)
 
 
 def _build_plan(tensors: list[torch.Tensor], world_size: int, out: torch.Tensor, numels: list[int],
@@ -338,13 +343,14 @@ def chunk_cat(
             result = _chunk_cat_torch(tensors, world_size, common.check_factor(factor), out)
             if result is not None:
                 return result
-        key = _key(tensors, world_size, dtype, out)
-        plan = _PLANS.get(key)
+        guarded = _guarded(tensors, out) if type(tensors) is list else None
+        key = None if guarded is None else _key(guarded, world_size, dtype, out is not None)
+        plan = _PLANS.get(key, guarded)
         if plan is not None:
             if out is None:
                 out = torch.empty(plan.shape, dtype=plan.dtype, device=plan.device)
             if isinstance(plan, _TorchPlan):
-                # The plan holds only for tensors PyTorch takes, without a cast (its key fixes both): the
+                # The plan holds only for tensors PyTorch takes, without a cast (key and guard fix both): the
                 # factor alone, not in the key, decides whether PyTorch computes the kernel's bits.
                 scale = common.scale_args(common.check_factor(factor))
                 if scale[2] or not scale[1]:  # a multiply, or no division
@@ -361,15 +367,18 @@ def chunk_cat(
         if out.numel() == 0:
             return out
         if _below_crossover(tensors, out) and _torch_computes_same(tensors, factor, out_dtype):
-            _PLANS.put(key, _TorchPlan(out.device, (world_size, row_numel), out_dtype))
+            if key is not None and guarded is not None:
+                guard = common.layout_guard(guarded)
+                _PLANS.put(key, _TorchPlan(out.device, (world_size, row_numel), out_dtype, guard))
             return _run_torch(tensors, world_size, common.scale_args(factor), out)
         strided = [i for i, t in enumerate(tensors) if not t.is_contiguous()]
         if strided:
             logger.debug("chunk_cat: copying non-contiguous tensors %s to contiguous first", strided)
             tensors = [t.contiguous() for t in tensors]
         plan = _build_plan(tensors, world_size, out, numels, chunks, row_numel)
-        if not strided:  # a table of temporaries' addresses must not outlive them
-            _PLANS.put(key, plan)
+        # Not for copies of strided inputs: a table of temporaries' addresses must not outlive them.
+        if not strided and key is not None and guarded is not None:
+            _PLANS.put(key, plan._replace(check=common.layout_guard(guarded)))
         _run(plan, tensors, out, factor)
         return out
 

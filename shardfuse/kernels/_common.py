@@ -213,6 +213,102 @@ def tensors_key(tensors: Sequence[torch.Tensor], layout: str) -> tuple:
     return (*map(a, tensors), *map(b, tensors), *map(c, tensors), *map(d, tensors), *map(e, tensors))
 
 
+def guarded_key(tensors: list[torch.Tensor], *parts: Any) -> tuple | None:
+    """The plan-cache key of a call whose plan holds a :func:`layout_guard` of ``tensors`` (every tensor it reads
+    and writes, all on one device once validated): the current stream (as :func:`plan_key`), the dispatch overrides
+    in force, ``parts``, and the tensors' addresses alone; their other fields are the guard's to check, at a
+    fraction of the cost of reading them here. None where :func:`plan_key` gives None (graph capture, malformed
+    arguments). One function rather than :func:`plan_key`'s layers: this runs on every call of a dispatching
+    entry point, whose PyTorch path is a few microseconds of host time."""
+    try:
+        first = tensors[0]
+        if first.is_cuda:
+            if torch.cuda.is_current_stream_capturing():
+                return None
+            stream = torch._C._cuda_getCurrentRawStream(first.get_device())
+        else:
+            stream = 0
+        return (stream, _crossover._token, parts, tuple(map(_T.data_ptr, tensors)))
+    except (TypeError, AttributeError, IndexError, RuntimeError):  # e.g. a tensor with no storage to address
+        return None  # no key: the validating path says what is wrong
+
+
+# PyTorch's C++ check of tensor metadata, the one torch.compile's guards run; private, so with a fallback.
+try:
+    from torch._C._dynamo import guards as _dynamo_guards
+
+    _TensorGuards: Any = getattr(_dynamo_guards, "TensorGuards", None)
+except ImportError:  # pragma: no cover - a PyTorch built without dynamo
+    _TensorGuards = None
+
+_STRIDE = _T.stride
+_DEVICE = operator.attrgetter("device")
+
+
+def _layout_fields(tensors: Sequence[torch.Tensor]) -> tuple:
+    return (*map(type, tensors), *map(_SHAPE, tensors), *map(_STRIDE, tensors), *map(_DTYPE, tensors),
+            *map(_DEVICE, tensors))
+
+
+class _FieldGuard:
+    """:func:`layout_guard` in Python: the tensors' types, shapes, strides, dtypes and devices, read again."""
+
+    __slots__ = ("_fields",)
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._fields = _layout_fields(tensors)
+
+    def check(self, *tensors: torch.Tensor) -> bool:
+        try:
+            return _layout_fields(tensors) == self._fields
+        except (TypeError, AttributeError):
+            return False
+
+
+def layout_guard(tensors: Sequence[torch.Tensor], *, native: bool = True) -> Callable[..., bool]:
+    """``check(*same_count_of_tensors) -> bool``: whether each tensor has the Python type, shape, strides, dtype
+    and device (and requires_grad and dispatch keys) that ``tensors`` have now. With the addresses in the plan
+    key (:func:`guarded_key`), it pins down every byte a plan reads and writes, so a tensor whose storage, shape,
+    strides, dtype or device changed never finds a plan built for another (a failed check is a miss: the call
+    validates and builds again). Anything else that fails it (another requires_grad, an inference-mode call) only
+    costs a rebuild.
+
+    The check is ``torch._C._dynamo.guards.TensorGuards`` given every size and stride (a None there would leave
+    that dimension unchecked): one C++ call, about as cheap for all the tensors as one attribute read of each in
+    Python. Where PyTorch lacks it, or it does not accept these tensors (``native=False`` forces this), the same
+    fields are read in Python. It must be given as many tensors as it was built from (the key's addresses fix the
+    count): TensorGuards raises otherwise.
+    """
+    if native and _native_guards_work():
+        try:
+            guards = _native_guards(tensors)
+            if guards.check(*tensors):
+                return guards.check
+        except Exception:  # noqa: BLE001 - a private API whose signature may change: the Python fields then
+            pass
+    return _FieldGuard(tensors).check
+
+
+def _native_guards(tensors: Sequence[torch.Tensor]) -> Any:
+    return _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                         dynamic_dims_strides=[list(t.stride()) for t in tensors])
+
+
+@functools.cache
+def _native_guards_work() -> bool:
+    """Whether this PyTorch's TensorGuards, as :func:`layout_guard` builds it, tells apart what the plans need
+    (another size, strides, dtype): checked once, so that a private API that changed meaning falls back to Python."""
+    if _TensorGuards is None:
+        return False
+    try:
+        t = torch.zeros(2, 3)
+        check = _native_guards([t]).check
+        others = (t.view(3, 2), t.t(), t[:, :2], t.view(torch.int32))
+        return bool(check(t)) and not any(check(o) for o in others)
+    except Exception:  # noqa: BLE001 - see layout_guard
+        return False
+
+
 def tensor_key(t: torch.Tensor | None) -> tuple | None:
     """The part of a plan key for one tensor argument (an ``out`` buffer, a flat source): its address is
     in it, so the overlap checks made when the plan was built hold for every call that finds the plan."""
@@ -285,7 +381,10 @@ class PlanCache:
         if last is not None and last[0] == key:
             plan = last[1]
         else:
-            h = hash(key)
+            try:
+                h = hash(key)
+            except TypeError:
+                return None  # an unhashable argument in the key (a list for an int): the validating path explains
             with self._lock:
                 entry = self._plans.get(h)
                 if entry is None or entry[0] != key:
@@ -298,7 +397,10 @@ class PlanCache:
     def put(self, key: Hashable | None, plan: Any) -> None:
         if key is None:
             return
-        h = hash(key)
+        try:
+            h = hash(key)
+        except TypeError:
+            return
         with self._lock:
             self._plans[h] = entry = (key, plan)
             self._plans.move_to_end(h)
@@ -310,6 +412,61 @@ class PlanCache:
         with self._lock:
             self._plans.clear()
             self._last = None
+
+
+class GuardedPlanCache(PlanCache):
+    """A :class:`PlanCache` of plans keyed by :func:`guarded_key` (addresses), each with a ``check`` (its
+    :func:`layout_guard`). Up to ``layouts`` plans share a key, newest first, and a lookup returns the first whose
+    check passes: tensors that the caching allocator hands out at the same addresses with other shapes (one layer's
+    activations after another's) keep a plan each rather than evicting each other's on every call."""
+
+    def __init__(self, maxsize: int = 64, layouts: int = 4) -> None:
+        super().__init__(maxsize)
+        self.layouts = layouts
+
+    def get(self, key: Hashable | None, guarded: Any = ()) -> Any:
+        """The plan under ``key`` built for tensors laid out as ``guarded`` are now (every tensor the call reads
+        and writes, as given to :func:`guarded_key`); None as :meth:`PlanCache.get` says, or if no plan's check
+        passes."""
+        if key is None:
+            return None
+        last = self._last
+        if last is not None and last[0] == key:
+            plans = last[1]
+        else:
+            try:
+                h = hash(key)
+            except TypeError:
+                return None
+            with self._lock:
+                entry = self._plans.get(h)
+                if entry is None or entry[0] != key:
+                    return None
+                self._plans.move_to_end(h)
+                self._last = entry
+                plans = entry[1]
+        for plan in plans:
+            if plan.check(*guarded):
+                return plan if plan.device.type == "cuda" or interpreting() else None
+        return None
+
+    def put(self, key: Hashable | None, plan: Any) -> None:
+        """Store ``plan`` (with its ``check``) first among the plans under ``key``, dropping the oldest past
+        ``layouts``; as in :meth:`PlanCache.put`, the stored tuple is never changed afterwards."""
+        if key is None:
+            return
+        try:
+            h = hash(key)
+        except TypeError:
+            return
+        with self._lock:
+            entry = self._plans.get(h)
+            older = entry[1][: self.layouts - 1] if entry is not None and entry[0] == key else ()
+            self._plans[h] = entry = (key, (plan, *older))
+            self._plans.move_to_end(h)
+            while len(self._plans) > self.maxsize:
+                self._plans.popitem(last=False)
+            self._last = entry if h in self._plans else None
 
 
 _CACHES: list[PlanCache] = []

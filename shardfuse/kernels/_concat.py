@@ -13,7 +13,7 @@ copy kernel per such input, but no temporary); the contiguous ones still share t
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -31,7 +31,7 @@ __all__ = ["concat_microbatches", "split_microbatches", "concat_microbatches_ref
 _BITS_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _WIDE_BYTES = 4  # narrower dtypes are copied as 4-byte words where sizes and addresses allow
 
-_PLANS = common.PlanCache()
+_PLANS = common.GuardedPlanCache()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -129,6 +129,7 @@ class _TorchPlan(NamedTuple):
     device: torch.device
     shape: tuple
     dtype: torch.dtype
+    check: Callable[..., bool] | None = None  # the layout guard of the tensors (and out) it was built for
 
 
 class _Plan(NamedTuple):
@@ -142,11 +143,12 @@ class _Plan(NamedTuple):
     aligned: bool  # sources and offsets 16-byte aligned, given a 16-byte aligned out
     vec: int
     strided: tuple[tuple[int, int], ...]  # (input index, element offset) of each non-contiguous input
+    check: Callable[..., bool] | None = None  # the layout guard of the tensors (and out) it was built for
 
 
-@common.plan_key
-def _key(tensors: list[torch.Tensor], out: torch.Tensor | None):
-    return tensors[0].device, (common.tensor_key(out), common.tensors_key(tensors, "shaped"))
+def _key(guarded: list[torch.Tensor], has_out: bool) -> tuple | None:
+    """``guarded``: the inputs, then ``out`` if given. The key holds their addresses, the plan their layout guard."""
+    return common.guarded_key(guarded, has_out)
 
 
 def _copy_width(tensors: list[torch.Tensor]) -> int:
@@ -224,8 +226,9 @@ def concat_microbatches(tensors: Sequence[torch.Tensor], out: torch.Tensor | Non
     """
     with profiled("shardfuse.kernels:concat_microbatches"):
         tensors = common.as_list(tensors)
-        key = _key(tensors, out)
-        plan = _PLANS.get(key)
+        guarded = None if type(tensors) is not list else (tensors if out is None else [*tensors, out])
+        key = None if guarded is None else _key(guarded, out is not None)
+        plan = _PLANS.get(key, guarded)
         if plan is None:
             tensors, shape = _validate(tensors, out)
             if out is None:
@@ -237,7 +240,9 @@ def concat_microbatches(tensors: Sequence[torch.Tensor], out: torch.Tensor | Non
                 plan = _build_plan(tensors, shape, out.device)
             else:
                 plan = _TorchPlan(out.device, shape, out.dtype)
-            _PLANS.put(key, plan)
+            if key is not None and guarded is not None:
+                plan = plan._replace(check=common.layout_guard(guarded))
+                _PLANS.put(key, plan)
         elif out is None:
             out = torch.empty(plan.shape, dtype=plan.dtype, device=plan.device)
         if isinstance(plan, _TorchPlan):
