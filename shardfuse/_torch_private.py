@@ -36,7 +36,9 @@ logger = logging.getLogger(__name__)
 OTHER_PRIVATE_USES: dict[tuple[str, str], str] = {
     ("kernels/_chunk_cat.py", "_chunk_cat"): "torch's own chunk-cat, measured faster for many small CUDA tensors",
     ("kernels/_cast_multi.py", "_foreach_copy_"): "torch's multi-tensor copy, measured faster for many tensors",
-    ("kernels/_common.py", "_C"): "the raw current CUDA stream for Triton launches",
+    ("kernels/_common.py", "_C"): "the raw current CUDA stream for Triton launches; torch.compile's C++ tensor "
+    "guards (`_C._dynamo.guards.TensorGuards`) as the plan caches' layout check, self-checked once at first use "
+    "with a Python fallback (`kernels._common.layout_guard`)",
     ("sharding/core/_runtime.py", "_C"): "whether the autograd engine is running a backward",
     ("sharding/core/_flat_param.py", "_utils"): "pickling a parameter view as torch pickles parameters",
     ("sharding/core/_grad_reduce.py", "_foreach_norm"): "the global gradient norm, as torch.nn.utils computes it",

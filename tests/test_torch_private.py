@@ -65,6 +65,13 @@ def _private_uses() -> set[tuple[str, str, int]]:
             if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch"
                     and node.attr.startswith("_") and not node.attr.startswith("__")):
                 found.add((rel, node.attr, node.lineno))
+            # `from torch._C._dynamo import guards` and `import torch._dynamo` reach private modules too
+            modules = ([node.module] if isinstance(node, ast.ImportFrom) and node.module else
+                       [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            for module in modules:
+                parts = module.split(".")
+                if parts[0] == "torch" and len(parts) > 1 and parts[1].startswith("_"):
+                    found.add((rel, parts[1], node.lineno))
     return found
 
 
