@@ -301,9 +301,11 @@ def test_gpu_suite_stages_run_the_variants_and_print_the_table_last(tmp_path: Pa
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     calls = (tmp_path / "out" / "work" / "torchrun_args.txt").read_text().split("----\n")[:2]
     expected = {
-        "e2e-fp8": ("7b", "4k", "e2e_7b_fp8_0gpu", ["fsdp2", "shardfuse", "fsdp2+fp8", "shardfuse+fp8"]),
+        "e2e-fp8": ("7b", "4k", "e2e_7b_fp8_0gpu", ["fsdp2", "shardfuse", "fsdp2+fp8", "shardfuse+fp8",
+                                                     "fsdp2+fp8+split", "shardfuse+fp8+split"]),
         "e2e-8b": ("8b", "8k1", "e2e_8b_0gpu",
-                   ["fsdp2+ac", "shardfuse", "shardfuse-budget", "fsdp2+fp8+ac", "shardfuse+fp8", "fsdp2+once"]),
+                   ["fsdp2+ac", "shardfuse+split", "fsdp2+fp8+ac", "shardfuse+fp8", "shardfuse+fp8+split",
+                    "fsdp2+once"]),
     }
     from bench.e2e.run import parse_args
 
