@@ -372,29 +372,28 @@ class PlanCache:
     def __len__(self) -> int:
         return len(self._plans)
 
-    def get(self, key: Hashable | None) -> Any:
-        """The plan stored under ``key``; None if there is none, or if it was built for the interpreter on
-        CPU tensors and the interpreter has been switched off since (the reference path runs then)."""
+    def _find(self, key: Hashable | None) -> Any:
+        """The value stored under ``key`` (marked most recently used), or None."""
         if key is None:
             return None
         last = self._last
         if last is not None and last[0] == key:
-            plan = last[1]
-        else:
-            try:
-                h = hash(key)
-            except TypeError:
-                return None  # an unhashable argument in the key (a list for an int): the validating path explains
-            with self._lock:
-                entry = self._plans.get(h)
-                if entry is None or entry[0] != key:
-                    return None
-                self._plans.move_to_end(h)
-                self._last = entry
-                plan = entry[1]
-        return plan if plan.device.type == "cuda" or interpreting() else None
+            return last[1]
+        try:
+            h = hash(key)
+        except TypeError:
+            return None  # an unhashable argument in the key (a list for an int): the validating path explains
+        with self._lock:
+            entry = self._plans.get(h)
+            if entry is None or entry[0] != key:
+                return None
+            self._plans.move_to_end(h)
+            self._last = entry
+            return entry[1]
 
-    def put(self, key: Hashable | None, plan: Any) -> None:
+    def _store(self, key: Hashable | None, make: Callable[[Any], Any]) -> None:
+        """Store ``make(value stored under key now, or None)`` under ``key`` as its newest entry. Stored values are
+        never changed afterwards (a kernel in flight may read a plan's table): ``make`` builds a new one."""
         if key is None:
             return
         try:
@@ -402,11 +401,21 @@ class PlanCache:
         except TypeError:
             return
         with self._lock:
-            self._plans[h] = entry = (key, plan)
+            entry = self._plans.get(h)
+            self._plans[h] = entry = (key, make(entry[1] if entry is not None and entry[0] == key else None))
             self._plans.move_to_end(h)
             while len(self._plans) > self.maxsize:
                 self._plans.popitem(last=False)
             self._last = entry if h in self._plans else None
+
+    def get(self, key: Hashable | None) -> Any:
+        """The plan stored under ``key``; None if there is none, or if it was built for the interpreter on
+        CPU tensors and the interpreter has been switched off since (the reference path runs then)."""
+        plan = self._find(key)
+        return plan if plan is not None and (plan.device.type == "cuda" or interpreting()) else None
+
+    def put(self, key: Hashable | None, plan: Any) -> None:
+        self._store(key, lambda _old: plan)
 
     def clear(self) -> None:
         with self._lock:
@@ -428,45 +437,15 @@ class GuardedPlanCache(PlanCache):
         """The plan under ``key`` built for tensors laid out as ``guarded`` are now (every tensor the call reads
         and writes, as given to :func:`guarded_key`); None as :meth:`PlanCache.get` says, or if no plan's check
         passes."""
-        if key is None:
-            return None
-        last = self._last
-        if last is not None and last[0] == key:
-            plans = last[1]
-        else:
-            try:
-                h = hash(key)
-            except TypeError:
-                return None
-            with self._lock:
-                entry = self._plans.get(h)
-                if entry is None or entry[0] != key:
-                    return None
-                self._plans.move_to_end(h)
-                self._last = entry
-                plans = entry[1]
-        for plan in plans:
+        for plan in self._find(key) or ():
             if plan.check(*guarded):
                 return plan if plan.device.type == "cuda" or interpreting() else None
         return None
 
     def put(self, key: Hashable | None, plan: Any) -> None:
         """Store ``plan`` (with its ``check``) first among the plans under ``key``, dropping the oldest past
-        ``layouts``; as in :meth:`PlanCache.put`, the stored tuple is never changed afterwards."""
-        if key is None:
-            return
-        try:
-            h = hash(key)
-        except TypeError:
-            return
-        with self._lock:
-            entry = self._plans.get(h)
-            older = entry[1][: self.layouts - 1] if entry is not None and entry[0] == key else ()
-            self._plans[h] = entry = (key, (plan, *older))
-            self._plans.move_to_end(h)
-            while len(self._plans) > self.maxsize:
-                self._plans.popitem(last=False)
-            self._last = entry if h in self._plans else None
+        ``layouts``."""
+        self._store(key, lambda older: (plan, *(older or ())[: self.layouts - 1]))
 
 
 _CACHES: list[PlanCache] = []
