@@ -140,10 +140,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS, help="bf16 peak for MFU")
     p.add_argument("--no-baseline", action="store_true", help="skip the one-GPU unsharded baseline")
+    p.add_argument("--profile-regime", default="1k", choices=tuple(REGIMES), help="the regime --profile records")
     p.add_argument("--profile", default=None, metavar="DIR",
-                   help=f"profile {PROFILE_STEPS} eager steps of the 1k regime of each implementation (rank 0): a "
-                        f"chrome trace and a kernel-time summary (NCCL vs other kernels, the top kernels) per "
-                        f"implementation in DIR")
+                   help=f"profile {PROFILE_STEPS} eager steps of one regime (--profile-regime) of each "
+                        f"implementation (rank 0): a chrome trace and a kernel-time summary (NCCL vs other kernels, "
+                        f"the top kernels) per implementation in DIR")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--optim", choices=("foreach", "fused"), default="foreach",
                    help="AdamW implementation for every implementation (the captured step adds capturable=True)")
@@ -315,8 +316,8 @@ def measure(
         out["peak_bytes"] -= leftover
         out["leftover_bytes"] = leftover
         out["mem_after_wrap_bytes"] = mem_after_wrap
-    if args.profile and not graphed and regime == "1k":
-        path = Path(args.profile) / f"{impl}_1k_{dist.get_world_size()}gpu_rank0.json" if rank == 0 else None
+    if args.profile and not graphed and regime == args.profile_regime:
+        path = Path(args.profile) / f"{impl}_{regime}_{dist.get_world_size()}gpu_rank0.json" if rank == 0 else None
         # Every rank runs the same steps (collectives stay matched); rank 0 records them.
         with maybe_profile(path, device):
             for i in range(PROFILE_STEPS):

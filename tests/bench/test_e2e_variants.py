@@ -59,12 +59,15 @@ def test_run_arguments_take_variants(capsys: pytest.CaptureFixture) -> None:
     assert args.impl_list == ["fsdp2+fp8+ac", "shardfuse-budget", "fsdp2+once"] and args.regime_list == ["8k1"]
     assert all(v.compile for v in args.variants.values()) and args.variants["fsdp2+fp8+ac"].float8 == "tensorwise"
     assert (args.deadline, args.budget_gib, REGIMES["8k1"]) == (400.0, 60.0, (1, 8192))
+    assert args.profile_regime == "1k"
+    assert parse_args(["--device", "cpu", "--profile-regime", "8k1"]).profile_regime == "8k1"
     for argv, message in [
         (["--impls", "fsdp2+fp9"], "not distinct modifiers"),
         (["--impls", "deepspeed+fp8"], "unknown ['deepspeed+fp8']"),
         (["--deadline", "0"], "--deadline > 0"),
         (["--budget-gib", "-1"], "--budget-gib >= 0"),
         (["--gpu-mem-gib", "0"], "--gpu-mem-gib > 0"),
+        (["--profile-regime", "16k"], "invalid choice: '16k'"),
     ]:
         with pytest.raises(SystemExit):
             parse_args(["--device", "cpu", *argv])
