@@ -49,7 +49,7 @@ def io_per_step(path: str, cfg: dict[str, Any], steps: int = 4) -> dict[str, int
         loss_fn(model, ids, target, step, cfg).backward()
         if step in (2, 2 + steps):
             _flush(model)
-            counts.append(io_bytes(model))
+            counts.append((*io_bytes(model), ssd_host(_flat_handles(model)[0]).ssd.tier.keep.refused_bytes))  # type: ignore[union-attr]
         opt.step()
         opt.zero_grad(set_to_none=True)
     opt.synchronize()
@@ -58,9 +58,9 @@ def io_per_step(path: str, cfg: dict[str, Any], steps: int = 4) -> dict[str, int
     state = sum(p.nbytes for s in shards for p in s.state_pages.values())
     peak = shards[0].tier.keep.peak
     opt.close()
-    (read0, written0), (read1, written1) = counts
+    (read0, written0, refused0), (read1, written1, refused1) = counts
     return {"read": (read1 - read0) // steps, "written": (written1 - written0) // steps, "param": param,
-            "state": state, "peak_kept": peak}
+            "state": state, "peak_kept": peak, "refused": (refused1 - refused0) // steps}
 
 
 @pytest.mark.parametrize("read_ahead", [2, 1])
@@ -75,7 +75,11 @@ def test_each_shard_is_read_and_written_once_per_step(pool, tmp_path, reshard, s
         assert max(got["peak_kept"]) <= read_ahead, got
         assert reshard or got["peak_kept"][1] == 0, got
         assert got["written"] == floor, got
-        assert got["read"] == floor, f"read {got['read']} bytes per step, the floor is {floor}: {got}"
+        # A stepped shard finds no room to stay for its gather only when the main thread waited for the worker
+        # (a loaded host: the worker then steps on rather than wait for room, _ssd_keep.py) and is read again: the
+        # reads are the floor plus those, and those stay rare (a keep that never held would read 2x).
+        assert got["refused"] <= floor // 2, got
+        assert got["read"] == floor + got["refused"], f"read {got['read']} bytes per step, the floor is {floor}: {got}"
 
 
 # ------------------------------------------------------------------------------------------------------

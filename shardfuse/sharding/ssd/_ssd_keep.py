@@ -38,6 +38,9 @@ class Keep:
         self.for_backward: OrderedDict[int, tuple[weakref.ref, Any]] = OrderedDict()  # (SsdShard, copy event)
         self._waits: list[Any] = []  # what the main thread waits for now: HostShards (their update), None (all)
         self.peak = (0, 0)  # the most shards kept at once, for a gather and for backward (tests)
+        # Bytes of stepped shards not kept for their gather (no room while the main thread waited for the worker):
+        # each is read again at its gather, the one read per step the floor does not count (tests, stats).
+        self.refused_bytes = 0
 
     def _note_peak(self) -> None:
         self.peak = (max(self.peak[0], len(self.for_gather)), max(self.peak[1], len(self.for_backward)))
@@ -58,6 +61,7 @@ class Keep:
         """After ``shard``'s step: keep it for its gather if there is room (else it is evicted once written)."""
         with self._cond:
             if len(self.for_gather) >= self.bound:
+                self.refused_bytes += shard.param.nbytes
                 return False
             self.for_gather[id(shard)] = weakref.ref(shard)
             self._note_peak()
