@@ -1,10 +1,14 @@
 """Fit the per-GPU dispatch thresholds of the public kernels from stored kernel measurements.
 
-    python -m bench.kernels.crossover [bench/results/h100/kernels.json ...]
+    python -m bench.kernels.crossover [bench/results/h100 ...]
 
-(from the repository root). Prints, for each file, the :class:`~shardfuse.kernels._crossover.Crossover` of every
-dispatching entry point, as it must appear in ``shardfuse.kernels._crossover.MEASURED``; the test
-``tests/bench/test_kernel_crossover.py`` holds the library's table to what this fit gives for the stored files.
+(from the repository root). Prints, for each GPU kind's results folder, the
+:class:`~shardfuse.kernels._crossover.Crossover` of every dispatching entry point, as it must appear in
+``shardfuse.kernels._crossover.MEASURED``; the test ``tests/bench/test_kernel_crossover.py`` holds the library's
+table to what this fit gives for the stored runs. A kind's runs are its ``kernels.json`` (the newest, the one the
+report shows) and the earlier ones kept under ``kernels_runs/`` beside it: the fit pools their points, so a rule
+must hold on every stored run (the host-bound rows of small calls move from run to run by tens of percent, and a
+rule fitted to one run's noise would flip at the next).
 
 The fit, per family: every row of ``bench/kernels/run.py`` that timed both the Triton kernel and the PyTorch
 sequence the entry point would run instead (``ROW_PATHS``) and that the count rules of the launchers send to
@@ -117,9 +121,14 @@ def fit(family: str, pts: Sequence[Point]) -> Crossover:
     return chosen if best is not None and best[0] > 0 else NEVER
 
 
-def fit_file(path: Path) -> dict[str, Crossover]:
-    """Every family's fitted rule from one kernels file (families with no rows left out)."""
-    rows = json.loads(path.read_text())["rows"]
+def run_files(kind_dir: Path) -> list[Path]:
+    """A GPU kind's stored kernel runs: ``kernels.json`` and the earlier ones under ``kernels_runs/``."""
+    return [kind_dir / "kernels.json", *sorted((kind_dir / "kernels_runs").glob("*.json"))]
+
+
+def fit_files(paths: Sequence[Path]) -> dict[str, Crossover]:
+    """Every family's rule fitted on the pooled points of ``paths`` (families with no rows left out)."""
+    rows = [r for path in paths for r in json.loads(path.read_text())["rows"]]
     out = {}
     for family in ROW_PATHS:
         pts = points(family, rows)
@@ -129,10 +138,11 @@ def fit_file(path: Path) -> dict[str, Crossover]:
 
 
 def main(argv: Sequence[str]) -> None:
-    paths = [Path(a) for a in argv] or sorted(Path("bench/results").glob("*/kernels.json"))
-    for path in paths:
-        print(f"{path.parent.name}: {{")
-        for family, rule in fit_file(path).items():
+    dirs = [Path(a) for a in argv] or sorted(p.parent for p in Path("bench/results").glob("*/kernels.json"))
+    for kind_dir in dirs:
+        files = run_files(kind_dir)
+        print(f"{kind_dir.name}: {{  # {len(files)} run(s)")
+        for family, rule in fit_files(files).items():
             print(f"    {family!r}: {_crossover.describe(rule)},")
         print("}")
 

@@ -78,7 +78,7 @@ MEASURED: dict[str, dict[str, Crossover]] = {
         "cast_shards_list": Crossover(min_bytes=12582912, max_tensors=17),
         "cast_shards_flat": Crossover(min_bytes=math.inf, many_tensors=1000),
         "chunk_cat": Crossover(min_bytes=199535616, max_tensors=17, big_tensor_bytes=2100374),
-        "concat": Crossover(min_bytes=4294950912),
+        "concat": NEVER,
     },
 }
 

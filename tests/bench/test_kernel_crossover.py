@@ -1,7 +1,8 @@
 """The dispatch thresholds of the public kernels are the ones the stored measurements give.
 
 ``shardfuse.kernels._crossover.MEASURED`` must be what ``bench.kernels.crossover`` fits from
-``bench/results/<gpu>/kernels.json``, and the fit must never send a measured call to the slower path.
+``bench/results/<gpu>/kernels.json`` and the earlier runs kept beside it (``kernels_runs/``), and the fit must never
+send a call measured in any of them to the slower path.
 """
 
 from __future__ import annotations
@@ -29,16 +30,16 @@ def test_every_measured_kind_is_in_the_table():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_library_thresholds_are_the_fit_of_the_stored_rows(kind):
-    fitted = fit_mod.fit_file(RESULTS / kind / "kernels.json")
+    fitted = fit_mod.fit_files(fit_mod.run_files(RESULTS / kind))
     assert fitted == _crossover.MEASURED[kind], (
-        f"shardfuse.kernels._crossover.MEASURED[{kind!r}] is not what bench/results/{kind}/kernels.json gives: "
+        f"shardfuse.kernels._crossover.MEASURED[{kind!r}] is not what bench/results/{kind}'s kernel runs give: "
         f"run `python -m bench.kernels.crossover` and copy its table"
     )
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_library_rule_picks_the_faster_path_on_every_stored_row(kind):
-    rows = json.loads((RESULTS / kind / "kernels.json").read_text())["rows"]
+    rows = [r for path in fit_mod.run_files(RESULTS / kind) for r in json.loads(path.read_text())["rows"]]
     for family in fit_mod.ROW_PATHS:
         rule = _crossover.MEASURED[kind].get(family, _crossover.FALLBACK[family])
         for p in fit_mod.points(family, rows):
@@ -84,3 +85,22 @@ def test_report_min_speedup_leaves_out_the_forced_paths(tmp_path):
     path.write_text(json.dumps({"env": {"gpu_key": "h100"}, "copy_bandwidth_gbps": 3000.0, "rows": rows}))
     (summary,) = kernel_summary(load_file(path))
     assert summary[4] == 1.0 and summary[5] == 1.2
+
+
+def test_fit_pools_every_stored_run(tmp_path):
+    """A rule holds on every stored run: a size where the kernel won in one run and lost in another stays PyTorch."""
+
+    def row(nbytes, triton_ms, torch_ms):
+        return {"family": "concat", "name": f"bf16 {nbytes}", "bytes": nbytes, "shardfuse_ms": triton_ms,
+                "baselines": {"torch.cat(out=)": {"ms": torch_ms, "speedup": torch_ms / triton_ms}}}
+
+    kind = tmp_path / "h200"
+    (kind / "kernels_runs").mkdir(parents=True)
+    newest = [row(10**6, 1.0, 1.0), row(10**8, 0.8, 1.0), row(10**9, 0.8, 1.0)]
+    earlier = [row(10**6, 1.0, 1.0), row(10**8, 1.1, 1.0), row(10**9, 0.7, 1.0)]
+    (kind / "kernels.json").write_text(json.dumps({"rows": newest}))
+    (kind / "kernels_runs" / "abc1234.json").write_text(json.dumps({"rows": earlier}))
+    files = fit_mod.run_files(kind)
+    assert files == [kind / "kernels.json", kind / "kernels_runs" / "abc1234.json"]
+    assert fit_mod.fit_files(files[:1])["concat"] == Crossover(min_bytes=10**8)
+    assert fit_mod.fit_files(files)["concat"] == Crossover(min_bytes=10**9)

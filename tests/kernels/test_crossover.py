@@ -195,9 +195,10 @@ def test_merge_is_the_most_cautious():
     for num in (1, 16, 17, 150, 250):
         for nbytes in (0, 15, 25, 9 * num, 10**6):
             assert m.triton(num, nbytes) <= (a.triton(num, nbytes) and b.triton(num, nbytes))
-    # H200: torch.cat measured faster up to 4 GiB moved, so an unknown GPU takes it there too
+    # H200: torch.cat measured as fast or faster at every size, so an unknown GPU takes it everywhere too
     rule = _crossover.FALLBACK["concat"]
-    assert not rule.triton(16, (4 << 30) - (1 << 20)) and rule.triton(16, 5 << 30)
+    assert _crossover.MEASURED["h200"]["concat"] == _crossover.NEVER
+    assert rule == _crossover.NEVER and not rule.triton(16, 1 << 40)
 
 
 def test_gpu_kind_from_the_device_name(monkeypatch):
