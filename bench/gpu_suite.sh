@@ -112,6 +112,9 @@ for stage in "${STAGES[@]}"; do
       cp "$OUT/host_step.json" "$FINAL/" 2>/dev/null ;;
     tile-sweep)
       step tile-sweep 120 python3 -m bench.kernels.sweep_flatten_tile ;;
+    cast-sweep)
+      # the flat shard cast's launch shape (BLOCK, warps, cache hint, offset width) against copy_
+      step cast-sweep 240 python3 -m bench.kernels.sweep_cast_block ${CAST_SWEEP_ARGS:-} ;;
     offload)
       step offload 300 python3 -m bench.offload.run ${OFFLOAD_ARGS:-} ;;
     offload-big)

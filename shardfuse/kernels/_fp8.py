@@ -66,17 +66,17 @@ def _e4m3_bits(x):
 def _fp8_block(src, dst, offs, n, scale, MASKED: tl.constexpr):
     if MASKED:
         mask = offs < n
-        x = tl.load(src + offs, mask=mask, eviction_policy="evict_first").to(tl.float32)
+        x = tl.load(src + offs, mask=mask).to(tl.float32)
     else:
-        x = tl.load(src + offs, eviction_policy="evict_first").to(tl.float32)
+        x = tl.load(src + offs).to(tl.float32)  # no cache hint: see _cast.cast_block
     y = x * scale
     # clamp keeps NaN (torch.clamp does): min/max would drop it.
     y = tl.where(y > 448.0, 448.0, tl.where(y < -448.0, -448.0, y))
     bits = _e4m3_bits(y).to(tl.uint8)
     if MASKED:
-        tl.store(dst + offs, bits, mask=mask, eviction_policy="evict_first")
+        tl.store(dst + offs, bits, mask=mask)
     else:
-        tl.store(dst + offs, bits, eviction_policy="evict_first")
+        tl.store(dst + offs, bits)
 
 
 @triton.jit
