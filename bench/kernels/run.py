@@ -1,11 +1,15 @@
 """Time every kernel family against the PyTorch sequences it replaces and this GPU's copy bandwidth.
 
     python -m bench.kernels.run [--sizes 1M,16M,64M,256M,512M] [--families cast,chunk_cat,...] [--no-crossover]
+                                [--rounds 3]
 
 (from the repository root). After the size sweep, the families that have a dispatch rule (a point past
 which the PyTorch op is faster and runs instead) time cases on both sides of it (``crossover_cases``).
 
-Times are medians of CUDA-event timings (``triton.testing.do_bench``). GB/s counts the fewest bytes the
+Times are medians of CUDA-event timings (``triton.testing.do_bench``), taken in ``--rounds`` rounds per case with
+the implementations interleaved (shardfuse, then each baseline, then again): a row's time is the median of its
+rounds, and the rounds' min and max are kept (``*_spread``), so one noisy timing on a shared host moves no speedup
+by itself. GB/s counts the fewest bytes the
 operation must move (each input read once, each output written once), so a multi-pass baseline scores
 lower for the extra passes it makes. Writes ``bench/results/<gpu>/kernels.json`` (or under $BENCH_OUT).
 """
@@ -16,6 +20,9 @@ import argparse
 import functools
 import gc
 import importlib
+import statistics
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -26,6 +33,7 @@ FAMILY_MODULES = (
     "bench_cast", "bench_flatten", "bench_grad_divide", "bench_chunk_cat", "bench_concat", "bench_fp8",
 )
 DEFAULT_SIZES = "1M,16M,64M,256M,512M"
+SHARDFUSE = "\0shardfuse"  # the case's own entry in the interleaved timings (no baseline label starts with NUL)
 
 
 def parse_size(text: str) -> int:
@@ -40,22 +48,38 @@ def time_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
-def run_case(case: KernelCase, copy_gbps: float) -> dict:
-    row = {
+def interleaved_ms(fns: dict[str, Callable[[], object]], rounds: int,
+                   timer: Callable[[Callable[[], object]], float]) -> dict[str, list[float]]:
+    """Each of ``fns`` timed ``rounds`` times, the implementations interleaved round by round."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    times: dict[str, list[float]] = {label: [] for label in fns}
+    for _ in range(rounds):
+        for label, fn in fns.items():
+            times[label].append(timer(fn))
+    return times
+
+
+def run_case(case: KernelCase, copy_gbps: float, rounds: int = 1, timer=None) -> dict:
+    row: dict[str, Any] = {
         "family": case.family,
         "name": case.name,
         "numel": case.numel,
         "num_tensors": case.num_tensors,
         "bytes": case.bytes_moved,
+        "rounds": rounds,
     }
-    ms = time_ms(case.shardfuse)
+    times = interleaved_ms({SHARDFUSE: case.shardfuse, **case.baselines}, rounds, timer or time_ms)
+    ms = statistics.median(times[SHARDFUSE])
     row["shardfuse_ms"] = ms
+    row["shardfuse_ms_spread"] = [min(times[SHARDFUSE]), max(times[SHARDFUSE])]
     row["shardfuse_gbps"] = case.bytes_moved / (ms * 1e-3) / 1e9
     row["pct_copy_bw"] = 100.0 * row["shardfuse_gbps"] / copy_gbps
-    row["baselines"] = {}
-    for label, fn in case.baselines.items():
-        b_ms = time_ms(fn)
-        row["baselines"][label] = {"ms": b_ms, "speedup": b_ms / ms}
+    baselines: dict[str, dict[str, Any]] = {}
+    row["baselines"] = baselines
+    for label in case.baselines:
+        b_ms = statistics.median(times[label])
+        baselines[label] = {"ms": b_ms, "speedup": b_ms / ms, "ms_spread": [min(times[label]), max(times[label])]}
     return row
 
 
@@ -64,7 +88,10 @@ def main() -> None:
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated element counts (K/M/G suffixes)")
     parser.add_argument("--families", default="", help="bench modules to run, e.g. cast,chunk_cat (default: all)")
     parser.add_argument("--no-crossover", action="store_true", help="skip the cases around the dispatch rules")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per case (median kept)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if not torch.cuda.is_available():
         raise SystemExit("python -m bench.kernels.run needs a CUDA GPU")
 
@@ -82,18 +109,19 @@ def main() -> None:
     for module in modules:
         for size in sizes:
             # Build one size at a time so the largest cases never share memory with others.
-            rows += run_cases(module, functools.partial(module.cases, [size]), f"n={size}", copy_gbps)
+            rows += run_cases(module, functools.partial(module.cases, [size]), f"n={size}", copy_gbps, args.rounds)
     if not args.no_crossover:
         for module in modules:
             if hasattr(module, "crossover_cases"):
-                rows += run_cases(module, module.crossover_cases, "crossover", copy_gbps)
+                rows += run_cases(module, module.crossover_cases, "crossover", copy_gbps, args.rounds)
 
-    path = write_result("kernels", {"copy_bandwidth_gbps": copy_gbps, "sizes": sizes, "rows": rows})
+    path = write_result("kernels", {"copy_bandwidth_gbps": copy_gbps, "sizes": sizes, "rounds": args.rounds,
+                                    "rows": rows})
     print(f"wrote {path}")
     print_summary(rows, copy_gbps)
 
 
-def run_cases(module, build, what: str, copy_gbps: float) -> list[dict]:
+def run_cases(module, build, what: str, copy_gbps: float, rounds: int = 1) -> list[dict]:
     """Build one batch of cases (skipped when it does not fit in memory), time them, print a line each."""
     try:
         cases = build()
@@ -102,7 +130,7 @@ def run_cases(module, build, what: str, copy_gbps: float) -> list[dict]:
         return []
     rows = []
     for case in cases:
-        row = run_case(case, copy_gbps)
+        row = run_case(case, copy_gbps, rounds)
         rows.append(row)
         base = ", ".join(f"{k} x{v['speedup']:.2f}" for k, v in row["baselines"].items())
         print(

@@ -24,7 +24,8 @@ HOW_MEASURED = """\
 ## How these numbers are made
 
 - `python -m bench.kernels.run`: every kernel family against the PyTorch sequences it replaces, at several sizes,
-  with the GPU's own device-copy bandwidth measured in the same run (medians of CUDA-event timings).
+  with the GPU's own device-copy bandwidth measured in the same run (medians of CUDA-event timings; since
+  2026-11-28 each case in 3 rounds with the implementations interleaved, the row the median of the rounds).
 - `torchrun ... -m bench.e2e.run`: a Llama-style decoder trained with shardfuse, shardfuse with its whole
   step captured by `capture_step` into one CUDA graph and replayed (`shardfuse-graph`), FSDP2 `fully_shard`,
   FSDP1 (and FairScale when installed, and `shardfuse-ref`, shardfuse at an older commit built by
