@@ -75,7 +75,7 @@ MEASURED: dict[str, dict[str, Crossover]] = {
         "concat": Crossover(min_bytes=268427264),
     },
     "h200": {
-        "cast_shards_list": Crossover(min_bytes=12582912, max_tensors=17),
+        "cast_shards_list": NEVER,
         "cast_shards_flat": Crossover(min_bytes=math.inf, many_tensors=1000),
         "chunk_cat": Crossover(min_bytes=199535616, max_tensors=17, big_tensor_bytes=2100374),
         "concat": NEVER,
