@@ -265,8 +265,10 @@ def use_torch_chunk_cat(
 
     Decided from the count, the first tensor and ``out`` alone (reading every tensor's layout is the cost
     being avoided): at least TORCH_MIN_TENSORS tensors on CUDA, with less than TORCH_MAX_OUT_BYTES_PER_TENSOR
-    of output each when ``out`` tells the size. Only where PyTorch computes the same bits: no cast (the
-    output dtype is the inputs') and a factor whose division is a multiplication by an exact power of two.
+    of output each when ``out`` tells the size, or more where the GPU's measured crossover (``_crossover``,
+    ``"chunk_cat"``) sends the call to PyTorch at any size up to 2 x ``out``'s bytes. Only where PyTorch
+    computes the same bits: no cast (the output dtype is the inputs') and a factor whose division is a
+    multiplication by an exact power of two.
     """
     if len(tensors) < TORCH_MIN_TENSORS:
         return False
@@ -275,16 +277,27 @@ def use_torch_chunk_cat(
         return False
     if dtype is not None and dtype != t0.dtype:
         return False
-    if out is not None:
-        if not isinstance(out, torch.Tensor) or out.dtype != t0.dtype or out.device != t0.device:
-            return False
-        if out.numel() * out.element_size() >= len(tensors) * TORCH_MAX_OUT_BYTES_PER_TENSOR:
-            return False
     try:
         _, divide, multiply = common.scale_args(common.check_factor(factor))
     except ValueError:
         return False  # the validating path names the bad factor
-    return multiply or not divide
+    if divide and not multiply:
+        return False
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.dtype != t0.dtype or out.device != t0.device:
+            return False
+        out_bytes = out.numel() * out.element_size()
+        # Past the count rule's bytes per tensor the kernel wins, unless the GPU's measured crossover sends the
+        # call to PyTorch anyway: judged at 2 x out's bytes, at least what the call moves (no cast: the inputs
+        # are out less its padding) and the rule only takes more calls to the kernel as bytes grow, so a call
+        # it sends to PyTorch there it sends at its true size too, without the per-tensor sum (and the plan's
+        # per-tensor key and guard) that cost ~0.2 us a tensor (1024 tensors: 180 us on an H200 host). Only
+        # with a division: the branch concatenates into a new buffer first (``_chunk_cat_torch``), which a
+        # division reads into ``out`` in the pass it makes anyway, while without one it is a copy more.
+        if out_bytes >= len(tensors) * TORCH_MAX_OUT_BYTES_PER_TENSOR and (not divide or _crossover.use_triton_at(
+                "chunk_cat", out.device, len(tensors), 2 * out_bytes)):
+            return False
+    return True
 
 
 def _below_crossover(tensors: list[torch.Tensor], out: torch.Tensor) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardfuse.kernels import _chunk_cat
+from shardfuse.kernels import _chunk_cat, _crossover
 from shardfuse.kernels._chunk_cat import chunk_cat, chunk_cat_ref
 from tests._asserts import assert_same
 from tests.conftest import cuda_kernels, kernel_device, poisoned
@@ -242,6 +242,18 @@ def test_use_torch_chunk_cat_decision(monkeypatch):
     assert not decide([t] * n, 4.0, torch.float32, None)  # a cast
     assert not decide([t] * n, "x", None, None)  # a bad factor: the validating path names it
     assert not decide([t.int()] * n, 4.0, None, None)
+    # Enough bytes per tensor, but the device's measured crossover sends the call to PyTorch at 2 x out's bytes
+    # (an upper bound of what it moves): PyTorch, without the plan's per-tensor work.
+    big_bytes = big.numel() * big.element_size()
+    with _crossover.override({"chunk_cat": _crossover.Crossover(min_bytes=2 * big_bytes + 1)}, kind="cpu"):
+        assert decide([t] * n, 4.0, None, big)
+    with _crossover.override({"chunk_cat": _crossover.Crossover(min_bytes=2 * big_bytes)}, kind="cpu"):
+        assert not decide([t] * n, 4.0, None, big)  # the kernel at the bound: judged on the true size later
+    with _crossover.override({"chunk_cat": "torch"}, kind="cpu"):
+        assert decide([t] * n, 4.0, None, big) and not decide([t] * (n - 1), 4.0, None, big)
+        assert not decide([t] * n, 3.0, None, big)  # still only where PyTorch computes the same bits
+        # no division: the branch's buffer would cost a copy more than the plan's torch._chunk_cat(out=)
+        assert not decide([t] * n, 1.0, None, big) and decide([t] * n, 1.0, None, small)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert not decide([t] * n, 4.0, None, None)  # CPU tensors without the interpreter: the reference
 
@@ -283,3 +295,20 @@ def test_gpu_past_the_crossover_is_torch_and_bit_exact():
     names = cuda_kernels(lambda: chunk_cat(tensors, 8, factor=4.0, out=out))
     assert not any("_chunk_cat_kernel" in n for n in names), names
     assert torch.equal(out, expected)
+
+
+@pytest.mark.gpu
+def test_gpu_many_big_tensors_below_the_size_crossover_skip_the_plan():
+    """Many tensors of enough bytes each, where the GPU's rule says PyTorch: no kernel and no plan, exact."""
+    num = _chunk_cat.TORCH_MIN_TENSORS
+    rows = _chunk_cat.TORCH_MAX_OUT_BYTES_PER_TENSOR // (2 * 256) + 8  # bf16 rows of 256: past the per-tensor bytes
+    tensors = [torch.randn(rows + i % 3, 256, device="cuda").to(torch.bfloat16) for i in range(num)]
+    expected = chunk_cat_ref(tensors, 8, factor=4.0)
+    out = poisoned(expected.shape, torch.bfloat16, "cuda")
+    with _crossover.override({"chunk_cat": "torch"}):
+        assert _chunk_cat.use_torch_chunk_cat(tensors, 4.0, None, out)
+        names = cuda_kernels(lambda: chunk_cat(tensors, 8, factor=4.0, out=out))
+    assert not any("_chunk_cat_kernel" in n for n in names), names
+    assert torch.equal(out, expected)
+    with _crossover.override({"chunk_cat": "triton"}):
+        assert not _chunk_cat.use_torch_chunk_cat(tensors, 4.0, None, out)
