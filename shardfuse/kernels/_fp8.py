@@ -22,7 +22,7 @@ Layout: ``@triton.jit`` kernels, launchers, references (``fp8_amax_ref``, ``cast
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -117,8 +117,10 @@ def _amax_kernel(table, num_tensors, src_like, amax_bits, BLOCK: tl.constexpr):
 # Launchers
 # --------------------------------------------------------------------------------------------------
 
-_CAST_PLANS = common.PlanCache()
-_AMAX_PLANS = common.PlanCache()
+# Plans found by the tensors' addresses (``_common.guarded_key``), each holding the layout guard of the tensors its
+# table addresses and its launch is given (``_common.layout_guard``): another layout at the same addresses misses.
+_CAST_PLANS = common.GuardedPlanCache()
+_AMAX_PLANS = common.GuardedPlanCache()
 
 
 class _Plan(NamedTuple):
@@ -129,6 +131,7 @@ class _Plan(NamedTuple):
     like: int  # index of a non-empty source (types the source addresses)
     block: int
     num_warps: int
+    check: Callable[..., bool] | None = None  # the layout guard of the tensors it was built for
 
 
 def _check_srcs(srcs: Sequence[torch.Tensor], caller: str) -> list[torch.Tensor]:
@@ -165,14 +168,19 @@ def fp8_amax(srcs: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> t
     """
     with profiled("shardfuse.kernels:fp8_amax"):
         srcs = common.as_list(srcs)
-        key = _amax_key(srcs)
-        plan = _AMAX_PLANS.get(key)
+        # The table reads the sources alone: ``out`` is checked below on every call, so the key and guard leave it
+        # out (a fresh out per call still finds the plan).
+        guarded = srcs if type(srcs) is list else None
+        key = None if guarded is None else common.guarded_key(guarded)
+        plan = _AMAX_PLANS.get(key, guarded)
         if plan is None:
             srcs = _check_srcs(srcs, "fp8_amax")
             if not srcs or not common.use_triton(*srcs):
                 return fp8_amax_ref(srcs, out)
             plan = _plan(srcs, [list(range(len(srcs)))], srcs[0].device)
-            _AMAX_PLANS.put(key, plan)
+            if key is not None and guarded is not None:
+                plan = plan._replace(check=common.layout_guard(guarded))
+                _AMAX_PLANS.put(key, plan)
         if out is None:
             out = torch.empty(len(srcs), dtype=torch.float32, device=plan.device)
         elif out.dtype != torch.float32 or out.numel() != len(srcs) or not out.is_contiguous():
@@ -184,11 +192,6 @@ def fp8_amax(srcs: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> t
                 _amax_kernel[(plan.grid,)](plan.table, plan.num_tensors, srcs[plan.like], out.view(torch.int32),
                                            BLOCK=plan.block, num_warps=plan.num_warps)
         return out
-
-
-@common.plan_key
-def _amax_key(srcs: list[torch.Tensor]):
-    return srcs[0].device, (common.tensors_key(srcs, "flat"),)
 
 
 def amax_to_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -230,11 +233,14 @@ def _check_cast(srcs: list[torch.Tensor], scales: torch.Tensor, out: torch.Tenso
     return offsets
 
 
-@common.plan_key
-def _cast_key(srcs: list[torch.Tensor], scales: torch.Tensor, out: torch.Tensor, offsets: Sequence[int] | None):
-    placement = None if offsets is None else tuple(map(operator.index, offsets))
-    return out.device, (common.tensors_key(srcs, "flat"), common.tensor_key(scales), common.tensor_key(out),
-                        placement)
+def _cast_key(guarded: list[torch.Tensor], offsets: Sequence[int] | None) -> tuple | None:
+    """``guarded``: the sources, then ``scales`` and ``out``. The key holds their addresses and the offsets (where
+    each source lands in ``out``), the plan their layout guard."""
+    try:
+        placement = None if offsets is None else tuple(map(operator.index, offsets))
+    except TypeError:
+        return None  # no key: the validating path says what is wrong
+    return common.guarded_key(guarded, placement)
 
 
 def cast_fp8_shards(srcs: Sequence[torch.Tensor], scales: torch.Tensor, out: torch.Tensor, *,
@@ -250,14 +256,18 @@ def cast_fp8_shards(srcs: Sequence[torch.Tensor], scales: torch.Tensor, out: tor
     """
     with profiled("shardfuse.kernels:cast_fp8_shards"):
         srcs = common.as_list(srcs)
-        key = _cast_key(srcs, scales, out, offsets)
-        plan = _CAST_PLANS.get(key)
+        # Every tensor the launch reads and writes: the key holds their addresses, the plan their layout guard.
+        guarded = [*srcs, scales, out] if type(srcs) is list else None
+        key = None if guarded is None else _cast_key(guarded, offsets)
+        plan = _CAST_PLANS.get(key, guarded)
         if plan is None:
             offs = _check_cast(srcs, scales, out, offsets)
             if not common.use_triton(scales, out, *srcs):
                 return cast_fp8_shards_ref(srcs, scales, out, offsets=offsets)
             plan = _plan(srcs, [offs, list(range(len(srcs)))], out.device)
-            _CAST_PLANS.put(key, plan)
+            if key is not None and guarded is not None:
+                plan = plan._replace(check=common.layout_guard(guarded))
+                _CAST_PLANS.put(key, plan)
         if plan.grid:
             with common.device_guard(plan.device):
                 _cast_fp8_kernel[(plan.grid,)](plan.table, scales, plan.num_tensors, srcs[plan.like],
