@@ -142,6 +142,10 @@ def _check_srcs(srcs: Sequence[torch.Tensor], caller: str) -> list[torch.Tensor]
             raise ValueError(
                 f"{caller}: srcs[{i}] must be contiguous (stride={s.stride()}): pass srcs[{i}].contiguous()"
             )
+    dtypes = {s.dtype for s in srcs}
+    if len(dtypes) > 1:  # the launch reads every source address as one element type
+        raise TypeError(f"{caller} needs all srcs in one dtype, got {sorted(str(d) for d in dtypes)}: group them by "
+                        f"dtype and call once per group")
     if srcs:
         common.check_same_device(srcs, [f"srcs[{i}]" for i in range(len(srcs))])
     return srcs
@@ -163,8 +167,8 @@ def _plan(srcs: list[torch.Tensor], extra: list[list[int]], device: torch.device
 def fp8_amax(srcs: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
     """``out[i] = max(|srcs[i]|)`` in fp32 (0 for an empty tensor, NaN if any element is NaN), one launch.
 
-    ``srcs``: contiguous float tensors on one device (the segments of a flat shard, say). ``out``: a float32
-    tensor of ``len(srcs)`` elements (allocated when None); it is zeroed first. Returns ``out``.
+    ``srcs``: contiguous float tensors of one dtype on one device (the segments of a flat shard, say). ``out``: a
+    float32 tensor of ``len(srcs)`` elements (allocated when None); it is zeroed first. Returns ``out``.
     """
     with profiled("shardfuse.kernels:fp8_amax"):
         srcs = common.as_list(srcs)
@@ -248,8 +252,8 @@ def cast_fp8_shards(srcs: Sequence[torch.Tensor], scales: torch.Tensor, out: tor
     """Cast every source to float8_e4m3fn with its tensorwise scale, into one flat buffer, in one launch.
 
     ``out.view(-1)[offsets[i] : offsets[i] + srcs[i].numel()] = to_fp8_saturated(srcs[i].float() * scales[i])``
-    (torchao's recipe; same bytes as :func:`cast_fp8_shards_ref`). ``srcs``: contiguous float tensors (segments of
-    a flat shard); ``scales``: float32, one per source (:func:`amax_to_scale`); ``out``: a contiguous
+    (torchao's recipe; same bytes as :func:`cast_fp8_shards_ref`). ``srcs``: contiguous float tensors of one dtype
+    (segments of a flat shard); ``scales``: float32, one per source (:func:`amax_to_scale`); ``out``: a contiguous
     ``torch.float8_e4m3fn`` or ``torch.uint8`` buffer apart from the sources; ``offsets``: element offsets into
     ``out`` (default: back to back from 0), ranges disjoint. Elements of ``out`` outside the ranges are left as
     they are. Returns ``out``.
@@ -299,7 +303,8 @@ def cast_fp8_shards_ref(srcs: Sequence[torch.Tensor], scales: torch.Tensor, out:
     srcs = list(srcs)
     offs = _check_cast(srcs, scales, out, offsets)
     flat = out.view(FP8_DTYPE).view(-1)
+    scale = scales.view(-1)  # any shape of len(srcs) elements, as the kernel reads it
     for i, (s, o) in enumerate(zip(srcs, offs)):
-        y = (s.reshape(-1).to(torch.float32) * scales[i]).clamp(min=-FP8_MAX, max=FP8_MAX).to(FP8_DTYPE)
+        y = (s.reshape(-1).to(torch.float32) * scale[i]).clamp(min=-FP8_MAX, max=FP8_MAX).to(FP8_DTYPE)
         flat[o : o + s.numel()] = y
     return out
