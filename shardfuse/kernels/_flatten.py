@@ -9,7 +9,9 @@ separate tensors of any strides (full state dicts, loading), one launch per dest
 Each launch covers a list of *segments* (one per tensor, plus the padding). A per-segment table holds the
 block-start prefix sums, numels, the strided tensor's address, the offset into the flat buffer and up to
 four coalesced sizes/strides, then the owning segment of every program (one load, no search). Launch plans
-(tables included) are cached per set of tensors: the FSDP data path repeats the same call every step.
+(tables included) are cached per set of tensors: the FSDP data path repeats the same call every step. A plan is
+found by the tensors' addresses and stream (``_common.guarded_key``) and holds one C++ check of their shapes,
+strides and dtypes (``_common.layout_guard``): the same addresses in another layout miss and validate again.
 
 Transposed matrices (``w.t()``, or a batch of them: the unit-stride dim is the next-to-last one) move in
 TILE x TILE tiles rather than in flat order, which would touch one element per memory line on the strided
@@ -22,7 +24,7 @@ references (``*_ref``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -183,7 +185,7 @@ def _check_no_overlap(t: torch.Tensor, name: str) -> None:
         )
 
 
-_PLANS = common.PlanCache()
+_PLANS = common.GuardedPlanCache()
 
 
 class _Launch(NamedTuple):
@@ -205,6 +207,8 @@ class _Plan(NamedTuple):
     dtype: torch.dtype  # of the flat buffer
     numel: int  # of the flat buffer flatten_pad writes
     launches: tuple[_Launch, ...]
+    # The layout guard of the tensors the plan was built for (_common.layout_guard; the key holds their addresses).
+    check: Callable[..., bool] | None = None
 
 
 class _Segments:
@@ -276,16 +280,17 @@ def _run(plan: _Plan, flat: torch.Tensor, others: list[torch.Tensor], flat_is_ds
             )
 
 
-@common.plan_key
-def _flatten_key(tensors: list[torch.Tensor], world_size: int, dtype: torch.dtype | None, out: torch.Tensor | None):
+def _flatten_key(guarded: list[torch.Tensor], world_size: int, dtype: torch.dtype | None, has_out: bool):
+    """``guarded``: the tensors, then ``out`` if given. The key holds their addresses (and which way the plan
+    copies: an unflatten of ``flat=tensors[0]`` into ``[out]`` has the same tensors), the plan their layout guard."""
     # type(world_size): True == 1, but only an int passes validation.
-    layout = common.tensors_key(tensors, "strided")
-    return tensors[0].device, (world_size, type(world_size), dtype, common.tensor_key(out), layout)
+    return common.guarded_key(guarded, "flatten_pad", world_size, type(world_size), dtype, has_out)
 
 
-@common.plan_key
-def _unflatten_key(flat: torch.Tensor, outs: list[torch.Tensor]):
-    return flat.device, (common.tensor_key(flat), common.tensors_key(outs, "strided"))
+def _store(key: tuple | None, plan: _Plan, guarded: list[torch.Tensor] | None) -> None:
+    """Cache ``plan`` with the layout guard of ``guarded``, the caller's own tensors its table addresses."""
+    if key is not None and guarded is not None:
+        _PLANS.put(key, plan._replace(check=common.layout_guard(guarded)))
 
 
 def _plan_flatten(tensors: list[torch.Tensor], out: torch.Tensor, total: int) -> tuple[_Plan, list[torch.Tensor]]:
@@ -380,8 +385,10 @@ def flatten_pad(
     """
     with profiled("shardfuse.kernels:flatten_pad"):
         tensors = common.as_list(tensors)
-        key = _flatten_key(tensors, world_size, dtype, out)
-        plan = _PLANS.get(key)
+        # Every tensor the plan reads and writes: the key holds their addresses, the plan their layout guard.
+        guarded = None if type(tensors) is not list else (tensors if out is None else [*tensors, out])
+        key = None if guarded is None else _flatten_key(guarded, world_size, dtype, out is not None)
+        plan = _PLANS.get(key, guarded)
         if plan is not None:
             if out is None:
                 out = torch.empty(plan.numel, dtype=plan.dtype, device=plan.device)
@@ -391,8 +398,8 @@ def flatten_pad(
         if not common.use_triton(out, *tensors):
             return flatten_pad_ref(tensors, world_size, out=out)
         plan, sources = _plan_flatten(tensors, out, total)
-        if all(s is t for s, t in zip(sources, tensors)):
-            _PLANS.put(key, plan)
+        if all(s is t for s, t in zip(sources, tensors)):  # no table of temporaries' addresses
+            _store(key, plan, guarded)
         _run(plan, out, sources, flat_is_dst=True)
         return out
 
@@ -447,8 +454,9 @@ def unflatten_into(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> list[tor
     """
     with profiled("shardfuse.kernels:unflatten_into"):
         outs = common.as_list(outs)
-        key = _unflatten_key(flat, outs)
-        plan = _PLANS.get(key)
+        guarded = [flat, *outs] if type(outs) is list else None  # the key's addresses, the plan's layout guard
+        key = None if guarded is None else common.guarded_key(guarded, "unflatten_into")
+        plan = _PLANS.get(key, guarded)
         if plan is not None:
             _run(plan, flat, outs, flat_is_dst=False)
             return outs
@@ -456,8 +464,8 @@ def unflatten_into(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> list[tor
         if not common.use_triton(flat, *outs):
             return unflatten_into_ref(flat, outs)
         plan, targets, fixups = _plan_unflatten(outs, flat)
-        if not fixups:
-            _PLANS.put(key, plan)
+        if not fixups:  # no table of temporaries' addresses
+            _store(key, plan, guarded)
         _run(plan, flat, targets, flat_is_dst=False)
         for o, target in fixups:
             o.copy_(target)

@@ -22,7 +22,7 @@ Layout: ``@triton.jit`` kernels, launchers, references (``fp8_amax_ref``, ``cast
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -117,8 +117,10 @@ def _amax_kernel(table, num_tensors, src_like, amax_bits, BLOCK: tl.constexpr):
 # Launchers
 # --------------------------------------------------------------------------------------------------
 
-_CAST_PLANS = common.PlanCache()
-_AMAX_PLANS = common.PlanCache()
+# Plans found by the tensors' addresses (``_common.guarded_key``), each holding the layout guard of the tensors its
+# table addresses and its launch is given (``_common.layout_guard``): another layout at the same addresses misses.
+_CAST_PLANS = common.GuardedPlanCache()
+_AMAX_PLANS = common.GuardedPlanCache()
 
 
 class _Plan(NamedTuple):
@@ -129,6 +131,7 @@ class _Plan(NamedTuple):
     like: int  # index of a non-empty source (types the source addresses)
     block: int
     num_warps: int
+    check: Callable[..., bool] | None = None  # the layout guard of the tensors it was built for
 
 
 def _check_srcs(srcs: Sequence[torch.Tensor], caller: str) -> list[torch.Tensor]:
@@ -139,6 +142,10 @@ def _check_srcs(srcs: Sequence[torch.Tensor], caller: str) -> list[torch.Tensor]
             raise ValueError(
                 f"{caller}: srcs[{i}] must be contiguous (stride={s.stride()}): pass srcs[{i}].contiguous()"
             )
+    dtypes = {s.dtype for s in srcs}
+    if len(dtypes) > 1:  # the launch reads every source address as one element type
+        raise TypeError(f"{caller} needs all srcs in one dtype, got {sorted(str(d) for d in dtypes)}: group them by "
+                        f"dtype and call once per group")
     if srcs:
         common.check_same_device(srcs, [f"srcs[{i}]" for i in range(len(srcs))])
     return srcs
@@ -160,19 +167,24 @@ def _plan(srcs: list[torch.Tensor], extra: list[list[int]], device: torch.device
 def fp8_amax(srcs: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
     """``out[i] = max(|srcs[i]|)`` in fp32 (0 for an empty tensor, NaN if any element is NaN), one launch.
 
-    ``srcs``: contiguous float tensors on one device (the segments of a flat shard, say). ``out``: a float32
-    tensor of ``len(srcs)`` elements (allocated when None); it is zeroed first. Returns ``out``.
+    ``srcs``: contiguous float tensors of one dtype on one device (the segments of a flat shard, say). ``out``: a
+    float32 tensor of ``len(srcs)`` elements (allocated when None); it is zeroed first. Returns ``out``.
     """
     with profiled("shardfuse.kernels:fp8_amax"):
         srcs = common.as_list(srcs)
-        key = _amax_key(srcs)
-        plan = _AMAX_PLANS.get(key)
+        # The table reads the sources alone: ``out`` is checked below on every call, so the key and guard leave it
+        # out (a fresh out per call still finds the plan).
+        guarded = srcs if type(srcs) is list else None
+        key = None if guarded is None else common.guarded_key(guarded)
+        plan = _AMAX_PLANS.get(key, guarded)
         if plan is None:
             srcs = _check_srcs(srcs, "fp8_amax")
             if not srcs or not common.use_triton(*srcs):
                 return fp8_amax_ref(srcs, out)
             plan = _plan(srcs, [list(range(len(srcs)))], srcs[0].device)
-            _AMAX_PLANS.put(key, plan)
+            if key is not None and guarded is not None:
+                plan = plan._replace(check=common.layout_guard(guarded))
+                _AMAX_PLANS.put(key, plan)
         if out is None:
             out = torch.empty(len(srcs), dtype=torch.float32, device=plan.device)
         elif out.dtype != torch.float32 or out.numel() != len(srcs) or not out.is_contiguous():
@@ -184,11 +196,6 @@ def fp8_amax(srcs: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> t
                 _amax_kernel[(plan.grid,)](plan.table, plan.num_tensors, srcs[plan.like], out.view(torch.int32),
                                            BLOCK=plan.block, num_warps=plan.num_warps)
         return out
-
-
-@common.plan_key
-def _amax_key(srcs: list[torch.Tensor]):
-    return srcs[0].device, (common.tensors_key(srcs, "flat"),)
 
 
 def amax_to_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -230,11 +237,14 @@ def _check_cast(srcs: list[torch.Tensor], scales: torch.Tensor, out: torch.Tenso
     return offsets
 
 
-@common.plan_key
-def _cast_key(srcs: list[torch.Tensor], scales: torch.Tensor, out: torch.Tensor, offsets: Sequence[int] | None):
-    placement = None if offsets is None else tuple(map(operator.index, offsets))
-    return out.device, (common.tensors_key(srcs, "flat"), common.tensor_key(scales), common.tensor_key(out),
-                        placement)
+def _cast_key(guarded: list[torch.Tensor], offsets: Sequence[int] | None) -> tuple | None:
+    """``guarded``: the sources, then ``scales`` and ``out``. The key holds their addresses and the offsets (where
+    each source lands in ``out``), the plan their layout guard."""
+    try:
+        placement = None if offsets is None else tuple(map(operator.index, offsets))
+    except TypeError:
+        return None  # no key: the validating path says what is wrong
+    return common.guarded_key(guarded, placement)
 
 
 def cast_fp8_shards(srcs: Sequence[torch.Tensor], scales: torch.Tensor, out: torch.Tensor, *,
@@ -242,22 +252,26 @@ def cast_fp8_shards(srcs: Sequence[torch.Tensor], scales: torch.Tensor, out: tor
     """Cast every source to float8_e4m3fn with its tensorwise scale, into one flat buffer, in one launch.
 
     ``out.view(-1)[offsets[i] : offsets[i] + srcs[i].numel()] = to_fp8_saturated(srcs[i].float() * scales[i])``
-    (torchao's recipe; same bytes as :func:`cast_fp8_shards_ref`). ``srcs``: contiguous float tensors (segments of
-    a flat shard); ``scales``: float32, one per source (:func:`amax_to_scale`); ``out``: a contiguous
+    (torchao's recipe; same bytes as :func:`cast_fp8_shards_ref`). ``srcs``: contiguous float tensors of one dtype
+    (segments of a flat shard); ``scales``: float32, one per source (:func:`amax_to_scale`); ``out``: a contiguous
     ``torch.float8_e4m3fn`` or ``torch.uint8`` buffer apart from the sources; ``offsets``: element offsets into
     ``out`` (default: back to back from 0), ranges disjoint. Elements of ``out`` outside the ranges are left as
     they are. Returns ``out``.
     """
     with profiled("shardfuse.kernels:cast_fp8_shards"):
         srcs = common.as_list(srcs)
-        key = _cast_key(srcs, scales, out, offsets)
-        plan = _CAST_PLANS.get(key)
+        # Every tensor the launch reads and writes: the key holds their addresses, the plan their layout guard.
+        guarded = [*srcs, scales, out] if type(srcs) is list else None
+        key = None if guarded is None else _cast_key(guarded, offsets)
+        plan = _CAST_PLANS.get(key, guarded)
         if plan is None:
             offs = _check_cast(srcs, scales, out, offsets)
             if not common.use_triton(scales, out, *srcs):
                 return cast_fp8_shards_ref(srcs, scales, out, offsets=offsets)
             plan = _plan(srcs, [offs, list(range(len(srcs)))], out.device)
-            _CAST_PLANS.put(key, plan)
+            if key is not None and guarded is not None:
+                plan = plan._replace(check=common.layout_guard(guarded))
+                _CAST_PLANS.put(key, plan)
         if plan.grid:
             with common.device_guard(plan.device):
                 _cast_fp8_kernel[(plan.grid,)](plan.table, scales, plan.num_tensors, srcs[plan.like],
@@ -289,7 +303,8 @@ def cast_fp8_shards_ref(srcs: Sequence[torch.Tensor], scales: torch.Tensor, out:
     srcs = list(srcs)
     offs = _check_cast(srcs, scales, out, offsets)
     flat = out.view(FP8_DTYPE).view(-1)
+    scale = scales.view(-1)  # any shape of len(srcs) elements, as the kernel reads it
     for i, (s, o) in enumerate(zip(srcs, offs)):
-        y = (s.reshape(-1).to(torch.float32) * scales[i]).clamp(min=-FP8_MAX, max=FP8_MAX).to(FP8_DTYPE)
+        y = (s.reshape(-1).to(torch.float32) * scale[i]).clamp(min=-FP8_MAX, max=FP8_MAX).to(FP8_DTYPE)
         flat[o : o + s.numel()] = y
     return out

@@ -3,9 +3,9 @@
 The list form serves the public API and the sharding runtime's gradients kept apart by the unflatten node
 (``sharding/core/_fused_grads.py``, through ``_data_path.pre_divide_pad_pieces``); a flat gradient goes to
 ``_grad_divide.pre_divide_pad_unchecked`` directly. The multi-tensor kernel, its launch plans and their cache
-live here. A list's plan (the metadata table
-and launch arguments) is cached per set of tensors and stream: a repeat call skips validation, table
-building and the host-to-device copy.
+live here. A list's plan (the metadata table and launch arguments) is cached per set of tensors and stream, found
+by their addresses (``_common.guarded_key``) and checked by one C++ guard of their layouts (``_common.layout_guard``):
+a repeat call skips validation, table building and the host-to-device copy.
 
 Layout: ``@triton.jit`` kernel, plan, launcher (``pre_divide_pad``); the reference is
 ``_grad_divide.pre_divide_pad_ref``.
@@ -13,7 +13,7 @@ Layout: ``@triton.jit`` kernel, plan, launcher (``pre_divide_pad``); the referen
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -31,7 +31,7 @@ from shardfuse.kernels._grad_divide import (
 
 __all__ = ["pre_divide_pad"]
 
-_PLANS = common.PlanCache()
+_PLANS = common.GuardedPlanCache()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -101,11 +101,7 @@ class _Plan(NamedTuple):
     like: int  # index of a non-empty gradient (types the source addresses); -1: none
     aligned: bool  # given a 16-byte aligned out
     out_vec: int
-
-
-@common.plan_key
-def _multi_key(grads: list[torch.Tensor], out: torch.Tensor):
-    return out.device, (common.tensor_key(out), common.tensors_key(grads, "flat"))
+    check: Callable[..., bool] | None = None  # the layout guard of the gradients and out it was built for
 
 
 def _plan_multi(grads: list[torch.Tensor], out_flat: torch.Tensor, n: int) -> _Plan:
@@ -156,8 +152,11 @@ def pre_divide_pad(grads: torch.Tensor | Sequence[torch.Tensor], out: torch.Tens
 
 def _pre_divide_pad_list(grads: list[torch.Tensor], out: torch.Tensor, factor: float) -> torch.Tensor:
     with profiled("shardfuse.kernels:pre_divide_pad"):
-        key = _multi_key(grads, out)
-        plan = _PLANS.get(key)
+        # Every tensor the plan reads and writes: the key holds their addresses, the plan their layout guard (the
+        # factor is checked on every call: the launch takes it, the table does not).
+        guarded = [*grads, out]
+        key = common.guarded_key(guarded)
+        plan = _PLANS.get(key, guarded)
         if plan is not None:
             _run_multi(plan, grads, out.view(-1), common.check_factor(factor))
             return out
@@ -168,6 +167,7 @@ def _pre_divide_pad_list(grads: list[torch.Tensor], out: torch.Tensor, factor: f
             return out
         out_flat = out.view(-1)
         plan = _plan_multi(grads, out_flat, n)
-        _PLANS.put(key, plan)
+        if key is not None:
+            _PLANS.put(key, plan._replace(check=common.layout_guard(guarded)))
         _run_multi(plan, grads, out_flat, factor)
         return out
