@@ -193,33 +193,16 @@ def check_factor(factor: Any) -> float:
 _DTYPE = operator.attrgetter("dtype")
 _SHAPE = operator.attrgetter("shape")
 _T = torch.Tensor
-# What a plan reads from each tensor of a list, by how the kernel addresses it. One ``map`` per field over
-# the unbound methods is several times cheaper than a loop building one tuple per tensor; device indices
-# (ints) are cheaper to build and compare than devices.
-_LIST_FIELDS: dict[str, tuple[Callable[[torch.Tensor], Any], ...]] = {
-    "flat": (_T.data_ptr, _T.numel, _DTYPE, _T.is_contiguous, _T.get_device),
-    "shaped": (_T.data_ptr, _SHAPE, _DTYPE, _T.is_contiguous, _T.get_device),
-    "strided": (_T.data_ptr, _SHAPE, _T.stride, _DTYPE, _T.get_device),
-}
-
-
-def tensors_key(tensors: Sequence[torch.Tensor], layout: str) -> tuple:
-    """The part of a plan key for a list of tensors: addresses, sizes (``layout``: "flat" numels, "shaped"
-    shapes, "strided" shapes and strides), dtypes, contiguity and devices; one flat tuple, field after field
-    (its length tells the tensor count), which is cheaper to build, hash and compare than a tuple per field."""
-    if not isinstance(tensors, (list, tuple)):
-        raise TypeError("a plan key is built from a list of tensors")  # anything else: no key, validation explains
-    a, b, c, d, e = _LIST_FIELDS[layout]
-    return (*map(a, tensors), *map(b, tensors), *map(c, tensors), *map(d, tensors), *map(e, tensors))
 
 
 def guarded_key(tensors: list[torch.Tensor], *parts: Any) -> tuple | None:
     """The plan-cache key of a call whose plan holds a :func:`layout_guard` of ``tensors`` (every tensor it reads
-    and writes, all on one device once validated): the current stream (as :func:`plan_key`), the dispatch overrides
+    and writes, all on one device once validated): the current CUDA stream (0 on CPU), the dispatch overrides
     in force, ``parts``, and the tensors' addresses alone; their other fields are the guard's to check, at a
-    fraction of the cost of reading them here. None where :func:`plan_key` gives None (graph capture, malformed
-    arguments). One function rather than :func:`plan_key`'s layers: this runs on every call of a dispatching
-    entry point, whose PyTorch path is a few microseconds of host time."""
+    fraction of the cost of reading them here. None while a CUDA graph is being captured (a captured table copy
+    has not run yet, and a cached table could be freed while the graph still reads it) and for malformed
+    arguments (the validating path says what is wrong). One function, no layers: this runs on every call of a
+    dispatching entry point, whose PyTorch path is a few microseconds of host time."""
     try:
         first = tensors[0]
         if first.is_cuda:
@@ -307,42 +290,6 @@ def _native_guards_work() -> bool:
         return bool(check(t)) and not any(check(o) for o in others)
     except Exception:  # noqa: BLE001 - see layout_guard
         return False
-
-
-def tensor_key(t: torch.Tensor | None) -> tuple | None:
-    """The part of a plan key for one tensor argument (an ``out`` buffer, a flat source): its address is
-    in it, so the overlap checks made when the plan was built hold for every call that finds the plan."""
-    return None if t is None else (t.data_ptr(), tuple(t.shape), t.dtype, t.is_contiguous(), t.device)
-
-
-def plan_key(build: Callable[..., tuple[torch.device, tuple]]) -> Callable[..., tuple | None]:
-    """Decorate a function returning ``(device, parts)`` into one returning the plan-cache key: the current
-    stream, the dispatch overrides in force (``_crossover.token``: a plan remembers its path), then the parts.
-    None when nothing may be cached: during CUDA graph capture, and for malformed arguments (the validating
-    path then says what is wrong)."""
-
-    @functools.wraps(build)
-    def key(*args: Any, **kwargs: Any) -> tuple | None:
-        try:
-            device, parts = build(*args, **kwargs)
-            stream = stream_key(device)
-        except (TypeError, AttributeError, ValueError, RuntimeError, IndexError):
-            return None
-        return None if stream is None else (stream, _crossover.token(), *parts)
-
-    return key
-
-
-def stream_key(device: torch.device) -> int | None:
-    """What a cached device table is tied to: the current CUDA stream (0 on CPU); None while a CUDA graph
-    is being captured, when nothing may be cached (a captured table copy has not run yet, and a cached
-    table could be freed while the graph still reads it)."""
-    if device.type != "cuda":
-        return 0
-    if torch.cuda.is_current_stream_capturing():
-        return None
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return torch._C._cuda_getCurrentRawStream(index)
 
 
 class PlanCache:

@@ -109,7 +109,7 @@ if _ENV and _ENV not in _FORCED:
 
 # Overrides: kind (or None for every kind) -> family -> rule.
 _OVERRIDES: dict[str | None, dict[str, Crossover]] = {}
-# One small int per distinct set of overrides, part of every launch-plan key (``_common.plan_key``): a plan
+# One small int per distinct set of overrides, part of every launch-plan key (``_common.guarded_key``): a plan
 # remembers the path picked under the rules in force when it was built, and a forced path (``override``) builds
 # and caches plans of its own without evicting the others.
 _TOKENS: dict[tuple, int] = {(): 0}

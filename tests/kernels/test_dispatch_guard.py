@@ -101,6 +101,9 @@ def test_guarded_key_holds_stream_overrides_parts_and_every_address():
     assert _common.guarded_key([b, a], 3, None) != key
     for malformed in ([], [a, 2.0], [3]):
         assert _common.guarded_key(malformed) is None  # no key: the validating path says what is wrong
+    with _crossover.override({"concat": "torch"}):
+        assert _common.guarded_key([a, b], 3, None)[1] != key[1]  # a plan built under a forced path is cached apart
+    assert _common.guarded_key([a, b], 3, None) == key
 
 
 def test_unhashable_arguments_get_the_validating_error(guard):
