@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardfuse.kernels import _crossover
+from shardfuse.kernels import _common, _crossover
 
 
 @pytest.fixture
@@ -13,3 +13,15 @@ def triton_path():
     the tests that count the kernel's launches on inputs small enough to go to PyTorch otherwise."""
     with _crossover.override(dict.fromkeys(_crossover.FAMILIES, "triton")):
         yield
+
+
+@pytest.fixture(params=["native", "python"])
+def guard(request, monkeypatch):
+    """Each test with PyTorch's TensorGuards and with the Python fields (as on a PyTorch without it)."""
+    if request.param == "python":
+        monkeypatch.setattr(_common, "_native_guards_work", lambda: False)
+    elif not _common._native_guards_work():
+        pytest.skip("this PyTorch has no torch._C._dynamo.guards.TensorGuards that tells layouts apart")
+    _common.clear_plan_caches()
+    yield request.param
+    _common.clear_plan_caches()

@@ -25,18 +25,6 @@ DEVICE = kernel_device()
 KIND = _crossover.gpu_kind(torch.device(DEVICE))
 
 
-@pytest.fixture(params=["native", "python"])
-def guard(request, monkeypatch):
-    """Each test with PyTorch's TensorGuards and with the Python fields (as on a PyTorch without it)."""
-    if request.param == "python":
-        monkeypatch.setattr(_common, "_native_guards_work", lambda: False)
-    elif not _common._native_guards_work():
-        pytest.skip("this PyTorch has no torch._C._dynamo.guards.TensorGuards that tells layouts apart")
-    _common.clear_plan_caches()
-    yield request.param
-    _common.clear_plan_caches()
-
-
 @pytest.fixture(params=["torch", "triton"])
 def path(request, guard):
     """Both paths of every family: the plans of each are found the same way."""

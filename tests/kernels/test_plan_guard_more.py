@@ -26,18 +26,6 @@ flatten, fp8, grad_divide = (importlib.import_module(f"shardfuse.kernels._{m}")
                              for m in ("flatten", "fp8", "grad_divide_multi"))
 
 
-@pytest.fixture(params=["native", "python"])
-def guard(request, monkeypatch):
-    """Each test with PyTorch's TensorGuards and with the Python fields (as on a PyTorch without it)."""
-    if request.param == "python":
-        monkeypatch.setattr(_common, "_native_guards_work", lambda: False)
-    elif not _common._native_guards_work():
-        pytest.skip("this PyTorch has no torch._C._dynamo.guards.TensorGuards that tells layouts apart")
-    _common.clear_plan_caches()
-    yield request.param
-    _common.clear_plan_caches()
-
-
 def spy(monkeypatch, module, name: str) -> list[int]:
     """Counts the calls of the plan builder ``module.name``: a hit calls none."""
     count = [0]
