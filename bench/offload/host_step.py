@@ -14,8 +14,11 @@ flat shards, as OffloadOptimizer steps a host shard:
   ``OffloadOptimizer(speculative_clip=True)`` (``_speculative.update_out_of_place``): per C-element chunk the
   originals' chunk (parameters, moments) is copied into spare buffers, then the fused kernel updates the spares;
   the originals stay untouched. Beside it, ``chunk=C`` in ``plain`` is the in-place update it is compared with.
-Each in two settings: ``clip+copy`` (scale and compute copy) and ``plain`` (neither: step_in_backward without the
-host compute copy). Rounds interleave the variants; medians and ranges are printed with ms per billion parameters
+Each in the settings ``--settings`` names: ``clip+copy`` (scale and compute copy), ``clip`` (the scale alone: the
+clipped step of ``OffloadOptimizer`` without ``host_compute_copy``) and ``plain`` (neither: step_in_backward without
+the host compute copy). Under ``clip`` one more variant, ``kernel-scale``: the fused kernel's own ``grad_scale``
+argument divides each gradient by ``1 / coef`` inside the update (one pass, whole shard): not the bits of clipping's
+multiply, timed as the bound of a scale fused into the kernel. Rounds interleave the variants; medians and ranges are printed with ms per billion parameters
 and the host-memory bandwidth each implies (bytes the passes must move / time). CPU only: no GPU needed.
 """
 
@@ -33,7 +36,7 @@ from typing import Any
 import torch
 
 from bench.common import env_info
-from shardfuse._torch_private import foreach_add_, fused_adam_kernels
+from shardfuse._torch_private import call_fused_adam, foreach_add_, fused_adam_kernels
 from shardfuse.sharding.host import _host_fused, _speculative
 from shardfuse.sharding.host._host_shard import host_buffer
 
@@ -63,6 +66,21 @@ def _separate(shards: list, clip: bool, copy: bool) -> None:
         opt.step()
         if copy:
             buf.copy_(p)
+
+
+def _kernel_scale(shards: list) -> None:
+    """The fused kernel divides each gradient by ``grad_scale`` (= 1 / coef) itself: one call per shard."""
+    kernels = fused_adam_kernels()
+    inverse = torch.tensor(2.0)  # 1 / 0.5, the coefficient the other variants multiply by
+    for p, opt, _ in shards:
+        settings = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+        group = _host_fused._group_of(opt, [p], settings)
+        if kernels is None or group is None:
+            raise RuntimeError("kernel-scale needs torch's private fused Adam kernel and a fused AdamW with state")
+        foreach_add_(group.steps, 1)
+        with torch.no_grad():
+            call_fused_adam(kernels[1] if group.decoupled else kernels[0], group.params, group.grads,
+                            group.exp_avgs, group.exp_avg_sqs, [], group.steps, dict(group.kwargs, grad_scale=inverse))
 
 
 def _chunked(shards: list, clip: bool, copy: bool, chunk: int) -> None:
@@ -108,13 +126,15 @@ def _speculative_update(shards: list, spares: list[Spare], chunk: int) -> None:
                                              [spare["param"], spare["exp_avg"], spare["exp_avg_sq"]], chunk=chunk)
 
 
-def _bytes_per_param(clip: bool, copy: bool, chunked: bool, spec: bool = False) -> int:
+def _bytes_per_param(clip: bool, copy: bool, chunked: bool, spec: bool = False, kernel_scale: bool = False) -> int:
     """Host-memory bytes per parameter the passes must move: the update's 28, and when separate the scale's 8 and
     the copy's 4+2; chunked, the scaled gradient is written back once (4) and the copy writes 2. Out of place
     (``spec``): the copy of the parameter and both moments (read 12, write 12) and the update's 28 (as if each
     copied chunk left the cache before the kernel read it: an upper bound of the traffic)."""
     if spec:
         return 24 + 28
+    if kernel_scale:  # the kernel reads the gradient and writes the divided one back
+        return 32
     if chunked:
         return 28 + (4 if clip else 0) + (2 if copy else 0)
     return 28 + (8 if clip else 0) + (6 if copy else 0)
@@ -174,7 +194,9 @@ def _measure(shards: list, variants: list[Variant], rounds: int, load: _CopyLoad
             torch.set_num_threads(threads)
             with load if dma and load is not None else contextlib.nullcontext():
                 start = time.perf_counter()
-                if chunk is None:
+                if name == "kernel-scale":
+                    _kernel_scale(shards)
+                elif chunk is None:
                     _separate(shards, clip, copy)
                 elif name.startswith("spec"):
                     assert spares is not None
@@ -190,9 +212,9 @@ def _report(times: dict[Variant, list[float]], n: int) -> list[dict[str, Any]]:
     print(f"{'setting':10} {'variant':16} {'threads':>7} {'copies':>6} {'ms/B params':>12} {'range':>15} {'GB/s':>7}")
     for (name, clip, copy, _, threads, dma), ts in times.items():
         med = statistics.median(ts) * 1e9 / n
-        moved = _bytes_per_param(clip, copy, name != "separate", name.startswith("spec")) * n
+        moved = _bytes_per_param(clip, copy, name != "separate", name.startswith("spec"), name == "kernel-scale") * n
         gbps = moved / statistics.median(ts) / 1e9
-        setting = "clip+copy" if clip else "plain"
+        setting = ("clip+copy" if copy else "clip") if clip else "plain"
         lo, hi = min(ts) * 1e12 / n, max(ts) * 1e12 / n
         print(f"{setting:10} {name:16} {threads:7d} {'yes' if dma else 'no':>6} {med * 1e3:12.0f} "
               f"{lo:7.0f}-{hi:<7.0f} {gbps:7.1f}")
@@ -201,12 +223,19 @@ def _report(times: dict[Variant, list[float]], n: int) -> list[dict[str, Any]]:
     return rows
 
 
-def _variants(counts: list[int], chunks: list[int], dma: bool, spec: bool) -> list[Variant]:
+SETTINGS = {"clip+copy": (True, True), "clip": (True, False), "plain": (False, False)}  # (clip, copy)
+
+
+def _variants(counts: list[int], chunks: list[int], dma: bool, spec: bool,
+              settings: tuple[str, ...] = ("clip+copy", "plain")) -> list[Variant]:
     variants: list[Variant] = []
     for copies in (False, True) if dma else (False,):
-        for clip, copy in ((True, True), (False, False)):
+        for setting in settings:
+            clip, copy = SETTINGS[setting]
             variants += [("separate", clip, copy, None, t, copies) for t in counts]
             variants += [(f"chunk={c}", clip, copy, c, counts[0], copies) for c in chunks]
+            if setting == "clip":
+                variants.append(("kernel-scale", True, False, None, counts[0], copies))
         if spec:  # the speculation neither clips (the norm is not known yet) nor, here, writes a compute copy
             variants += [(f"spec chunk={c}", False, False, c, counts[0], copies) for c in chunks]
     return variants
@@ -246,7 +275,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "keeps them (needs a GPU)")
     ap.add_argument("--spec", action="store_true", help="also the speculative out-of-place update per chunk "
                     "(copy into spare buffers, then update there), beside the in-place one")
+    ap.add_argument("--settings", default="clip+copy,plain",
+                    help=f"comma-separated, of {', '.join(SETTINGS)} (``clip`` adds the kernel-scale variant)")
     args = ap.parse_args(argv)
+    settings = tuple(x for x in args.settings.split(",") if x)
+    unknown = [x for x in settings if x not in SETTINGS]
+    if unknown or not settings:
+        raise SystemExit(f"--settings {args.settings!r}: unknown {unknown or 'empty'}; choose from {', '.join(SETTINGS)}")
     if args.pinned and not torch.cuda.is_available():
         raise SystemExit("--pinned page-locks host memory through CUDA: it needs a CUDA device, none is visible")
     if args.dma and not torch.cuda.is_available():
@@ -259,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     n = sum(p.numel() for p, _, _ in shards)
     chunks = [int(c) for c in args.chunks.split(",") if c]
     spares = _spares(shards, args.pinned) if args.spec else None
-    times = _measure(shards, _variants(counts, chunks, args.dma, args.spec), args.rounds, load, spares)
+    times = _measure(shards, _variants(counts, chunks, args.dma, args.spec, settings), args.rounds, load, spares)
     print(f"host step: {n / 1e9:.2f}B fp32 params in {len(shards)} shards ({'pinned' if args.pinned else 'pageable'}), "
           f"{cores} cores, torch {torch.__version__}")
     rows = _report(times, n)
