@@ -10,9 +10,13 @@ torch's underscore functions carry no compatibility promise. The host tier (``sh
   (``fused=True``) step. Where that fails (the signature moved, the kernel is gone) it logs one warning and returns
   None: ``_host_fused.step_in_chunks`` then declines, and each shard is stepped by the optimizer's own public
   ``step()`` (the same values, without the one-pass cache reuse).
-- ``torch._foreach_norm`` / ``_foreach_mul_`` / ``_foreach_add_``: what ``torch.nn.utils.clip_grad_norm_`` and the
-  optimizers themselves run; where absent, :func:`foreach_norm` / :func:`foreach_mul_` / :func:`foreach_add_` loop
-  over ``torch.linalg.vector_norm`` / ``Tensor.mul_`` / ``Tensor.add_``.
+  Its ``grad_scale`` argument (the kernel divides each gradient by it and writes the quotient back) is what
+  ``OffloadOptimizer(clip_in_update=True)`` scales with: :func:`kernel_divides_by_grad_scale` checks once that it
+  equals ``Tensor.div_`` followed by the unscaled kernel, bit for bit, else that option divides in a separate pass.
+- ``torch._foreach_norm`` / ``_foreach_mul_`` / ``_foreach_div_`` / ``_foreach_add_``: what
+  ``torch.nn.utils.clip_grad_norm_`` and the optimizers themselves run; where absent, :func:`foreach_norm` /
+  :func:`foreach_mul_` / :func:`foreach_div_` / :func:`foreach_add_` loop over ``torch.linalg.vector_norm`` /
+  ``Tensor.mul_`` / ``Tensor.div_`` / ``Tensor.add_``.
 - ``torch._C._storage_Use_Count``: how many tensors (and storage objects) hold a storage; the SSD tier asks before
   it gives a shard's memory back, so a tensor a user took from it keeps valid memory. :func:`storage_use_count`
   returns None where it is gone (the tier then gives the memory back as before that check).
@@ -53,7 +57,7 @@ def storage_use_count(storage: torch.UntypedStorage) -> int | None:
     return _USE_COUNT(storage._cdata) if _USE_COUNT is not None else None
 
 
-_FOREACH = all(hasattr(torch, n) for n in ("_foreach_norm", "_foreach_mul_", "_foreach_add_"))
+_FOREACH = all(hasattr(torch, n) for n in ("_foreach_norm", "_foreach_mul_", "_foreach_div_", "_foreach_add_"))
 
 
 def foreach_norm(tensors: Sequence[torch.Tensor], ord: float) -> list[torch.Tensor]:
@@ -70,6 +74,15 @@ def foreach_mul_(tensors: Sequence[torch.Tensor], scalar: torch.Tensor) -> None:
         return
     for t in tensors:
         t.mul_(scalar)
+
+
+def foreach_div_(tensors: Sequence[torch.Tensor], scalar: torch.Tensor) -> None:
+    """Divide each tensor in place by the one-element tensor ``scalar`` (``torch._foreach_div_``)."""
+    if _FOREACH:
+        torch._foreach_div_(list(tensors), scalar)
+        return
+    for t in tensors:
+        t.div_(scalar)
 
 
 def foreach_add_(tensors: Sequence[torch.Tensor], value: float) -> None:
@@ -149,3 +162,43 @@ def fused_adam_kernels() -> tuple[FusedKernel, FusedKernel] | None:
                        "more pass over host memory)", problem, torch.__version__)
         return None
     return adam, adamw
+
+
+@functools.cache
+def kernel_divides_by_grad_scale() -> bool:
+    """Whether the fused AdamW kernel's ``grad_scale`` gives, bit for bit, what dividing each gradient by it
+    (``Tensor.div_``) and then running the kernel without it gives, the quotient written back into the gradient
+    (checked once per process on tiny random tensors). False (after one warning) where it does not or the kernel
+    is unusable: ``OffloadOptimizer(clip_in_update=True)`` then divides in a pass of its own (same values)."""
+    kernels = fused_adam_kernels()
+    problem = "the fused kernel is unusable" if kernels is None else _probe_grad_scale(kernels[1])
+    if problem is not None:
+        logger.warning("shardfuse: torch's fused AdamW kernel's grad_scale cannot scale clipping (%s, torch %s): "
+                       "clip_in_update divides the gradients in a separate pass instead (same values, one more "
+                       "pass over host memory)", problem, torch.__version__)
+    return problem is None
+
+
+def _probe_grad_scale(kernel: FusedKernel) -> str | None:
+    n = 257
+    inverse = torch.reciprocal(torch.tensor(0.3183, dtype=torch.float32))  # 1 / coef, not a power of two
+    runs = []
+    for in_kernel in (True, False):
+        gen = torch.Generator().manual_seed(4321)  # both runs see the same values
+        p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+        m, v = torch.randn(n, generator=gen), torch.rand(n, generator=gen)
+        step = torch.tensor(3.0)
+        if not in_kernel:
+            g.div_(inverse)
+        kwargs = dict(amsgrad=False, lr=1e-3, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, maximize=False,
+                      grad_scale=inverse if in_kernel else None, found_inf=None)
+        try:
+            with torch.no_grad():
+                call_fused_adam(kernel, [p], [g], [m], [v], [], [step], kwargs)
+        except Exception as err:  # noqa: BLE001 - a moved signature raises TypeError/RuntimeError: reported
+            return f"calling it with grad_scale raised {type(err).__name__}: {err}"
+        runs.append((p, g, m, v))
+    for name, a, b in zip(("param", "gradient", "exp_avg", "exp_avg_sq"), *runs):
+        if not torch.equal(a, b):
+            return f"its {name} differs from dividing first"
+    return None

@@ -67,13 +67,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from bench.offload.big_knobs import Skip, set_host_chunk, set_spec_chunk
 from examples.llama import DecoderLayer, Llama, LlamaConfig, next_token_loss
 
 IMPLS = ("resident", "shardfuse", "shardfuse-budget", "shardfuse-host-accum", "shardfuse-sib",
          "shardfuse-budget-sib", "shardfuse-sib-allcores", "shardfuse-keep", "shardfuse-sib-keep", "shardfuse-ssd",
          "shardfuse-hcc", "shardfuse-sib-hcc", "shardfuse-keep-hcc", "shardfuse-sib-keep-hcc",
          "shardfuse-budget-sib-hcc", "shardfuse-spec", "shardfuse-spec-nofire", "shardfuse-budget-ao",
-         "shardfuse-budget-ao-sib", "torchao", "fairscale", "fsdp2", "deepspeed-zero2", "deepspeed-zero3")  # fmt: skip
+         "shardfuse-budget-ao-sib", "shardfuse-cu", "shardfuse-budget-cu",
+         "torchao", "fairscale", "fsdp2", "deepspeed-zero2", "deepspeed-zero3")  # fmt: skip
 AO_VARIANT = "budget = torchao's GPU peak"
 AO_FALLBACK_BUDGET_GIB = 30.0  # torchao's GPU peak for the 2.9B decoder measured on an H100 (29.6 GiB, issue 30)
 # Variants recorded as another implementation's row with a ``variant`` (internal name -> (row impl, variant)).
@@ -95,6 +97,8 @@ VARIANTS = {"shardfuse-host-accum": ("shardfuse", "host-accum"),
                                          "step-in-backward, no clipping, host_compute_copy"),
             "shardfuse-budget-ao": ("shardfuse-budget", AO_VARIANT),
             "shardfuse-budget-ao-sib": ("shardfuse-budget", f"step-in-backward, no clipping, {AO_VARIANT}"),
+            "shardfuse-cu": ("shardfuse", "clip_in_update"),
+            "shardfuse-budget-cu": ("shardfuse-budget", "clip_in_update"),
             "shardfuse-spec": ("shardfuse", "speculative_clip"),
             "shardfuse-spec-nofire": ("shardfuse", "speculative_clip, max_norm 1e9 (never fires)")}  # fmt: skip
 # ``-keep``: wrapped with reshard_after_forward=False: the gathered bf16 parameters stay on the GPU from forward
@@ -104,6 +108,10 @@ VARIANTS = {"shardfuse-host-accum": ("shardfuse", "host-accum"),
 # the thread launching GPU work): the measurement behind that default.
 # ``-hcc``: OffloadOptimizer(host_compute_copy=True): the host update writes a bf16 copy (in the same cache-sized
 # pass), so 2 instead of 4 bytes per parameter cross to the GPU and are read from host memory.
+# ``-cu``: OffloadOptimizer(clip_in_update=True): clipping's scale inside the fused kernel (its grad_scale, a
+# division by 1 / coef), no pass of its own over host memory; values within a rounding of the multiply's.
+# ``BIG_HOST_CHUNK=N`` (a diagnostic): ``_host_fused.CHUNK_ELEMENTS`` for every shardfuse row (``whole``: one
+# kernel call per parameter); rows record ``host_chunk_elements``.
 # ``shardfuse-host-accum``: the shardfuse row of an accumulating configuration with ``accumulate_on_gpu=False``
 # (gradients go to the host every micro-batch); its row's impl is ``shardfuse`` with ``variant: host-accum``.
 GPU_ONLY = frozenset({"fairscale", "fsdp2", "deepspeed-zero2", "deepspeed-zero3", "torchao"})
@@ -168,10 +176,6 @@ class Job:
     @property
     def cfg(self) -> BenchConfig:
         return CONFIGS[self.config]
-
-
-class Skip(Exception):
-    """This implementation cannot run here (not installed, needs a GPU, no OffloadOptimizer): not an error."""
 
 
 def unavailable_reason(impl: str, device: str) -> str | None:
@@ -383,26 +387,6 @@ def _wrap_shardfuse(model: nn.Module, device: torch.device, ssd: dict[str, Any] 
         return shardfuse.wrap(model)
 
 
-def set_spec_chunk(value: str | None) -> int | None:
-    """``BIG_SPEC_CHUNK``: the speculative update's elements per chunk (``_speculative.SPEC_CHUNK_ELEMENTS``) for
-    this row's process; returns the size in force (None: a shardfuse without the constant, and none asked)."""
-    try:
-        from shardfuse.sharding.host import _speculative
-    except ImportError:
-        _speculative = None  # type: ignore[assignment]
-    has = _speculative is not None and hasattr(_speculative, "SPEC_CHUNK_ELEMENTS")
-    if not value:
-        return int(_speculative.SPEC_CHUNK_ELEMENTS) if has else None
-    if not has:
-        raise Skip(f"BIG_SPEC_CHUNK={value} needs _speculative.SPEC_CHUNK_ELEMENTS, not in this shardfuse")
-    chunk = int(value)
-    if chunk <= 0 or chunk % 4096:
-        raise ValueError(f"BIG_SPEC_CHUNK={value}: the speculative update's chunk must be a positive multiple of "
-                         f"4096 elements (so its values match the in-place update's); pick e.g. {1 << 20}")
-    _speculative.SPEC_CHUNK_ELEMENTS = chunk
-    return chunk
-
-
 def make_shardfuse(job: Job, device: torch.device) -> Trainer:
     """Full offload (``gpu_budget_gib=0``), or the budget of ``shardfuse-budget``, through OffloadOptimizer."""
     import shardfuse
@@ -433,6 +417,11 @@ def make_shardfuse(job: Job, device: torch.device) -> Trainer:
             extra["host_threads"] = int(os.environ["BIG_HOST_THREADS"])
         if job.impl.endswith("-hcc"):
             extra["host_compute_copy"] = True
+        if job.impl.endswith("-cu"):
+            if "clip_in_update" not in inspect.signature(offload_optimizer).parameters:
+                raise Skip(f"OffloadOptimizer(clip_in_update=) is not in this shardfuse ({job.impl} needs it)")
+            extra["clip_in_update"] = True
+        info["host_chunk_elements"] = set_host_chunk(os.environ.get("BIG_HOST_CHUNK"))
         if "-spec" in job.impl:
             if "speculative_clip" not in inspect.signature(offload_optimizer).parameters:
                 raise Skip(f"OffloadOptimizer(speculative_clip=) is not in this shardfuse ({job.impl} needs it)")
@@ -454,6 +443,7 @@ def make_shardfuse(job: Job, device: torch.device) -> Trainer:
                     speculative_clip_gib=extra.get("speculative_clip_gib"),
                     speculative_backoff=getattr(getattr(opt, "_spec", None), "backoff_after", None),
                     keep_params_gib=getattr(opt, "keep_params_gib", 0.0),
+                    clip_in_update=bool(getattr(opt, "clip_in_update", False)),
                     lowp_grads=bool(getattr(opt, "_lowp_grads", False)))
     trainer = (NoClipTrainer if sib else FairScaleStyleTrainer)(model, opt, job.cfg.accum, info)
     if job.impl.endswith("-nofire"):

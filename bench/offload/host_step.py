@@ -18,8 +18,9 @@ Each in the settings ``--settings`` names: ``clip+copy`` (scale and compute copy
 clipped step of ``OffloadOptimizer`` without ``host_compute_copy``) and ``plain`` (neither: step_in_backward without
 the host compute copy). Under ``clip`` one more variant, ``kernel-scale``: the fused kernel's own ``grad_scale``
 argument divides each gradient by ``1 / coef`` inside the update (one pass, whole shard): not the bits of clipping's
-multiply, timed as the bound of a scale fused into the kernel. Rounds interleave the variants; medians and ranges are printed with ms per billion parameters
-and the host-memory bandwidth each implies (bytes the passes must move / time). CPU only: no GPU needed.
+multiply: ``OffloadOptimizer(clip_in_update=True)``'s update. Rounds interleave the variants; medians and ranges
+are printed with ms per billion parameters and the host-memory bandwidth each implies (bytes the passes must move /
+time). CPU only: no GPU needed.
 """
 
 from __future__ import annotations
@@ -281,7 +282,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     settings = tuple(x for x in args.settings.split(",") if x)
     unknown = [x for x in settings if x not in SETTINGS]
     if unknown or not settings:
-        raise SystemExit(f"--settings {args.settings!r}: unknown {unknown or 'empty'}; choose from {', '.join(SETTINGS)}")
+        raise SystemExit(f"--settings {args.settings!r}: unknown {unknown or 'empty'}; choose from "
+                         f"{', '.join(SETTINGS)}")
     if args.pinned and not torch.cuda.is_available():
         raise SystemExit("--pinned page-locks host memory through CUDA: it needs a CUDA device, none is visible")
     if args.dma and not torch.cuda.is_available():

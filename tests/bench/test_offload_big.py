@@ -288,7 +288,7 @@ def test_torchao_row_is_skipped_with_a_reason(monkeypatch) -> None:
 
 
 def test_spec_chunk_from_the_environment(monkeypatch) -> None:
-    from bench.offload.big_impls import set_spec_chunk
+    from bench.offload.big_knobs import set_spec_chunk
     from shardfuse.sharding.host import _speculative
 
     monkeypatch.setattr(_speculative, "SPEC_CHUNK_ELEMENTS", _speculative.SPEC_CHUNK_ELEMENTS)

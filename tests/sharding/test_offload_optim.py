@@ -61,7 +61,8 @@ def _train_loop(cfg: dict[str, Any], overlapped: bool) -> tuple[FSDP, Any, list[
     if overlapped:
         opt = OffloadOptimizer(model, opt, gpu_budget_gib=0, accumulate_on_gpu=cfg.get("accumulate_on_gpu", False),
                                step_in_backward=cfg.get("step_in_backward", False),
-                               host_compute_copy=cfg.get("host_compute_copy", False))
+                               host_compute_copy=cfg.get("host_compute_copy", False),
+                               clip_in_update=cfg.get("clip_in_update", False))
         if cfg.get("resident_root"):  # as a GPU budget keeps a unit resident: stepped on the caller's thread
             for h in model._unit.handles:
                 _make_resident(h, opt.optimizer, h.flat.device)
@@ -76,7 +77,9 @@ def _train_loop(cfg: dict[str, Any], overlapped: bool) -> tuple[FSDP, Any, list[
                 loss = loss_fn(model, ids, target, step, cfg)
                 loss.backward()
                 losses.append(loss.item())
-        if cfg.get("clip"):
+        if cfg.get("clip") and cfg.get("clip_in_update") and not overlapped:
+            losses.append(_clip_by_division(model, cfg["clip"]))
+        elif cfg.get("clip"):
             losses.append(model.clip_grad_norm_(cfg["clip"]).item())
         if cfg.get("clip_again"):  # a second clip sees the gradients the first one scaled (torch's semantics)
             losses.append(model.clip_grad_norm_(cfg["clip_again"]).item())
@@ -101,6 +104,19 @@ def _train_loop(cfg: dict[str, Any], overlapped: bool) -> tuple[FSDP, Any, list[
         if not cfg.get("keep_grads"):
             opt.zero_grad(set_to_none=cfg.get("set_to_none", True))
     return model, opt, losses
+
+
+def _clip_by_division(model: FSDP, max_norm: float) -> float:
+    """The plain path's reference for ``clip_in_update``: the same global norm and coefficient as
+    ``OffloadOptimizer.clip_grad_norm_``, each gradient then divided by ``fp32(1 / coef)`` (``Tensor.div_``)."""
+    total = model.clip_grad_norm_(float("inf"))  # the norm; a coefficient clamped to 1 leaves the gradients as they are
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    inverse = torch.reciprocal(coef.to("cpu", torch.float32))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.div_(inverse.to(p.grad.device))
+    return total.item()
 
 
 def check_same_as_plain(cfg: dict[str, Any]) -> bool:
@@ -174,6 +190,13 @@ CASES = {
     "clip-keep-grads": dict(clip=0.05, keep_grads=True, optim="sgd"),
     "clip-keep-grads-fused": dict(fused=True, host_chunk=4096, clip=0.05, keep_grads=True),
     "resident-root-clip": dict(resident_root=True, clip=0.05),
+    # clip_in_update: each host shard's gradient divided by 1 / coef (in the fused kernel once its state exists;
+    # in a pass of its own for the first step and other optimizers), as the plain reference does by hand.
+    "clip-in-update-fused": dict(fused=True, clip=0.05, clip_in_update=True),
+    "clip-in-update-fused-chunked": dict(fused=True, host_chunk=4096, clip=0.05, clip_in_update=True),
+    "clip-in-update-read-fused": dict(fused=True, clip=0.05, read_clipped=True, clip_in_update=True),
+    "clip-in-update-sgd": dict(clip=0.05, optim="sgd", clip_in_update=True),
+    "clip-in-update-no-sync": dict(fused=True, no_sync_micro=3, clip=0.05, clip_in_update=True),
     "step-in-backward": dict(step_in_backward=True, scheduler=True),
     "step-in-backward-no-sync": dict(step_in_backward=True, no_sync_micro=2, accumulate_on_gpu=True),
     "step-in-backward-unused-unit": dict(step_in_backward=True, extra=True, optim="sgd"),
@@ -668,3 +691,43 @@ def test_step_worker_runs_the_smallest_key_first_and_rekeys():
     worker.close()
     assert order == ["c", "a", "a2", "b"]
     assert worker.busy_s > 0
+
+
+def check_clip_in_update_differs_from_multiplying() -> bool:
+    """``clip_in_update`` changes the values (by a rounding) against the default multiply, so the bit-exact cases
+    above can tell the two apart; where the kernel's ``grad_scale`` probe fails, the separate division pass gives
+    the kernel's values bit for bit."""
+    cfg = dict(fused=True, clip=0.05, clip_in_update=True)
+    model, opt, _ = _train(cfg, overlapped=True)
+    multiplied, _, _ = _train({**cfg, "clip_in_update": False}, overlapped=True)
+    sd, multiplied_sd = model.state_dict(), multiplied.state_dict()
+    assert any(not torch.equal(sd[k], multiplied_sd[k]) for k in sd), "clip_in_update gave the multiply's values"
+    real = _host_fused.kernel_divides_by_grad_scale
+    _host_fused.kernel_divides_by_grad_scale = lambda: False  # type: ignore[assignment]  # the fallback pass
+    try:
+        fallback, _, _ = _train(cfg, overlapped=True)
+    finally:
+        _host_fused.kernel_divides_by_grad_scale = real  # type: ignore[assignment]
+    for k, v in fallback.state_dict().items():
+        assert torch.equal(v, sd[k]), f"{k}: the separate division differs from the kernel's grad_scale"
+    opt.close()
+    return True
+
+
+def test_clip_in_update_differs_from_multiplying(pool):
+    assert pool.run(check_clip_in_update_differs_from_multiplying) == [True] * WORLD
+
+
+def test_clip_in_update_refusals():
+    with pytest.raises(ValueError, match="step_in_backward=True cannot clip"):
+        _settings(clip_in_update=True, step_in_backward=True)
+    with pytest.raises(TypeError, match="clip_in_update must be True or False, got 'yes'"):
+        _settings(clip_in_update="yes")
+
+
+def _settings(**kw: Any) -> None:
+    from shardfuse.sharding.host._offload_settings import check_settings
+
+    base = dict(step_in_backward=False, speculative_clip=False, speculative_clip_gib=None, speculative_backoff=3,
+                keep_params_gib=0.0, host_threads=None, clip_in_update=False)
+    check_settings(**{**base, **kw})

@@ -1,14 +1,15 @@
 """``OffloadOptimizer(speculative_clip=True)`` against the non-speculative clipped path, in a 2-process gloo group.
 
-The reference is the same wrapped model stepped by ``OffloadOptimizer(speculative_clip=False)`` with the same clip
-calls: losses, clip norms, parameters, optimizer state and the gradients left must be equal BIT FOR BIT (NaNs
-compared by their bits) over several steps, where the verdict commits (a max norm above the gradient norm, or no
-clip call), redoes (a tiny max norm, a non-finite norm, an inf-norm clip that scales the gradients in place) or
-both in turn; for fused (chunked) and non-fused AdamW, Adam with amsgrad, SGD with momentum, ``use_orig_params``
-with frozen parameters (gaps in the spare shard), a spare budget that fits only some units, ``no_sync``,
-``reshard_after_forward=False`` (a kept full buffer must be gathered again after a commit), bf16 with the host
-compute copy (its spare is swapped too), an LR scheduler. Before every backward every spare buffer is poisoned with
-NaN, so a commit that swaps in anything the speculation did not write fails the comparison.
+The
+reference is the same wrapped model stepped by ``OffloadOptimizer(speculative_clip=False)`` with the same clip calls:
+losses, clip norms, parameters, optimizer state and the gradients left must be equal BIT FOR BIT (NaNs compared by
+their bits) over several steps, where the verdict commits (a max norm above the gradient norm, or no clip call),
+redoes (a tiny max norm, a non-finite norm, an inf-norm clip that scales the gradients in place) or both in turn; for
+fused (chunked) and non-fused AdamW (with ``clip_in_update`` too), Adam with amsgrad, SGD with momentum,
+``use_orig_params`` with frozen parameters (gaps in the spare shard), a spare budget that fits only some units,
+``no_sync``, ``reshard_after_forward=False`` (a kept full buffer must be gathered again after a commit), bf16 with the
+host compute copy (its spare is swapped too), an LR scheduler. Before every backward every spare buffer is poisoned
+with NaN, so a commit that swaps in anything the speculation did not write fails the comparison.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def run(cfg: dict[str, Any], speculative: bool) -> tuple[FSDP, Any, list[float]]
                                accumulate_on_gpu=cfg.get("accumulate_on_gpu", False),
                                host_compute_copy=cfg.get("host_compute_copy", False), speculative_clip=speculative,
                                speculative_clip_gib=cfg.get("spare_gib"),
+                               clip_in_update=cfg.get("clip_in_update", False),
                                **({"speculative_backoff": cfg["backoff"]} if "backoff" in cfg else {}))
         if cfg.get("freeze"):  # frozen after wrapping: a view without gradient in a trained shard (a gap)
             for name, p in model.named_parameters():
@@ -201,6 +203,11 @@ CASES: dict[str, dict[str, Any]] = {
     "backoff-never": dict(norms=[TINY] * 5, backoff=None, host_chunk=4096),
     "bf16-host-compute-copy": dict(norms=[BIG, TINY, BIG, None], mixed_precision=True,
                                    compute_dtype=torch.bfloat16, host_compute_copy=True, host_chunk=4096),
+    # clip_in_update: the redo divides inside the fused kernel (or in its own pass for SGD), as the reference does.
+    "clip-in-update-mixed-fused": dict(norms=[BIG, TINY, None, BIG, TINY], host_chunk=4096, clip_in_update=True),
+    "clip-in-update-mixed-sgd": dict(norms=[TINY, BIG, TINY, BIG], optim="sgd", clip_in_update=True),
+    "clip-in-update-gradients-read": dict(norms=[BIG, TINY, BIG, TINY], read_at=(0, 1), host_chunk=4096,
+                                          clip_in_update=True),
 }
 
 

@@ -28,7 +28,14 @@ from typing import Any
 
 import torch
 
-from shardfuse._torch_private import FusedKernel, call_fused_adam, foreach_add_, fused_adam_kernels
+from shardfuse._torch_private import (
+    FusedKernel,
+    call_fused_adam,
+    foreach_add_,
+    foreach_div_,
+    fused_adam_kernels,
+    kernel_divides_by_grad_scale,
+)
 from shardfuse._versions import mark_updated
 
 # Elements per chunk: ~2M fp32 elements keep a chunk's parameters, gradient, both moments and the compute copy
@@ -112,14 +119,21 @@ def _pieces(numel: int, chunk: int) -> list[tuple[int, int]]:
     return [(a, min(a + chunk, numel)) for a in range(0, numel, chunk)]
 
 
+def clip_inverse(coef: torch.Tensor) -> torch.Tensor:
+    """What ``clip_in_update`` divides the gradients by: ``1 / coef`` in fp32, taken on the CPU (one rounding,
+    the same wherever the coefficient was computed)."""
+    return torch.reciprocal(coef.detach().to("cpu", torch.float32))
+
+
 def step_in_chunks(sub_groups: list[tuple[torch.optim.Optimizer, list[torch.Tensor], dict[str, Any]]],
                    coef: torch.Tensor | None, flat: torch.Tensor, compute_buf: torch.Tensor | None,
-                   chunk: int | None = None) -> bool:
+                   chunk: int | None = None, divide: bool = False) -> bool:
     """Step every (optimizer, parameters, settings) of one shard chunk by chunk: scale the gradients by ``coef``
     (clipping; None: no scaling), update with the fused kernel, and copy the updated parameters into
     ``compute_buf`` (the shard's compute-dtype copy, in step with ``flat`` before the call; None: no copy).
     Returns False, having changed nothing, when the path does not apply. ``chunk``: elements per chunk (None:
-    ``CHUNK_ELEMENTS``)."""
+    ``CHUNK_ELEMENTS``). ``divide`` (``OffloadOptimizer(clip_in_update=True)``): scale as ``g / clip_inverse(coef)``,
+    inside the kernel (its ``grad_scale``: no pass of its own) where :func:`kernel_divides_by_grad_scale` holds."""
     chunk = CHUNK_ELEMENTS if chunk is None else chunk
     if chunk <= 0 or chunk % ALIGN:
         raise ValueError(f"chunk must be a positive multiple of {ALIGN} elements, got {chunk}")
@@ -136,6 +150,16 @@ def step_in_chunks(sub_groups: list[tuple[torch.optim.Optimizer, list[torch.Tens
     if compute_buf is not None and any(o is None for offs in offsets for o in offs):
         return False  # parameters that are no view of the shard: the caller copies the whole shard
     scale = coef.to("cpu") if coef is not None else None
+    in_kernel: dict[str, Any] | None = None
+    if divide and scale is not None:
+        inverse, scale = clip_inverse(scale), None
+        if kernel_divides_by_grad_scale():
+            in_kernel = {"grad_scale": inverse}
+        else:
+            with torch.no_grad():
+                for group in groups:
+                    if group.grads:
+                        foreach_div_(group.grads, inverse)
     if scale is None and compute_buf is None:
         chunk = sys.maxsize  # one kernel call per parameter: no pass to share the cache with (module docstring)
     with torch.no_grad():
@@ -145,14 +169,17 @@ def step_in_chunks(sub_groups: list[tuple[torch.optim.Optimizer, list[torch.Tens
             foreach_add_(group.steps, 1)
             kernel = kernels[1] if group.decoupled else kernels[0]
             for i, offset in enumerate(offs):
-                _step_one(group, i, kernel, scale, compute_buf, offset, chunk)
+                _step_one(group, i, kernel, scale, compute_buf, offset, chunk, kwargs=in_kernel)
     return True
 
 
 def _step_one(group: _Group, i: int, kernel: FusedKernel, scale: torch.Tensor | None, compute_buf: torch.Tensor | None,
-              offset: int | None, chunk: int, before_chunk: Callable[[int, int], None] | None = None) -> None:
+              offset: int | None, chunk: int, before_chunk: Callable[[int, int], None] | None = None,
+              kwargs: dict[str, Any] | None = None) -> None:
     """Parameter ``i`` of ``group``, chunk by chunk; ``before_chunk(a, b)`` runs first in each chunk (elements
-    ``a:b`` of the parameter; the speculative update copies the originals' chunk into the spare buffers there)."""
+    ``a:b`` of the parameter; the speculative update copies the originals' chunk into the spare buffers there);
+    ``kwargs``: settings over the group's for the kernel (``grad_scale``)."""
+    settings = group.kwargs if kwargs is None else {**group.kwargs, **kwargs}
     views = [group.params[i], group.grads[i], group.exp_avgs[i], group.exp_avg_sqs[i]]
     if group.max_exp_avg_sqs:
         views.append(group.max_exp_avg_sqs[i])
@@ -164,7 +191,7 @@ def _step_one(group: _Group, i: int, kernel: FusedKernel, scale: torch.Tensor | 
         if scale is not None:
             g.mul_(scale)
         call_fused_adam(kernel, [p], [g], [m], [v], [flat_views[4][a:b]] if group.max_exp_avg_sqs else [],
-                        [group.steps[i]], group.kwargs)
+                        [group.steps[i]], settings)
         if compute_buf is not None and offset is not None:
             compute_buf[offset + a:offset + b].copy_(p)
     mark_updated(views)  # the kernel writes in place without counting it (see shardfuse._versions)

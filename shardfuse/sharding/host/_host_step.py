@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from shardfuse._torch_private import foreach_mul_
+from shardfuse._torch_private import foreach_div_, foreach_mul_
 from shardfuse._versions import hook_optimizer
 from shardfuse.sharding.core._flat_param import FlatParamHandle
-from shardfuse.sharding.host._host_fused import step_in_chunks
+from shardfuse.sharding.host._host_fused import clip_inverse, step_in_chunks
 from shardfuse.sharding.host._host_shard import HostShard, UpdateState
 
 logger = logging.getLogger(__name__)
@@ -118,6 +118,7 @@ class ShardPlan:
     groups: list[tuple[int, list[torch.Tensor]]]  # (user group index, parameters)
     subs: list[torch.optim.Optimizer] = field(default_factory=list)
     deferred_zero: bool | None = None  # zero_grad(set_to_none=...) came while the step was queued
+    clip_in_update: bool = False  # OffloadOptimizer(clip_in_update=True): clipping divides by 1 / coef
 
     @property
     def host(self) -> HostShard | None:
@@ -145,14 +146,23 @@ def settings_of(optimizer: torch.optim.Optimizer, plan: ShardPlan) -> list[dict[
     return [{k: v for k, v in optimizer.param_groups[gi].items() if k != "params"} for gi, _ in plan.groups]
 
 
+def scale_grads(grads: list[torch.Tensor], coef: torch.Tensor, divide: bool) -> None:
+    """Clipping's scale in place: ``g * coef`` (torch's), or ``g / clip_inverse(coef)`` with ``divide``
+    (``clip_in_update``: the values the fused kernel's ``grad_scale`` gives)."""
+    if not grads:
+        return
+    if divide:
+        foreach_div_(grads, clip_inverse(coef).to(grads[0].device))
+    else:
+        foreach_mul_(grads, coef.to(grads[0].device))
+
+
 def step_plan(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tensor | None) -> None:
     """Scale the plan's gradients by ``coef`` (clipping) and step them with ``settings`` (see settings_of)."""
     with torch.no_grad():
         for (_, params), sub, group_settings in zip(plan.groups, plan.subs, settings):
             if coef is not None:
-                grads = [p.grad for p in params if p.grad is not None]
-                if grads:
-                    foreach_mul_(grads, coef.to(grads[0].device))
+                scale_grads([p.grad for p in params if p.grad is not None], coef, plan.clip_in_update)
             sub.param_groups[0].update(group_settings)
             sub.step()
 
@@ -255,7 +265,7 @@ def _step_host_shard(plan: ShardPlan, host: HostShard, handle: FlatParamHandle, 
     in_sync = host.compute_buf is not None and host.copy_version == handle.flat._version
     chunked = type(host) is HostShard and step_in_chunks(
         [(sub, params, s) for sub, (_, params), s in zip(plan.subs, plan.groups, settings)], coef, handle.flat,
-        host.compute_buf if in_sync else None)
+        host.compute_buf if in_sync else None, divide=plan.clip_in_update)
     if not chunked:
         step_plan(plan, settings, coef)
     else:

@@ -34,10 +34,12 @@ from shardfuse.sharding.host._host_step import (
     default_host_threads,
     host_task,
     make_sub_optimizers,
+    scale_grads,
     settings_of,
     step_plan,
 )
 from shardfuse.sharding.host._host_trace import HostTrace
+from shardfuse.sharding.host._offload_settings import check_settings
 from shardfuse.sharding.host._placement import (
     choose_resident,
     make_resident,
@@ -102,6 +104,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             norm. ``None``: every offloaded unit.
         speculative_backoff: after this many consecutive steps in which clipping fired (the speculations redone),
             stop speculating until a step's norm is under the clip again (same bits; ``None``: never stop).
+        clip_in_update: scale the host shards' gradients for clipping inside the update: torch's fused Adam/AdamW
+            kernel divides each by ``1 / coef`` (its ``grad_scale``) as it reads it, so clipping takes no pass over
+            host memory of its own. The values are ``g / fp32(1 / coef)`` instead of ``clip_grad_norm_``'s
+            ``g * coef``: within one rounding of it, not bit for bit (units on the GPU are scaled as torch does);
+            every path of this optimizer (other optimizers, the first step, ``apply_pending_clip``, speculation's
+            recompute) gives those same values. Off by default; not with ``step_in_backward`` (no clipping there).
         keep_params_gib: GPU memory (GiB) for keeping offloaded units' gathered compute-dtype parameters from
             their forward to their backward (with ``reshard_after_forward``), so backward gathers nothing: no second
             host->device copy of the shard (``_host_keep``). Units are picked from the end of the forward order
@@ -130,16 +138,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
                  accumulate_on_gpu: bool = False, step_in_backward: bool = False,
                  host_compute_copy: bool = False, host_threads: int | None = None, speculative_clip: bool = False,
                  speculative_clip_gib: float | None = None, keep_params_gib: float | None = 0.0,
-                 speculative_backoff: int | None = 3) -> None:
+                 speculative_backoff: int | None = 3, clip_in_update: bool = False) -> None:
         _check_arguments(model, optimizer, gpu_budget_gib)
-        _check_speculative(speculative_clip, speculative_clip_gib, step_in_backward, speculative_backoff)
-        if keep_params_gib is not None and not keep_params_gib >= 0:
-            raise ValueError(f"keep_params_gib must be >= 0 (GiB) or None (the room left on the device), got "
-                             f"{keep_params_gib!r}")
-        if host_threads is not None and not (isinstance(host_threads, int) and host_threads >= 1):
-            raise ValueError(f"host_threads must be a positive int or None (the cores less one), got {host_threads!r}")
+        check_settings(step_in_backward=step_in_backward, speculative_clip=speculative_clip,
+                       speculative_clip_gib=speculative_clip_gib, speculative_backoff=speculative_backoff,
+                       keep_params_gib=keep_params_gib, host_threads=host_threads, clip_in_update=clip_in_update)
         self.step_in_backward = step_in_backward
         self.host_compute_copy = host_compute_copy
+        self.clip_in_update = clip_in_update
         self._stepped_in_backward: set[int] = set()
         self.speculative_clip = speculative_clip
         self._spec = Speculation(speculative_clip_gib, speculative_backoff) if speculative_clip else None
@@ -272,10 +278,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 h = handle_of(p)
                 by_handle.setdefault(id(h) if h is not None else 0, {}).setdefault(gi, []).append(p)
-        plans = [ShardPlan(h, sorted(by_handle[id(h)].items())) for h in self._handles_in_order()
-                 if id(h) in by_handle]
+        plans = [ShardPlan(h, sorted(by_handle[id(h)].items()), clip_in_update=self.clip_in_update)
+                 for h in self._handles_in_order() if id(h) in by_handle]
         if 0 in by_handle:
-            plans.append(ShardPlan(None, sorted(by_handle[0].items())))
+            plans.append(ShardPlan(None, sorted(by_handle[0].items()), clip_in_update=self.clip_in_update))
         for plan in plans:
             make_sub_optimizers(self.optimizer, plan)
         self._plans = plans
@@ -488,9 +494,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for plan in self._plans:
             if id(plan.handle) not in deferred:
                 continue
-            grads = [p.grad for _, params in plan.groups for p in params if p.grad is not None]
-            if grads:
-                foreach_mul_(grads, coef.to(grads[0].device))
+            scale_grads([p.grad for _, params in plan.groups for p in params if p.grad is not None], coef,
+                        plan.clip_in_update)
             if isinstance(plan.host, HostShard):
                 plan.host.grad_copy.norm_valid = False  # taken before the scaling
 
@@ -561,18 +566,6 @@ def _close_worker(worker: StepWorker, held: list[tuple[Any, list[Any]]]) -> None
     (for a gather that will not come now) goes on."""
     with _backing.main_waits(held):
         worker.close()
-
-
-def _check_speculative(speculative_clip: bool, gib: float | None, step_in_backward: bool,
-                       backoff: int | None = None) -> None:
-    if backoff is not None and not (isinstance(backoff, int) and not isinstance(backoff, bool) and backoff >= 1):
-        raise ValueError(f"speculative_backoff must be a positive int (consecutive clipped steps before speculation "
-                         f"pauses) or None (never pause), got {backoff!r}")
-    if speculative_clip and step_in_backward:
-        raise ValueError("speculative_clip=True starts each unit's update in backward itself (out of place, so it can "
-                         "still clip); step_in_backward=True updates in place and cannot clip: choose one")
-    if gib is not None and not gib >= 0:
-        raise ValueError(f"speculative_clip_gib must be >= 0 (GiB) or None (every unit), got {gib!r}")
 
 
 def _check_arguments(model: nn.Module, optimizer: torch.optim.Optimizer, gpu_budget_gib: float | None) -> None:
