@@ -297,3 +297,11 @@ def test_spec_chunk_from_the_environment(monkeypatch) -> None:
     with pytest.raises(ValueError, match="BIG_SPEC_CHUNK=1000: .*multiple of 4096"):
         set_spec_chunk("1000")
     assert _speculative.SPEC_CHUNK_ELEMENTS == 524288
+
+
+def test_every_impl_has_a_time_estimate():
+    """The time plan (``--estimate``, and the child timeouts) knows every implementation ``--impls`` accepts."""
+    from bench.offload.big import ESTIMATE
+    from bench.offload.big_impls import IMPLS
+
+    assert set(IMPLS) <= set(ESTIMATE), f"no estimate for {sorted(set(IMPLS) - set(ESTIMATE))}"
