@@ -406,6 +406,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         sib += "+spec" if "speculative_clip" in str(variant) else ""
         sib += "+nf" if "never fires" in str(variant) else ""
         sib += "+ao" if "torchao" in str(variant) else ""
+        sib += "+cu" if "clip_in_update" in str(variant) else ""
         name = r["impl"] + {"host-accum": "+ha", None: ""}.get(variant, sib)
         if not r["step_ms"]:
             print(f"{r['config']:<9} {name:<17} {r['tokens_per_step']:>8} {r['status']}: {r.get('reason', '')[:70]}")
@@ -420,8 +421,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         )
     print("(+ha: accumulate_on_gpu=False; +sib: step_in_backward=True, no clipping; +all: host_threads = every "
           "core; +keep: reshard_after_forward=False; +hcc: host_compute_copy=True; +spec: speculative_clip=True; +nf: "
-          "max_norm 1e9, clipping never fires; +ao: GPU budget = torchao's GPU peak; x floor / x resident: step time "
-          "over the floor / resident step)")
+          "max_norm 1e9, clipping never fires; +ao: GPU budget = torchao's GPU peak; +cu: clip_in_update=True; "
+          "x floor / x resident: step time over the floor / resident step)")
 
 
 # ------------------------------------------------------------------------------------------------ driver

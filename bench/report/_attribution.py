@@ -36,7 +36,8 @@ def _name(r: dict[str, Any]) -> str:
     impl = str(r.get("impl", "?"))
     clip = "clip 1.0" if r.get("clipping", not r.get("step_in_backward")) else "no clip, step_in_backward"
     where = f"budget {r['gpu_budget_gib']:.0f} GiB" if r.get("gpu_budget_gib") else "full offload"
-    return f"{impl}: {where}, {clip}" if impl.startswith("shardfuse") else impl
+    how = ", clip_in_update" if r.get("clip_in_update") else ""
+    return f"{impl}: {where}, {clip}{how}" if impl.startswith("shardfuse") else impl
 
 
 def lower_bound_ms(r: dict[str, Any], floor: dict[str, Any]) -> float | None:

@@ -35,8 +35,11 @@ def host_step_section(res: Result) -> list[str]:
              "OffloadOptimizer steps a host shard: `separate` = clipping's scale, the update and the bf16 copy each "
              "a pass over the whole shard; `chunk=C` = the three in one pass per C-element chunk; `spec chunk=C` "
              "(`--spec`) = speculative clipping's out-of-place update (each chunk of the parameters and moments "
-             "copied into spare buffers, then updated there; the originals untouched); `plain` = the "
-             f"update alone. Host: {d.get('cores', '?')} cores, torch {d.get('torch', '?')}; rounds interleave the "
+             "copied into spare buffers, then updated there; the originals untouched); settings: `clip+copy` = "
+             "scale, update and bf16 copy, `clip` = scale and update (the clipped step without the host compute "
+             "copy), `plain` = the update alone; `kernel-scale` (under `clip`) = the fused kernel divides by "
+             "`1 / coef` itself (its `grad_scale`, `OffloadOptimizer(clip_in_update=True)`), one pass. "
+             f"Host: {d.get('cores', '?')} cores, torch {d.get('torch', '?')}; rounds interleave the "
              "variants (median, min-max).", ""]
     if d.get("copies_gbps"):
         lines += [f"Beside copies: pinned host->device and device->host copies of 1 GiB kept running on a side "
