@@ -6,9 +6,10 @@
 :class:`~shardfuse.kernels._crossover.Crossover` of every dispatching entry point, as it must appear in
 ``shardfuse.kernels._crossover.MEASURED``; the test ``tests/bench/test_kernel_crossover.py`` holds the library's
 table to what this fit gives for the stored runs. A kind's runs are its ``kernels.json`` (the newest, the one the
-report shows) and the earlier ones kept under ``kernels_runs/`` beside it: the fit pools their points, so a rule
-must hold on every stored run (the host-bound rows of small calls move from run to run by tens of percent, and a
-rule fitted to one run's noise would flip at the next).
+report shows) and the earlier ones kept under ``kernels_runs/`` beside it, those timed in several interleaved
+rounds where there are any (:func:`run_files`): the fit pools their points, so a rule must hold on every such run
+(the host-bound rows of small calls move from run to run by tens of percent, and a rule fitted to one run's noise
+would flip at the next).
 
 The fit, per family: every row of ``bench/kernels/run.py`` that timed both the Triton kernel and the PyTorch
 sequence the entry point would run instead (``ROW_PATHS``) and that the count rules of the launchers send to
@@ -122,8 +123,13 @@ def fit(family: str, pts: Sequence[Point]) -> Crossover:
 
 
 def run_files(kind_dir: Path) -> list[Path]:
-    """A GPU kind's stored kernel runs: ``kernels.json`` and the earlier ones under ``kernels_runs/``."""
-    return [kind_dir / "kernels.json", *sorted((kind_dir / "kernels_runs").glob("*.json"))]
+    """A GPU kind's stored kernel runs the fit pools: ``kernels.json`` and the earlier ones under ``kernels_runs/``,
+    only those timed in several interleaved rounds (each row a median) where any is: a one-round run's host-bound
+    rows move from run to run by up to 3x (on the H200 the Triton ``chunk_cat`` of 16 tensors x 256K took 23.4 and
+    36.0 us in two one-round runs, 10.2 and 10.8 in two three-round ones) and would veto a rule the medians hold."""
+    runs = [kind_dir / "kernels.json", *sorted((kind_dir / "kernels_runs").glob("*.json"))]
+    medians = [p for p in runs if int(json.loads(p.read_text()).get("rounds") or 1) >= 2]
+    return medians or runs
 
 
 def fit_files(paths: Sequence[Path]) -> dict[str, Crossover]:

@@ -13,9 +13,11 @@ to what that fit gives for the stored files. The families and the rows each is f
   (``chunk_cat_dispatch`` rows);
 - ``"concat"``: ``concat_microbatches`` vs ``torch.cat`` (``concat`` rows).
 
-The H100 rules come from ``bench/results/h100/kernels.json`` (commit b5976d4), the H200 rules from
-``bench/results/h200/kernels.json`` (commit 2a8b2bd, one GPU of a quiet 2 x H200 host). Any other GPU kind gets
-``FALLBACK``: for each family, the most cautious of the measured kinds' rules (:func:`merge`). CPU tensors under
+The H100 rules come from ``bench/results/h100/kernels.json`` (commit b5976d4), the H200 rules from the two H200
+runs timed in three interleaved rounds (``kernels.json`` at ce469c0 and ``kernels_runs/cb974af.json``, one-GPU
+hosts of 16 cores; the one-round runs beside them are left out of the fit, ``bench.kernels.crossover.run_files``).
+Any other GPU kind gets ``FALLBACK``: for each family, the most cautious of the measured kinds' rules
+(:func:`merge`). CPU tensors under
 Triton's interpreter always take the kernel (``CPU``), so that the CPU suite exercises it.
 
 Overriding: :func:`set_crossover` replaces one rule (for one kind, or for every kind), :func:`override` does so
@@ -76,8 +78,8 @@ MEASURED: dict[str, dict[str, Crossover]] = {
     },
     "h200": {
         "cast_shards_list": NEVER,
-        "cast_shards_flat": Crossover(min_bytes=math.inf, many_tensors=1000),
-        "chunk_cat": Crossover(min_bytes=199535616, max_tensors=17, big_tensor_bytes=2100374),
+        "cast_shards_flat": Crossover(min_bytes=25165824, many_tensors=1000),
+        "chunk_cat": Crossover(min_bytes=99920896, max_tensors=17, big_tensor_bytes=1051798),
         "concat": NEVER,
     },
 }
