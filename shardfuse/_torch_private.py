@@ -166,14 +166,15 @@ def fused_adam_kernels() -> tuple[FusedKernel, FusedKernel] | None:
 
 @functools.cache
 def kernel_divides_by_grad_scale() -> bool:
-    """Whether the fused AdamW kernel's ``grad_scale`` gives, bit for bit, what dividing each gradient by it
+    """Whether the fused Adam and AdamW kernels' ``grad_scale`` gives, bit for bit, what dividing each gradient by it
     (``Tensor.div_``) and then running the kernel without it gives, the quotient written back into the gradient
     (checked once per process on tiny random tensors). False (after one warning) where it does not or the kernel
     is unusable: ``OffloadOptimizer(clip_in_update=True)`` then divides in a pass of its own (same values)."""
     kernels = fused_adam_kernels()
-    problem = "the fused kernel is unusable" if kernels is None else _probe_grad_scale(kernels[1])
+    problem = "the fused kernel is unusable" if kernels is None else (
+        _probe_grad_scale(kernels[0]) or _probe_grad_scale(kernels[1]))
     if problem is not None:
-        logger.warning("shardfuse: torch's fused AdamW kernel's grad_scale cannot scale clipping (%s, torch %s): "
+        logger.warning("shardfuse: torch's fused Adam kernel's grad_scale cannot scale clipping (%s, torch %s): "
                        "clip_in_update divides the gradients in a separate pass instead (same values, one more "
                        "pass over host memory)", problem, torch.__version__)
     return problem is None

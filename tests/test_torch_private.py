@@ -91,3 +91,34 @@ def test_the_probe_sees_wrong_values():
     """A kernel that runs but computes something else (Adam's coupled weight decay for AdamW) is caught."""
     problem = _torch_private.probe_fused_adam(torch._fused_adam_, decoupled=True, amsgrad=False)
     assert problem is not None and "differs from torch.optim.AdamW(fused=True)" in problem, problem
+
+
+def test_grad_scale_divides_as_tensor_div():
+    """The fused kernels' ``grad_scale`` is a division by it, the quotient written back (clip_in_update's values)."""
+    for kernel in (torch._fused_adam_, torch._fused_adamw_):
+        assert _torch_private._probe_grad_scale(kernel) is None, (
+            f"torch {torch.__version__}'s {kernel.__name__} grad_scale no longer equals Tensor.div_ then the kernel: "
+            f"clip_in_update falls back to a separate division pass (slower); check the kernel's grad_scale")
+    assert _torch_private.kernel_divides_by_grad_scale()
+
+
+def test_grad_scale_probe_sees_a_multiply(monkeypatch, caplog):
+    """A kernel that multiplies by ``grad_scale`` (or ignores it) is caught, and clip_in_update then divides in a
+    pass of its own."""
+    real = torch._fused_adamw_
+
+    def multiplies(params, grads, *args, grad_scale=None, **kwargs):
+        if grad_scale is not None:
+            torch._foreach_mul_(grads, grad_scale)
+        return real(params, grads, *args, grad_scale=None, **kwargs)
+
+    assert "differs from dividing first" in str(_torch_private._probe_grad_scale(multiplies))
+    monkeypatch.setattr(_torch_private, "fused_adam_kernels", lambda: (torch._fused_adam_, multiplies))
+    _torch_private.kernel_divides_by_grad_scale.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="shardfuse._torch_private"):
+            assert not _torch_private.kernel_divides_by_grad_scale()
+        assert "clip_in_update divides the gradients in a separate pass" in caplog.text, caplog.text
+    finally:
+        monkeypatch.undo()
+        _torch_private.kernel_divides_by_grad_scale.cache_clear()
