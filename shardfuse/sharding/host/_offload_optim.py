@@ -65,7 +65,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     the GPU: gradients leave the GPU as each unit is reduced (into reused pinned buffers), the step returns at
     once, each unit's update runs on the host in forward order and writes a compute-dtype (bf16) copy, and the
     next forward of a unit waits only for that unit's update. Parameters after N steps equal those of stepping
-    ``optimizer`` itself (Adam, AdamW, SGD are per-element).
+    ``optimizer`` itself (Adam, AdamW, SGD are per-element; with ``clip_in_update`` up to clipping's rounding).
 
     Args:
         model: the root ``FullyShardedDataParallel`` (wrapped with ``move_params_to_cpu=True``).
