@@ -2,6 +2,7 @@
 
 A ``HostShard`` per offloaded flat parameter (``_host_shard``), the worker that runs the per-shard updates
 overlapped with the next forward (``_host_step``, ``_host_fused``, ``_host_trace``) and the optimizer that drives
-them (``_offload_optim``). It imports only the core; a store below host memory (the SSD tier) reaches it through
-the ``BackingStore`` Protocol of ``_backing``, which that store implements and registers.
+them (``_offload_optim``, its settings checked by ``_offload_settings``). It imports only the core; a store below
+host memory (the SSD tier) reaches it through the ``BackingStore`` Protocol of ``_backing``, which that store
+implements and registers.
 """
