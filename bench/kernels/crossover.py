@@ -24,6 +24,7 @@ loses somewhere is ``NEVER`` (the PyTorch sequence at every size).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -122,14 +123,37 @@ def fit(family: str, pts: Sequence[Point]) -> Crossover:
     return chosen if best is not None and best[0] > 0 else NEVER
 
 
+KERNELS_DIR = Path(_crossover.__file__).resolve().parent
+# Not part of the digest: the dispatch table itself (refitting it changes no forced path's time).
+DIGEST_SKIPS = ("_crossover.py",)
+
+
+def kernels_source_digest(sources: dict[str, bytes] | None = None) -> str:
+    """A digest of the kernels' code (``shardfuse/kernels/*.py`` but the dispatch table): runs with the same digest
+    timed the same Triton and PyTorch paths. ``sources``: file name -> content (default: this tree's files)."""
+    if sources is None:
+        sources = {p.name: p.read_bytes() for p in KERNELS_DIR.glob("*.py")}
+    h = hashlib.sha256()
+    for name in sorted(n for n in sources if n not in DIGEST_SKIPS):
+        h.update(name.encode() + b"\0" + sources[name] + b"\0")
+    return h.hexdigest()[:16]
+
+
 def run_files(kind_dir: Path) -> list[Path]:
     """A GPU kind's stored kernel runs the fit pools: ``kernels.json`` and the earlier ones under ``kernels_runs/``,
-    only those timed in several interleaved rounds (each row a median) where any is: a one-round run's host-bound
+    only those timed in several interleaved rounds (each row a median) where any is, and of them, where the newest
+    run records the kernels' code (``kernels_source``), only those of the same code. A one-round run's host-bound
     rows move from run to run by up to 3x (on the H200 the Triton ``chunk_cat`` of 16 tensors x 256K took 23.4 and
-    36.0 us in two one-round runs, 10.2 and 10.8 in two three-round ones) and would veto a rule the medians hold."""
+    36.0 us in two one-round runs, 10.2 and 10.8 in two three-round ones), and a run of older code times paths that
+    are gone (the same call of 16 tensors x 1024K took 60.4 us before the plan caches' guarded keys, 25.1 after):
+    either would veto a rule the current code's medians hold."""
     runs = [kind_dir / "kernels.json", *sorted((kind_dir / "kernels_runs").glob("*.json"))]
-    medians = [p for p in runs if int(json.loads(p.read_text()).get("rounds") or 1) >= 2]
-    return medians or runs
+    data = {p: json.loads(p.read_text()) for p in runs}
+    medians = [p for p in runs if int(data[p].get("rounds") or 1) >= 2] or runs
+    newest = data[runs[0]].get("kernels_source")
+    if newest and runs[0] in medians:
+        return [p for p in medians if data[p].get("kernels_source") == newest]
+    return medians
 
 
 def fit_files(paths: Sequence[Path]) -> dict[str, Crossover]:

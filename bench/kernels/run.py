@@ -11,7 +11,9 @@ the implementations interleaved (shardfuse, then each baseline, then again): a r
 rounds, and the rounds' min and max are kept (``*_spread``), so one noisy timing on a shared host moves no speedup
 by itself. GB/s counts the fewest bytes the
 operation must move (each input read once, each output written once), so a multi-pass baseline scores
-lower for the extra passes it makes. Writes ``bench/results/<gpu>/kernels.json`` (or under $BENCH_OUT).
+lower for the extra passes it makes. Writes ``bench/results/<gpu>/kernels.json`` (or under $BENCH_OUT), with
+``kernels_source``: the digest of the kernels' code the crossover fit pools runs by
+(``bench.kernels.crossover.run_files``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from bench.common import copy_bandwidth_gbps, write_result
 from bench.kernels.cases import FORCED_PATHS, KernelCase
+from bench.kernels.crossover import kernels_source_digest
 
 FAMILY_MODULES = (
     "bench_cast", "bench_flatten", "bench_grad_divide", "bench_chunk_cat", "bench_concat", "bench_fp8",
@@ -116,7 +119,7 @@ def main() -> None:
                 rows += run_cases(module, module.crossover_cases, "crossover", copy_gbps, args.rounds)
 
     path = write_result("kernels", {"copy_bandwidth_gbps": copy_gbps, "sizes": sizes, "rounds": args.rounds,
-                                    "rows": rows})
+                                    "kernels_source": kernels_source_digest(), "rows": rows})
     print(f"wrote {path}")
     print_summary(rows, copy_gbps)
 

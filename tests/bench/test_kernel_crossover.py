@@ -104,3 +104,37 @@ def test_fit_pools_every_stored_run(tmp_path):
     assert files == [kind / "kernels.json", kind / "kernels_runs" / "abc1234.json"]
     assert fit_mod.fit_files(files[:1])["concat"] == Crossover(min_bytes=10**8)
     assert fit_mod.fit_files(files)["concat"] == Crossover(min_bytes=10**9)
+
+
+def _write_run(path: Path, rounds: int | None, source: str | None) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data: dict = {"rows": [], **({"rounds": rounds} if rounds else {})}
+    if source:
+        data["kernels_source"] = source
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_run_files_pool_multi_round_runs_of_the_newest_code(tmp_path):
+    """Only runs timed in several rounds and, where the newest records it, of the same kernel code are pooled."""
+    newest = _write_run(tmp_path / "kernels.json", 3, "aaa")
+    same = _write_run(tmp_path / "kernels_runs" / "b.json", 3, "aaa")
+    _write_run(tmp_path / "kernels_runs" / "c.json", 3, "old")  # older code
+    _write_run(tmp_path / "kernels_runs" / "d.json", None, "aaa")  # one round
+    assert fit_mod.run_files(tmp_path) == [newest, same]
+    # A newest run that records no code: every multi-round run; no multi-round run at all: every run.
+    _write_run(newest, 3, None)
+    assert fit_mod.run_files(tmp_path) == [newest, same, tmp_path / "kernels_runs" / "c.json"]
+    for p in (tmp_path / "kernels.json", *sorted((tmp_path / "kernels_runs").glob("*.json"))):
+        _write_run(p, None, None)
+    assert len(fit_mod.run_files(tmp_path)) == 4
+
+
+def test_kernels_source_digest_follows_the_kernels_but_not_the_table():
+    base = {"_cast.py": b"a", "_crossover.py": b"table", "_chunk_cat.py": b"b"}
+    digest = fit_mod.kernels_source_digest(base)
+    assert fit_mod.kernels_source_digest({**base, "_crossover.py": b"refitted"}) == digest
+    assert fit_mod.kernels_source_digest({**base, "_cast.py": b"a2"}) != digest
+    assert fit_mod.kernels_source_digest({**base, "_new.py": b""}) != digest
+    assert fit_mod.kernels_source_digest() == fit_mod.kernels_source_digest(
+        {p.name: p.read_bytes() for p in fit_mod.KERNELS_DIR.glob("*.py")})
