@@ -145,8 +145,8 @@ def run_files(kind_dir: Path) -> list[Path]:
     run records the kernels' code (``kernels_source``), only those of the same code. A one-round run's host-bound
     rows move from run to run by up to 3x (on the H200 the Triton ``chunk_cat`` of 16 tensors x 256K took 23.4 and
     36.0 us in two one-round runs, 10.2 and 10.8 in two three-round ones), and a run of older code times paths that
-    are gone (the same call of 16 tensors x 1024K took 60.4 us before the plan caches' guarded keys, 25.1 after):
-    either would veto a rule the current code's medians hold."""
+    have changed since (the same call of 16 tensors x 1024K: 60.4 us at cb974af, 25.1 at ce469c0, after the plan
+    caches' keys and guards changed): either would veto a rule the current code's medians hold."""
     runs = [kind_dir / "kernels.json", *sorted((kind_dir / "kernels_runs").glob("*.json"))]
     data = {p: json.loads(p.read_text()) for p in runs}
     medians = [p for p in runs if int(data[p].get("rounds") or 1) >= 2] or runs
