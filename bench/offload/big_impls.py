@@ -387,6 +387,37 @@ def _wrap_shardfuse(model: nn.Module, device: torch.device, ssd: dict[str, Any] 
         return shardfuse.wrap(model)
 
 
+def _offload_extras(job: Job, offload_optimizer: Any, info: dict[str, Any], sib: bool) -> dict[str, Any]:
+    """The ``OffloadOptimizer`` settings of ``job``'s row beyond the budget (its variant's and the ``BIG_*``
+    diagnostics'), raising ``Skip`` where this shardfuse lacks one; ``info`` gets the chunk sizes in force."""
+    extra: dict[str, Any] = {"step_in_backward": True} if sib else {}
+    if job.impl.endswith("-allcores"):
+        extra["host_threads"] = len(os.sched_getaffinity(0))
+    elif os.environ.get("BIG_HOST_THREADS"):  # a diagnostic: the row records host_threads
+        extra["host_threads"] = int(os.environ["BIG_HOST_THREADS"])
+    if job.impl.endswith("-hcc"):
+        extra["host_compute_copy"] = True
+    if job.impl.endswith("-cu"):
+        if "clip_in_update" not in inspect.signature(offload_optimizer).parameters:
+            raise Skip(f"OffloadOptimizer(clip_in_update=) is not in this shardfuse ({job.impl} needs it)")
+        extra["clip_in_update"] = True
+    info["host_chunk_elements"] = set_host_chunk(os.environ.get("BIG_HOST_CHUNK"))
+    if "-spec" in job.impl:
+        if "speculative_clip" not in inspect.signature(offload_optimizer).parameters:
+            raise Skip(f"OffloadOptimizer(speculative_clip=) is not in this shardfuse ({job.impl} needs it)")
+        extra["speculative_clip"] = True
+        if os.environ.get("BIG_SPEC_GIB"):
+            extra["speculative_clip_gib"] = float(os.environ["BIG_SPEC_GIB"])
+        if os.environ.get("BIG_SPEC_BACKOFF"):  # a count, or "none": speculate on every step (the row says)
+            value = os.environ["BIG_SPEC_BACKOFF"]
+            extra["speculative_backoff"] = None if value == "none" else int(value)
+        info["spec_chunk_elements"] = set_spec_chunk(os.environ.get("BIG_SPEC_CHUNK"))
+    keep_gib = os.environ.get("BIG_KEEP_GIB")  # a diagnostic: the row records keep_params_gib
+    if keep_gib:
+        extra["keep_params_gib"] = None if keep_gib == "auto" else float(keep_gib)
+    return extra
+
+
 def make_shardfuse(job: Job, device: torch.device) -> Trainer:
     """Full offload (``gpu_budget_gib=0``), or the budget of ``shardfuse-budget``, through OffloadOptimizer."""
     import shardfuse
@@ -410,31 +441,7 @@ def make_shardfuse(job: Job, device: torch.device) -> Trainer:
         if job.impl == "shardfuse-host-accum":
             on_gpu = False
         offload_optimizer = getattr(shardfuse, "OffloadOptimizer")  # noqa: B009 (absent from older shardfuse)
-        extra: dict[str, Any] = {"step_in_backward": True} if sib else {}
-        if job.impl.endswith("-allcores"):
-            extra["host_threads"] = len(os.sched_getaffinity(0))
-        elif os.environ.get("BIG_HOST_THREADS"):  # a diagnostic: the row records host_threads
-            extra["host_threads"] = int(os.environ["BIG_HOST_THREADS"])
-        if job.impl.endswith("-hcc"):
-            extra["host_compute_copy"] = True
-        if job.impl.endswith("-cu"):
-            if "clip_in_update" not in inspect.signature(offload_optimizer).parameters:
-                raise Skip(f"OffloadOptimizer(clip_in_update=) is not in this shardfuse ({job.impl} needs it)")
-            extra["clip_in_update"] = True
-        info["host_chunk_elements"] = set_host_chunk(os.environ.get("BIG_HOST_CHUNK"))
-        if "-spec" in job.impl:
-            if "speculative_clip" not in inspect.signature(offload_optimizer).parameters:
-                raise Skip(f"OffloadOptimizer(speculative_clip=) is not in this shardfuse ({job.impl} needs it)")
-            extra["speculative_clip"] = True
-            if os.environ.get("BIG_SPEC_GIB"):
-                extra["speculative_clip_gib"] = float(os.environ["BIG_SPEC_GIB"])
-            if os.environ.get("BIG_SPEC_BACKOFF"):  # a count, or "none": speculate on every step (the row says)
-                value = os.environ["BIG_SPEC_BACKOFF"]
-                extra["speculative_backoff"] = None if value == "none" else int(value)
-            info["spec_chunk_elements"] = set_spec_chunk(os.environ.get("BIG_SPEC_CHUNK"))
-        keep_gib = os.environ.get("BIG_KEEP_GIB")  # a diagnostic: the row records keep_params_gib
-        if keep_gib:
-            extra["keep_params_gib"] = None if keep_gib == "auto" else float(keep_gib)
+        extra = _offload_extras(job, offload_optimizer, info, sib)
         opt = offload_optimizer(model, opt, gpu_budget_gib=budget, accumulate_on_gpu=on_gpu, **extra)
         info.update(gpu_budget_gib=budget, accumulate_on_gpu=on_gpu, step_in_backward=sib, clipping=not sib,
                     host_threads=getattr(opt, "host_threads", None),
