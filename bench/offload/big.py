@@ -64,7 +64,7 @@ GIB = 2**30
 # Opt-in: the no-clipping variants, the other settings' variants, the SSD tier (disk-bound: a configuration of
 # its own per 10-minute call) and the torchao side by side (torchao and the budget at its GPU peak).
 DEFAULT_IMPLS = tuple(i for i in IMPLS
-                      if "-sib" not in i and "-spec" not in i and not i.endswith(("-keep", "-allcores", "-hcc", "-cu"))
+                      if "-sib" not in i and "-spec" not in i and not i.endswith(("-keep", "-allcores", "-hcc", "-cu", "-kl"))
                       and i not in ("shardfuse-ssd", "torchao") and "-ao" not in i)
 FLOOR_BYTES = ("bf16 parameters host->device (2 B/param) and fp32 gradients device->host (4 B/param), once per "
                "optimizer step, the two directions overlapped")  # fmt: skip
@@ -89,6 +89,8 @@ ESTIMATE: dict[str, tuple[float, float, float, float]] = {
     "shardfuse-spec-nofire": (12, 5, 0.17, 0.2),
     "shardfuse-cu": (12, 5, 0.17, 0.2),
     "shardfuse-budget-cu": (12, 5, 0.1, 0.1),
+    "shardfuse-cu-kl": (12, 5, 0.17, 0.2),
+    "shardfuse-budget-cu-kl": (12, 5, 0.1, 0.1),
     "shardfuse-budget-ao": (12, 5, 0.12, 0.12),
     "shardfuse-budget-ao-sib": (12, 5, 0.12, 0.12),
     "torchao": (12, 3, 0.3, 0.06),  # 817.5 ms for the 2.9B step measured on an H100 (issue 30)
@@ -407,6 +409,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         sib += "+nf" if "never fires" in str(variant) else ""
         sib += "+ao" if "torchao" in str(variant) else ""
         sib += "+cu" if "clip_in_update" in str(variant) else ""
+        sib += "+kl" if "bf16 gradients" in str(variant) else ""
         name = r["impl"] + {"host-accum": "+ha", None: ""}.get(variant, sib)
         if not r["step_ms"]:
             print(f"{r['config']:<9} {name:<17} {r['tokens_per_step']:>8} {r['status']}: {r.get('reason', '')[:70]}")
@@ -422,7 +425,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print("(+ha: accumulate_on_gpu=False; +sib: step_in_backward=True, no clipping; +all: host_threads = every "
           "core; +keep: reshard_after_forward=False; +hcc: host_compute_copy=True; +spec: speculative_clip=True; +nf: "
           "max_norm 1e9, clipping never fires; +ao: GPU budget = torchao's GPU peak; +cu: clip_in_update=True; "
-          "x floor / x resident: step time over the floor / resident step)")
+          "+kl: keep_params_gib=auto and bf16 gradients to the host; x floor / x resident: step time over the floor / resident step)")
 
 
 # ------------------------------------------------------------------------------------------------ driver

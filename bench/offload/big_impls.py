@@ -74,7 +74,7 @@ IMPLS = ("resident", "shardfuse", "shardfuse-budget", "shardfuse-host-accum", "s
          "shardfuse-budget-sib", "shardfuse-sib-allcores", "shardfuse-keep", "shardfuse-sib-keep", "shardfuse-ssd",
          "shardfuse-hcc", "shardfuse-sib-hcc", "shardfuse-keep-hcc", "shardfuse-sib-keep-hcc",
          "shardfuse-budget-sib-hcc", "shardfuse-spec", "shardfuse-spec-nofire", "shardfuse-budget-ao",
-         "shardfuse-budget-ao-sib", "shardfuse-cu", "shardfuse-budget-cu",
+         "shardfuse-budget-ao-sib", "shardfuse-cu", "shardfuse-budget-cu", "shardfuse-cu-kl", "shardfuse-budget-cu-kl",
          "torchao", "fairscale", "fsdp2", "deepspeed-zero2", "deepspeed-zero3")  # fmt: skip
 AO_VARIANT = "budget = torchao's GPU peak"
 AO_FALLBACK_BUDGET_GIB = 30.0  # torchao's GPU peak for the 2.9B decoder measured on an H100 (29.6 GiB, issue 30)
@@ -99,6 +99,8 @@ VARIANTS = {"shardfuse-host-accum": ("shardfuse", "host-accum"),
             "shardfuse-budget-ao-sib": ("shardfuse-budget", f"step-in-backward, no clipping, {AO_VARIANT}"),
             "shardfuse-cu": ("shardfuse", "clip_in_update"),
             "shardfuse-budget-cu": ("shardfuse-budget", "clip_in_update"),
+            "shardfuse-cu-kl": ("shardfuse", "clip_in_update, keep_params_gib=auto, bf16 gradients"),
+            "shardfuse-budget-cu-kl": ("shardfuse-budget", "clip_in_update, keep_params_gib=auto, bf16 gradients"),
             "shardfuse-spec": ("shardfuse", "speculative_clip"),
             "shardfuse-spec-nofire": ("shardfuse", "speculative_clip, max_norm 1e9 (never fires)")}  # fmt: skip
 # ``-keep``: wrapped with reshard_after_forward=False: the gathered bf16 parameters stay on the GPU from forward
@@ -110,12 +112,16 @@ VARIANTS = {"shardfuse-host-accum": ("shardfuse", "host-accum"),
 # pass), so 2 instead of 4 bytes per parameter cross to the GPU and are read from host memory.
 # ``-cu``: OffloadOptimizer(clip_in_update=True): clipping's scale inside the fused kernel (its grad_scale, a
 # division by 1 / coef), no pass of its own over host memory; values within a rounding of the multiply's.
+# ``-kl`` (after ``-cu``): also keep_params_gib=None (the gathered bf16 parameters kept from forward to backward in
+# the room the GPU has: no re-gather in backward) and SHARDFUSE_LOWP_GRADS=1 in the row's process (bf16 gradients
+# to the host where exact): the backward without its fp32 host->device copy and with half the device->host bytes.
 # ``BIG_HOST_CHUNK=N`` (a diagnostic): ``_host_fused.CHUNK_ELEMENTS`` for every shardfuse row (``whole``: one
 # kernel call per parameter); rows record ``host_chunk_elements``.
 # ``shardfuse-host-accum``: the shardfuse row of an accumulating configuration with ``accumulate_on_gpu=False``
 # (gradients go to the host every micro-batch); its row's impl is ``shardfuse`` with ``variant: host-accum``.
 GPU_ONLY = frozenset({"fairscale", "fsdp2", "deepspeed-zero2", "deepspeed-zero3", "torchao"})
 MAX_NORM = 1.0
+LOWP_GRADS_ENV = "SHARDFUSE_LOWP_GRADS"  # shardfuse.sharding.host._offload_optim's switch (not imported: older trees)
 NOFIRE_MAX_NORM = 1e9  # ``shardfuse-spec-nofire``: above any gradient norm here, so clipping never fires
 BETAS = (0.9, 0.95)
 WEIGHT_DECAY = 0.1
@@ -397,7 +403,7 @@ def _offload_extras(job: Job, offload_optimizer: Any, info: dict[str, Any], sib:
         extra["host_threads"] = int(os.environ["BIG_HOST_THREADS"])
     if job.impl.endswith("-hcc"):
         extra["host_compute_copy"] = True
-    if job.impl.endswith("-cu"):
+    if "-cu" in job.impl:
         if "clip_in_update" not in inspect.signature(offload_optimizer).parameters:
             raise Skip(f"OffloadOptimizer(clip_in_update=) is not in this shardfuse ({job.impl} needs it)")
         extra["clip_in_update"] = True
@@ -413,6 +419,9 @@ def _offload_extras(job: Job, offload_optimizer: Any, info: dict[str, Any], sib:
             extra["speculative_backoff"] = None if value == "none" else int(value)
         info["spec_chunk_elements"] = set_spec_chunk(os.environ.get("BIG_SPEC_CHUNK"))
     keep_gib = os.environ.get("BIG_KEEP_GIB")  # a diagnostic: the row records keep_params_gib
+    if job.impl.endswith("-kl"):
+        keep_gib = "auto"
+        os.environ[LOWP_GRADS_ENV] = "1"  # this row's child process only (read by OffloadOptimizer.__init__)
     if keep_gib:
         extra["keep_params_gib"] = None if keep_gib == "auto" else float(keep_gib)
     return extra
