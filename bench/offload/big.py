@@ -64,7 +64,8 @@ GIB = 2**30
 # Opt-in: the no-clipping variants, the other settings' variants, the SSD tier (disk-bound: a configuration of
 # its own per 10-minute call) and the torchao side by side (torchao and the budget at its GPU peak).
 DEFAULT_IMPLS = tuple(i for i in IMPLS
-                      if "-sib" not in i and "-spec" not in i and not i.endswith(("-keep", "-allcores", "-hcc", "-cu", "-kl"))
+                      if "-sib" not in i and "-spec" not in i
+                      and not i.endswith(("-keep", "-allcores", "-hcc", "-cu", "-kl"))
                       and i not in ("shardfuse-ssd", "torchao") and "-ao" not in i)
 FLOOR_BYTES = ("bf16 parameters host->device (2 B/param) and fp32 gradients device->host (4 B/param), once per "
                "optimizer step, the two directions overlapped")  # fmt: skip
@@ -425,7 +426,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print("(+ha: accumulate_on_gpu=False; +sib: step_in_backward=True, no clipping; +all: host_threads = every "
           "core; +keep: reshard_after_forward=False; +hcc: host_compute_copy=True; +spec: speculative_clip=True; +nf: "
           "max_norm 1e9, clipping never fires; +ao: GPU budget = torchao's GPU peak; +cu: clip_in_update=True; "
-          "+kl: keep_params_gib=auto and bf16 gradients to the host; x floor / x resident: step time over the floor / resident step)")
+          "+kl: keep_params_gib=auto and bf16 gradients to the host; x floor / x resident: step time over the floor / "
+          "resident step)")
 
 
 # ------------------------------------------------------------------------------------------------ driver
