@@ -65,7 +65,7 @@ GIB = 2**30
 # its own per 10-minute call) and the torchao side by side (torchao and the budget at its GPU peak).
 DEFAULT_IMPLS = tuple(i for i in IMPLS
                       if "-sib" not in i and "-spec" not in i
-                      and not i.endswith(("-keep", "-allcores", "-hcc", "-cu", "-kl"))
+                      and not i.endswith(("-keep", "-allcores", "-hcc", "-cu", "-kl", "-nofire"))
                       and i not in ("shardfuse-ssd", "torchao") and "-ao" not in i)
 FLOOR_BYTES = ("bf16 parameters host->device (2 B/param) and fp32 gradients device->host (4 B/param), once per "
                "optimizer step, the two directions overlapped")  # fmt: skip
@@ -88,6 +88,8 @@ ESTIMATE: dict[str, tuple[float, float, float, float]] = {
     "shardfuse-budget-sib-hcc": (12, 5, 0.1, 0.1),
     "shardfuse-spec": (12, 5, 0.17, 0.2),
     "shardfuse-spec-nofire": (12, 5, 0.17, 0.2),
+    "shardfuse-nofire": (12, 5, 0.17, 0.2),
+    "shardfuse-budget-nofire": (12, 5, 0.1, 0.1),
     "shardfuse-cu": (12, 5, 0.17, 0.2),
     "shardfuse-budget-cu": (12, 5, 0.1, 0.1),
     "shardfuse-cu-kl": (12, 5, 0.17, 0.2),

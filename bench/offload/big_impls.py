@@ -27,11 +27,13 @@ them. Every implementation sees the same model shape, the same seeded weights an
   per unit ``spec_units_*``, and the spare host memory ``spec_spare_gib``). ``-spec`` clips at ``MAX_NORM`` like
   every other row (on this random-weight decoder clipping may fire every step: all redone, the worst case);
   ``-spec-nofire`` clips at ``NOFIRE_MAX_NORM``, which never fires (every step commits: the case of fine-tuning,
-  where clipping rarely fires; the non-speculative clipped step costs the same at any max norm, so compare it
-  with the ``shardfuse`` row); ``BIG_SPEC_GIB=N`` passes ``speculative_clip_gib=N`` (default: every unit, 12 B/param
-  more host memory: ~35 GB for the 2.9B decoder, too much for the 6.7B one on a 128 GiB host);
+  where clipping rarely fires; compare it with ``shardfuse-nofire``); ``BIG_SPEC_GIB=N`` passes
+  ``speculative_clip_gib=N`` (default: every unit, 12 B/param more host memory: ~35 GB for the 2.9B decoder, too
+  much for the 6.7B one on a 128 GiB host);
   ``BIG_SPEC_CHUNK=N`` sets the out-of-place update's elements per chunk (``_speculative.SPEC_CHUNK_ELEMENTS``, a
   multiple of 4096) in the row's process; the rows record ``spec_chunk_elements``;
+* ``shardfuse-nofire`` / ``shardfuse-budget-nofire``: ``shardfuse`` / ``shardfuse-budget`` clipping at
+  ``NOFIRE_MAX_NORM``: the clipped step where the clip does not fire (the host updates then skip the scaling);
 * ``BIG_HOST_THREADS=N`` (a diagnostic): ``OffloadOptimizer(host_threads=N)`` in every shardfuse row but
   ``-allcores`` (the rows record ``host_threads``); ``BIG_TRACE=1`` (a diagnostic): the last timed step's host
   timeline (``OffloadOptimizer.trace_host``, ``bench.offload.host_timeline``) in each shardfuse row, printed;
@@ -75,6 +77,7 @@ IMPLS = ("resident", "shardfuse", "shardfuse-budget", "shardfuse-host-accum", "s
          "shardfuse-hcc", "shardfuse-sib-hcc", "shardfuse-keep-hcc", "shardfuse-sib-keep-hcc",
          "shardfuse-budget-sib-hcc", "shardfuse-spec", "shardfuse-spec-nofire", "shardfuse-budget-ao",
          "shardfuse-budget-ao-sib", "shardfuse-cu", "shardfuse-budget-cu", "shardfuse-cu-kl", "shardfuse-budget-cu-kl",
+         "shardfuse-nofire", "shardfuse-budget-nofire",
          "torchao", "fairscale", "fsdp2", "deepspeed-zero2", "deepspeed-zero3")  # fmt: skip
 AO_VARIANT = "budget = torchao's GPU peak"
 AO_FALLBACK_BUDGET_GIB = 30.0  # torchao's GPU peak for the 2.9B decoder measured on an H100 (29.6 GiB, issue 30)
@@ -102,7 +105,9 @@ VARIANTS = {"shardfuse-host-accum": ("shardfuse", "host-accum"),
             "shardfuse-cu-kl": ("shardfuse", "clip_in_update, keep_params_gib=auto, bf16 gradients"),
             "shardfuse-budget-cu-kl": ("shardfuse-budget", "clip_in_update, keep_params_gib=auto, bf16 gradients"),
             "shardfuse-spec": ("shardfuse", "speculative_clip"),
-            "shardfuse-spec-nofire": ("shardfuse", "speculative_clip, max_norm 1e9 (never fires)")}  # fmt: skip
+            "shardfuse-spec-nofire": ("shardfuse", "speculative_clip, max_norm 1e9 (never fires)"),
+            "shardfuse-nofire": ("shardfuse", "max_norm 1e9 (never fires)"),
+            "shardfuse-budget-nofire": ("shardfuse-budget", "max_norm 1e9 (never fires)")}  # fmt: skip
 # ``-keep``: wrapped with reshard_after_forward=False: the gathered bf16 parameters stay on the GPU from forward
 # to backward, so each offloaded shard crosses PCIe (and is read from host memory) once per step instead of twice,
 # for the full compute-dtype parameters on the GPU during the step.

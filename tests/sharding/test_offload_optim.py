@@ -197,6 +197,10 @@ CASES = {
     "clip-in-update-read-fused": dict(fused=True, clip=0.05, read_clipped=True, clip_in_update=True),
     "clip-in-update-sgd": dict(clip=0.05, optim="sgd", clip_in_update=True),
     "clip-in-update-no-sync": dict(fused=True, no_sync_micro=3, clip=0.05, clip_in_update=True),
+    # A clip that does not fire (the norm under max_norm): the host updates skip the scaling (x * 1 is x).
+    "clip-not-firing-fused-chunked": dict(fused=True, host_chunk=4096, clip=1e6),
+    "clip-not-firing-sgd": dict(clip=1e6, optim="sgd"),
+    "clip-in-update-not-firing-fused": dict(fused=True, clip=1e6, clip_in_update=True),
     "step-in-backward": dict(step_in_backward=True, scheduler=True),
     "step-in-backward-no-sync": dict(step_in_backward=True, no_sync_micro=2, accumulate_on_gpu=True),
     "step-in-backward-unused-unit": dict(step_in_backward=True, extra=True, optim="sgd"),
@@ -731,3 +735,32 @@ def _settings(**kw: Any) -> None:
     base = dict(step_in_backward=False, speculative_clip=False, speculative_clip_gib=None, speculative_backoff=3,
                 keep_params_gib=0.0, host_threads=None, clip_in_update=False)
     check_settings(**{**base, **kw})
+
+
+def check_unfired_clip_skips_the_scale() -> bool:
+    """Where the clip does not fire, each host update gets no coefficient (no scaling pass); where it fires, it
+    gets one (so the first half can fail)."""
+    real = _host_step.step_in_chunks
+    for max_norm, fires in ((1e6, False), (0.05, True)):
+        for divide in (False, True):
+            coefs: list[torch.Tensor | None] = []
+
+            def spy(groups: Any, coef: torch.Tensor | None, *args: Any, seen: list = coefs, **kwargs: Any) -> bool:
+                seen.append(coef)
+                return real(groups, coef, *args, **kwargs)
+
+            _host_step.step_in_chunks = spy  # type: ignore[assignment]
+            try:
+                _, opt, _ = _train_loop(dict(fused=True, clip=max_norm, clip_in_update=divide), overlapped=True)
+                opt.synchronize()
+            finally:
+                _host_step.step_in_chunks = real  # type: ignore[assignment]
+            assert coefs, "no host update ran"
+            scaled = [c is not None for c in coefs]
+            assert all(scaled) if fires else not any(scaled), (max_norm, divide, coefs)
+            opt.close()
+    return True
+
+
+def test_unfired_clip_skips_the_scale(pool):
+    assert pool.run(check_unfired_clip_skips_the_scale) == [True] * WORLD

@@ -334,6 +334,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return
         self._stepped_in_backward.clear()
         host_coef = coef.to("cpu") if coef is not None else None
+        if host_coef is not None and bool(host_coef == 1.0):
+            # The clip did not fire (a finite norm under max_norm): g * 1 and g / 1 are g, bit for bit, so the
+            # updates skip the scaling and its pass over host memory (the fine-tuning case: clipping rarely fires).
+            host_coef = None
         for i, plan in enumerate(self._plans):  # forward order
             if plan.host is not None:
                 plan.host.queue()
