@@ -78,9 +78,9 @@ MEASURED: dict[str, dict[str, Crossover]] = {
         "concat": Crossover(min_bytes=268427264),
     },
     "h200": {
-        "cast_shards_list": Crossover(min_bytes=190464, max_tensors=32),
-        "cast_shards_flat": Crossover(min_bytes=1572864),
-        "chunk_cat": Crossover(min_bytes=1097216, max_tensors=17, big_tensor_bytes=68778),
+        "cast_shards_list": NEVER,
+        "cast_shards_flat": Crossover(min_bytes=25165824, many_tensors=1000),
+        "chunk_cat": Crossover(min_bytes=16825856, max_tensors=17, big_tensor_bytes=1051798),
         "concat": NEVER,
     },
 }
