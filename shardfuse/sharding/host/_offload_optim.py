@@ -129,8 +129,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
     values are those of the optimizer's own step, bit for bit).
 
     ``clip_grad_norm_`` on the model takes the norm from per-unit norms computed on the GPU as gradients are
-    reduced and scales each unit's gradient just before its update: reading ``.grad`` between the clip and the
-    step shows unscaled values. ``state_dict()``, ``load_state_dict()`` and the model's state-dict and summon
+    reduced and scales each unit's gradient just before its update (not at all where the clip did not fire):
+    reading ``.grad`` between the clip and the step shows unscaled values. ``state_dict()``, ``load_state_dict()`` and the model's state-dict and summon
     paths first finish a step in flight.
     """
 
