@@ -82,6 +82,7 @@ def test_cpu_run_schema(cpu_run: tuple[subprocess.CompletedProcess[str], dict[st
         assert sf["vs_floor"] == pytest.approx(sf["step_ms"] / floor["floor_ms"])
         assert sf["vs_resident"] == pytest.approx(sf["step_ms"] / resident["step_ms"])
         assert len(sf["losses"]) == 1
+        assert sf["warmup_steps"] == data["config"]["warmup"]  # nothing placed on a CPU compute device
     for impl in ("fsdp2", "deepspeed-zero2"):
         assert rows[(impl, None)]["status"] == "skipped" and "CUDA" in rows[(impl, None)]["reason"]
     assert "config" in proc.stdout.splitlines()[-len(rows) - 3]  # the table comes last
@@ -305,3 +306,19 @@ def test_every_impl_has_a_time_estimate():
     from bench.offload.big_impls import IMPLS
 
     assert set(IMPLS) <= set(ESTIMATE), f"no estimate for {sorted(set(IMPLS) - set(ESTIMATE))}"
+
+
+def test_budget_rows_warm_up_through_the_placements() -> None:
+    """A row whose OffloadOptimizer still has budget placements to make warms up through them and one step more."""
+    from types import SimpleNamespace
+
+    from bench.offload.big_child import settle_steps
+
+    def trainer(stats: Any) -> Any:
+        return SimpleNamespace(opt=SimpleNamespace(host_stats=lambda: stats) if stats is not None else object())
+
+    assert settle_steps(trainer({"placements_left": 2.0})) == 3
+    assert settle_steps(trainer({"placements_left": 1.0})) == 2
+    assert settle_steps(trainer({"placements_left": 0.0})) == 0
+    assert settle_steps(trainer({})) == 0  # an older shardfuse: nothing reported
+    assert settle_steps(trainer(None)) == 0  # another optimizer

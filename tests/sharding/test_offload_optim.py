@@ -125,6 +125,7 @@ def check_same_as_plain(cfg: dict[str, Any]) -> bool:
     stats = opt.host_stats()
     assert stats["host_busy_s"] > 0 and stats["wait_s"] >= 0 and stats["host_threads"] >= 1, stats
     assert 0 < stats["update_s"] <= stats["host_busy_s"], stats  # updating is part of the worker's busy time
+    assert stats["placements_left"] == 0, stats  # a CPU compute device: no GPU budget to place units by
     assert losses == ref_losses, f"losses (and clip norms) differ: {losses} vs {ref_losses}"
     sd, ref_sd = model.state_dict(), ref.state_dict()  # state_dict finishes the step in flight first
     for k in ref_sd:

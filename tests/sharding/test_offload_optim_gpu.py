@@ -91,12 +91,16 @@ def check_budget_matches_full_offload() -> bool:
         model = wrap_model(build({}).to(dev), {"move_params_to_cpu": True})
         opt = OffloadOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                gpu_budget_gib=budget)
+        left = [opt.host_stats()["placements_left"]]  # what benchmarks warm up through (bench.offload.big_child)
         for step in range(4):
             ids, target = (x.to(dev) for x in batch(step, dist.get_rank(), 1))
             loss_fn(model, ids, target, step, {}).backward()
             model.clip_grad_norm_(0.05)
             opt.step()
             opt.zero_grad()
+            left.append(opt.host_stats()["placements_left"])
+        # gpu_budget_gib=0 places nothing; a budget places at the first two steps (all fit at the first here)
+        assert left == ([0.0] * 5 if budget == 0 else [2.0, 1.0, 0.0, 0.0, 0.0]), (budget, left)
         devices = sorted({p.device.type for p in model.parameters()})
         want = ["cpu"] if budget == 0 else ["cuda"]
         assert devices == want, f"gpu_budget_gib={budget}: shards on {devices}, expected {want}"

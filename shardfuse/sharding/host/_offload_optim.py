@@ -130,8 +130,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     ``clip_grad_norm_`` on the model takes the norm from per-unit norms computed on the GPU as gradients are
     reduced and scales each unit's gradient just before its update (not at all where the clip did not fire):
-    reading ``.grad`` between the clip and the step shows unscaled values. ``state_dict()``, ``load_state_dict()`` and the model's state-dict and summon
-    paths first finish a step in flight.
+    reading ``.grad`` between the clip and the step shows unscaled values. ``state_dict()``,
+    ``load_state_dict()`` and the model's state-dict and summon paths first finish a step in flight.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, gpu_budget_gib: float | None = None,
@@ -405,12 +405,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         paths) spent blocked waiting for an update, ``update_s`` the part of ``host_busy_s`` spent updating (the
         worker's waits for gradient and parameter copies left out). Differences between two calls give one step's
         share. ``grad_d2h_bytes`` and ``param_h2d_bytes`` count the bytes of gradients sent to the host and of
-        parameters read for gathers."""
+        parameters read for gathers; ``placements_left`` the budget's placements still to come (each at a
+        ``step()``: time steps after them)."""
         hosts = [h.host for u in units_below(self.root) for h in u.handles if isinstance(h.host, HostShard)]
         out = {"host_busy_s": self._worker.busy_s, "wait_s": sum(h.stats.waited_s for h in hosts),
                "update_s": sum(h.stats.update_s for h in hosts), "host_threads": float(self.host_threads),
                "grad_d2h_bytes": float(sum(h.stats.grad_d2h_bytes for h in hosts)),
-               "param_h2d_bytes": float(sum(h.stats.param_h2d_bytes for h in hosts))}
+               "param_h2d_bytes": float(sum(h.stats.param_h2d_bytes for h in hosts)),
+               "placements_left": float(PLACEMENTS - self._placements if self._budget_applies() else 0)}
         if self._spec is not None:  # speculative_clip: spare bytes held, steps and unit updates committed/redone
             out.update({f"spec_{k}": float(v) for k, v in vars(self._spec.counts).items()},
                        spec_spare_bytes=float(self._spec.spare_bytes()))
