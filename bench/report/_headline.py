@@ -4,8 +4,8 @@ The full table (every file, every regime) is the benchmarks page's summary (``_r
 each row is one entry of ``HEADLINES``: a stored file (GPU folder and name), what in it to show, and which other
 implementations ran in the same job as that row. A row gives the GPUs, the tokens (or samples) per GPU and step,
 shardfuse's number, the best of those peers, shardfuse's speedup over it (above 1.00x: shardfuse is faster) and
-the commit the row was measured at. An entry whose file or row is not stored is left out, so the table shrinks
-rather than fails when results are replaced.
+the commit and host (CPU cores) the row was measured on. An entry whose file or row is not stored is left out, so
+the table shrinks rather than fails when results are replaced.
 
 "Same job" is what a ratio may compare: an e2e file runs every implementation one after another in one job; an
 offload file too, except variants carried over from another run (they carry their own ``commit``); the rows of a
@@ -22,7 +22,7 @@ from bench.report._common import CAPTURED, DASH, IMPL_SHORT, table
 from bench.results_io import Result
 
 MAX_ROWS = 10
-HEADER = ["GPUs", "setup", "tokens/GPU/step", "shardfuse", "best peer, same job", "speedup", "commit"]
+HEADER = ["GPUs", "setup", "tokens/GPU/step", "shardfuse", "best peer, same job", "speedup", "commit, host"]
 ALIGN = ["l", "l", "r", "r", "r", "r", "l"]
 NO_PEER = "none in the same job"
 E2E_PEERS = ("fairscale", "fsdp2", "fsdp1")
@@ -44,6 +44,7 @@ class Cells:
     higher_is_better: bool
     peer: tuple[str, float] | None  # (name, value) of the best peer in the same job
     commit: str | None
+    host_cores: int | None = None  # the measuring host's CPU cores (hosts differ, e.g. in host optimizer speed)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,13 @@ class Headline:
 
 def _gpus(res: Result, n: int | None) -> str:
     return f"{n or '?'}x {res.gpu.upper()}"
+
+
+def _file_cores(res: Result) -> int | None:
+    """The CPU cores of the host a result file was measured on, where it recorded them."""
+    host = res.data.get("host")
+    cores = host.get("cpu_count") if isinstance(host, dict) else None
+    return cores if isinstance(cores, int) and cores > 0 else None
 
 
 def e2e(regime: str, impl: str = "shardfuse") -> Callable[[Result], Cells | None]:
@@ -74,7 +82,8 @@ def e2e(regime: str, impl: str = "shardfuse") -> Callable[[Result], Cells | None
         peers = [(IMPL_SHORT.get(p, p), v) for p in E2E_PEERS if (v := tok.get(p))]
         best = max(peers, key=lambda x: x[1], default=None)
         tokens = f"{shape.batch * shape.seq:,}" if shape and shape.batch and shape.seq else DASH
-        return Cells(_gpus(res, f.config.world_size), tokens, ours, "tok/s/GPU", True, best, res.env.commit)
+        return Cells(_gpus(res, f.config.world_size), tokens, ours, "tok/s/GPU", True, best, res.env.commit,
+                     _file_cores(res))
 
     return pick
 
@@ -93,7 +102,7 @@ def offload(variant: str) -> Callable[[Result], Cells | None]:
                  if (p := f.variants.get(key)) and p.step_ms and (p.commit or res.env.commit) == commit]  # fmt: skip
         best = min(peers, key=lambda x: x[1], default=None)
         samples = f"{f.config.batch:,} samples" if f.config.batch else DASH
-        return Cells(_gpus(res, 1), samples, v.step_ms, "ms/step", False, best, commit)
+        return Cells(_gpus(res, 1), samples, v.step_ms, "ms/step", False, best, commit, _file_cores(res))
 
     return pick
 
@@ -112,7 +121,8 @@ def offload_big(config: str, impl: str, peers: Sequence[str] = ()) -> Callable[[
                  if (r := f.find(config, p)) and r.step_ms and (r.commit or res.env.commit) == commit]  # fmt: skip
         best = min(found, key=lambda x: x[1], default=None)
         tokens = f"{row.tokens_per_step:,}" if row.tokens_per_step else DASH
-        return Cells(_gpus(res, 1), tokens, row.step_ms, "ms/step", False, best, commit)
+        return Cells(_gpus(res, 1), tokens, row.step_ms, "ms/step", False, best, commit,
+                     row.host_cores or _file_cores(res))
 
     return pick
 
@@ -142,12 +152,13 @@ assert len(HEADLINES) <= MAX_ROWS, "the README shows at most MAX_ROWS headline r
 def _row(h: Headline, c: Cells) -> list[str]:
     spec = ",.0f" if c.ours >= 100 else ",.1f"
     ours = f"{format(c.ours, spec)} {c.unit}"
+    where = (f"`{c.commit}`" if c.commit else DASH) + (f", {c.host_cores} cores" if c.host_cores else "")
     if c.peer is None:
-        return [c.gpus, h.setup, c.tokens, ours, NO_PEER, DASH, f"`{c.commit}`" if c.commit else DASH]
+        return [c.gpus, h.setup, c.tokens, ours, NO_PEER, DASH, where]
     name, value = c.peer
     speedup = c.ours / value if c.higher_is_better else value / c.ours
     peer = f"{name} {format(value, ',.0f' if value >= 100 else ',.1f')}"
-    return [c.gpus, h.setup, c.tokens, ours, peer, f"{speedup:.2f}x", f"`{c.commit}`" if c.commit else DASH]
+    return [c.gpus, h.setup, c.tokens, ours, peer, f"{speedup:.2f}x", where]
 
 
 def headline_rows(results: dict[str, list[Result]]) -> list[list[str]]:

@@ -187,7 +187,7 @@ def test_readme_rows(big_dir: Path, tmp_path: Path) -> None:
     # the README's headline: the budget row of H100's file, whose call measured no peer
     assert (
         "| 1x H100 | `OffloadOptimizer` with a 40 GiB GPU budget, 2.9B decoder on one GPU | 4,096 | 900 ms/step "
-        "| none in the same job | - | `abc1234` |"
+        "| none in the same job | - | `abc1234`, 16 cores |"  # the commit and host it was measured on
     ) in readme.read_text()
 
 

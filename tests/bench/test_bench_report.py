@@ -48,7 +48,7 @@ def test_report_renders_synthetic_results(results_dir: Path, tmp_path: Path, cap
     assert "| 587.4 (1.16x plain, 0.35x its memory) | - | - | 771.9 | - |" in text
     # the README's headline table goes to stdout when no --readme is given: speedup over the best peer (FSDP2)
     printed = capsys.readouterr().out
-    assert "| GPUs | setup | tokens/GPU/step | shardfuse | best peer, same job | speedup | commit |" in printed
+    assert "| GPUs | setup | tokens/GPU/step | shardfuse | best peer, same job | speedup | commit, host |" in printed
     assert "| 2x H200 | training, 953M decoder, sharded | 8,192 | 72,049 tok/s/GPU | FSDP2 67,871 | 1.06x |" in printed
     assert "| GPU | benchmark | metric |" not in printed  # the full table stays on the page
 

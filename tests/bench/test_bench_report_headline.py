@@ -34,6 +34,9 @@ def test_best_peer_is_the_fastest_of_the_job(tmp_path: Path) -> None:
     write_results(tmp_path, "h200", e2e_2gpu=payload)
     first = _rows(tmp_path)[0]
     assert first[4:6] == [f"FSDP1 {8192 / 0.115:,.0f}", f"{115.0 / 113.7:.2f}x"]
+    payload["host"] = {"cpu_count": 16}  # a file that recorded its host: the row names it beside the commit
+    write_results(tmp_path, "h200", e2e_2gpu=payload)
+    assert _rows(tmp_path)[0][6] == "`abc1234`, 16 cores"
 
 
 def test_offload_peers_carried_over_from_another_commit_are_not_compared(tmp_path: Path) -> None:
