@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -40,6 +41,7 @@ from bench.common import env_info
 from shardfuse._torch_private import call_fused_adam, foreach_add_, fused_adam_kernels
 from shardfuse.sharding.host import _host_fused, _speculative
 from shardfuse.sharding.host._host_shard import host_buffer
+from shardfuse.sharding.host._host_tiles import TilePool
 
 
 def _shards(params: float, shards: int, pinned: bool = False) -> list[tuple[torch.Tensor, torch.optim.Optimizer,
@@ -93,6 +95,47 @@ def _chunked(shards: list, clip: bool, copy: bool, chunk: int) -> None:
             raise RuntimeError("the chunked path refused a fused AdamW with state")
 
 
+def _tiled(shards: list, clip: bool, copy: bool, tile: int, pool: TilePool) -> None:
+    """``step_in_chunks`` on a TilePool: the chunks as tiles of ``tile`` elements, each on one core."""
+    coef = torch.tensor(0.5)
+    for p, opt, buf in shards:
+        settings = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+        if not _host_fused.step_in_chunks([(opt, [p], settings)], coef if clip else None, p,
+                                          buf if copy else None, tile, pool=pool):
+            raise RuntimeError("the tiled path refused a fused AdamW with state")
+
+
+_SCRATCH = threading.local()
+
+
+def _tiled_scratch(shards: list, copy: bool, tile: int, pool: TilePool) -> None:
+    """As :func:`_tiled` with clipping, the scaled gradient written to a per-thread scratch tile (hot in that core's
+    cache) instead of back into the gradient: the update reads the scratch; the gradient stays unscaled."""
+    coef = torch.tensor(0.5)
+    kernels = fused_adam_kernels()
+    assert kernels is not None
+    items = []
+    for p, opt, buf in shards:
+        settings = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+        group = _host_fused._group_of(opt, [p], settings)
+        assert group is not None
+        foreach_add_(group.steps, 1)
+
+        def one(a: int, b: int, group: Any = group, buf: torch.Tensor = buf) -> None:
+            scratch = getattr(_SCRATCH, "buf", None)
+            if scratch is None or scratch.numel() < tile:
+                scratch = _SCRATCH.buf = torch.empty(tile)
+            g = torch.mul(group.grads[0].view(-1)[a:b], coef, out=scratch[:b - a])
+            call_fused_adam(kernels[1], [group.params[0].view(-1)[a:b]], [g], [group.exp_avgs[0].view(-1)[a:b]],
+                            [group.exp_avg_sqs[0].view(-1)[a:b]], [], group.steps, group.kwargs)
+            if copy:
+                buf[a:b].copy_(group.params[0].view(-1)[a:b])
+
+        items += [functools.partial(one, a, b) for a, b in _host_fused._pieces(p.numel(), tile)]
+    with torch.no_grad():
+        pool.run(items)
+
+
 Spare = dict[str, torch.Tensor]  # the out-of-place update's buffers of one shard: param, exp_avg, exp_avg_sq, step
 
 
@@ -127,7 +170,8 @@ def _speculative_update(shards: list, spares: list[Spare], chunk: int) -> None:
                                              [spare["param"], spare["exp_avg"], spare["exp_avg_sq"]], chunk=chunk)
 
 
-def _bytes_per_param(clip: bool, copy: bool, chunked: bool, spec: bool = False, kernel_scale: bool = False) -> int:
+def _bytes_per_param(clip: bool, copy: bool, chunked: bool, spec: bool = False, kernel_scale: bool = False,
+                     scratch: bool = False) -> int:
     """Host-memory bytes per parameter the passes must move: the update's 28, and when separate the scale's 8 and
     the copy's 4+2; chunked, the scaled gradient is written back once (4) and the copy writes 2. Out of place
     (``spec``): the copy of the parameter and both moments (read 12, write 12) and the update's 28 (as if each
@@ -136,6 +180,8 @@ def _bytes_per_param(clip: bool, copy: bool, chunked: bool, spec: bool = False, 
         return 24 + 28
     if kernel_scale:  # the kernel reads the gradient and writes the divided one back
         return 32
+    if scratch:  # the scaled gradient stays in the core's cache: the update's bytes and the copy's
+        return 28 + (2 if copy else 0)
     if chunked:
         return 28 + (4 if clip else 0) + (2 if copy else 0)
     return 28 + (8 if clip else 0) + (6 if copy else 0)
@@ -186,7 +232,7 @@ class _CopyLoad:
 
 
 def _measure(shards: list, variants: list[Variant], rounds: int, load: _CopyLoad | None,
-             spares: list[Spare] | None = None) -> dict[Variant, list[float]]:
+             spares: list[Spare] | None = None, pool: TilePool | None = None) -> dict[Variant, list[float]]:
     """Seconds per step of each variant, rounds interleaving the variants (``spares``: for the ``spec`` ones)."""
     times: dict[Variant, list[float]] = {}
     for _ in range(rounds):
@@ -197,6 +243,12 @@ def _measure(shards: list, variants: list[Variant], rounds: int, load: _CopyLoad
                 start = time.perf_counter()
                 if name == "kernel-scale":
                     _kernel_scale(shards)
+                elif name.startswith("tiles"):
+                    assert pool is not None and chunk is not None
+                    if name.startswith("tiles-scratch"):
+                        _tiled_scratch(shards, copy, chunk, pool)
+                    else:
+                        _tiled(shards, clip, copy, chunk, pool)
                 elif chunk is None:
                     _separate(shards, clip, copy)
                 elif name.startswith("spec"):
@@ -213,7 +265,8 @@ def _report(times: dict[Variant, list[float]], n: int) -> list[dict[str, Any]]:
     print(f"{'setting':10} {'variant':16} {'threads':>7} {'copies':>6} {'ms/B params':>12} {'range':>15} {'GB/s':>7}")
     for (name, clip, copy, _, threads, dma), ts in times.items():
         med = statistics.median(ts) * 1e9 / n
-        moved = _bytes_per_param(clip, copy, name != "separate", name.startswith("spec"), name == "kernel-scale") * n
+        moved = _bytes_per_param(clip, copy, name != "separate", name.startswith("spec"), name == "kernel-scale",
+                                 name.startswith("tiles-scratch")) * n
         gbps = moved / statistics.median(ts) / 1e9
         setting = ("clip+copy" if copy else "clip") if clip else "plain"
         lo, hi = min(ts) * 1e12 / n, max(ts) * 1e12 / n
@@ -228,13 +281,16 @@ SETTINGS = {"clip+copy": (True, True), "clip": (True, False), "plain": (False, F
 
 
 def _variants(counts: list[int], chunks: list[int], dma: bool, spec: bool,
-              settings: tuple[str, ...] = ("clip+copy", "plain")) -> list[Variant]:
+              settings: tuple[str, ...] = ("clip+copy", "plain"), tiles: tuple[int, ...] = ()) -> list[Variant]:
     variants: list[Variant] = []
     for copies in (False, True) if dma else (False,):
         for setting in settings:
             clip, copy = SETTINGS[setting]
             variants += [("separate", clip, copy, None, t, copies) for t in counts]
             variants += [(f"chunk={c}", clip, copy, c, counts[0], copies) for c in chunks]
+            variants += [(f"tiles={c}", clip, copy, c, counts[0], copies) for c in tiles]
+            if clip:
+                variants += [(f"tiles-scratch={c}", clip, copy, c, counts[0], copies) for c in tiles]
             if setting == "clip":
                 variants.append(("kernel-scale", True, False, None, counts[0], copies))
         if spec:  # the speculation neither clips (the norm is not known yet) nor, here, writes a compute copy
@@ -276,6 +332,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "keeps them (needs a GPU)")
     ap.add_argument("--spec", action="store_true", help="also the speculative out-of-place update per chunk "
                     "(copy into spare buffers, then update there), beside the in-place one")
+    ap.add_argument("--tiles", default="", help="also run the update as tiles of these many elements on a "
+                    "TilePool of the first thread count (comma-separated; clipped settings add tiles-scratch)")
     ap.add_argument("--settings", default="clip+copy,plain",
                     help=f"comma-separated, of {', '.join(SETTINGS)} (``clip`` adds the kernel-scale variant)")
     args = ap.parse_args(argv)
@@ -296,7 +354,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     n = sum(p.numel() for p, _, _ in shards)
     chunks = [int(c) for c in args.chunks.split(",") if c]
     spares = _spares(shards, args.pinned) if args.spec else None
-    times = _measure(shards, _variants(counts, chunks, args.dma, args.spec, settings), args.rounds, load, spares)
+    tiles = tuple(int(c) for c in args.tiles.split(",") if c)
+    pool = TilePool(counts[0]) if tiles else None
+    try:
+        times = _measure(shards, _variants(counts, chunks, args.dma, args.spec, settings, tiles), args.rounds, load,
+                         spares, pool)
+    finally:
+        if pool is not None:
+            pool.close()
     print(f"host step: {n / 1e9:.2f}B fp32 params in {len(shards)} shards ({'pinned' if args.pinned else 'pageable'}), "
           f"{cores} cores, torch {torch.__version__}")
     rows = _report(times, n)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from shardfuse.sharding.host._host_fused import ALIGN, step_in_chunks
+from shardfuse.sharding.host._host_tiles import TilePool
 
 CASES = {
     "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
@@ -30,9 +31,19 @@ def _settings(opt: torch.optim.Optimizer) -> dict[str, Any]:
     return {k: v for k, v in opt.param_groups[0].items() if k != "params"}
 
 
+@pytest.fixture(scope="module")
+def tile_pool():
+    pool = TilePool(3)
+    yield pool
+    pool.close()
+
+
+@pytest.mark.parametrize("tiles", [False, True], ids=["chunks", "tiles"])
 @pytest.mark.parametrize("chunk", [ALIGN, 3 * ALIGN, 1 << 21], ids=["4k", "12k", "default"])
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_chunked_step_equals_torch_fused_step(case, chunk):
+def test_chunked_step_equals_torch_fused_step(case, chunk, tiles, tile_pool):
+    """``tiles``: the chunks run as tiles on a TilePool of 3 single-threaded workers."""
+    pool = tile_pool if tiles else None
     cls, kw = CASES[case]
     gen = torch.Generator().manual_seed(hash(case) % 1000)
     n = sum(SPLITS) + 3 * ALIGN + 777
@@ -51,7 +62,9 @@ def test_chunked_step_equals_torch_fused_step(case, chunk):
             opt.step()
             copy.copy_(flat)
         else:
-            assert step_in_chunks([(opt, views, _settings(opt))], coef, flat, copy, chunk)
+            versions = [v._version for v in views]
+            assert step_in_chunks([(opt, views, _settings(opt))], coef, flat, copy, chunk, pool=pool)
+            assert all(v._version > was for v, was in zip(views, versions)), "the update's writes were not counted"
         if coef is not None:
             torch._foreach_mul_([r.grad for r in ref_views], coef)
         ref.step()

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from shardfuse import OffloadOptimizer
 from shardfuse.sharding import FullyShardedDataParallel as FSDP
 from shardfuse.sharding.host import _host_fused, _host_step
+from shardfuse.sharding.host._offload_optim import HOST_TILES_ENV
 from shardfuse.sharding.host._placement import make_resident as _make_resident
 from tests.sharding._models import batch, build, loss_fn, make_optim, wrap_model
 
@@ -32,7 +33,10 @@ def _train(cfg: dict[str, Any], overlapped: bool) -> tuple[FSDP, Any, list[float
     chunk, real_step_in_chunks = _host_fused.CHUNK_ELEMENTS, _host_step.step_in_chunks
     chunked: list[bool] = []  # what each host shard's step did: True where it ran in cache-sized chunks
 
+    pools: list[Any] = []  # the TilePool each host shard's chunked step was given
+
     def spy(*args: Any, **kwargs: Any) -> bool:
+        pools.append(kwargs.get("pool"))
         chunked.append(not cfg.get("no_chunk") and real_step_in_chunks(*args, **kwargs))
         return chunked[-1]
 
@@ -48,6 +52,8 @@ def _train(cfg: dict[str, Any], overlapped: bool) -> tuple[FSDP, Any, list[float
         # torch's fused Adam/AdamW takes the chunked pass once its state exists (every step after the first of a
         # shard); other optimizers never do.
         assert any(chunked) == bool(cfg.get("fused") and not cfg.get("no_chunk")), f"chunked steps: {chunked}"
+        # SHARDFUSE_HOST_TILES=1: every host shard's step is given the worker's tile pool; else none is
+        assert all((p is not None) == bool(cfg.get("host_tiles")) for p in pools), f"pools given: {pools}"
     return model, opt, losses
 
 
@@ -59,10 +65,13 @@ def _train_loop(cfg: dict[str, Any], overlapped: bool) -> tuple[FSDP, Any, list[
     else:
         opt = make_optim(model.parameters(), cfg)
     if overlapped:
-        opt = OffloadOptimizer(model, opt, gpu_budget_gib=0, accumulate_on_gpu=cfg.get("accumulate_on_gpu", False),
-                               step_in_backward=cfg.get("step_in_backward", False),
-                               host_compute_copy=cfg.get("host_compute_copy", False),
-                               clip_in_update=cfg.get("clip_in_update", False))
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv(HOST_TILES_ENV, "1" if cfg.get("host_tiles") else "0")
+            opt = OffloadOptimizer(model, opt, gpu_budget_gib=0,
+                                   accumulate_on_gpu=cfg.get("accumulate_on_gpu", False),
+                                   step_in_backward=cfg.get("step_in_backward", False),
+                                   host_compute_copy=cfg.get("host_compute_copy", False),
+                                   clip_in_update=cfg.get("clip_in_update", False))
         if cfg.get("resident_root"):  # as a GPU budget keeps a unit resident: stepped on the caller's thread
             for h in model._unit.handles:
                 _make_resident(h, opt.optimizer, h.flat.device)
@@ -202,6 +211,12 @@ CASES = {
     "clip-not-firing-fused-chunked": dict(fused=True, host_chunk=4096, clip=1e6),
     "clip-not-firing-sgd": dict(clip=1e6, optim="sgd"),
     "clip-in-update-not-firing-fused": dict(fused=True, clip=1e6, clip_in_update=True),
+    # SHARDFUSE_HOST_TILES=1: the chunks run as tiles on the worker's pool of single-threaded threads.
+    "tiles-fused-chunked-clip": dict(fused=True, host_chunk=4096, clip=0.05, host_tiles=True),
+    "tiles-fused-clip-compute-copy": dict(fused=True, host_chunk=4096, clip=0.05, host_compute_copy=True,
+                                          host_tiles=True),
+    "tiles-fused-step-in-backward": dict(fused=True, host_chunk=4096, step_in_backward=True, host_tiles=True),
+    "tiles-sgd-clip": dict(clip=0.05, optim="sgd", host_tiles=True),
     "step-in-backward": dict(step_in_backward=True, scheduler=True),
     "step-in-backward-no-sync": dict(step_in_backward=True, no_sync_micro=2, accumulate_on_gpu=True),
     "step-in-backward-unused-unit": dict(step_in_backward=True, extra=True, optim="sgd"),

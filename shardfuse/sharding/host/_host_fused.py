@@ -21,6 +21,7 @@ against the public ``fused=True`` step).
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,11 +38,14 @@ from shardfuse._torch_private import (
     kernel_divides_by_grad_scale,
 )
 from shardfuse._versions import mark_updated
+from shardfuse.sharding.host._host_tiles import TilePool
 
 # Elements per chunk: ~2M fp32 elements keep a chunk's parameters, gradient, both moments and the compute copy
 # (18 B/element, ~36 MiB) within a server CPU's last-level cache while amortising each operation's dispatch and
 # parallel-region start over enough work.
 CHUNK_ELEMENTS = 1 << 21
+# Elements per tile where a TilePool runs the update: ...set from bench.offload.host_step's tile rows.
+TILE_ELEMENTS = 1 << 20
 ALIGN = 4096  # chunk boundaries: a multiple of every CPU vector width, so results match the unchunked kernel
 
 
@@ -127,14 +131,16 @@ def clip_inverse(coef: torch.Tensor) -> torch.Tensor:
 
 def step_in_chunks(sub_groups: list[tuple[torch.optim.Optimizer, list[torch.Tensor], dict[str, Any]]],
                    coef: torch.Tensor | None, flat: torch.Tensor, compute_buf: torch.Tensor | None,
-                   chunk: int | None = None, divide: bool = False) -> bool:
+                   chunk: int | None = None, divide: bool = False, pool: TilePool | None = None) -> bool:
     """Step every (optimizer, parameters, settings) of one shard chunk by chunk: scale the gradients by ``coef``
     (clipping; None: no scaling), update with the fused kernel, and copy the updated parameters into
     ``compute_buf`` (the shard's compute-dtype copy, in step with ``flat`` before the call; None: no copy).
     Returns False, having changed nothing, when the path does not apply. ``chunk``: elements per chunk (None:
     ``CHUNK_ELEMENTS``). ``divide`` (``OffloadOptimizer(clip_in_update=True)``): scale as ``g / clip_inverse(coef)``,
-    inside the kernel (its ``grad_scale``: no pass of its own) where :func:`kernel_divides_by_grad_scale` holds."""
-    chunk = CHUNK_ELEMENTS if chunk is None else chunk
+    inside the kernel (its ``grad_scale``: no pass of its own) where :func:`kernel_divides_by_grad_scale` holds.
+    ``pool``: run the chunks as tiles on a :class:`TilePool` (each tile's operations on one core; ``chunk`` None:
+    ``TILE_ELEMENTS``) instead of one chunk at a time over every intra-op thread."""
+    chunk = (TILE_ELEMENTS if pool is not None else CHUNK_ELEMENTS) if chunk is None else chunk
     if chunk <= 0 or chunk % ALIGN:
         raise ValueError(f"chunk must be a positive multiple of {ALIGN} elements, got {chunk}")
     kernels = fused_adam_kernels()  # torch's private kernel, checked once against the public step (_torch_private)
@@ -160,8 +166,10 @@ def step_in_chunks(sub_groups: list[tuple[torch.optim.Optimizer, list[torch.Tens
                 for group in groups:
                     if group.grads:
                         foreach_div_(group.grads, inverse)
-    if scale is None and compute_buf is None:
+    if scale is None and compute_buf is None and pool is None:
         chunk = sys.maxsize  # one kernel call per parameter: no pass to share the cache with (module docstring)
+    tiles: list[Callable[[], None]] = []
+    written: list[torch.Tensor] = []
     with torch.no_grad():
         for group, offs in zip(groups, offsets):
             if not group.params:
@@ -169,8 +177,46 @@ def step_in_chunks(sub_groups: list[tuple[torch.optim.Optimizer, list[torch.Tens
             foreach_add_(group.steps, 1)
             kernel = kernels[1] if group.decoupled else kernels[0]
             for i, offset in enumerate(offs):
-                _step_one(group, i, kernel, scale, compute_buf, offset, chunk, kwargs=in_kernel)
+                if pool is None:
+                    _step_one(group, i, kernel, scale, compute_buf, offset, chunk, kwargs=in_kernel)
+                else:
+                    tiles += _chunk_work(group, i, kernel, scale, compute_buf, offset, chunk, kwargs=in_kernel)
+                    written += _views(group, i)
+    if pool is not None:
+        pool.run(tiles)  # the tiles run without grad mode on the pool's threads (grad mode is per thread)
+        mark_updated(written)
     return True
+
+
+def _views(group: _Group, i: int) -> list[torch.Tensor]:
+    """What the kernel reads and writes for parameter ``i`` of ``group``: parameter, gradient, moments."""
+    views = [group.params[i], group.grads[i], group.exp_avgs[i], group.exp_avg_sqs[i]]
+    return views + [group.max_exp_avg_sqs[i]] if group.max_exp_avg_sqs else views
+
+
+def _chunk_work(group: _Group, i: int, kernel: FusedKernel, scale: torch.Tensor | None,
+                compute_buf: torch.Tensor | None, offset: int | None, chunk: int,
+                before_chunk: Callable[[int, int], None] | None = None,
+                kwargs: dict[str, Any] | None = None) -> list[Callable[[], None]]:
+    """Parameter ``i`` of ``group`` as one callable per chunk (see :func:`_step_one`); each runs its chunk's
+    operations back to back and leaves the version counters to the caller."""
+    settings = group.kwargs if kwargs is None else {**group.kwargs, **kwargs}
+    flat_views = [t.view(-1) for t in _views(group, i)]
+    step = group.steps[i]
+
+    def one(a: int, b: int) -> None:
+        with torch.no_grad():
+            if before_chunk is not None:
+                before_chunk(a, b)
+            p, g, m, v = (t[a:b] for t in flat_views[:4])
+            if scale is not None:
+                g.mul_(scale)
+            call_fused_adam(kernel, [p], [g], [m], [v], [flat_views[4][a:b]] if len(flat_views) > 4 else [],
+                            [step], settings)
+            if compute_buf is not None and offset is not None:
+                compute_buf[offset + a:offset + b].copy_(p)
+
+    return [functools.partial(one, a, b) for a, b in _pieces(flat_views[0].numel(), chunk)]
 
 
 def _step_one(group: _Group, i: int, kernel: FusedKernel, scale: torch.Tensor | None, compute_buf: torch.Tensor | None,
@@ -179,19 +225,6 @@ def _step_one(group: _Group, i: int, kernel: FusedKernel, scale: torch.Tensor | 
     """Parameter ``i`` of ``group``, chunk by chunk; ``before_chunk(a, b)`` runs first in each chunk (elements
     ``a:b`` of the parameter; the speculative update copies the originals' chunk into the spare buffers there);
     ``kwargs``: settings over the group's for the kernel (``grad_scale``)."""
-    settings = group.kwargs if kwargs is None else {**group.kwargs, **kwargs}
-    views = [group.params[i], group.grads[i], group.exp_avgs[i], group.exp_avg_sqs[i]]
-    if group.max_exp_avg_sqs:
-        views.append(group.max_exp_avg_sqs[i])
-    flat_views = [t.view(-1) for t in views]
-    for a, b in _pieces(flat_views[0].numel(), chunk):
-        if before_chunk is not None:
-            before_chunk(a, b)
-        p, g, m, v = (t[a:b] for t in flat_views[:4])
-        if scale is not None:
-            g.mul_(scale)
-        call_fused_adam(kernel, [p], [g], [m], [v], [flat_views[4][a:b]] if group.max_exp_avg_sqs else [],
-                        [group.steps[i]], settings)
-        if compute_buf is not None and offset is not None:
-            compute_buf[offset + a:offset + b].copy_(p)
-    mark_updated(views)  # the kernel writes in place without counting it (see shardfuse._versions)
+    for work in _chunk_work(group, i, kernel, scale, compute_buf, offset, chunk, before_chunk, kwargs):
+        work()
+    mark_updated(_views(group, i))  # the kernel writes in place without counting it (see shardfuse._versions)

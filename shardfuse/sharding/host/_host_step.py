@@ -29,6 +29,7 @@ from shardfuse._versions import hook_optimizer
 from shardfuse.sharding.core._flat_param import FlatParamHandle
 from shardfuse.sharding.host._host_fused import clip_inverse, step_in_chunks
 from shardfuse.sharding.host._host_shard import HostShard, UpdateState
+from shardfuse.sharding.host._host_tiles import TilePool
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,9 @@ class StepWorker:
     optimizer's parallel regions, the thread that shares a core with the launching thread holds up each region.
     """
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, tiles: bool = False) -> None:
+        # tiles: the updates' chunks run on a TilePool of ``threads`` single-threaded workers (``_host_tiles``)
+        self.pool = TilePool(threads or default_host_threads()) if tiles else None
         self._heap: list[tuple[float, int, Any, Callable[[], None] | None]] = []
         self._cond = threading.Condition()
         self._seq = 0  # ties keep submission order
@@ -97,6 +100,8 @@ class StepWorker:
         if self._thread.is_alive():
             self.submit(None, key=float("inf"))  # type: ignore[arg-type]  # the stop mark, after every task
             self._thread.join()
+        if self.pool is not None:
+            self.pool.close()
 
 
 def default_host_threads() -> int:
@@ -119,6 +124,7 @@ class ShardPlan:
     subs: list[torch.optim.Optimizer] = field(default_factory=list)
     deferred_zero: bool | None = None  # zero_grad(set_to_none=...) came while the step was queued
     clip_in_update: bool = False  # OffloadOptimizer(clip_in_update=True): clipping divides by 1 / coef
+    pool: TilePool | None = None  # the worker's tile pool (StepWorker.pool): the chunked update runs there
 
     @property
     def host(self) -> HostShard | None:
@@ -265,7 +271,7 @@ def _step_host_shard(plan: ShardPlan, host: HostShard, handle: FlatParamHandle, 
     in_sync = host.compute_buf is not None and host.copy_version == handle.flat._version
     chunked = type(host) is HostShard and step_in_chunks(
         [(sub, params, s) for sub, (_, params), s in zip(plan.subs, plan.groups, settings)], coef, handle.flat,
-        host.compute_buf if in_sync else None, divide=plan.clip_in_update)
+        host.compute_buf if in_sync else None, divide=plan.clip_in_update, pool=plan.pool)
     if not chunked:
         step_plan(plan, settings, coef)
     else:

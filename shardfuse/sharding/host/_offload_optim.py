@@ -57,6 +57,7 @@ GIB = 1 << 30
 PLACEMENTS = 2
 # Set to 1 to send offloaded gradients in the compute dtype where exact (opt-in: see OffloadOptimizer's docstring).
 LOWP_GRADS_ENV = "SHARDFUSE_LOWP_GRADS"
+HOST_TILES_ENV = "SHARDFUSE_HOST_TILES"  # "1": the host updates run as tiles on single-threaded workers
 WIDEN_KEY = -1.0  # the worker's key of a gradient widening: ahead of every update (keys >= 0)
 
 
@@ -160,7 +161,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._lowp_grads = os.environ.get(LOWP_GRADS_ENV, "0") == "1"
         self._lock = threading.Lock()
         self.host_threads = host_threads if host_threads is not None else default_host_threads()
-        self._worker = StepWorker(self.host_threads)
+        self._worker = StepWorker(self.host_threads, tiles=os.environ.get(HOST_TILES_ENV, "0") == "1")
         self._finalizer = weakref.finalize(self, _close_worker, self._worker, _backing.below(self.root))
         self._plans: list[ShardPlan] = []
         self._plan_of_host: dict[int, ShardPlan] = {}
@@ -278,7 +279,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 h = handle_of(p)
                 by_handle.setdefault(id(h) if h is not None else 0, {}).setdefault(gi, []).append(p)
-        plans = [ShardPlan(h, sorted(by_handle[id(h)].items()), clip_in_update=self.clip_in_update)
+        plans = [ShardPlan(h, sorted(by_handle[id(h)].items()), clip_in_update=self.clip_in_update,
+                           pool=self._worker.pool)
                  for h in self._handles_in_order() if id(h) in by_handle]
         if 0 in by_handle:
             plans.append(ShardPlan(None, sorted(by_handle[0].items()), clip_in_update=self.clip_in_update))
