@@ -69,7 +69,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bench.offload.big_knobs import Skip, set_host_chunk, set_spec_chunk
+from bench.offload.big_knobs import Skip, set_host_chunk, set_host_tile, set_spec_chunk
 from bench.offload.big_rows import AO_FALLBACK_BUDGET_GIB, AO_VARIANT, IMPLS, VARIANTS  # noqa: F401 (re-exported)
 from examples.llama import DecoderLayer, Llama, LlamaConfig, next_token_loss
 
@@ -393,7 +393,7 @@ def _row_environment(job: Job, info: dict[str, Any]) -> None:
         if not hasattr(_host_fused, "TILE_ELEMENTS"):
             raise Skip(f"the host tile pool is not in this shardfuse ({job.impl} needs it)")
         os.environ[HOST_TILES_ENV] = "1"
-        info["host_tile_elements"] = int(_host_fused.TILE_ELEMENTS)
+        info["host_tile_elements"] = set_host_tile(os.environ.get("BIG_HOST_TILE"))
 
 
 def make_shardfuse(job: Job, device: torch.device) -> Trainer:

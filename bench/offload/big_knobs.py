@@ -43,3 +43,17 @@ def set_host_chunk(value: str | None) -> int | None:
                              f"whole-shard update) or 'whole'; pick e.g. {1 << 23}")
         _host_fused.CHUNK_ELEMENTS = chunk
     return int(_host_fused.CHUNK_ELEMENTS)
+
+
+def set_host_tile(value: str | None) -> int:
+    """``BIG_HOST_TILE``: elements per tile of the host update on the tile pool (``_host_fused.TILE_ELEMENTS``) for
+    the ``-tl`` rows; returns the value in force."""
+    from shardfuse.sharding.host import _host_fused
+
+    if value:
+        tile = int(value)
+        if tile <= 0 or tile % 4096:
+            raise ValueError(f"BIG_HOST_TILE={value}: a positive multiple of 4096 elements (so the values match the "
+                             f"whole-shard update); pick e.g. {1 << 22}")
+        _host_fused.TILE_ELEMENTS = tile
+    return int(_host_fused.TILE_ELEMENTS)

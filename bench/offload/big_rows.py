@@ -59,7 +59,8 @@ VARIANTS = {"shardfuse-host-accum": ("shardfuse", "host-accum"),
 # the room the GPU has: no re-gather in backward) and SHARDFUSE_LOWP_GRADS=1 in the row's process (bf16 gradients
 # to the host where exact): the backward without its fp32 host->device copy and with half the device->host bytes.
 # ``-tl``: SHARDFUSE_HOST_TILES=1 in the row's process: the host updates run as tiles on a pool of single-threaded
-# workers (``_host_tiles``) instead of chunks over torch's intra-op threads.
+# workers (``_host_tiles``) instead of chunks over torch's intra-op threads; ``BIG_HOST_TILE=N`` sets the elements
+# per tile (``_host_fused.TILE_ELEMENTS``); rows record ``host_tile_elements``.
 # ``BIG_HOST_CHUNK=N`` (a diagnostic): ``_host_fused.CHUNK_ELEMENTS`` for every shardfuse row (``whole``: one
 # kernel call per parameter); rows record ``host_chunk_elements``.
 # ``shardfuse-host-accum``: the shardfuse row of an accumulating configuration with ``accumulate_on_gpu=False``

@@ -20,11 +20,13 @@ def pool():
 
 def test_every_item_runs_once_on_a_single_threaded_pool_thread(pool):
     seen: list[tuple[int, str, int]] = []
+    grad_modes: list[bool] = []
     lock = threading.Lock()
 
     def item(i: int) -> None:
         with lock:
             seen.append((i, threading.current_thread().name, torch.get_num_threads()))
+            grad_modes.append(torch.is_grad_enabled())
 
     for size in (1, 2, 7, 100):  # fewer items than threads, more, and the pool reused between lists
         seen.clear()
@@ -32,6 +34,7 @@ def test_every_item_runs_once_on_a_single_threaded_pool_thread(pool):
         assert sorted(i for i, _, _ in seen) == list(range(size))
         assert all(name.startswith("shardfuse-host-tile-") for _, name, _ in seen)
         assert all(n == 1 for _, _, n in seen), "a pool thread ran torch's kernels over several intra-op threads"
+        assert not any(grad_modes), "a pool thread ran an item with grad mode on (in-place updates would be recorded)"
     pool.run([])  # nothing to do: returns at once
 
 

@@ -780,3 +780,19 @@ def check_unfired_clip_skips_the_scale() -> bool:
 
 def test_unfired_clip_skips_the_scale(pool):
     assert pool.run(check_unfired_clip_skips_the_scale) == [True] * WORLD
+
+
+def test_budget_applies_before_the_first_forward():
+    """The compute device is settled at the first forward: before it, ``placements_left`` (what benchmarks warm up
+    through) must count the placements the budget will make on the GPU the model will compute on, not read the
+    not-yet-settled device (the GPU test of 68076f8 found 0 there)."""
+    from types import SimpleNamespace
+
+    from shardfuse.sharding.host._placement import budget_applies
+
+    config = SimpleNamespace(offload=SimpleNamespace(move_params_to_cpu=True), compute_device=torch.device("cuda", 0))
+    unsettled = SimpleNamespace(root_state=None, config=config, compute_device=torch.device("cpu"))
+    assert budget_applies(unsettled, 40.0) and budget_applies(unsettled, None)
+    assert not budget_applies(unsettled, 0)
+    settled_on_cpu = SimpleNamespace(root_state=object(), config=config, compute_device=torch.device("cpu"))
+    assert not budget_applies(settled_on_cpu, 40.0)

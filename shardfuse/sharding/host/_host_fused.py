@@ -44,8 +44,9 @@ from shardfuse.sharding.host._host_tiles import TilePool
 # (18 B/element, ~36 MiB) within a server CPU's last-level cache while amortising each operation's dispatch and
 # parallel-region start over enough work.
 CHUNK_ELEMENTS = 1 << 21
-# Elements per tile where a TilePool runs the update: ...set from bench.offload.host_step's tile rows.
-TILE_ELEMENTS = 1 << 20
+# Elements per tile where a TilePool runs the update: the fastest of 512K, 1M and 2M on a 16-core H200 host
+# (bench.offload.host_step --tiles, 68076f8: clipped 386 ms per billion beside copies against 444 in 2M chunks).
+TILE_ELEMENTS = 1 << 21
 ALIGN = 4096  # chunk boundaries: a multiple of every CPU vector width, so results match the unchunked kernel
 
 
@@ -183,7 +184,7 @@ def step_in_chunks(sub_groups: list[tuple[torch.optim.Optimizer, list[torch.Tens
                     tiles += _chunk_work(group, i, kernel, scale, compute_buf, offset, chunk, kwargs=in_kernel)
                     written += _views(group, i)
     if pool is not None:
-        pool.run(tiles)  # the tiles run without grad mode on the pool's threads (grad mode is per thread)
+        pool.run(tiles)  # the pool's threads run with grad mode off (grad mode is per thread)
         mark_updated(written)
     return True
 
@@ -199,24 +200,33 @@ def _chunk_work(group: _Group, i: int, kernel: FusedKernel, scale: torch.Tensor 
                 before_chunk: Callable[[int, int], None] | None = None,
                 kwargs: dict[str, Any] | None = None) -> list[Callable[[], None]]:
     """Parameter ``i`` of ``group`` as one callable per chunk (see :func:`_step_one`); each runs its chunk's
-    operations back to back and leaves the version counters to the caller."""
+    operations back to back and leaves the version counters to the caller. The chunks' views are cut here, so a
+    callable makes as few Python-level torch calls as it can (on a TilePool each takes the GIL)."""
     settings = group.kwargs if kwargs is None else {**group.kwargs, **kwargs}
     flat_views = [t.view(-1) for t in _views(group, i)]
-    step = group.steps[i]
+    steps = [group.steps[i]]
+    copy = compute_buf is not None and offset is not None
+    out: list[Callable[[], None]] = []
+    for a, b in _pieces(flat_views[0].numel(), chunk):
+        p, g, m, v = ([t[a:b]] for t in flat_views[:4])
+        max_v = [flat_views[4][a:b]] if len(flat_views) > 4 else []
+        target = compute_buf[offset + a:offset + b] if copy else None  # type: ignore[index,operator]
+        out.append(functools.partial(_one_chunk, kernel, p, g, m, v, max_v, steps, settings, scale, target,
+                                     None if before_chunk is None else functools.partial(before_chunk, a, b)))
+    return out
 
-    def one(a: int, b: int) -> None:
-        with torch.no_grad():
-            if before_chunk is not None:
-                before_chunk(a, b)
-            p, g, m, v = (t[a:b] for t in flat_views[:4])
-            if scale is not None:
-                g.mul_(scale)
-            call_fused_adam(kernel, [p], [g], [m], [v], [flat_views[4][a:b]] if len(flat_views) > 4 else [],
-                            [step], settings)
-            if compute_buf is not None and offset is not None:
-                compute_buf[offset + a:offset + b].copy_(p)
 
-    return [functools.partial(one, a, b) for a, b in _pieces(flat_views[0].numel(), chunk)]
+def _one_chunk(kernel: FusedKernel, p: list[torch.Tensor], g: list[torch.Tensor], m: list[torch.Tensor],
+               v: list[torch.Tensor], max_v: list[torch.Tensor], steps: list[torch.Tensor], settings: dict[str, Any],
+               scale: torch.Tensor | None, target: torch.Tensor | None, before: Callable[[], None] | None) -> None:
+    """One chunk's operations (callers run it with grad mode off: step_in_chunks, the speculation, a TilePool)."""
+    if before is not None:
+        before()
+    if scale is not None:
+        g[0].mul_(scale)
+    call_fused_adam(kernel, p, g, m, v, max_v, steps, settings)
+    if target is not None:
+        target.copy_(p[0])
 
 
 def _step_one(group: _Group, i: int, kernel: FusedKernel, scale: torch.Tensor | None, compute_buf: torch.Tensor | None,

@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 
 
 class TilePool:
-    """``threads`` daemon threads (``shardfuse-host-tile-<i>``) running torch's kernels single-threaded.
+    """``threads`` daemon threads (``shardfuse-host-tile-<i>``) running torch's kernels single-threaded, with grad
+    mode off.
 
     :meth:`run` hands them a list of callables and returns when every one has run (raising the first error one
     raised, after the others finished); :meth:`close` ends the threads. Not reentrant: one :meth:`run` at a time.
@@ -46,6 +47,7 @@ class TilePool:
         import torch  # noqa: PLC0415 - per-thread setting, made in the thread itself
 
         torch.set_num_threads(1)
+        torch.set_grad_enabled(False)  # the items update tensors in place: no autograd history, ever
         seen = 0
         while True:
             with self._cond:

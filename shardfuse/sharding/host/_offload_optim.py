@@ -41,6 +41,7 @@ from shardfuse.sharding.host._host_step import (
 from shardfuse.sharding.host._host_trace import HostTrace
 from shardfuse.sharding.host._offload_settings import check_settings
 from shardfuse.sharding.host._placement import (
+    budget_applies,
     choose_resident,
     make_resident,
     state_bytes_per_element,
@@ -530,8 +531,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------------------------------------------
 
     def _budget_applies(self) -> bool:
-        """Whether the first step() may keep units resident (a CUDA compute device and a budget other than 0)."""
-        return self.root.compute_device.type == "cuda" and self.gpu_budget_gib != 0
+        return budget_applies(self.root, self.gpu_budget_gib)
 
     def _place_by_budget(self) -> set[int]:
         """At the first steps (PLACEMENTS): keep the offloaded units that fit the room left under the budget

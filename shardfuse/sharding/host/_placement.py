@@ -9,11 +9,20 @@ from __future__ import annotations
 
 import torch
 
+from shardfuse.sharding.core._devices import compute_device
 from shardfuse.sharding.core._flat_param import FlatParamHandle
+from shardfuse.sharding.core._runtime import Unit
 from shardfuse.sharding.host import _backing
 
 # Of what the process may allocate on the GPU, the share the default budget takes (allocator slack left).
 GPU_USABLE = 0.92
+
+
+def budget_applies(root: Unit, gpu_budget_gib: float | None) -> bool:
+    """Whether the first step() may keep units resident: a CUDA compute device and a budget other than 0. The
+    compute device is settled at the first forward (lazy init): before it, the one it will be."""
+    device = root.compute_device if root.root_state is not None else compute_device(root.config, None, None)
+    return device.type == "cuda" and gpu_budget_gib != 0
 
 
 def usable_device_bytes(device: torch.device) -> float:
