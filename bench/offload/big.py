@@ -64,7 +64,7 @@ GIB = 2**30
 # Opt-in: the no-clipping variants, the other settings' variants, the SSD tier (disk-bound: a configuration of
 # its own per 10-minute call) and the torchao side by side (torchao and the budget at its GPU peak).
 DEFAULT_IMPLS = tuple(i for i in IMPLS
-                      if "-sib" not in i and "-spec" not in i and "-tl" not in i
+                      if "-sib" not in i and "-spec" not in i and "-tl" not in i and "-ntl" not in i
                       and not i.endswith(("-keep", "-allcores", "-hcc", "-cu", "-kl", "-nofire"))
                       and i not in ("shardfuse-ssd", "torchao") and "-ao" not in i)
 FLOOR_BYTES = ("bf16 parameters host->device (2 B/param) and fp32 gradients device->host (4 B/param), once per "
@@ -99,6 +99,8 @@ ESTIMATE: dict[str, tuple[float, float, float, float]] = {
     "shardfuse-sib-tl": (12, 5, 0.17, 0.2),
     "shardfuse-budget-tl": (12, 5, 0.1, 0.1),
     "shardfuse-budget-sib-tl": (12, 5, 0.1, 0.1),
+    "shardfuse-ntl": (12, 5, 0.17, 0.2),
+    "shardfuse-budget-ntl": (12, 5, 0.1, 0.1),
     "shardfuse-budget-ao": (12, 5, 0.12, 0.12),
     "shardfuse-budget-ao-sib": (12, 5, 0.12, 0.12),
     "torchao": (12, 3, 0.3, 0.06),  # 817.5 ms for the 2.9B step measured on an H100 (issue 30)

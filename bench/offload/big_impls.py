@@ -384,15 +384,17 @@ def _offload_extras(job: Job, offload_optimizer: Any, info: dict[str, Any], sib:
 
 def _row_environment(job: Job, info: dict[str, Any]) -> None:
     """The switches ``OffloadOptimizer.__init__`` reads from the environment, set for ``job``'s row in its own
-    child process: ``-kl`` bf16 gradients to the host, ``-tl`` the host tile pool."""
+    child process: ``-kl`` bf16 gradients to the host, ``-tl`` / ``-ntl`` the host tile pool on / off."""
     if job.impl.endswith("-kl"):
         os.environ[LOWP_GRADS_ENV] = "1"
-    if "-tl" in job.impl:
-        from shardfuse.sharding.host import _host_fused
+    from shardfuse.sharding.host import _host_fused
 
-        if not hasattr(_host_fused, "TILE_ELEMENTS"):
-            raise Skip(f"the host tile pool is not in this shardfuse ({job.impl} needs it)")
-        os.environ[HOST_TILES_ENV] = "1"
+    has_tiles = hasattr(_host_fused, "TILE_ELEMENTS")
+    if ("-tl" in job.impl or "-ntl" in job.impl) and not has_tiles:
+        raise Skip(f"the host tile pool is not in this shardfuse ({job.impl} needs it)")
+    if "-tl" in job.impl or "-ntl" in job.impl:
+        os.environ[HOST_TILES_ENV] = "0" if "-ntl" in job.impl else "1"
+    if has_tiles and os.environ.get(HOST_TILES_ENV, "1") != "0":
         info["host_tile_elements"] = set_host_tile(os.environ.get("BIG_HOST_TILE"))
 
 

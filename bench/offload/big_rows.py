@@ -10,7 +10,7 @@ IMPLS = ("resident", "shardfuse", "shardfuse-budget", "shardfuse-host-accum", "s
          "shardfuse-budget-sib-hcc", "shardfuse-spec", "shardfuse-spec-nofire", "shardfuse-budget-ao",
          "shardfuse-budget-ao-sib", "shardfuse-cu", "shardfuse-budget-cu", "shardfuse-cu-kl", "shardfuse-budget-cu-kl",
          "shardfuse-nofire", "shardfuse-budget-nofire", "shardfuse-tl", "shardfuse-tl-nofire", "shardfuse-sib-tl",
-         "shardfuse-budget-tl", "shardfuse-budget-sib-tl",
+         "shardfuse-budget-tl", "shardfuse-budget-sib-tl", "shardfuse-ntl", "shardfuse-budget-ntl",
          "torchao", "fairscale", "fsdp2", "deepspeed-zero2", "deepspeed-zero3")  # fmt: skip
 AO_VARIANT = "budget = torchao's GPU peak"
 AO_FALLBACK_BUDGET_GIB = 30.0  # torchao's GPU peak for the 2.9B decoder measured on an H100 (29.6 GiB, issue 30)
@@ -45,7 +45,9 @@ VARIANTS = {"shardfuse-host-accum": ("shardfuse", "host-accum"),
             "shardfuse-tl-nofire": ("shardfuse", "host tiles, max_norm 1e9 (never fires)"),
             "shardfuse-sib-tl": ("shardfuse", "step-in-backward, no clipping, host tiles"),
             "shardfuse-budget-tl": ("shardfuse-budget", "host tiles"),
-            "shardfuse-budget-sib-tl": ("shardfuse-budget", "step-in-backward, no clipping, host tiles")}  # fmt: skip
+            "shardfuse-budget-sib-tl": ("shardfuse-budget", "step-in-backward, no clipping, host tiles"),
+            "shardfuse-ntl": ("shardfuse", "no host tiles"),
+            "shardfuse-budget-ntl": ("shardfuse-budget", "no host tiles")}  # fmt: skip
 # ``-keep``: wrapped with reshard_after_forward=False: the gathered bf16 parameters stay on the GPU from forward
 # to backward, so each offloaded shard crosses PCIe (and is read from host memory) once per step instead of twice,
 # for the full compute-dtype parameters on the GPU during the step.
@@ -58,9 +60,10 @@ VARIANTS = {"shardfuse-host-accum": ("shardfuse", "host-accum"),
 # ``-kl`` (after ``-cu``): also keep_params_gib=None (the gathered bf16 parameters kept from forward to backward in
 # the room the GPU has: no re-gather in backward) and SHARDFUSE_LOWP_GRADS=1 in the row's process (bf16 gradients
 # to the host where exact): the backward without its fp32 host->device copy and with half the device->host bytes.
-# ``-tl``: SHARDFUSE_HOST_TILES=1 in the row's process: the host updates run as tiles on a pool of single-threaded
-# workers (``_host_tiles``) instead of chunks over torch's intra-op threads; ``BIG_HOST_TILE=N`` sets the elements
-# per tile (``_host_fused.TILE_ELEMENTS``); rows record ``host_tile_elements``.
+# ``-tl``: SHARDFUSE_HOST_TILES=1 in the row's process: the scaled host updates run as tiles on a pool of
+# single-threaded workers (``_host_tiles``) instead of chunks over torch's intra-op threads (the default since
+# 2026-11-29; before, off); ``-ntl``: SHARDFUSE_HOST_TILES=0, the chunks; ``BIG_HOST_TILE=N`` sets the elements per
+# tile (``_host_fused.TILE_ELEMENTS``); rows record ``host_tiles`` and ``host_tile_elements``.
 # ``BIG_HOST_CHUNK=N`` (a diagnostic): ``_host_fused.CHUNK_ELEMENTS`` for every shardfuse row (``whole``: one
 # kernel call per parameter); rows record ``host_chunk_elements``.
 # ``shardfuse-host-accum``: the shardfuse row of an accumulating configuration with ``accumulate_on_gpu=False``

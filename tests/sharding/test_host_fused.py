@@ -4,6 +4,7 @@ parameters; and every case the path must leave to the optimizer's own step."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -121,18 +122,23 @@ def test_bad_chunk_is_refused(chunk):
         step_in_chunks([(opt, [p], _settings(opt))], None, p, None, chunk)
 
 
+@pytest.mark.parametrize("tiles", [False, True], ids=["chunks", "tiles"])
 @pytest.mark.parametrize("scaled,copied", [(False, False), (True, False), (False, True)],
                          ids=["plain", "scale", "copy"])
-def test_chunks_only_where_a_pass_shares_the_cache(monkeypatch, scaled, copied):
+def test_chunks_only_where_a_pass_shares_the_cache(monkeypatch, scaled, copied, tiles, tile_pool):
     """With neither clipping's scale nor the compute copy each parameter takes one kernel call (chunks would only add
-    per-call overhead); with either, one call per chunk. Equal to torch's fused step either way."""
+    per-call overhead), on the caller's thread even where a tile pool is given; with either, one call per chunk
+    (``tiles``: on the pool's threads). Equal to torch's fused step either way."""
     from shardfuse.sharding.host import _host_fused
 
     calls: list[int] = []
     real = _host_fused.call_fused_adam
 
+    threads: set[str] = set()
+
     def counting(kernel, params, *args, **kwargs):
         calls.append(params[0].numel())
+        threads.add(threading.current_thread().name)
         return real(kernel, params, *args, **kwargs)
 
     monkeypatch.setattr(_host_fused, "call_fused_adam", counting)
@@ -154,7 +160,8 @@ def test_chunks_only_where_a_pass_shares_the_cache(monkeypatch, scaled, copied):
             opt.step()
             copy.copy_(flat)
         else:
-            assert step_in_chunks([(opt, views, _settings(opt))], coef, flat, copy if copied else None, ALIGN)
+            assert step_in_chunks([(opt, views, _settings(opt))], coef, flat, copy if copied else None, ALIGN,
+                                  pool=tile_pool if tiles else None)
         if coef is not None:
             torch._foreach_mul_([r.grad for r in ref_views], coef)
         ref.step()
@@ -166,3 +173,5 @@ def test_chunks_only_where_a_pass_shares_the_cache(monkeypatch, scaled, copied):
         assert len(calls) > len(views) and max(calls) <= ALIGN, f"kernel calls over {calls} elements"
     else:
         assert calls == whole, f"kernel calls over {calls} elements, expected one per parameter {whole}"
+    on_pool = {t for t in threads if t.startswith("shardfuse-host-tile-")}
+    assert bool(on_pool) == (tiles and (scaled or copied)), f"kernel calls ran on {threads}"

@@ -30,7 +30,7 @@ STEPS = 4
 
 
 def _train(cfg: dict[str, Any], overlapped: bool) -> tuple[FSDP, Any, list[float]]:
-    chunk, real_step_in_chunks = _host_fused.CHUNK_ELEMENTS, _host_step.step_in_chunks
+    chunk, tile, real_step_in_chunks = _host_fused.CHUNK_ELEMENTS, _host_fused.TILE_ELEMENTS, _host_step.step_in_chunks
     chunked: list[bool] = []  # what each host shard's step did: True where it ran in cache-sized chunks
 
     pools: list[Any] = []  # the TilePool each host shard's chunked step was given
@@ -41,19 +41,21 @@ def _train(cfg: dict[str, Any], overlapped: bool) -> tuple[FSDP, Any, list[float
         return chunked[-1]
 
     _host_fused.CHUNK_ELEMENTS = cfg.get("host_chunk", chunk)
+    _host_fused.TILE_ELEMENTS = cfg.get("host_chunk", tile)  # the tiles split the shards as the chunks do
     _host_step.step_in_chunks = spy  # type: ignore[assignment]
     try:
         model, opt, losses = _train_loop(cfg, overlapped)
         if overlapped and hasattr(opt, "synchronize"):
             opt.synchronize()
     finally:
-        _host_fused.CHUNK_ELEMENTS, _host_step.step_in_chunks = chunk, real_step_in_chunks
+        _host_fused.CHUNK_ELEMENTS, _host_fused.TILE_ELEMENTS = chunk, tile
+        _host_step.step_in_chunks = real_step_in_chunks
     if overlapped:
         # torch's fused Adam/AdamW takes the chunked pass once its state exists (every step after the first of a
         # shard); other optimizers never do.
         assert any(chunked) == bool(cfg.get("fused") and not cfg.get("no_chunk")), f"chunked steps: {chunked}"
-        # SHARDFUSE_HOST_TILES=1: every host shard's step is given the worker's tile pool; else none is
-        assert all((p is not None) == bool(cfg.get("host_tiles")) for p in pools), f"pools given: {pools}"
+        # the tile pool (SHARDFUSE_HOST_TILES, on unless "0"): every host shard's step is given the worker's pool
+        assert all((p is not None) == cfg.get("host_tiles", True) for p in pools), f"pools given: {pools}"
     return model, opt, losses
 
 
@@ -66,7 +68,7 @@ def _train_loop(cfg: dict[str, Any], overlapped: bool) -> tuple[FSDP, Any, list[
         opt = make_optim(model.parameters(), cfg)
     if overlapped:
         with pytest.MonkeyPatch.context() as env:
-            env.setenv(HOST_TILES_ENV, "1" if cfg.get("host_tiles") else "0")
+            env.setenv(HOST_TILES_ENV, "1" if cfg.get("host_tiles", True) else "0")
             opt = OffloadOptimizer(model, opt, gpu_budget_gib=0,
                                    accumulate_on_gpu=cfg.get("accumulate_on_gpu", False),
                                    step_in_backward=cfg.get("step_in_backward", False),
@@ -211,12 +213,12 @@ CASES = {
     "clip-not-firing-fused-chunked": dict(fused=True, host_chunk=4096, clip=1e6),
     "clip-not-firing-sgd": dict(clip=1e6, optim="sgd"),
     "clip-in-update-not-firing-fused": dict(fused=True, clip=1e6, clip_in_update=True),
-    # SHARDFUSE_HOST_TILES=1: the chunks run as tiles on the worker's pool of single-threaded threads.
-    "tiles-fused-chunked-clip": dict(fused=True, host_chunk=4096, clip=0.05, host_tiles=True),
-    "tiles-fused-clip-compute-copy": dict(fused=True, host_chunk=4096, clip=0.05, host_compute_copy=True,
-                                          host_tiles=True),
-    "tiles-fused-step-in-backward": dict(fused=True, host_chunk=4096, step_in_backward=True, host_tiles=True),
-    "tiles-sgd-clip": dict(clip=0.05, optim="sgd", host_tiles=True),
+    # The scaled chunks run as tiles on the worker's pool by default; SHARDFUSE_HOST_TILES=0: over torch's threads.
+    "no-tiles-fused-chunked-clip": dict(fused=True, host_chunk=4096, clip=0.05, host_tiles=False),
+    "no-tiles-fused-clip-compute-copy": dict(fused=True, host_chunk=4096, clip=0.05, host_compute_copy=True,
+                                             host_tiles=False),
+    "tiles-fused-clip-compute-copy": dict(fused=True, host_chunk=4096, clip=0.05, host_compute_copy=True),
+    "no-tiles-fused-step-in-backward": dict(fused=True, host_chunk=4096, step_in_backward=True, host_tiles=False),
     "step-in-backward": dict(step_in_backward=True, scheduler=True),
     "step-in-backward-no-sync": dict(step_in_backward=True, no_sync_micro=2, accumulate_on_gpu=True),
     "step-in-backward-unused-unit": dict(step_in_backward=True, extra=True, optim="sgd"),

@@ -13,6 +13,12 @@ kernel call: chunking then only adds a parallel region per chunk (on a 16-core H
 parameters took 275 ms in 2M-element chunks against 245 ms whole, 382 against 340 beside the copies of training;
 ``bench.offload.host_step``, ``plain`` rows, 2026-11-28).
 
+Where a scale or a copy shares the pass, ``OffloadOptimizer`` runs the chunks as tiles on its worker's
+:class:`~shardfuse.sharding.host._host_tiles.TilePool` (each tile's operations on one core, no barrier per chunk):
+the clipped update of the 2.9B decoder, the clip firing, took 1326 and 1413 ms a step against 1642 and 1711 in
+chunks over torch's threads (16-core H200 host, a40ff1b, two interleaved rounds); ``SHARDFUSE_HOST_TILES=0`` turns
+the pool off.
+
 Only torch's own ``Adam``/``AdamW`` with ``fused=True`` and state already made take this path; anything else (the
 first step, which makes the state; SGD; other settings) returns ``False`` and the caller steps the optimizer. So does
 a torch whose private kernel is gone or moved (``shardfuse._torch_private.fused_adam_kernels``, checked once
@@ -44,9 +50,11 @@ from shardfuse.sharding.host._host_tiles import TilePool
 # (18 B/element, ~36 MiB) within a server CPU's last-level cache while amortising each operation's dispatch and
 # parallel-region start over enough work.
 CHUNK_ELEMENTS = 1 << 21
-# Elements per tile where a TilePool runs the update: the fastest of 512K, 1M and 2M on a 16-core H200 host
-# (bench.offload.host_step --tiles, 68076f8: clipped 386 ms per billion beside copies against 444 in 2M chunks).
-TILE_ELEMENTS = 1 << 21
+# Elements per tile where a TilePool runs the update. On a 16-core H200 host the update alone was fastest in 2M
+# tiles of 512K-2M (bench.offload.host_step --tiles, 68076f8: clipped, beside copies, 386 ms per billion against
+# 444 in 2M chunks); in training 8M tiles did better (fewer GIL takes beside the thread launching GPU work: the
+# 2.9B decoder's clipped step 1165 against 1212 ms in 2M tiles and 1304 without tiles, a40ff1b).
+TILE_ELEMENTS = 1 << 23
 ALIGN = 4096  # chunk boundaries: a multiple of every CPU vector width, so results match the unchunked kernel
 
 
@@ -139,8 +147,9 @@ def step_in_chunks(sub_groups: list[tuple[torch.optim.Optimizer, list[torch.Tens
     Returns False, having changed nothing, when the path does not apply. ``chunk``: elements per chunk (None:
     ``CHUNK_ELEMENTS``). ``divide`` (``OffloadOptimizer(clip_in_update=True)``): scale as ``g / clip_inverse(coef)``,
     inside the kernel (its ``grad_scale``: no pass of its own) where :func:`kernel_divides_by_grad_scale` holds.
-    ``pool``: run the chunks as tiles on a :class:`TilePool` (each tile's operations on one core; ``chunk`` None:
-    ``TILE_ELEMENTS``) instead of one chunk at a time over every intra-op thread."""
+    ``pool``: where a scale or a copy shares the pass, run the chunks as tiles on a :class:`TilePool` (each tile's
+    operations on one core; ``chunk`` None: ``TILE_ELEMENTS``) instead of one chunk at a time over every intra-op
+    thread."""
     chunk = (TILE_ELEMENTS if pool is not None else CHUNK_ELEMENTS) if chunk is None else chunk
     if chunk <= 0 or chunk % ALIGN:
         raise ValueError(f"chunk must be a positive multiple of {ALIGN} elements, got {chunk}")
@@ -167,8 +176,10 @@ def step_in_chunks(sub_groups: list[tuple[torch.optim.Optimizer, list[torch.Tens
                 for group in groups:
                     if group.grads:
                         foreach_div_(group.grads, inverse)
-    if scale is None and compute_buf is None and pool is None:
-        chunk = sys.maxsize  # one kernel call per parameter: no pass to share the cache with (module docstring)
+    if scale is None and compute_buf is None:
+        # one kernel call per parameter: no pass to share the cache with (module docstring); tiles measured no
+        # faster there (2.9B decoder, 16-core H200, a40ff1b: clip not firing 1116/1174 against 1128/1169 ms)
+        chunk, pool = sys.maxsize, None
     tiles: list[Callable[[], None]] = []
     written: list[torch.Tensor] = []
     with torch.no_grad():

@@ -58,7 +58,7 @@ GIB = 1 << 30
 PLACEMENTS = 2
 # Set to 1 to send offloaded gradients in the compute dtype where exact (opt-in: see OffloadOptimizer's docstring).
 LOWP_GRADS_ENV = "SHARDFUSE_LOWP_GRADS"
-HOST_TILES_ENV = "SHARDFUSE_HOST_TILES"  # "1": the host updates run as tiles on single-threaded workers
+HOST_TILES_ENV = "SHARDFUSE_HOST_TILES"  # "0": no tile pool (the scaled updates' chunks over torch's threads)
 WIDEN_KEY = -1.0  # the worker's key of a gradient widening: ahead of every update (keys >= 0)
 
 
@@ -162,7 +162,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._lowp_grads = os.environ.get(LOWP_GRADS_ENV, "0") == "1"
         self._lock = threading.Lock()
         self.host_threads = host_threads if host_threads is not None else default_host_threads()
-        self._worker = StepWorker(self.host_threads, tiles=os.environ.get(HOST_TILES_ENV, "0") == "1")
+        self._worker = StepWorker(self.host_threads, tiles=os.environ.get(HOST_TILES_ENV, "1") != "0")
         self._finalizer = weakref.finalize(self, _close_worker, self._worker, _backing.below(self.root))
         self._plans: list[ShardPlan] = []
         self._plan_of_host: dict[int, ShardPlan] = {}
