@@ -79,8 +79,8 @@ MEASURED: dict[str, dict[str, Crossover]] = {
     },
     "h200": {
         "cast_shards_list": NEVER,
-        "cast_shards_flat": Crossover(min_bytes=25165824, many_tensors=1000),
-        "chunk_cat": Crossover(min_bytes=16825856, max_tensors=17, big_tensor_bytes=1051798),
+        "cast_shards_flat": Crossover(min_bytes=math.inf, many_tensors=1000),
+        "chunk_cat": Crossover(min_bytes=805928960, max_tensors=17, big_tensor_bytes=2100391),
         "concat": NEVER,
     },
 }
