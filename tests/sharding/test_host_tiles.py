@@ -80,3 +80,19 @@ def test_misuse_is_refused():
     made.close()  # idempotent
     with pytest.raises(RuntimeError, match="after close"):
         made.run([lambda: None])
+
+
+def test_threads_start_at_the_first_list_and_end_at_close():
+    """An optimizer whose updates never take tiles keeps no idle threads: the pool starts them at its first run()."""
+
+    def tile_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("shardfuse-host-tile-")]
+
+    before = set(tile_threads())
+    made = TilePool(3)
+    assert set(tile_threads()) == before, "the pool started threads before it had a list"
+    made.run([lambda: None])
+    started = set(tile_threads()) - before
+    assert len(started) == 3
+    made.close()
+    assert not any(t.is_alive() for t in started), "close() left a pool thread running"

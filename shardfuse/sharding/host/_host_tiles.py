@@ -23,7 +23,8 @@ class TilePool:
     mode off.
 
     :meth:`run` hands them a list of callables and returns when every one has run (raising the first error one
-    raised, after the others finished); :meth:`close` ends the threads. Not reentrant: one :meth:`run` at a time.
+    raised, after the others finished); the first run starts the threads, :meth:`close` ends them. Not reentrant:
+    one :meth:`run` at a time.
     """
 
     def __init__(self, threads: int) -> None:
@@ -38,10 +39,9 @@ class TilePool:
         self._error: BaseException | None = None
         self._closing = False
         self._busy = False
-        self._workers = [threading.Thread(target=self._work, name=f"shardfuse-host-tile-{i}", daemon=True)
-                         for i in range(threads)]
-        for worker in self._workers:
-            worker.start()
+        # Started by the first run(): an optimizer whose updates never take tiles (no clip fires, no compute copy)
+        # keeps no idle threads.
+        self._workers: list[threading.Thread] = []
 
     def _work(self) -> None:
         import torch  # noqa: PLC0415 - per-thread setting, made in the thread itself
@@ -86,6 +86,11 @@ class TilePool:
                 raise RuntimeError("TilePool.run() while another run() is in progress: the pool runs one list at "
                                    "a time (one caller, the host worker thread)")
             self._busy = True
+            if not self._workers:
+                self._workers = [threading.Thread(target=self._work, name=f"shardfuse-host-tile-{i}", daemon=True)
+                                 for i in range(self.threads)]
+                for worker in self._workers:
+                    worker.start()
             self._items, self._next, self._left, self._error = items, 0, len(items), None
             self._round += 1
             self._cond.notify_all()
@@ -100,6 +105,7 @@ class TilePool:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        for worker in self._workers:
+            workers = list(self._workers)
+        for worker in workers:
             if worker is not threading.current_thread():
                 worker.join()
