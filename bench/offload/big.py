@@ -58,58 +58,18 @@ from bench.offload.big_impls import (
     ssd_settings,
     unavailable_reason,
 )
+from bench.offload.big_rows import ESTIMATE
 
 REPO = Path(__file__).resolve().parents[2]
 GIB = 2**30
 # Opt-in: the no-clipping variants, the other settings' variants, the SSD tier (disk-bound: a configuration of
 # its own per 10-minute call) and the torchao side by side (torchao and the budget at its GPU peak).
 DEFAULT_IMPLS = tuple(i for i in IMPLS
-                      if "-sib" not in i and "-spec" not in i and "-tl" not in i and "-ntl" not in i
+                      if "-sib" not in i and "-spec" not in i and "-tl" not in i and "-ntl" not in i and "-gs" not in i
                       and not i.endswith(("-keep", "-allcores", "-hcc", "-cu", "-kl", "-nofire"))
                       and i not in ("shardfuse-ssd", "torchao") and "-ao" not in i)
 FLOOR_BYTES = ("bf16 parameters host->device (2 B/param) and fp32 gradients device->host (4 B/param), once per "
                "optimizer step, the two directions overlapped")  # fmt: skip
-# Rough seconds for the time plan (one H100, 16 cores): per child start, setup per billion parameters, and per
-# billion parameters the optimizer part and the per-micro-batch part of a step (from issue 20's measurements).
-ESTIMATE: dict[str, tuple[float, float, float, float]] = {
-    "resident": (10, 3, 0.006, 0.06),
-    "shardfuse": (12, 5, 0.17, 0.2),
-    "shardfuse-budget": (12, 5, 0.1, 0.1),
-    "shardfuse-host-accum": (12, 5, 0.17, 0.2),
-    "shardfuse-sib": (12, 5, 0.17, 0.2),
-    "shardfuse-budget-sib": (12, 5, 0.1, 0.1),
-    "shardfuse-sib-allcores": (12, 5, 0.17, 0.2),
-    "shardfuse-keep": (12, 5, 0.17, 0.2),
-    "shardfuse-sib-keep": (12, 5, 0.17, 0.2),
-    "shardfuse-hcc": (12, 5, 0.17, 0.2),
-    "shardfuse-sib-hcc": (12, 5, 0.17, 0.2),
-    "shardfuse-keep-hcc": (12, 5, 0.17, 0.2),
-    "shardfuse-sib-keep-hcc": (12, 5, 0.17, 0.2),
-    "shardfuse-budget-sib-hcc": (12, 5, 0.1, 0.1),
-    "shardfuse-spec": (12, 5, 0.17, 0.2),
-    "shardfuse-spec-nofire": (12, 5, 0.17, 0.2),
-    "shardfuse-nofire": (12, 5, 0.17, 0.2),
-    "shardfuse-budget-nofire": (12, 5, 0.1, 0.1),
-    "shardfuse-cu": (12, 5, 0.17, 0.2),
-    "shardfuse-budget-cu": (12, 5, 0.1, 0.1),
-    "shardfuse-cu-kl": (12, 5, 0.17, 0.2),
-    "shardfuse-budget-cu-kl": (12, 5, 0.1, 0.1),
-    "shardfuse-tl": (12, 5, 0.17, 0.2),
-    "shardfuse-tl-nofire": (12, 5, 0.17, 0.2),
-    "shardfuse-sib-tl": (12, 5, 0.17, 0.2),
-    "shardfuse-budget-tl": (12, 5, 0.1, 0.1),
-    "shardfuse-budget-sib-tl": (12, 5, 0.1, 0.1),
-    "shardfuse-ntl": (12, 5, 0.17, 0.2),
-    "shardfuse-budget-ntl": (12, 5, 0.1, 0.1),
-    "shardfuse-budget-ao": (12, 5, 0.12, 0.12),
-    "shardfuse-budget-ao-sib": (12, 5, 0.12, 0.12),
-    "torchao": (12, 3, 0.3, 0.06),  # 817.5 ms for the 2.9B step measured on an H100 (issue 30)
-    "shardfuse-ssd": (12, 8, 8.0, 4.0),  # disk-bound: ~2 GB/s each way assumed
-    "fairscale": (12, 8, 0.17, 0.2),
-    "fsdp2": (12, 6, 0.2, 0.22),
-    "deepspeed-zero2": (70, 10, 0.25, 0.32),  # the first one compiles DeepSpeedCPUAdam (~50 s)
-    "deepspeed-zero3": (20, 12, 0.25, 0.36),
-}
 FLOOR_ESTIMATE_S = 30.0
 
 

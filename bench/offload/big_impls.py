@@ -362,6 +362,10 @@ def _offload_extras(job: Job, offload_optimizer: Any, info: dict[str, Any], sib:
         if "clip_in_update" not in inspect.signature(offload_optimizer).parameters:
             raise Skip(f"OffloadOptimizer(clip_in_update=) is not in this shardfuse ({job.impl} needs it)")
         extra["clip_in_update"] = True
+    if "-gs" in job.impl:
+        if "gpu_update_share" not in inspect.signature(offload_optimizer).parameters:
+            raise Skip(f"OffloadOptimizer(gpu_update_share=) is not in this shardfuse ({job.impl} needs it)")
+        extra["gpu_update_share"] = float(os.environ.get("BIG_GPU_SHARE", "0.5"))
     info["host_chunk_elements"] = set_host_chunk(os.environ.get("BIG_HOST_CHUNK"))
     if "-spec" in job.impl:
         if "speculative_clip" not in inspect.signature(offload_optimizer).parameters:
@@ -432,7 +436,8 @@ def make_shardfuse(job: Job, device: torch.device) -> Trainer:
                     keep_params_gib=getattr(opt, "keep_params_gib", 0.0),
                     clip_in_update=bool(getattr(opt, "clip_in_update", False)),
                     lowp_grads=bool(getattr(opt, "_lowp_grads", False)),
-                    host_tiles=getattr(getattr(opt, "_worker", None), "pool", None) is not None)
+                    host_tiles=getattr(getattr(opt, "_worker", None), "pool", None) is not None,
+                    gpu_update_share=float(getattr(opt, "gpu_update_share", 0.0)))
     trainer = (NoClipTrainer if sib else FairScaleStyleTrainer)(model, opt, job.cfg.accum, info)
     if job.impl.endswith("-nofire"):
         trainer.max_norm = NOFIRE_MAX_NORM

@@ -125,7 +125,7 @@ def _with_delays(monkeypatch: pytest.MonkeyPatch, rng: random.Random) -> None:
     monkeypatch.setattr(HostShard, "send_grad", delayed(HostShard.send_grad))
     monkeypatch.setattr(HostShard, "before_step", delayed(HostShard.before_step))
     monkeypatch.setattr(HostShard, "source_for_gather", delayed(HostShard.source_for_gather))
-    monkeypatch.setattr(_host_step, "_step_host_shard", delayed(_host_step._step_host_shard))
+    monkeypatch.setattr(_host_step, "step_host_shard", delayed(_host_step.step_host_shard))
     monkeypatch.setattr(_speculative, "speculate", delayed(_speculative.speculate))
     monkeypatch.setattr(_speculative, "commit", delayed(_speculative.commit))
 

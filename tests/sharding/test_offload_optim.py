@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from shardfuse import OffloadOptimizer
 from shardfuse.sharding import FullyShardedDataParallel as FSDP
-from shardfuse.sharding.host import _host_fused, _host_step
+from shardfuse.sharding.host import _gpu_assist, _host_fused, _host_step
 from shardfuse.sharding.host._offload_optim import HOST_TILES_ENV
 from shardfuse.sharding.host._placement import make_resident as _make_resident
 from tests.sharding._models import batch, build, loss_fn, make_optim, wrap_model
@@ -31,6 +31,7 @@ STEPS = 4
 
 def _train(cfg: dict[str, Any], overlapped: bool) -> tuple[FSDP, Any, list[float]]:
     chunk, tile, real_step_in_chunks = _host_fused.CHUNK_ELEMENTS, _host_fused.TILE_ELEMENTS, _host_step.step_in_chunks
+    assist_chunk = _gpu_assist.ASSIST_CHUNK
     chunked: list[bool] = []  # what each host shard's step did: True where it ran in cache-sized chunks
 
     pools: list[Any] = []  # the TilePool each host shard's chunked step was given
@@ -42,6 +43,7 @@ def _train(cfg: dict[str, Any], overlapped: bool) -> tuple[FSDP, Any, list[float
 
     _host_fused.CHUNK_ELEMENTS = cfg.get("host_chunk", chunk)
     _host_fused.TILE_ELEMENTS = cfg.get("host_chunk", tile)  # the tiles split the shards as the chunks do
+    _gpu_assist.ASSIST_CHUNK = cfg.get("host_chunk", assist_chunk)  # the GPU's share streams the same chunks
     _host_step.step_in_chunks = spy  # type: ignore[assignment]
     try:
         model, opt, losses = _train_loop(cfg, overlapped)
@@ -49,13 +51,18 @@ def _train(cfg: dict[str, Any], overlapped: bool) -> tuple[FSDP, Any, list[float
             opt.synchronize()
     finally:
         _host_fused.CHUNK_ELEMENTS, _host_fused.TILE_ELEMENTS = chunk, tile
+        _gpu_assist.ASSIST_CHUNK = assist_chunk
         _host_step.step_in_chunks = real_step_in_chunks
     if overlapped:
         # torch's fused Adam/AdamW takes the chunked pass once its state exists (every step after the first of a
         # shard); other optimizers never do.
-        assert any(chunked) == bool(cfg.get("fused") and not cfg.get("no_chunk")), f"chunked steps: {chunked}"
+        # (gpu_update_share=1: every update after the first streams through the device instead)
+        host_chunked = bool(cfg.get("fused") and not cfg.get("no_chunk") and cfg.get("gpu_update_share", 0) < 1)
+        assert any(chunked) == host_chunked, f"chunked steps: {chunked}"
         # the tile pool (SHARDFUSE_HOST_TILES, on unless "0"): every host shard's step is given the worker's pool
-        assert all((p is not None) == cfg.get("host_tiles", True) for p in pools), f"pools given: {pools}"
+        # (the GPU's share steps a unit on the host only where its path does not apply, on its own thread, no pool)
+        if not cfg.get("gpu_update_share"):
+            assert all((p is not None) == cfg.get("host_tiles", True) for p in pools), f"pools given: {pools}"
     return model, opt, losses
 
 
@@ -73,7 +80,8 @@ def _train_loop(cfg: dict[str, Any], overlapped: bool) -> tuple[FSDP, Any, list[
                                    accumulate_on_gpu=cfg.get("accumulate_on_gpu", False),
                                    step_in_backward=cfg.get("step_in_backward", False),
                                    host_compute_copy=cfg.get("host_compute_copy", False),
-                                   clip_in_update=cfg.get("clip_in_update", False))
+                                   clip_in_update=cfg.get("clip_in_update", False),
+                                   gpu_update_share=cfg.get("gpu_update_share", 0.0))
         if cfg.get("resident_root"):  # as a GPU budget keeps a unit resident: stepped on the caller's thread
             for h in model._unit.handles:
                 _make_resident(h, opt.optimizer, h.flat.device)
@@ -134,9 +142,12 @@ def check_same_as_plain(cfg: dict[str, Any]) -> bool:
     model, opt, losses = _train(cfg, overlapped=True)
     ref, ref_opt, ref_losses = _train(cfg, overlapped=False)
     stats = opt.host_stats()
-    assert stats["host_busy_s"] > 0 and stats["wait_s"] >= 0 and stats["host_threads"] >= 1, stats
-    assert 0 < stats["update_s"] <= stats["host_busy_s"], stats  # updating is part of the worker's busy time
+    busy = stats["host_busy_s"] + stats.get("gpu_update_busy_s", 0.0)  # the host's worker, the GPU share's
+    assert busy > 0 and stats["wait_s"] >= 0 and stats["host_threads"] >= 1, stats
+    assert 0 < stats["update_s"] <= busy, stats  # updating is part of the workers' busy time
     assert stats["placements_left"] == 0, stats  # a CPU compute device: no GPU budget to place units by
+    if cfg.get("gpu_update_share") and cfg.get("fused"):  # the device's share ran (every step after the first)
+        assert stats["gpu_update_units"] > 0 and stats["gpu_update_elements"] > 0, stats
     assert losses == ref_losses, f"losses (and clip norms) differ: {losses} vs {ref_losses}"
     sd, ref_sd = model.state_dict(), ref.state_dict()  # state_dict finishes the step in flight first
     for k in ref_sd:
@@ -160,6 +171,11 @@ def check_close_to_plain(cfg: dict[str, Any], tol: tuple[float, float]) -> bool:
     taken on the device by the overlapped path and on the host by the plain one."""
     model, opt, losses = _train(cfg, overlapped=True)
     ref, _, ref_losses = _train(cfg, overlapped=False)
+    if cfg.get("gpu_update_share") and cfg.get("fused"):  # the device's share ran, its state moved to pinned memory
+        assert opt.host_stats()["gpu_update_units"] > 0, opt.host_stats()
+        if cfg["gpu_update_share"] == 1.0 and torch.cuda.is_available():
+            moments = [t for s in opt.optimizer.state.values() for k, t in s.items() if k.startswith("exp_avg")]
+            assert moments and all(t.is_pinned() for t in moments), "the GPU share's moments are not page-locked"
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=tol[0], atol=tol[1])
     sd, ref_sd = model.state_dict(), ref.state_dict()
     for k in ref_sd:
@@ -219,6 +235,15 @@ CASES = {
                                              host_tiles=False),
     "tiles-fused-clip-compute-copy": dict(fused=True, host_chunk=4096, clip=0.05, host_compute_copy=True),
     "no-tiles-fused-step-in-backward": dict(fused=True, host_chunk=4096, step_in_backward=True, host_tiles=False),
+    # gpu_update_share: the last units' updates stream through the compute device (here the CPU, whose fused kernel
+    # is the host's: the same bits), chunk by chunk through reused buffers, beside the host worker's.
+    "gpu-share-half-fused-chunked-clip": dict(fused=True, host_chunk=4096, clip=0.05, gpu_update_share=0.5),
+    "gpu-share-all-fused-clip-compute-copy": dict(fused=True, host_chunk=4096, clip=0.05, host_compute_copy=True,
+                                                  gpu_update_share=1.0),
+    "gpu-share-half-step-in-backward": dict(fused=True, host_chunk=4096, step_in_backward=True, scheduler=True,
+                                            gpu_update_share=0.5),
+    "gpu-share-half-clip-in-update": dict(fused=True, clip=0.05, clip_in_update=True, gpu_update_share=0.5),
+    "gpu-share-half-sgd-clip": dict(optim="sgd", clip=0.05, gpu_update_share=0.5),
     "step-in-backward": dict(step_in_backward=True, scheduler=True),
     "step-in-backward-no-sync": dict(step_in_backward=True, no_sync_micro=2, accumulate_on_gpu=True),
     "step-in-backward-unused-unit": dict(step_in_backward=True, extra=True, optim="sgd"),
@@ -360,7 +385,7 @@ def _train_held(steps: int, hold_at: int | None) -> tuple[FSDP, list[bool]]:
     opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     if hold_at is not None:
         opt = OffloadOptimizer(model, opt, gpu_budget_gib=0, step_in_backward=True)
-    real, gate, returned = _host_step._step_host_shard, threading.Event(), []
+    real, gate, returned = _host_step.step_host_shard, threading.Event(), []
 
     def held(*args: Any, **kwargs: Any) -> None:
         gate.wait(timeout=60)
@@ -369,7 +394,7 @@ def _train_held(steps: int, hold_at: int | None) -> tuple[FSDP, list[bool]]:
     try:
         for step in range(steps):
             if step == hold_at:
-                _host_step._step_host_shard = held  # type: ignore[assignment]
+                _host_step.step_host_shard = held  # type: ignore[assignment]
             ids, target = batch(step, rank, ws)
             loss_fn(model, ids, target, step, {}).backward()
             stepper = threading.Thread(target=opt.step)
@@ -383,7 +408,7 @@ def _train_held(steps: int, hold_at: int | None) -> tuple[FSDP, list[bool]]:
         if hold_at is not None:
             opt.synchronize()
     finally:
-        _host_step._step_host_shard = real
+        _host_step.step_host_shard = real
         gate.set()
     return model, returned
 
@@ -437,7 +462,7 @@ def check_consistent_reads_after_step() -> bool:
     values: overlapped after step(), and under step_in_backward once the placements are done (step() then
     returns without waiting for the updates its backward queued)."""
     rank, ws = dist.get_rank(), dist.get_world_size()
-    real = _host_step._step_host_shard
+    real = _host_step.step_host_shard
 
     def slow(*args: Any, **kwargs: Any) -> None:
         time.sleep(0.05)  # still running when the reads below start
@@ -452,7 +477,7 @@ def check_consistent_reads_after_step() -> bool:
         try:
             for step in range(3):
                 if step == 2:
-                    _host_step._step_host_shard = slow  # type: ignore[assignment]
+                    _host_step.step_host_shard = slow  # type: ignore[assignment]
                 ids, target = batch(step, rank, ws)
                 loss_fn(model, ids, target, step, {}).backward()
                 opt.step()
@@ -463,7 +488,7 @@ def check_consistent_reads_after_step() -> bool:
                 summoned = {n: p.detach().clone() for n, p in model.named_parameters()}
             outs.append((model.state_dict(), summoned, opt.state_dict(), inner_osd))
         finally:
-            _host_step._step_host_shard = real
+            _host_step.step_host_shard = real
     *got, (ref_sd, ref_summ, ref_osd, _) = outs
     for sd, summ, osd, inner_osd in got:
         assert all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
@@ -621,6 +646,11 @@ def check_bad_arguments() -> bool:
     for bad in (0, -2, 1.5):
         with pytest.raises(ValueError, match=rf"host_threads.*{bad}"):
             OffloadOptimizer(model, make_optim(model.parameters(), {}), host_threads=bad)  # type: ignore[arg-type]
+    for bad in (-0.1, 1.5, float("nan"), True):
+        with pytest.raises(ValueError, match=rf"gpu_update_share.*{bad}"):
+            OffloadOptimizer(model, make_optim(model.parameters(), {}), gpu_update_share=bad)
+    with pytest.raises(ValueError, match="speculative_clip"):
+        OffloadOptimizer(model, make_optim(model.parameters(), {}), gpu_update_share=0.5, speculative_clip=True)
     with pytest.raises(ValueError, match="closure"):
         OffloadOptimizer(model, make_optim(model.parameters(), {})).step(lambda: 0.0)
     return True

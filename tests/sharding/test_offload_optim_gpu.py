@@ -2,7 +2,8 @@
 fp32 and in bf16 (on the GPU the shard cast kernel rounds to nearest-even like the host copy), with
 ``accumulate_on_gpu`` and under ``step_in_backward``; with clipping to fp32 rounding (the overlapped path takes
 each unit's norm on the GPU, the plain one on the host); partial offload under a budget against full offload (the
-resident shards are stepped by the GPU's AdamW, the others by the host's: equal to fp32 rounding)."""
+resident shards are stepped by the GPU's AdamW, the others by the host's: equal to fp32 rounding), and
+``gpu_update_share`` (the last units streamed through the GPU's AdamW: to fp32 rounding, their moments pinned)."""
 
 from __future__ import annotations
 
@@ -68,8 +69,22 @@ CLIP_CASES = {
                                     compute_dtype=torch.bfloat16),
 }
 
+# gpu_update_share: the last units' updates stream through the GPU (torch's fused CUDA AdamW): equal to the host's
+# to fp32 rounding, as for resident units; chunks of 4096 elements cycle the device buffers within each unit.
+GPU_SHARE_CASES = {
+    "fp32-fused-clip-gpu-share-half": dict(fused=True, clip=0.05, host_chunk=4096, gpu_update_share=0.5),
+    "bf16-fused-clip-compute-copy-gpu-share-all": dict(fused=True, clip=0.05, host_compute_copy=True,
+                                                       mixed_precision=True, compute_dtype=torch.bfloat16,
+                                                       gpu_update_share=1.0),
+    "bf16-fused-step-in-backward-gpu-share-half": dict(fused=True, step_in_backward=True, mixed_precision=True,
+                                                       compute_dtype=torch.bfloat16, gpu_update_share=0.5),
+    "fp32-fused-clip-in-update-gpu-share-half": dict(fused=True, clip=0.05, clip_in_update=True,
+                                                     gpu_update_share=0.5),
+}
 
-@pytest.mark.parametrize("cfg", list(CLIP_CASES.values()), ids=list(CLIP_CASES))
+
+@pytest.mark.parametrize("cfg", list(CLIP_CASES.values()) + list(GPU_SHARE_CASES.values()),
+                         ids=list(CLIP_CASES) + list(GPU_SHARE_CASES))
 def test_clip_close_to_plain_offload_gpu(pool, cfg):
     assert pool.run(check_close_to_plain_gpu, cfg) == [True] * WORLD
 

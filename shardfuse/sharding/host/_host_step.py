@@ -51,7 +51,7 @@ class StepWorker:
     optimizer's parallel regions, the thread that shares a core with the launching thread holds up each region.
     """
 
-    def __init__(self, threads: int | None = None, tiles: bool = False) -> None:
+    def __init__(self, threads: int | None = None, tiles: bool = False, name: str = "shardfuse-host-step") -> None:
         # tiles: the updates' chunks run on a TilePool of ``threads`` single-threaded workers (``_host_tiles``)
         self.pool = TilePool(threads or default_host_threads()) if tiles else None
         self._heap: list[tuple[float, int, Any, Callable[[], None] | None]] = []
@@ -59,7 +59,7 @@ class StepWorker:
         self._seq = 0  # ties keep submission order
         self.threads = threads
         self.busy_s = 0.0  # seconds spent running tasks (read by OffloadOptimizer.host_stats)
-        self._thread = threading.Thread(target=self._run, name="shardfuse-host-step", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
@@ -175,7 +175,8 @@ def step_plan(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tenso
 
 def host_task(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tensor | None,
               lock: threading.Lock, copy_event: torch.cuda.Event | None = None,
-              in_backward: bool = False, update: Callable[[], None] | None = None) -> Callable[[], None]:
+              in_backward: bool = False,
+              update: Callable[[], Callable[[], None] | None] | None = None) -> Callable[[], None]:
     """The worker's job for one offloaded shard: wait for the last copy that read its host buffers, step it,
     refresh the compute-dtype copy, apply a ``zero_grad`` that came meanwhile, then release the unit's next
     gather. Runs under ``lock`` so ``zero_grad`` sees each shard either queued (and defers) or done.
@@ -184,7 +185,10 @@ def host_task(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tenso
     and land the gradient (the end of backward lands the same buffer again on the main thread).
 
     ``update``: what runs instead of the shard's step (``_speculative``: the out-of-place update of
-    ``speculative_clip``), in the same place: under ``lock``, in ``UPDATING``, before a deferred ``zero_grad``.
+    ``speculative_clip``; ``_gpu_assist``: the GPU's share), in the same place: under ``lock``, in ``UPDATING``,
+    before a deferred ``zero_grad``. It may return a callable that waits for work it queued elsewhere (the GPU's
+    copies): that runs outside ``lock`` (the host worker's updates go on meanwhile), still in ``UPDATING``, and the
+    task takes ``lock`` again to finish.
     """
     host, handle = plan.host, plan.handle
     if host is None or handle is None:
@@ -206,6 +210,7 @@ def host_task(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tenso
         except BaseException as err:  # noqa: BLE001 - handed to the caller side, raised at the next wait
             _failed(host, err)
             return
+        start = time.perf_counter()
         with lock:
             try:
                 host.life.move(UpdateState.UPDATING)
@@ -216,22 +221,44 @@ def host_task(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tenso
                 host.note("update")
                 start = time.perf_counter()
                 dropped = _reclaim_grads(queued_with, host.life.name)
+                wait = None
                 if update is None:
-                    _step_host_shard(plan, host, handle, settings, coef)
+                    step_host_shard(plan, host, handle, settings, coef, plan.pool)
                 else:
-                    update()
-                for p in dropped:
-                    p.grad = None
-                apply_zero_grad(plan, plan.deferred_zero)
-                host.stats.update_s += time.perf_counter() - start
-                host.note("done")
-                plan.deferred_zero = None
-                host.life.move(UpdateState.DONE)  # under the lock: zero_grad sees it queued (defers) or done
+                    wait = update()
             except BaseException as err:  # noqa: BLE001 - handed to the caller side, raised at the next wait
                 plan.deferred_zero = None
                 _failed(host, err)
+                return
+        _finish(plan, host, lock, dropped, wait, start)
 
     return run
+
+
+def _finish(plan: ShardPlan, host: HostShard, lock: threading.Lock, dropped: list[torch.Tensor],
+            wait: Callable[[], None] | None, start: float) -> None:
+    """The end of a host task: wait (outside ``lock``) for what the update queued elsewhere, then, under ``lock``,
+    drop the gradients it put back, apply a ``zero_grad`` that came meanwhile and release the unit's gather."""
+    try:
+        if wait is not None:
+            wait()
+    except BaseException as err:  # noqa: BLE001 - handed to the caller side, raised at the next wait
+        with lock:
+            plan.deferred_zero = None
+            _failed(host, err)
+        return
+    with lock:
+        try:
+            for p in dropped:
+                p.grad = None
+            apply_zero_grad(plan, plan.deferred_zero)
+            host.stats.update_s += time.perf_counter() - start
+            host.note("done")
+            plan.deferred_zero = None
+            host.life.move(UpdateState.DONE)  # under the lock: zero_grad sees it queued (defers) or done
+        except BaseException as err:  # noqa: BLE001 - handed to the caller side, raised at the next wait
+            plan.deferred_zero = None
+            _failed(host, err)
 
 
 def _reclaim_grads(queued_with: list[tuple[torch.Tensor, torch.Tensor, int]], name: str) -> list[torch.Tensor]:
@@ -263,15 +290,17 @@ def _failed(host: HostShard, err: BaseException) -> None:
     host.life.move(UpdateState.FAILED, err)
 
 
-def _step_host_shard(plan: ShardPlan, host: HostShard, handle: FlatParamHandle, settings: list[dict[str, Any]],
-                     coef: torch.Tensor | None) -> None:
+def step_host_shard(plan: ShardPlan, host: HostShard, handle: FlatParamHandle, settings: list[dict[str, Any]],
+                    coef: torch.Tensor | None, pool: TilePool | None) -> None:
     """Step one host shard and refresh its compute-dtype copy: chunk by chunk in one cache-sized pass where
     ``_host_fused`` applies (torch's fused Adam/AdamW, state made), else the optimizer's own step, then the copy.
-    The SSD tier's shards take the optimizer's own step: its step hooks page them in and write them behind."""
+    The SSD tier's shards take the optimizer's own step: its step hooks page them in and write them behind.
+    ``pool``: the tile pool of the calling worker (``ShardPlan.pool``; None: the chunks over torch's threads)."""
     in_sync = host.compute_buf is not None and host.copy_version == handle.flat._version
     chunked = type(host) is HostShard and step_in_chunks(
         [(sub, params, s) for sub, (_, params), s in zip(plan.subs, plan.groups, settings)], coef, handle.flat,
-        host.compute_buf if in_sync else None, divide=plan.clip_in_update, pool=plan.pool)
+        host.compute_buf if in_sync else None, divide=plan.clip_in_update,
+        pool=pool)
     if not chunked:
         step_plan(plan, settings, coef)
     else:

@@ -24,6 +24,7 @@ from shardfuse.sharding.core._runtime import Unit
 from shardfuse.sharding.core._tree import units_below
 from shardfuse.sharding.host import _backing, _wrapped_hooks
 from shardfuse.sharding.host._engine import engine_of, unit_of_root
+from shardfuse.sharding.host._gpu_assist import GpuAssist
 from shardfuse.sharding.host._host_keep import choose_kept, keep_room
 from shardfuse.sharding.host._host_shard import HostShard
 from shardfuse.sharding.host._host_step import (
@@ -39,7 +40,7 @@ from shardfuse.sharding.host._host_step import (
     step_plan,
 )
 from shardfuse.sharding.host._host_trace import HostTrace
-from shardfuse.sharding.host._offload_settings import check_settings
+from shardfuse.sharding.host._offload_settings import check_arguments, check_settings
 from shardfuse.sharding.host._placement import (
     budget_applies,
     choose_resident,
@@ -118,17 +119,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
             (the first whose backward runs) while their full buffers fit, once the forward order is known (from
             the first ``step()``). ``0`` (default): keep none; ``None``: the room the device had at the peak of the
             steps so far, measured at the first ``step()`` after the budget placements (CUDA only).
+        gpu_update_share: the fraction (0 to 1) of the offloaded parameters, the last units of the forward order,
+            whose update the GPU runs while the host updates the others: each such unit streams through reused
+            device buffers (parameters, gradient, moments in; updated values out) and torch's fused CUDA kernel
+            (``_gpu_assist``; values equal to the host's to fp32 rounding, as for resident units; their ``.grad``
+            stays unclipped). ``0`` (default): every update on the host. Not with ``speculative_clip``.
 
-    Gradients cross to the host in the compute dtype (bf16/fp16, half the bytes) where that is exact: one rank,
-    divide factors 1, a reduce dtype that holds the compute dtype, and no gradient held to accumulate into; they
-    are widened to fp32 on the host (by the worker as they land; ``.grad`` is the fp32 gradient once backward
-    returns, as on the fp32 path) with ``SHARDFUSE_LOWP_GRADS=1`` in the environment (read here): off by default, as
-    measured on one H100 (16-core host) it halved the device->host bytes but the widening's extra host pass and
-    buffer (2 B/param) left the step no faster and the host RSS 12% higher.
-
-    With torch's ``Adam``/``AdamW`` and ``fused=True`` (the fastest on the CPU) each shard's update runs chunk by
-    chunk, clipping's scale, the fused kernel and the compute copy in one cache-sized pass (``_host_fused``; the
-    values are those of the optimizer's own step, bit for bit).
+    With ``SHARDFUSE_LOWP_GRADS=1`` in the environment (read here) gradients cross to the host in the compute dtype
+    where that is exact (one rank, divide factors 1, no gradient held to accumulate into) and are widened to fp32 there
+    (off by default: no faster on one H100, host RSS 12% higher; docs/api.md). With torch's fused ``Adam``/``AdamW``
+    each shard's update runs clipping's scale, the kernel and the compute copy in one cache-sized pass per chunk
+    (``_host_fused``; the optimizer's own values, bit for bit).
 
     ``clip_grad_norm_`` on the model takes the norm from per-unit norms computed on the GPU as gradients are
     reduced and scales each unit's gradient just before its update (not at all where the clip did not fire):
@@ -140,11 +141,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
                  accumulate_on_gpu: bool = False, step_in_backward: bool = False,
                  host_compute_copy: bool = False, host_threads: int | None = None, speculative_clip: bool = False,
                  speculative_clip_gib: float | None = None, keep_params_gib: float | None = 0.0,
-                 speculative_backoff: int | None = 3, clip_in_update: bool = False) -> None:
-        _check_arguments(model, optimizer, gpu_budget_gib)
+                 speculative_backoff: int | None = 3, clip_in_update: bool = False,
+                 gpu_update_share: float = 0.0) -> None:
+        check_arguments(unit_of_root(model), optimizer, gpu_budget_gib, PER_ELEMENT_OPTIMIZERS)
         check_settings(step_in_backward=step_in_backward, speculative_clip=speculative_clip,
                        speculative_clip_gib=speculative_clip_gib, speculative_backoff=speculative_backoff,
-                       keep_params_gib=keep_params_gib, host_threads=host_threads, clip_in_update=clip_in_update)
+                       keep_params_gib=keep_params_gib, host_threads=host_threads, clip_in_update=clip_in_update,
+                       gpu_update_share=gpu_update_share)
+        old = engine_of(unit_of_root(model))
+        if old is not None:  # a new optimizer for the same model (e.g. rebuilt to resume): the old one stops here
+            old.close()
         self.step_in_backward = step_in_backward
         self.host_compute_copy = host_compute_copy
         self.clip_in_update = clip_in_update
@@ -163,7 +169,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._lock = threading.Lock()
         self.host_threads = host_threads if host_threads is not None else default_host_threads()
         self._worker = StepWorker(self.host_threads, tiles=os.environ.get(HOST_TILES_ENV, "1") != "0")
-        self._finalizer = weakref.finalize(self, _close_worker, self._worker, _backing.below(self.root))
+        self.gpu_update_share = float(gpu_update_share)
+        self._assist = GpuAssist(self.gpu_update_share) if gpu_update_share else None
+        self._finalizer = weakref.finalize(self, _close_worker, self._worker, _backing.below(self.root), self._assist)
         self._plans: list[ShardPlan] = []
         self._plan_of_host: dict[int, ShardPlan] = {}
         self._signature: tuple = ()
@@ -289,6 +297,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             make_sub_optimizers(self.optimizer, plan)
         self._plans = plans
         self._plan_of_host = {id(p.host): p for p in plans if p.host is not None}
+        if self._assist is not None:
+            self._assist.choose(plans, self.root.compute_device)
         self._signature = signature
         if self._spec is not None:
             self._spec.choose(plans, state_bytes_per_element(self.optimizer))
@@ -333,7 +343,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             # order now, so the next forward gets its first units first.
             self._stepped_in_backward.clear()
             position = {id(plan): i for i, plan in enumerate(self._plans)}
-            self._worker.rekey(lambda tag: position.get(id(tag)))
+            for worker in [self._worker] + ([self._assist.worker] if self._assist is not None else []):
+                worker.rekey(lambda tag: position.get(id(tag)))
             return
         self._stepped_in_backward.clear()
         host_coef = coef.to("cpu") if coef is not None else None
@@ -344,8 +355,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for i, plan in enumerate(self._plans):  # forward order
             if plan.host is not None:
                 plan.host.queue()
-                self._worker.submit(host_task(plan, settings_of(self.optimizer, plan), host_coef, self._lock),
-                                    key=i, tag=plan)
+                self._submit(plan, settings_of(self.optimizer, plan), host_coef, key=i)
 
     def _on_grad_sent(self, host: HostShard, event: torch.cuda.Event | None) -> None:
         """``step_in_backward`` or ``speculative_clip``: a host shard's gradient copy is queued; start its update (or
@@ -375,8 +385,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._stepped_in_backward.add(id(host))
         host.queue()
         # Keyed after every update queued by an earlier step() (none are, in a step_in_backward loop), FIFO.
-        self._worker.submit(host_task(plan, settings_of(self.optimizer, plan), None, self._lock, event,
-                                      in_backward=True), key=len(self._plans), tag=plan)
+        self._submit(plan, settings_of(self.optimizer, plan), None, key=len(self._plans), event=event, in_backward=True)
+
+    def _submit(self, plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tensor | None, key: float,
+                event: torch.cuda.Event | None = None, in_backward: bool = False) -> None:
+        """Queue a host shard's update on the host worker, or on the GPU's share (``gpu_update_share``)."""
+        if self._assist is not None and self._assist.takes(plan):
+            self._assist.worker.submit(self._assist.task(plan, settings, coef, self._lock, event, in_backward),
+                                       key=key, tag=plan)
+        else:
+            self._worker.submit(host_task(plan, settings, coef, self._lock, event, in_backward), key=key, tag=plan)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (or zero) the gradients; a shard whose step is still queued gets it right after that step."""
@@ -404,9 +422,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def host_stats(self) -> dict[str, float]:
         """Where the overlapped step's time went, in seconds since this optimizer was made: ``host_busy_s`` the
-        worker spent in updates, ``wait_s`` callers (the next forward's gathers, backward's gradient copies, state
-        paths) spent blocked waiting for an update, ``update_s`` the part of ``host_busy_s`` spent updating (the
-        worker's waits for gradient and parameter copies left out). Differences between two calls give one step's
+        worker spent in updates (``gpu_update_busy_s`` the GPU share's worker, queueing and waiting), ``wait_s``
+        callers (the next forward's gathers, backward's gradient copies, state paths) spent blocked waiting for an
+        update, ``update_s`` the workers' time updating (their waits for gradient and parameter copies left out;
+        ``gpu_update_units``/``_elements``: the GPU share's so far). Differences between two calls give one step's
         share. ``grad_d2h_bytes`` and ``param_h2d_bytes`` count the bytes of gradients sent to the host and of
         parameters read for gathers; ``placements_left`` the budget's placements still to come (each at a
         ``step()``: time steps after them)."""
@@ -416,6 +435,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                "grad_d2h_bytes": float(sum(h.stats.grad_d2h_bytes for h in hosts)),
                "param_h2d_bytes": float(sum(h.stats.param_h2d_bytes for h in hosts)),
                "placements_left": float(PLACEMENTS - self._placements if self._budget_applies() else 0)}
+        if self._assist is not None:  # gpu_update_share: its worker's busy time, unit updates and elements so far
+            out.update(gpu_update_busy_s=self._assist.worker.busy_s, gpu_update_units=float(self._assist.units),
+                       gpu_update_elements=float(self._assist.elements))
         if self._spec is not None:  # speculative_clip: spare bytes held, steps and unit updates committed/redone
             out.update({f"spec_{k}": float(v) for k, v in vars(self._spec.counts).items()},
                        spec_spare_bytes=float(self._spec.spare_bytes()))
@@ -569,30 +591,10 @@ def _queue_widening(worker: StepWorker, host: HostShard, event: torch.cuda.Event
     worker.submit(host.widen_task(event, copy), key=WIDEN_KEY)
 
 
-def _close_worker(worker: StepWorker, held: list[tuple[Any, list[Any]]]) -> None:
-    """Finish the queued updates and end the worker; an SSD-backed update waiting for room to keep its shard
+def _close_worker(worker: StepWorker, held: list[tuple[Any, list[Any]]], assist: GpuAssist | None) -> None:
+    """Finish the queued updates and end the workers; an SSD-backed update waiting for room to keep its shard
     (for a gather that will not come now) goes on."""
     with _backing.main_waits(held):
         worker.close()
-
-
-def _check_arguments(model: nn.Module, optimizer: torch.optim.Optimizer, gpu_budget_gib: float | None) -> None:
-    unit = unit_of_root(model)
-    if unit.parent is not None:
-        raise ValueError(f"OffloadOptimizer needs the root (outermost) FullyShardedDataParallel, not the nested "
-                         f"{unit.name}: pass the outermost wrapper")
-    if not unit.config.offload.move_params_to_cpu:
-        raise ValueError(f"OffloadOptimizer needs a model wrapped with move_params_to_cpu=True; {unit.name} keeps its "
-                         f"parameters on {unit.compute_device}: wrap with move_params_to_cpu=True, or step the plain "
-                         f"optimizer")
-    if isinstance(optimizer, OffloadOptimizer) or not isinstance(optimizer, PER_ELEMENT_OPTIMIZERS):
-        raise TypeError(
-            f"OffloadOptimizer steps each unit's shard on its own, which equals one step of the whole model only for "
-            f"per-element optimizers (torch.optim.Adam, AdamW, SGD); got {type(optimizer).__name__}: use one of "
-            f"those, or step {type(optimizer).__name__} itself (no overlap)"
-        )
-    if gpu_budget_gib is not None and not gpu_budget_gib >= 0:
-        raise ValueError(f"gpu_budget_gib must be >= 0 (GiB) or None, got {gpu_budget_gib!r}")
-    old = engine_of(unit)
-    if old is not None:  # a new optimizer for the same model (e.g. rebuilt to resume): the old one stops here
-        old.close()
+    if assist is not None:
+        assist.close()

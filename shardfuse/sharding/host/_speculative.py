@@ -11,7 +11,7 @@ coefficient (from ``model.clip_grad_norm_``) and decides for the whole step (:cl
   no bit, so the speculated values ARE the clipped path's values: each unit COMMITS, a pointer swap (the shard's
   storage, the views of ``use_orig_params``, the state tensors and the compute copy; no copy; :func:`commit`);
 - anything else (clipping fired, a non-finite norm): each speculated unit is REDONE from its untouched originals by
-  the ordinary update with the coefficient (``_host_step._step_host_shard``), exactly the non-speculative path.
+  the ordinary update with the coefficient (``_host_step.step_host_shard``), exactly the non-speculative path.
 
 A unit whose speculative task has not started when the verdict comes runs the ordinary update at once (no
 speculation, no waste). A commit also checks that nothing the speculation read changed since (the shard's version,
@@ -278,7 +278,7 @@ class Speculation:
             if verdict is not None:
                 self.counts.units_late += 1
         if verdict is not None:
-            _host_step._step_host_shard(plan, host, handle, settings, verdict.coef)
+            _host_step.step_host_shard(plan, host, handle, settings, verdict.coef, plan.pool)
             return
         try:
             outcome = speculate(plan, rec.spare, host, handle, settings)
@@ -304,7 +304,7 @@ class Speculation:
             commit(plan, host, handle, rec.spare, outcome)
             counter = "units_committed"
         else:
-            _host_step._step_host_shard(plan, host, handle, settings, verdict.coef)
+            _host_step.step_host_shard(plan, host, handle, settings, verdict.coef, plan.pool)
             counter = "units_redone"
         with self._lock:
             setattr(self.counts, counter, getattr(self.counts, counter) + 1)

@@ -1,0 +1,261 @@
+"""The GPU's share of the offloaded update (``OffloadOptimizer(gpu_update_share=...)``): the last units of the
+forward order, a set fraction of the offloaded parameters, are stepped by the GPU while the host steps the others.
+Each such unit streams through a few reused device buffers in chunks: its parameters, gradient and moments cross
+to the device, torch's fused CUDA Adam/AdamW kernel updates them there, and the results cross back into the same
+host memory (AdamW: 16 B/param to the device, 12 B back).
+
+Why: after a clipped backward the host's update is most of the offloaded step, and the GPU and both copy engines
+sit idle meanwhile. On one H200 of a 16-core host, torch's fused AdamW over 1B parameters took 213-299 ms on the
+host, 249-281 ms streamed through the GPU this way, and 160-180 ms with about half on each at once (three rounds,
+2026-11-29; docs/api.md, "The GPU's share of the update").
+
+Values: the GPU's fused kernel, equal to the host's to fp32 rounding, as for the units a GPU budget keeps resident
+(with a CPU compute device, as in the CPU suite, the very kernel the host runs: the same bits). The host gradient
+is read, never written: where clipping fires its scale is applied on the device, so after ``step()`` an assisted
+unit's ``.grad`` holds the unclipped gradient (a host unit's holds the clipped one; both are zeroed next).
+
+Threads and streams: the assisted units' tasks run on a :class:`StepWorker` of their own (thread
+``shardfuse-host-assist``), in forward order beside the host worker. Each is the host tier's task
+(``_host_step.host_task``) with this module's update: the copies and kernels are queued under the step lock, and
+the wait for the last copy back runs outside it (the host worker's updates take the lock meanwhile). Three CUDA
+streams owned here (to the device, the kernels, back to the host) pipeline the chunks through ``SLOTS`` sets of
+buffers; events order them, and a set is refilled only after its copies back have finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from shardfuse._torch_private import FusedKernel, call_fused_adam, foreach_add_, fused_adam_kernels
+from shardfuse._versions import mark_updated
+from shardfuse.sharding.host._host_fused import _Group, _group_of, _offset_in, _pieces, _scalar, _views, clip_inverse
+from shardfuse.sharding.host._host_shard import HostShard, host_buffer
+from shardfuse.sharding.host._host_step import ShardPlan, StepWorker, host_task, step_host_shard
+
+ASSIST_CHUNK = 1 << 23  # elements per chunk: a slot holds 4 fp32 buffers of 32 MiB (5 with amsgrad)
+SLOTS = 3  # chunks in flight: one crossing to the device, one updating, one crossing back
+STATE_NAMES = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+class GpuAssist:
+    """The GPU's share of one ``OffloadOptimizer``'s host updates: which units it takes, its worker thread, its
+    streams and buffers (owned here, made at the first chunk, dropped by :meth:`close`)."""
+
+    def __init__(self, share: float) -> None:
+        self.share = share
+        self.worker = StepWorker(name="shardfuse-host-assist")
+        self.chosen: set[int] = set()  # id(HostShard) of the units stepped here
+        self.units = 0  # unit updates run on the device so far (host_stats)
+        self.elements = 0  # their elements
+        self._device = torch.device("cpu")
+        self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream, torch.cuda.Stream] | None = None
+        self._buffers: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}  # (slot, role, dtype) -> buffer
+        self._free: list[torch.cuda.Event | None] = [None] * SLOTS  # each slot's last copy back
+        self._next = 0
+        self._lock = threading.Lock()  # one unit queues its chunks at a time (the assist thread; close())
+
+    def choose(self, plans: list[ShardPlan], device: torch.device) -> None:
+        """Take units from the end of the forward order (``plans``' order) until ``share`` of the offloaded
+        elements is reached: the host's updates of the first units, which the next forward needs first, start
+        at once, while the GPU streams the last ones."""
+        self._device = device
+        hosts = [p for p in plans if type(p.host) is HostShard and p.handle is not None]
+        target = self.share * sum(p.handle.flat.numel() for p in hosts if p.handle is not None)
+        chosen: set[int] = set()
+        taken = 0
+        for plan in reversed(hosts):
+            if taken >= target or plan.handle is None:
+                break
+            chosen.add(id(plan.host))
+            taken += plan.handle.flat.numel()
+        self.chosen = chosen
+
+    def takes(self, plan: ShardPlan) -> bool:
+        return plan.host is not None and id(plan.host) in self.chosen
+
+    def task(self, plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tensor | None,
+             lock: threading.Lock, copy_event: torch.cuda.Event | None = None,
+             in_backward: bool = False) -> Callable[[], None]:
+        """The host tier's task for ``plan`` (see ``host_task``) with the update run on the device."""
+        return host_task(plan, settings, coef, lock, copy_event, in_backward,
+                         update=functools.partial(self._update, plan, settings, coef))
+
+    def close(self) -> None:
+        """End the worker (after its queued tasks) and drop the streams' buffers once their copies finished."""
+        self.worker.close()
+        with self._lock:
+            for event in self._free:
+                if event is not None:
+                    event.synchronize()
+            self._buffers.clear()
+            self._free = [None] * SLOTS
+
+    # ----------------------------------------------------------------------------------------------
+    # one unit (assist thread, under the step lock)
+    # ----------------------------------------------------------------------------------------------
+
+    def _update(self, plan: ShardPlan, settings: list[dict[str, Any]],
+                coef: torch.Tensor | None) -> Callable[[], None] | None:
+        """Queue the unit's update on the device; return the wait for its copies back. Where the fused path does
+        not apply (the first step, which makes the state; another optimizer or settings) the unit is stepped on
+        the host here instead (torch's threads: the tile pool is the host worker's), and None is returned."""
+        host, handle = plan.host, plan.handle
+        assert host is not None and handle is not None  # host_task checked
+        kernels = fused_adam_kernels()
+        groups = None if kernels is None else _groups(plan, settings, self._device.type == "cuda")
+        if kernels is None or groups is None:
+            step_host_shard(plan, host, handle, settings, coef, None)
+            return None
+        for sub, group_settings in zip(plan.subs, settings):
+            sub.param_groups[0].update(group_settings)
+        flat = handle.flat
+        offsets = [[_offset_in(flat, p) for p in g.params] for g in groups]
+        in_sync = host.compute_buf is not None and host.copy_version == flat._version
+        copy_buf = host.compute_buf if in_sync and all(o is not None for offs in offsets for o in offs) else None
+        written: list[torch.Tensor] = []
+        last: torch.cuda.Event | None = None
+        with self._lock, torch.no_grad():
+            for group, offs in zip(groups, offsets):
+                if not group.params:
+                    continue
+                foreach_add_(group.steps, 1)
+                kernel = kernels[1] if group.decoupled else kernels[0]
+                kwargs = {**group.kwargs, "lr": _scalar(group.kwargs["lr"])}  # a host tensor: a number here
+                for i, offset in enumerate(offs):
+                    target = None
+                    if copy_buf is not None and offset is not None:
+                        target = copy_buf[offset:offset + group.params[i].numel()]
+                    last = self._stream_param(group, i, kernel, kwargs, coef, plan.clip_in_update, target) or last
+                    written += [t for j, t in enumerate(_views(group, i)) if j != 1]  # not the gradient: read only
+        self.units += 1
+        self.elements += flat.numel()
+        return functools.partial(_settle, last, written, host, flat, copy_buf is not None)
+
+    def _stream_param(self, group: _Group, i: int, kernel: FusedKernel, kwargs: dict[str, Any],
+                      coef: torch.Tensor | None, divide: bool, target: torch.Tensor | None) -> torch.cuda.Event | None:
+        """Parameter ``i`` of ``group`` through the device, chunk by chunk; the event of its last copy back."""
+        views = [t.view(-1) for t in _views(group, i)]
+        _, comp, _ = self._stream_set()
+        with _on(comp):  # made on the device by the kernels' stream: no host wait for a copy from pageable memory
+            step = torch.full((), float(group.steps[i]), dtype=group.steps[i].dtype, device=self._device)
+            scale = None
+            if coef is not None:
+                value = clip_inverse(coef) if divide else coef.detach().to("cpu", torch.float32)
+                scale = torch.full((), float(value), dtype=torch.float32, device=self._device)
+        last = None
+        for a, b in _pieces(views[0].numel(), ASSIST_CHUNK):
+            last = self._chunk(views, a, b, kernel, kwargs, step, scale, divide, target)
+        return last
+
+    def _chunk(self, views: list[torch.Tensor], a: int, b: int, kernel: FusedKernel, kwargs: dict[str, Any],
+               step: torch.Tensor, scale: torch.Tensor | None, divide: bool,
+               target: torch.Tensor | None) -> torch.cuda.Event | None:
+        """Elements ``a:b``: to the device, scaled and updated there, back (with the compute copy's chunk)."""
+        k, self._next = self._next, (self._next + 1) % SLOTS
+        h2d, comp, d2h = self._stream_set()
+        bufs = [self._buffer(k, role, t.dtype)[:b - a] for role, t in enumerate(views)]
+        with _on(h2d):
+            _wait(h2d, self._free[k])
+            for buf, src in zip(bufs, views):
+                buf.copy_(src[a:b], non_blocking=True)
+            loaded = _record(h2d)
+        with _on(comp):
+            _wait(comp, loaded)
+            p, g, m, v, *max_v = bufs
+            if scale is not None:
+                (g.div_ if divide else g.mul_)(scale)
+            call_fused_adam(kernel, [p], [g], [m], [v], max_v, [step], kwargs)
+            low = None
+            if target is not None:
+                low = self._buffer(k, len(views), target.dtype)[:b - a]
+                low.copy_(p)
+            updated = _record(comp)
+        with _on(d2h):
+            _wait(d2h, updated)
+            for j, (buf, dst) in enumerate(zip(bufs, views)):
+                if j != 1:  # the gradient stays as it was on the host
+                    dst[a:b].copy_(buf, non_blocking=True)
+            if target is not None and low is not None:
+                target[a:b].copy_(low, non_blocking=True)
+            self._free[k] = _record(d2h)
+        return self._free[k]
+
+    def _stream_set(self) -> tuple[Any, Any, Any]:
+        if self._device.type != "cuda":
+            return None, None, None
+        if self._streams is None:
+            self._streams = (torch.cuda.Stream(self._device), torch.cuda.Stream(self._device),
+                             torch.cuda.Stream(self._device))
+        return self._streams
+
+    def _buffer(self, slot: int, role: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (slot, role, dtype)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = torch.empty(ASSIST_CHUNK, dtype=dtype, device=self._device)
+        return buf
+
+
+def _groups(plan: ShardPlan, settings: list[dict[str, Any]], pin: bool) -> list[_Group] | None:
+    """The fused kernel's inputs per group (``_host_fused._group_of``), or None where that path does not apply;
+    with ``pin`` the optimizer state is moved to page-locked memory first (once: copies to and from the device
+    from pageable memory are staged by the driver, at a fraction of the bus's speed)."""
+    if pin:
+        for sub, (_, params) in zip(plan.subs, plan.groups):
+            for p in params:
+                state = sub.state.get(p) if p.grad is not None else None
+                for name in STATE_NAMES if state else ():
+                    t = state.get(name)  # type: ignore[union-attr]
+                    if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_pinned():
+                        pinned = host_buffer(t.numel(), t.dtype, True).view(t.shape)
+                        pinned.copy_(t)
+                        state[name] = pinned  # type: ignore[index]
+    groups = []
+    for sub, (_, params), group_settings in zip(plan.subs, plan.groups, settings):
+        group = _group_of(sub, params, group_settings)
+        if group is None:
+            return None
+        groups.append(group)
+    return groups
+
+
+def _settle(last: torch.cuda.Event | None, written: list[torch.Tensor], host: HostShard, flat: torch.Tensor,
+            copied: bool) -> None:
+    """(Assist thread, outside the step lock) wait for the unit's last copy back, then count the writes the
+    copies made (version counters: the compute copy and the SSD write-behind read them) and refresh the compute
+    copy where the device did not write it."""
+    if last is not None:
+        last.synchronize()
+    mark_updated(written)
+    if copied:
+        host.copy_version = flat._version
+    else:
+        host.write_compute_copy(flat)
+
+
+@contextlib.contextmanager
+def _on(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    if stream is None:
+        yield
+    else:
+        with torch.cuda.stream(stream):
+            yield
+
+
+def _record(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def _wait(stream: torch.cuda.Stream | None, event: torch.cuda.Event | None) -> None:
+    if stream is not None and event is not None:
+        stream.wait_event(event)
