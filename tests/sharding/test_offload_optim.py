@@ -429,6 +429,45 @@ def test_step_in_backward_overlaps_the_next_forward(pool):
     assert pool.run(check_step_in_backward_overlaps_the_next_forward) == [True] * WORLD
 
 
+def check_gpu_share_beside_a_held_host_update() -> bool:
+    """The GPU share's units finish while the host worker is held inside an update (holding the step lock through
+    it, as it does): the share takes a lock of its own, so the two run side by side."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    model = wrap_model(build({}), {"move_params_to_cpu": True})
+    opt = OffloadOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), gpu_budget_gib=0,
+                           gpu_update_share=0.5)
+    real, gate = _host_step.step_host_shard, threading.Event()
+
+    def held(*args: Any, **kwargs: Any) -> None:
+        gate.wait(timeout=60)
+        real(*args, **kwargs)
+
+    try:
+        for step in range(2):  # the first step makes the state; the second streams the share's units
+            ids, target = batch(step, rank, ws)
+            loss_fn(model, ids, target, step, {}).backward()
+            if step == 1:
+                _host_step.step_host_shard = held  # type: ignore[assignment]
+            opt.step()
+        assert opt._assist is not None
+        share = [plan.host for plan in opt._plans if opt._assist.takes(plan) and plan.host is not None]
+        deadline = time.monotonic() + 30
+        while any(h.in_flight for h in share) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        finished = [not h.in_flight for h in share]
+    finally:
+        gate.set()
+        _host_step.step_host_shard = real
+    opt.synchronize()
+    opt.close()
+    assert share and all(finished), f"the GPU share's units still in flight behind the held host update: {finished}"
+    return True
+
+
+def test_gpu_share_beside_a_held_host_update(pool):
+    assert pool.run(check_gpu_share_beside_a_held_host_update) == [True] * WORLD
+
+
 def check_step_in_backward_misuse() -> bool:
     rank, ws = dist.get_rank(), dist.get_world_size()
     model = wrap_model(build({}), {"move_params_to_cpu": True})

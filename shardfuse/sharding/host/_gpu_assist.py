@@ -16,8 +16,9 @@ unit's ``.grad`` holds the unclipped gradient (a host unit's holds the clipped o
 
 Threads and streams: the assisted units' tasks run on a :class:`StepWorker` of their own (thread
 ``shardfuse-host-assist``), in forward order beside the host worker. Each is the host tier's task
-(``_host_step.host_task``) with this module's update: the copies and kernels are queued under the step lock, and
-the wait for the last copy back runs outside it (the host worker's updates take the lock meanwhile). Three CUDA
+(``_host_step.host_task``) with this module's update, under a lock of its own (``GpuAssist.lock``; the host worker
+holds the step lock through each of its updates, so sharing it would serialise the two): the copies and kernels are
+queued under it, and the wait for the last copy back runs outside it. Three CUDA
 streams owned here (to the device, the kernels, back to the host) pipeline the chunks through ``SLOTS`` sets of
 buffers; events order them, and a set is refilled only after its copies back have finished.
 """
@@ -58,7 +59,9 @@ class GpuAssist:
         self._buffers: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}  # (slot, role, dtype) -> buffer
         self._free: list[torch.cuda.Event | None] = [None] * SLOTS  # each slot's last copy back
         self._next = 0
-        self._lock = threading.Lock()  # one unit queues its chunks at a time (the assist thread; close())
+        # The GPU share's step lock: its units' update states, deferred zero_grad and gradients (as the step lock
+        # is for the host worker's units: zero_grad takes both, the step lock first), and the buffers above.
+        self.lock = threading.Lock()
 
     def choose(self, plans: list[ShardPlan], device: torch.device) -> None:
         """Take units from the end of the forward order (``plans``' order) until ``share`` of the offloaded
@@ -80,16 +83,16 @@ class GpuAssist:
         return plan.host is not None and id(plan.host) in self.chosen
 
     def task(self, plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tensor | None,
-             lock: threading.Lock, copy_event: torch.cuda.Event | None = None,
-             in_backward: bool = False) -> Callable[[], None]:
-        """The host tier's task for ``plan`` (see ``host_task``) with the update run on the device."""
-        return host_task(plan, settings, coef, lock, copy_event, in_backward,
+             copy_event: torch.cuda.Event | None = None, in_backward: bool = False) -> Callable[[], None]:
+        """The host tier's task for ``plan`` (see ``host_task``) with the update run on the device, under
+        :attr:`lock` instead of the step lock, which the host worker holds through each of its updates."""
+        return host_task(plan, settings, coef, self.lock, copy_event, in_backward,
                          update=functools.partial(self._update, plan, settings, coef))
 
     def close(self) -> None:
         """End the worker (after its queued tasks) and drop the streams' buffers once their copies finished."""
         self.worker.close()
-        with self._lock:
+        with self.lock:
             for event in self._free:
                 if event is not None:
                     event.synchronize()
@@ -97,7 +100,7 @@ class GpuAssist:
             self._free = [None] * SLOTS
 
     # ----------------------------------------------------------------------------------------------
-    # one unit (assist thread, under the step lock)
+    # one unit (assist thread, under self.lock)
     # ----------------------------------------------------------------------------------------------
 
     def _update(self, plan: ShardPlan, settings: list[dict[str, Any]],
@@ -120,7 +123,7 @@ class GpuAssist:
         copy_buf = host.compute_buf if in_sync and all(o is not None for offs in offsets for o in offs) else None
         written: list[torch.Tensor] = []
         last: torch.cuda.Event | None = None
-        with self._lock, torch.no_grad():
+        with torch.no_grad():  # under self.lock (host_task holds it)
             for group, offs in zip(groups, offsets):
                 if not group.params:
                     continue

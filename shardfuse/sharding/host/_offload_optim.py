@@ -4,6 +4,7 @@ under a GPU memory budget and host round trips amortised over ``no_sync`` accumu
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -391,8 +392,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 event: torch.cuda.Event | None = None, in_backward: bool = False) -> None:
         """Queue a host shard's update on the host worker, or on the GPU's share (``gpu_update_share``)."""
         if self._assist is not None and self._assist.takes(plan):
-            self._assist.worker.submit(self._assist.task(plan, settings, coef, self._lock, event, in_backward),
-                                       key=key, tag=plan)
+            self._assist.worker.submit(self._assist.task(plan, settings, coef, event, in_backward), key=key, tag=plan)
         else:
             self._worker.submit(host_task(plan, settings, coef, self._lock, event, in_backward), key=key, tag=plan)
 
@@ -406,7 +406,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if not self._plans:
             self.optimizer.zero_grad(set_to_none=set_to_none)
             return
-        with self._lock:
+        with self._lock, self._assist.lock if self._assist is not None else contextlib.nullcontext():
             for plan in self._plans:
                 if plan.host is not None and plan.host.in_flight:
                     plan.deferred_zero = set_to_none
