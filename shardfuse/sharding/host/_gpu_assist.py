@@ -111,9 +111,12 @@ class GpuAssist:
         host, handle = plan.host, plan.handle
         assert host is not None and handle is not None  # host_task checked
         kernels = fused_adam_kernels()
-        groups = None if kernels is None else _groups(plan, settings, self._device.type == "cuda")
+        pin = self._device.type == "cuda"
+        groups = None if kernels is None else _groups(plan, settings, pin)
         if kernels is None or groups is None:
             step_host_shard(plan, host, handle, settings, coef, None)
+            if pin:  # the state this first step made: page-locked now, not in a step the next forward waits for
+                _pin_state(plan)
             return None
         for sub, group_settings in zip(plan.subs, settings):
             sub.param_groups[0].update(group_settings)
@@ -207,18 +210,9 @@ class GpuAssist:
 
 def _groups(plan: ShardPlan, settings: list[dict[str, Any]], pin: bool) -> list[_Group] | None:
     """The fused kernel's inputs per group (``_host_fused._group_of``), or None where that path does not apply;
-    with ``pin`` the optimizer state is moved to page-locked memory first (once: copies to and from the device
-    from pageable memory are staged by the driver, at a fraction of the bus's speed)."""
+    with ``pin`` the optimizer state is made page-locked first where it is not (:func:`_pin_state`)."""
     if pin:
-        for sub, (_, params) in zip(plan.subs, plan.groups):
-            for p in params:
-                state = sub.state.get(p) if p.grad is not None else None
-                for name in STATE_NAMES if state else ():
-                    t = state.get(name)  # type: ignore[union-attr]
-                    if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_pinned():
-                        pinned = host_buffer(t.numel(), t.dtype, True).view(t.shape)
-                        pinned.copy_(t)
-                        state[name] = pinned  # type: ignore[index]
+        _pin_state(plan)
     groups = []
     for sub, (_, params), group_settings in zip(plan.subs, plan.groups, settings):
         group = _group_of(sub, params, group_settings)
@@ -226,6 +220,21 @@ def _groups(plan: ShardPlan, settings: list[dict[str, Any]], pin: bool) -> list[
             return None
         groups.append(group)
     return groups
+
+
+def _pin_state(plan: ShardPlan) -> None:
+    """Move the plan's optimizer state to page-locked host memory where it is not (once per tensor: the optimizer
+    makes it pageable, and copies to and from the device from pageable memory are staged by the driver, at a
+    fraction of the bus's speed; a loaded state dict is moved again at its first step)."""
+    for sub, (_, params) in zip(plan.subs, plan.groups):
+        for p in params:
+            state = sub.state.get(p)
+            for name in STATE_NAMES if state else ():
+                t = state.get(name)  # type: ignore[union-attr]
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel() and not t.is_pinned():
+                    pinned = host_buffer(t.numel(), t.dtype, True).view(t.shape)
+                    pinned.copy_(t)
+                    state[name] = pinned  # type: ignore[index]
 
 
 def _settle(last: torch.cuda.Event | None, written: list[torch.Tensor], host: HostShard, flat: torch.Tensor,
