@@ -1,13 +1,18 @@
-"""The GPU's share of the offloaded update (``OffloadOptimizer(gpu_update_share=...)``): the last units of the
-forward order, a set fraction of the offloaded parameters, are stepped by the GPU while the host steps the others.
+"""The GPU's share of the offloaded update (``OffloadOptimizer(gpu_update_share=...)``): in steps where clipping
+scales the gradients, the last units of the forward order, a set fraction of the offloaded parameters, are stepped
+by the GPU while the host steps the others.
 Each such unit streams through a few reused device buffers in chunks: its parameters, gradient and moments cross
 to the device, torch's fused CUDA Adam/AdamW kernel updates them there, and the results cross back into the same
 host memory (AdamW: 16 B/param to the device, 12 B back).
 
 Why: after a clipped backward the host's update is most of the offloaded step, and the GPU and both copy engines
 sit idle meanwhile. On one H200 of a 16-core host, torch's fused AdamW over 1B parameters took 213-299 ms on the
-host, 249-281 ms streamed through the GPU this way, and 160-180 ms with about half on each at once (three rounds,
-2026-11-29; docs/api.md, "The GPU's share of the update").
+host, 249-281 ms streamed through the GPU this way, and 160-180 ms with about half on each at once. In training the
+two share host memory and the bus, and the GPU's path (430-450 ms per billion parameters there) pays only where the
+host's update is slow: where clipping fires (its scale shares the host's pass) the 2.9B decoder's step took 1052
+against 1382 ms at a share of 0.5; where it does not, 976 against 969 at 0.35 and 1032 against 993 at 0.5, and under
+``step_in_backward`` (the bus busy with backward's copies) 1003 against 840. So the share runs only where clipping
+scales the update (docs/api.md, "The GPU's share of the update").
 
 Values: the GPU's fused kernel, equal to the host's to fp32 rounding, as for the units a GPU budget keeps resident
 (with a CPU compute device, as in the CPU suite, the very kernel the host runs: the same bits). The host gradient
@@ -82,12 +87,10 @@ class GpuAssist:
     def takes(self, plan: ShardPlan) -> bool:
         return plan.host is not None and id(plan.host) in self.chosen
 
-    def task(self, plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tensor | None,
-             copy_event: torch.cuda.Event | None = None, in_backward: bool = False) -> Callable[[], None]:
-        """The host tier's task for ``plan`` (see ``host_task``) with the update run on the device, under
-        :attr:`lock` instead of the step lock, which the host worker holds through each of its updates."""
-        return host_task(plan, settings, coef, self.lock, copy_event, in_backward,
-                         update=functools.partial(self._update, plan, settings, coef))
+    def task(self, plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tensor) -> Callable[[], None]:
+        """The host tier's task for ``plan`` queued by ``step()`` (see ``host_task``) with the update run on the
+        device, under :attr:`lock` instead of the step lock, which the host worker holds through each update."""
+        return host_task(plan, settings, coef, self.lock, update=functools.partial(self._update, plan, settings, coef))
 
     def close(self) -> None:
         """End the worker (after its queued tasks) and drop the streams' buffers once their copies finished."""

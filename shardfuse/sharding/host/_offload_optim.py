@@ -120,9 +120,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             (the first whose backward runs) while their full buffers fit, once the forward order is known (from
             the first ``step()``). ``0`` (default): keep none; ``None``: the room the device had at the peak of the
             steps so far, measured at the first ``step()`` after the budget placements (CUDA only).
-        gpu_update_share: the fraction (0 to 1) of the offloaded parameters, the last units of the forward order,
-            whose update the GPU runs while the host updates the others: each such unit streams through reused
-            device buffers (parameters, gradient, moments in; updated values out) and torch's fused CUDA kernel
+        gpu_update_share: in steps where clipping scales the gradients (the host's slowest update), the fraction
+            (0 to 1) of the offloaded parameters, the last units of the forward order, whose update the GPU runs
+            beside the host's: each streams through reused device buffers and torch's fused CUDA kernel
             (``_gpu_assist``; values equal to the host's to fp32 rounding, as for resident units; their ``.grad``
             stays unclipped). ``0`` (default): every update on the host. Not with ``speculative_clip``.
 
@@ -386,15 +386,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._stepped_in_backward.add(id(host))
         host.queue()
         # Keyed after every update queued by an earlier step() (none are, in a step_in_backward loop), FIFO.
-        self._submit(plan, settings_of(self.optimizer, plan), None, key=len(self._plans), event=event, in_backward=True)
+        self._worker.submit(host_task(plan, settings_of(self.optimizer, plan), None, self._lock, event,
+                                      in_backward=True), key=len(self._plans), tag=plan)
 
-    def _submit(self, plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tensor | None, key: float,
-                event: torch.cuda.Event | None = None, in_backward: bool = False) -> None:
-        """Queue a host shard's update on the host worker, or on the GPU's share (``gpu_update_share``)."""
-        if self._assist is not None and self._assist.takes(plan):
-            self._assist.worker.submit(self._assist.task(plan, settings, coef, event, in_backward), key=key, tag=plan)
+    def _submit(self, plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tensor | None, key: float) -> None:
+        """Queue a host shard's update on the host worker, or, where clipping scales it, on the GPU's share."""
+        if coef is not None and self._assist is not None and self._assist.takes(plan):
+            self._assist.worker.submit(self._assist.task(plan, settings, coef), key=key, tag=plan)
         else:
-            self._worker.submit(host_task(plan, settings, coef, self._lock, event, in_backward), key=key, tag=plan)
+            self._worker.submit(host_task(plan, settings, coef, self._lock), key=key, tag=plan)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (or zero) the gradients; a shard whose step is still queued gets it right after that step."""
