@@ -255,6 +255,8 @@ CASES = {
     "gpu-share-half-clip-in-update": dict(fused=True, clip=0.05, clip_in_update=True, gpu_update_share=0.5),
     "gpu-share-half-sgd-clip": dict(optim="sgd", clip=0.05, gpu_update_share=0.5),
     "gpu-share-half-clip-not-firing": dict(fused=True, clip=1e6, gpu_update_share=0.5),
+    "gpu-share-half-scheduler-no-sync-tied": dict(fused=True, host_chunk=4096, clip=0.05, scheduler=True,
+                                                  no_sync_micro=2, tied=True, gpu_update_share=0.5),
     "step-in-backward": dict(step_in_backward=True, scheduler=True),
     "step-in-backward-no-sync": dict(step_in_backward=True, no_sync_micro=2, accumulate_on_gpu=True),
     "step-in-backward-unused-unit": dict(step_in_backward=True, extra=True, optim="sgd"),
@@ -682,6 +684,44 @@ def check_worker_error_surfaces() -> bool:
 
 def test_worker_error_is_raised_at_the_next_forward(pool):
     assert pool.run(check_worker_error_surfaces) == [True] * WORLD
+
+
+def check_gpu_share_error_surfaces(where: str) -> bool:
+    """An error in the GPU share's update (queueing it, or its wait outside the lock) is raised at the next forward
+    that needs the unit, as a host update's is; the other units and the optimizer stay usable."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    model = wrap_model(build({}), {"move_params_to_cpu": True})
+    opt = OffloadOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), gpu_budget_gib=0,
+                           gpu_update_share=1.0)
+    ids, target = batch(0, rank, ws)
+    for step in range(2):  # the first step makes the state on the host; the second goes through the device path
+        loss_fn(model, ids, target, step, {}).backward()
+        model.clip_grad_norm_(0.05)
+        if step == 1:
+            name = "call_fused_adam" if where == "queue" else "mark_updated"
+            broken = pytest.MonkeyPatch()
+            broken.setattr(_gpu_assist, name, lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device broke")))
+        opt.step()
+        opt.zero_grad()
+    try:
+        with pytest.raises(RuntimeError, match="overlapped optimizer step.*device broke"):
+            model(ids)
+    finally:
+        broken.undo()
+    for _ in range(len(opt._plans)):  # every failed unit raises once (at its next wait): then close() succeeds
+        try:
+            opt.close()
+            break
+        except RuntimeError as err:
+            assert "device broke" in str(err), err
+    else:
+        opt.close()
+    return True
+
+
+@pytest.mark.parametrize("where", ["queue", "wait"])
+def test_gpu_share_error_is_raised_at_the_next_forward(pool, where):
+    assert pool.run(check_gpu_share_error_surfaces, where) == [True] * WORLD
 
 
 def check_bad_arguments() -> bool:
