@@ -30,14 +30,14 @@ buffers; events order them, and a set is refilled only after its copies back hav
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from shardfuse._streams import record_event, use_stream, wait_event
 from shardfuse._torch_private import FusedKernel, call_fused_adam, foreach_add_, fused_adam_kernels
 from shardfuse._versions import mark_updated
 from shardfuse.sharding.host._host_fused import _Group, _group_of, _offset_in, _pieces, _scalar, _views, clip_inverse
@@ -151,7 +151,7 @@ class GpuAssist:
         """Parameter ``i`` of ``group`` through the device, chunk by chunk; the event of its last copy back."""
         views = [t.view(-1) for t in _views(group, i)]
         _, comp, _ = self._stream_set()
-        with _on(comp):  # made on the device by the kernels' stream: no host wait for a copy from pageable memory
+        with use_stream(comp):  # made by the kernels' stream: no host wait for a copy from pageable memory
             step = torch.full((), float(group.steps[i]), dtype=group.steps[i].dtype, device=self._device)
             scale = None
             if coef is not None:
@@ -169,13 +169,13 @@ class GpuAssist:
         k, self._next = self._next, (self._next + 1) % SLOTS
         h2d, comp, d2h = self._stream_set()
         bufs = [self._buffer(k, role, t.dtype)[:b - a] for role, t in enumerate(views)]
-        with _on(h2d):
-            _wait(h2d, self._free[k])
+        with use_stream(h2d):
+            wait_event(h2d, self._free[k])
             for buf, src in zip(bufs, views):
                 buf.copy_(src[a:b], non_blocking=True)
-            loaded = _record(h2d)
-        with _on(comp):
-            _wait(comp, loaded)
+            loaded = record_event(h2d)
+        with use_stream(comp):
+            wait_event(comp, loaded)
             p, g, m, v, *max_v = bufs
             if scale is not None:
                 (g.div_ if divide else g.mul_)(scale)
@@ -184,15 +184,15 @@ class GpuAssist:
             if target is not None:
                 low = self._buffer(k, len(views), target.dtype)[:b - a]
                 low.copy_(p)
-            updated = _record(comp)
-        with _on(d2h):
-            _wait(d2h, updated)
+            updated = record_event(comp)
+        with use_stream(d2h):
+            wait_event(d2h, updated)
             for j, (buf, dst) in enumerate(zip(bufs, views)):
                 if j != 1:  # the gradient stays as it was on the host
                     dst[a:b].copy_(buf, non_blocking=True)
             if target is not None and low is not None:
                 target[a:b].copy_(low, non_blocking=True)
-            self._free[k] = _record(d2h)
+            self._free[k] = record_event(d2h)
         return self._free[k]
 
     def _stream_set(self) -> tuple[Any, Any, Any]:
@@ -252,25 +252,3 @@ def _settle(last: torch.cuda.Event | None, written: list[torch.Tensor], host: Ho
         host.copy_version = flat._version
     else:
         host.write_compute_copy(flat)
-
-
-@contextlib.contextmanager
-def _on(stream: torch.cuda.Stream | None) -> Iterator[None]:
-    if stream is None:
-        yield
-    else:
-        with torch.cuda.stream(stream):
-            yield
-
-
-def _record(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
-    if stream is None:
-        return None
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event
-
-
-def _wait(stream: torch.cuda.Stream | None, event: torch.cuda.Event | None) -> None:
-    if stream is not None and event is not None:
-        stream.wait_event(event)
