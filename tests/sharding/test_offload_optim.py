@@ -463,8 +463,11 @@ def check_gpu_share_beside_a_held_host_update() -> bool:
             if step == 1:
                 _host_step.step_host_shard = held  # type: ignore[assignment]
             opt.step()
+            if step == 0:  # the state is made by the host worker alone: the share's thread never made any
+                opt.synchronize()
+                assert opt.host_stats()["gpu_update_busy_s"] == 0.0, opt.host_stats()
         assert opt._assist is not None
-        share = [plan.host for plan in opt._plans if opt._assist.takes(plan) and plan.host is not None]
+        share = [plan.host for plan in opt._plans if plan.host is not None and id(plan.host) in opt._assist.chosen]
         deadline = time.monotonic() + 30
         while any(h.in_flight for h in share) and time.monotonic() < deadline:
             time.sleep(0.01)

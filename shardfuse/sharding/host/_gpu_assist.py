@@ -42,7 +42,7 @@ from shardfuse._torch_private import FusedKernel, call_fused_adam, foreach_add_,
 from shardfuse._versions import mark_updated
 from shardfuse.sharding.host._host_fused import _Group, _group_of, _offset_in, _pieces, _scalar, _views, clip_inverse
 from shardfuse.sharding.host._host_shard import HostShard, host_buffer
-from shardfuse.sharding.host._host_step import ShardPlan, StepWorker, host_task, step_host_shard
+from shardfuse.sharding.host._host_step import ShardPlan, StepWorker, host_task
 
 ASSIST_CHUNK = 1 << 23  # elements per chunk: a slot holds 4 fp32 buffers of 32 MiB (5 with amsgrad)
 SLOTS = 3  # chunks in flight: one crossing to the device, one updating, one crossing back
@@ -84,13 +84,21 @@ class GpuAssist:
             taken += plan.handle.flat.numel()
         self.chosen = chosen
 
-    def takes(self, plan: ShardPlan) -> bool:
-        return plan.host is not None and id(plan.host) in self.chosen
-
-    def task(self, plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tensor) -> Callable[[], None]:
-        """The host tier's task for ``plan`` queued by ``step()`` (see ``host_task``) with the update run on the
-        device, under :attr:`lock` instead of the step lock, which the host worker holds through each update."""
-        return host_task(plan, settings, coef, self.lock, update=functools.partial(self._update, plan, settings, coef))
+    def task(self, plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tensor) -> Callable[[], None] | None:
+        """(Main thread, in ``step()``, no update of ``plan`` in flight) The host tier's task for one of the share's
+        units (see ``host_task``) with the update run on the device, under :attr:`lock` instead of the step lock,
+        which the host worker holds through each update; None where the unit is not the share's or the device's
+        path does not apply (the first step, which makes the state; another optimizer or settings): the host
+        worker updates it then, so the state is only ever made there. The state is made page-locked here once
+        (:func:`_pin_state`), not in a step the next forward waits for."""
+        kernels = fused_adam_kernels()
+        if plan.host is None or id(plan.host) not in self.chosen or kernels is None:
+            return None
+        groups = _groups(plan, settings, self._device.type == "cuda")
+        if groups is None:
+            return None
+        return host_task(plan, settings, coef, self.lock,
+                         update=functools.partial(self._update, plan, settings, coef, groups, kernels))
 
     def close(self) -> None:
         """End the worker (after its queued tasks) and drop the streams' buffers once their copies finished."""
@@ -106,21 +114,12 @@ class GpuAssist:
     # one unit (assist thread, under self.lock)
     # ----------------------------------------------------------------------------------------------
 
-    def _update(self, plan: ShardPlan, settings: list[dict[str, Any]],
-                coef: torch.Tensor | None) -> Callable[[], None] | None:
-        """Queue the unit's update on the device; return the wait for its copies back. Where the fused path does
-        not apply (the first step, which makes the state; another optimizer or settings) the unit is stepped on
-        the host here instead (torch's threads: the tile pool is the host worker's), and None is returned."""
+    def _update(self, plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tensor | None,
+                groups: list[_Group], kernels: tuple[FusedKernel, FusedKernel]) -> Callable[[], None]:
+        """Queue the unit's update on the device (``groups``: the fused kernel's inputs, taken by :meth:`task`);
+        return the wait for its copies back."""
         host, handle = plan.host, plan.handle
         assert host is not None and handle is not None  # host_task checked
-        kernels = fused_adam_kernels()
-        pin = self._device.type == "cuda"
-        groups = None if kernels is None else _groups(plan, settings, pin)
-        if kernels is None or groups is None:
-            step_host_shard(plan, host, handle, settings, coef, None)
-            if pin:  # the state this first step made: page-locked now, not in a step the next forward waits for
-                _pin_state(plan)
-            return None
         for sub, group_settings in zip(plan.subs, settings):
             sub.param_groups[0].update(group_settings)
         flat = handle.flat
@@ -228,7 +227,8 @@ def _groups(plan: ShardPlan, settings: list[dict[str, Any]], pin: bool) -> list[
 def _pin_state(plan: ShardPlan) -> None:
     """Move the plan's optimizer state to page-locked host memory where it is not (once per tensor: the optimizer
     makes it pageable, and copies to and from the device from pageable memory are staged by the driver, at a
-    fraction of the bus's speed; a loaded state dict is moved again at its first step)."""
+    fraction of the bus's speed; a loaded state dict is moved again at its first step in the share). Main thread,
+    no update of the plan in flight: only the plan's own entries of the state change."""
     for sub, (_, params) in zip(plan.subs, plan.groups):
         for p in params:
             state = sub.state.get(p)

@@ -391,10 +391,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _submit(self, plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tensor | None, key: float) -> None:
         """Queue a host shard's update on the host worker, or, where clipping scales it, on the GPU's share."""
-        if coef is not None and self._assist is not None and self._assist.takes(plan):
-            self._assist.worker.submit(self._assist.task(plan, settings, coef), key=key, tag=plan)
-        else:
-            self._worker.submit(host_task(plan, settings, coef, self._lock), key=key, tag=plan)
+        task = self._assist.task(plan, settings, coef) if coef is not None and self._assist is not None else None
+        worker = self._assist.worker if task is not None and self._assist is not None else self._worker
+        worker.submit(task or host_task(plan, settings, coef, self._lock), key=key, tag=plan)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (or zero) the gradients; a shard whose step is still queued gets it right after that step."""
