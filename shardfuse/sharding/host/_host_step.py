@@ -230,35 +230,43 @@ def host_task(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tenso
                 plan.deferred_zero = None
                 _failed(host, err)
                 return
-        _finish(plan, host, lock, dropped, wait, start)
+            if wait is None:  # done in this hold of the lock: a lock holder never sees this shard UPDATING
+                _complete(plan, host, dropped, start)
+                return
+        _finish_after(wait, plan, host, lock, dropped, start)
 
     return run
 
 
-def _finish(plan: ShardPlan, host: HostShard, lock: threading.Lock, dropped: list[torch.Tensor],
-            wait: Callable[[], None] | None, start: float) -> None:
-    """The end of a host task: wait (outside ``lock``) for what the update queued elsewhere, then, under ``lock``,
-    drop the gradients it put back, apply a ``zero_grad`` that came meanwhile and release the unit's gather."""
+def _finish_after(wait: Callable[[], None], plan: ShardPlan, host: HostShard, lock: threading.Lock,
+                  dropped: list[torch.Tensor], start: float) -> None:
+    """The end of a host task whose update queued work elsewhere: wait for it outside ``lock`` (still
+    ``UPDATING``: ``zero_grad`` defers), then complete under ``lock``."""
     try:
-        if wait is not None:
-            wait()
+        wait()
     except BaseException as err:  # noqa: BLE001 - handed to the caller side, raised at the next wait
         with lock:
             plan.deferred_zero = None
             _failed(host, err)
         return
     with lock:
-        try:
-            for p in dropped:
-                p.grad = None
-            apply_zero_grad(plan, plan.deferred_zero)
-            host.stats.update_s += time.perf_counter() - start
-            host.note("done")
-            plan.deferred_zero = None
-            host.life.move(UpdateState.DONE)  # under the lock: zero_grad sees it queued (defers) or done
-        except BaseException as err:  # noqa: BLE001 - handed to the caller side, raised at the next wait
-            plan.deferred_zero = None
-            _failed(host, err)
+        _complete(plan, host, dropped, start)
+
+
+def _complete(plan: ShardPlan, host: HostShard, dropped: list[torch.Tensor], start: float) -> None:
+    """(Under the task's lock) drop the gradients the update put back, apply a ``zero_grad`` that came meanwhile
+    and release the unit's gather."""
+    try:
+        for p in dropped:
+            p.grad = None
+        apply_zero_grad(plan, plan.deferred_zero)
+        host.stats.update_s += time.perf_counter() - start
+        host.note("done")
+        plan.deferred_zero = None
+        host.life.move(UpdateState.DONE)  # under the lock: zero_grad sees it queued (defers) or done
+    except BaseException as err:  # noqa: BLE001 - handed to the caller side, raised at the next wait
+        plan.deferred_zero = None
+        _failed(host, err)
 
 
 def _reclaim_grads(queued_with: list[tuple[torch.Tensor, torch.Tensor, int]], name: str) -> list[torch.Tensor]:
