@@ -128,6 +128,9 @@ class GpuAssist:
         copy_buf = host.compute_buf if in_sync and all(o is not None for offs in offsets for o in offs) else None
         written: list[torch.Tensor] = []
         last: torch.cuda.Event | None = None
+        scale = None  # clipping's factor as the device applies it (a divisor with clip_in_update), once per unit
+        if coef is not None:
+            scale = float(clip_inverse(coef) if plan.clip_in_update else coef.detach().to("cpu", torch.float32))
         with torch.no_grad():  # under self.lock (host_task holds it)
             for group, offs in zip(groups, offsets):
                 if not group.params:
@@ -139,23 +142,23 @@ class GpuAssist:
                     target = None
                     if copy_buf is not None and offset is not None:
                         target = copy_buf[offset:offset + group.params[i].numel()]
-                    last = self._stream_param(group, i, kernel, kwargs, coef, plan.clip_in_update, target) or last
+                    last = self._stream_param(group, i, kernel, kwargs, scale, plan.clip_in_update, target) or last
                     written += [t for j, t in enumerate(_views(group, i)) if j != 1]  # not the gradient: read only
         self.units += 1
         self.elements += flat.numel()
         return functools.partial(_settle, last, written, host, flat, copy_buf is not None)
 
     def _stream_param(self, group: _Group, i: int, kernel: FusedKernel, kwargs: dict[str, Any],
-                      coef: torch.Tensor | None, divide: bool, target: torch.Tensor | None) -> torch.cuda.Event | None:
+                      scale_value: float | None, divide: bool,
+                      target: torch.Tensor | None) -> torch.cuda.Event | None:
         """Parameter ``i`` of ``group`` through the device, chunk by chunk; the event of its last copy back."""
         views = [t.view(-1) for t in _views(group, i)]
         _, comp, _ = self._stream_set()
         with use_stream(comp):  # made by the kernels' stream: no host wait for a copy from pageable memory
             step = torch.full((), float(group.steps[i]), dtype=group.steps[i].dtype, device=self._device)
             scale = None
-            if coef is not None:
-                value = clip_inverse(coef) if divide else coef.detach().to("cpu", torch.float32)
-                scale = torch.full((), float(value), dtype=torch.float32, device=self._device)
+            if scale_value is not None:
+                scale = torch.full((), scale_value, dtype=torch.float32, device=self._device)
         last = None
         for a, b in _pieces(views[0].numel(), ASSIST_CHUNK):
             last = self._chunk(views, a, b, kernel, kwargs, step, scale, divide, target)

@@ -210,7 +210,6 @@ def host_task(plan: ShardPlan, settings: list[dict[str, Any]], coef: torch.Tenso
         except BaseException as err:  # noqa: BLE001 - handed to the caller side, raised at the next wait
             _failed(host, err)
             return
-        start = time.perf_counter()
         with lock:
             try:
                 host.life.move(UpdateState.UPDATING)
