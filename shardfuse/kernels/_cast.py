@@ -19,6 +19,7 @@ import triton.language as tl
 
 from shardfuse._profiling import profiled
 from shardfuse.kernels import _common as common
+from shardfuse.kernels._launch import DirectLauncher
 from shardfuse.kernels._overlap import check_no_overlap, meets
 
 __all__ = ["cast_shard", "cast_shard_ref", "cast_shard_unchecked", "check_cast_shard"]
@@ -59,6 +60,9 @@ def _cast_shard_kernel(src_ptr, out_ptr, n, BLOCK: tl.constexpr):
 # --------------------------------------------------------------------------------------------------
 # Checks
 # --------------------------------------------------------------------------------------------------
+
+
+_cast_shard_launch = DirectLauncher(_cast_shard_kernel)
 
 
 def check_src(src: torch.Tensor, name: str) -> None:
@@ -110,7 +114,7 @@ def _launch(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return out
     with common.device_guard(src.device):
         grid = (-(-n // common.BLOCK_SIZE),)
-        _cast_shard_kernel[grid](src, out, n, BLOCK=common.BLOCK_SIZE, num_warps=common.NUM_WARPS)
+        _cast_shard_launch[grid](src, out, n, BLOCK=common.BLOCK_SIZE, num_warps=common.NUM_WARPS)
     return out
 
 

@@ -26,6 +26,7 @@ from shardfuse._profiling import profiled
 from shardfuse.kernels import _common as common
 from shardfuse.kernels import _crossover
 from shardfuse.kernels._cast import cast_block, check_src
+from shardfuse.kernels._launch import DirectLauncher
 from shardfuse.kernels._overlap import check_no_overlap
 
 __all__ = ["cast_shards", "cast_shards_ref"]
@@ -69,6 +70,8 @@ def _cast_shards_kernel(table, num_tensors, src_like, dst_like, ALIGNED: tl.cons
         cast_block(src, dst, offs, n, True)
 
 
+_cast_shards_launch = DirectLauncher(_cast_shards_kernel)
+
 
 # --------------------------------------------------------------------------------------------------
 # Launchers
@@ -101,8 +104,6 @@ class _Plan(NamedTuple):
     flatten: bool = False  # torch path: some source's shape differs from its destination's (copy 1-D views)
     # The layout guard of the tensors the plan was built for (_common.layout_guard; the key holds their addresses).
     check: Callable[..., bool] | None = None
-
-
 
 
 def _check_offsets(offsets: Sequence[int], numels: list[int]) -> list[int]:
@@ -249,7 +250,7 @@ def _run_plan(plan: _Plan, srcs: list[torch.Tensor], out: torch.Tensor | list[to
     with common.device_guard(plan.device):
         for la in plan.launches:
             dst_like = out if la.dst_like < 0 else out[la.dst_like]
-            _cast_shards_kernel[(la.grid,)](
+            _cast_shards_launch[(la.grid,)](
                 la.table, la.num_tensors, srcs[la.src_like], dst_like, ALIGNED=la.aligned, BLOCK=la.block,
                 num_warps=la.num_warps,
             )

@@ -29,6 +29,7 @@ from shardfuse._profiling import profiled
 from shardfuse.kernels import _common as common
 from shardfuse.kernels import _crossover
 from shardfuse.kernels._common import apply_scale
+from shardfuse.kernels._launch import DirectLauncher
 from shardfuse.kernels._overlap import check_no_overlap
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,9 @@ def _chunk_cat_kernel(
 # ----------------------------------------------------------------------------------------------------------
 # Launcher (public API)
 # ----------------------------------------------------------------------------------------------------------
+
+
+_chunk_cat_launch = DirectLauncher(_chunk_cat_kernel)
 
 
 def _layout(t: torch.Tensor, world_size: int) -> tuple[int, int]:
@@ -231,7 +235,7 @@ def _run(plan: _Plan, tensors: Sequence[torch.Tensor], out: torch.Tensor, factor
     kernel_factor, divide, multiply = common.scale_args(factor)
     aligned = plan.aligned and out.data_ptr() % 16 == 0
     with common.device_guard(plan.device):
-        _chunk_cat_kernel[(plan.grid,)](
+        _chunk_cat_launch[(plan.grid,)](
             plan.table, tensors[plan.like], out, plan.num_tensors, plan.row_numel, kernel_factor, DIVIDE=divide,
             MULTIPLY=multiply, ALIGNED=aligned, IN_VEC=plan.in_vec, OUT_VEC=plan.out_vec, BLOCK=common.BLOCK_SIZE,
             num_warps=common.NUM_WARPS,

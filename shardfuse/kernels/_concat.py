@@ -23,6 +23,7 @@ import triton.language as tl
 from shardfuse._profiling import profiled
 from shardfuse.kernels import _common as common
 from shardfuse.kernels import _crossover
+from shardfuse.kernels._launch import DirectLauncher
 from shardfuse.kernels._overlap import check_no_overlap
 
 __all__ = ["concat_microbatches", "split_microbatches", "concat_microbatches_ref"]
@@ -74,6 +75,9 @@ def _concat_kernel(
 # ----------------------------------------------------------------------------------------------------------
 # Launchers (public API)
 # ----------------------------------------------------------------------------------------------------------
+
+
+_concat_launch = DirectLauncher(_concat_kernel)
 
 
 def _validate(tensors: Sequence[torch.Tensor], out: torch.Tensor | None) -> tuple[list[torch.Tensor], tuple]:
@@ -203,7 +207,7 @@ def _run(plan: _Plan, tensors: list[torch.Tensor], out: torch.Tensor) -> None:
         # out itself sits off the word boundary (a view into a larger buffer): copy element by element
         plan = _build_plan(tensors, plan.shape, plan.device, widen=False)
     with common.device_guard(plan.device):
-        _concat_kernel[(plan.grid,)](
+        _concat_launch[(plan.grid,)](
             plan.table,
             flat.view(plan.bits),
             plan.num_tensors,

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from shardfuse._profiling import profiled
 from shardfuse.kernels import _common as common
+from shardfuse.kernels._launch import DirectLauncher
 from shardfuse.kernels._overlap import check_no_overlap
 
 __all__ = ["padded_numel", "flatten_pad", "unflatten_into", "flatten_pad_ref", "unflatten_into_ref"]
@@ -151,6 +152,9 @@ def _flat_segments_kernel(table, num_segs, flat_ptr, other_like, FLAT_IS_DST: tl
 # --------------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------------
+
+
+_flat_segments_launch = DirectLauncher(_flat_segments_kernel)
 
 
 def padded_numel(numel: int, world_size: int) -> int:
@@ -273,7 +277,7 @@ def _run(plan: _Plan, flat: torch.Tensor, others: list[torch.Tensor], flat_is_ds
     flat_aligned = flat.data_ptr() % 16 == 0
     with common.device_guard(plan.device):
         for la in plan.launches:
-            _flat_segments_kernel[(la.grid,)](
+            _flat_segments_launch[(la.grid,)](
                 la.table, la.num_segs, flat, others[la.like], FLAT_IS_DST=flat_is_dst, STRIDED=la.strided,
                 TILED=la.tiled, ALIGNED=la.aligned and flat_aligned, BLOCK=la.block, TILE=_TILE,
                 num_warps=la.num_warps,

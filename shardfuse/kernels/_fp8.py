@@ -31,6 +31,7 @@ import triton.language as tl
 
 from shardfuse._profiling import profiled
 from shardfuse.kernels import _common as common
+from shardfuse.kernels._launch import DirectLauncher
 from shardfuse.kernels._overlap import check_no_overlap
 
 __all__ = ["FP8_DTYPE", "amax_to_scale", "cast_fp8_shards", "cast_fp8_shards_ref", "fp8_amax", "fp8_amax_ref"]
@@ -97,6 +98,9 @@ def _cast_fp8_kernel(table, scales, num_tensors, src_like, out_ptr, BLOCK: tl.co
         _fp8_block(src, dst, offs, n, scale, True)
 
 
+_cast_fp8_launch = DirectLauncher(_cast_fp8_kernel)
+
+
 @triton.jit
 def _amax_kernel(table, num_tensors, src_like, amax_bits, BLOCK: tl.constexpr):
     """``amax_bits`` (int32, zeroed) gets max |x| of each tensor as fp32 bits: for non-negative floats the bit
@@ -111,6 +115,9 @@ def _amax_kernel(table, num_tensors, src_like, amax_bits, BLOCK: tl.constexpr):
     x = tl.load(src + offs, mask=offs < n, other=0.0).to(tl.float32)
     a = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     tl.atomic_max(amax_bits + tl.load(table + 3 * num_tensors + t), tl.max(a, axis=0))
+
+
+_amax_launch = DirectLauncher(_amax_kernel)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -193,7 +200,7 @@ def fp8_amax(srcs: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> t
         out.zero_()
         if plan.grid:
             with common.device_guard(plan.device):
-                _amax_kernel[(plan.grid,)](plan.table, plan.num_tensors, srcs[plan.like], out.view(torch.int32),
+                _amax_launch[(plan.grid,)](plan.table, plan.num_tensors, srcs[plan.like], out.view(torch.int32),
                                            BLOCK=plan.block, num_warps=plan.num_warps)
         return out
 
@@ -274,7 +281,7 @@ def cast_fp8_shards(srcs: Sequence[torch.Tensor], scales: torch.Tensor, out: tor
                 _CAST_PLANS.put(key, plan)
         if plan.grid:
             with common.device_guard(plan.device):
-                _cast_fp8_kernel[(plan.grid,)](plan.table, scales, plan.num_tensors, srcs[plan.like],
+                _cast_fp8_launch[(plan.grid,)](plan.table, scales, plan.num_tensors, srcs[plan.like],
                                                out.view(torch.uint8).view(-1), BLOCK=plan.block,
                                                num_warps=plan.num_warps)
         return out

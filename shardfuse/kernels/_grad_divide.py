@@ -32,6 +32,7 @@ import triton.language as tl
 from shardfuse._profiling import profiled
 from shardfuse.kernels import _common as common
 from shardfuse.kernels._common import apply_scale
+from shardfuse.kernels._launch import DirectLauncher
 from shardfuse.kernels._overlap import check_no_overlap, meets
 
 _IN_PLACE_FIX = "use separate buffers (a tensor written in place, src is out, is fine)"
@@ -80,6 +81,9 @@ def _pre_divide_pad_kernel(
     scale_block(src_ptr, out_ptr, start, n, total, factor, DIVIDE, MULTIPLY, BLOCK)
 
 
+_pre_divide_pad_launch = DirectLauncher(_pre_divide_pad_kernel)
+
+
 @triton.jit
 def _post_divide_kernel(
     src_ptr, out_ptr, n, factor, DIVIDE: tl.constexpr,
@@ -101,6 +105,9 @@ def _post_divide_kernel(
         if ACCUMULATE:
             x = tl.load(out_ptr + offs, mask=mask, other=0.0).to(tl.float32) + x
         tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_post_divide_launch = DirectLauncher(_post_divide_kernel)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -207,7 +214,7 @@ def _launch_pre(grad: torch.Tensor, out: torch.Tensor, factor: float) -> torch.T
     src = grad if n else out_flat
     kernel_factor, divide, multiply = common.scale_args(factor)
     with common.device_guard(out.device):
-        _pre_divide_pad_kernel[(-(-total // common.BLOCK_SIZE),)](
+        _pre_divide_pad_launch[(-(-total // common.BLOCK_SIZE),)](
             src, out_flat, n, total, kernel_factor, DIVIDE=divide, MULTIPLY=multiply, BLOCK=common.BLOCK_SIZE,
             num_warps=common.NUM_WARPS,
         )
@@ -237,7 +244,7 @@ def _launch_post(src: torch.Tensor, out: torch.Tensor, factor: float, accumulate
     with common.device_guard(out.device):
         # No FMA contraction: out + x * (1 / factor) must round twice, as out + x / factor does (an FMA
         # rounds once: seen differing on H200 in the subnormal range and where x * (1 / factor) overflows).
-        _post_divide_kernel[(-(-n // common.BLOCK_SIZE),)](
+        _post_divide_launch[(-(-n // common.BLOCK_SIZE),)](
             src, out, n, kernel_factor, DIVIDE=divide, MULTIPLY=multiply, ACCUMULATE=bool(accumulate),
             BLOCK=common.BLOCK_SIZE, num_warps=common.NUM_WARPS, enable_fp_fusion=False,
         )

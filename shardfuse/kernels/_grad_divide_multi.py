@@ -28,6 +28,7 @@ from shardfuse.kernels._grad_divide import (
     pre_divide_pad_unchecked,
     scale_block,
 )
+from shardfuse.kernels._launch import DirectLauncher
 
 __all__ = ["pre_divide_pad"]
 
@@ -91,6 +92,9 @@ def _pre_divide_pad_multi_kernel(
 # ----------------------------------------------------------------------------------------------------------
 
 
+_pre_divide_pad_multi_launch = DirectLauncher(_pre_divide_pad_multi_kernel)
+
+
 class _Plan(NamedTuple):
     device: torch.device
     grid: int
@@ -127,7 +131,7 @@ def _run_multi(plan: _Plan, grads: list[torch.Tensor], out_flat: torch.Tensor, f
     aligned = plan.aligned and out_flat.data_ptr() % 16 == 0
     src_like = out_flat if plan.like < 0 else grads[plan.like]
     with common.device_guard(plan.device):
-        _pre_divide_pad_multi_kernel[(plan.grid,)](
+        _pre_divide_pad_multi_launch[(plan.grid,)](
             plan.table, src_like, out_flat, plan.num_tensors, plan.n, plan.total, kernel_factor, DIVIDE=divide,
             MULTIPLY=multiply, ALIGNED=aligned, OUT_VEC=plan.out_vec, BLOCK=common.BLOCK_SIZE,
             num_warps=common.NUM_WARPS,

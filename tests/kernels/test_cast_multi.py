@@ -163,7 +163,7 @@ def test_use_foreach_decision(monkeypatch):
 @pytest.mark.parametrize("dst", list(DTYPES), ids=str)
 def test_cast_shards_foreach_branch_matches_reference(monkeypatch, dst):
     monkeypatch.setattr(_cast_multi, "FOREACH_MIN_TENSORS", 3)
-    monkeypatch.setattr(_cast_multi, "_cast_shards_kernel", _NoLaunch())
+    monkeypatch.setattr(_cast_multi._cast_shards_launch, "kernel", _NoLaunch())
     dst_dt = DTYPES[dst]
     srcs = [fresh(k, list(DTYPES.values())[i % 3]) for i, k in enumerate([7, 0, 131, 4099, 1, 64])]
     outs = [poisoned((s.numel(),), dst_dt, DEVICE) for s in srcs]
@@ -174,7 +174,7 @@ def test_cast_shards_foreach_branch_matches_reference(monkeypatch, dst):
         assert_bits(o, r)  # PyTorch's own copy: exact against the reference even under the interpreter
 
 
-def test_cast_shards_below_the_crossover_runs_the_kernel(monkeypatch):
+def test_cast_shards_below_the_crossover_runs_the_kernel(monkeypatch, triton_path):
     monkeypatch.setattr(torch, "_foreach_copy_", _no_kernel)
     srcs = [fresh(k, torch.float32) for k in (5, 17, 3)]
     outs = [poisoned((k,), torch.float16, DEVICE) for k in (5, 17, 3)]

@@ -53,9 +53,9 @@ def spies(monkeypatch):
         "_chunk_cat": Spy(torch._chunk_cat),
         "cat": Spy(torch.cat, when=lambda kwargs: "out" in kwargs),  # launch tables are joined with torch.cat
     }
-    monkeypatch.setattr(_cast_multi, "_cast_shards_kernel", found["cast_kernel"])
-    monkeypatch.setattr(_chunk_cat, "_chunk_cat_kernel", found["chunk_cat_kernel"])
-    monkeypatch.setattr(_concat, "_concat_kernel", found["concat_kernel"])
+    monkeypatch.setattr(_cast_multi._cast_shards_launch, "kernel", found["cast_kernel"])
+    monkeypatch.setattr(_chunk_cat._chunk_cat_launch, "kernel", found["chunk_cat_kernel"])
+    monkeypatch.setattr(_concat._concat_launch, "kernel", found["concat_kernel"])
     monkeypatch.setattr(torch, "_foreach_copy_", found["foreach_copy_"])
     monkeypatch.setattr(torch, "_chunk_cat", found["_chunk_cat"])
     monkeypatch.setattr(torch, "cat", found["cat"])

@@ -318,7 +318,7 @@ def test_cached_cpu_plan_not_used_without_interpreter(monkeypatch, builds):
     srcs = [rand(9), rand(4)]
     out = poisoned((13,), torch.float16, DEVICE)
     cast.cast_shards(srcs, out)
-    monkeypatch.setattr(cast, "_cast_shards_kernel", None)  # any launch now fails
+    monkeypatch.setattr(cast._cast_shards_launch, "kernel", None)  # any launch now fails
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     poison(out)
     cast.cast_shards(srcs, out)

@@ -198,7 +198,7 @@ def test_chunk_cat_torch_plan_with_each_factor(torch_path, monkeypatch):
             return real_kernel[grid]
 
     monkeypatch.setattr(torch, "_chunk_cat", op)
-    monkeypatch.setattr(_chunk_cat, "_chunk_cat_kernel", Kernel())
+    monkeypatch.setattr(_chunk_cat._chunk_cat_launch, "kernel", Kernel())
     tensors = [fresh(15, torch.bfloat16).view(5, 3), fresh(11, torch.bfloat16)]
     out = poisoned((3, 10), torch.bfloat16, DEVICE)
     for factor in (1.0, 2.0, 0.5):  # 1 or a power of two: PyTorch's op, from one plan
