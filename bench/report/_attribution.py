@@ -37,6 +37,10 @@ def _name(r: dict[str, Any]) -> str:
     clip = "clip 1.0" if r.get("clipping", not r.get("step_in_backward")) else "no clip, step_in_backward"
     where = f"budget {r['gpu_budget_gib']:.0f} GiB" if r.get("gpu_budget_gib") else "full offload"
     how = ", clip_in_update" if r.get("clip_in_update") else ""
+    if r.get("gpu_update_share"):
+        how += f", gpu_update_share {r['gpu_update_share']:g}"
+    if r.get("max_norm") and r["max_norm"] > 1e6:
+        how += ", never fires"
     return f"{impl}: {where}, {clip}{how}" if impl.startswith("shardfuse") else impl
 
 

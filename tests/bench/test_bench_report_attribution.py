@@ -80,3 +80,12 @@ def test_the_issue_30_numbers() -> None:
     assert round(host_memory_bound_ms(clipped, floor)) == 882
     assert round(host_memory_bound_ms(clipped, floor, backward_ms=290.0), -1) == 1040
     assert HEADER[-1] == "host-memory bound ms"
+
+
+def test_rows_that_differ_only_in_the_share_or_a_clip_that_never_fires_are_named_apart() -> None:
+    from bench.report._attribution import _name
+
+    base = {"impl": "shardfuse", "clipping": True, "gpu_budget_gib": 0.0, "max_norm": 1.0, "gpu_update_share": 0.0}
+    names = [_name(base), _name({**base, "gpu_update_share": 0.35}), _name({**base, "max_norm": 1e9})]
+    assert names == ["shardfuse: full offload, clip 1.0", "shardfuse: full offload, clip 1.0, gpu_update_share 0.35",
+                     "shardfuse: full offload, clip 1.0, never fires"]
