@@ -3,9 +3,9 @@
 A repeat launch through Triton's JIT (``JITFunction.run``) binds the arguments and computes their specialisation
 (one generated function), then builds the compile-cache key from it and the options (a ``str`` of the options
 dict), reads Triton's knobs, and only then calls the compiled kernel's C launcher. On a 16-core H200 host that was
-14.4 us per launch of a 16-tensor ``cast_shards`` plan against 6.4 us for the C launcher alone
-(``.calls``-style probe, 2026-11-29), so below a few MB a Triton path lost to the PyTorch sequence it replaces
-on host time alone.
+14.4 us per launch of a 16-tensor ``cast_shards`` plan against 6.4 us for the C launcher alone (2026-11-29;
+docs/kernels.md, "Launching"), so below a few MB a Triton path lost to the PyTorch sequence it replaces on host
+time alone.
 
 :class:`DirectLauncher` keeps the first launch of each specialisation on the JIT path (which compiles, loads and
 returns the ``CompiledKernel``) and launches later calls with the same specialisation straight through that
