@@ -76,6 +76,8 @@ def test_plan_cache_lru_and_interpreter(monkeypatch):
     class Plan:
         device = torch.device("cpu")
 
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU plans are served under the interpreter (set on a GPU box too)
+
     cache = common.PlanCache(maxsize=2)
     plans = [Plan() for _ in range(3)]
     for i, p in enumerate(plans):
@@ -89,9 +91,11 @@ def test_plan_cache_lru_and_interpreter(monkeypatch):
     assert cache.get(("k", 2)) is plans[2]
 
 
-def test_plan_cache_last_entry_keeps_the_lru_order():
+def test_plan_cache_last_entry_keeps_the_lru_order(monkeypatch):
     class Plan:
         device = torch.device("cpu")
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU plans are served under the interpreter (set on a GPU box too)
 
     cache = common.PlanCache(maxsize=2)
     p0, p1, p2 = Plan(), Plan(), Plan()

@@ -71,7 +71,7 @@ def expect_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
 # ------------------------------------------------------------------ hits see new contents
 
 
-def test_cast_shards_flat_hit_reads_new_contents(builds):
+def test_cast_shards_flat_hit_reads_new_contents(builds, triton_path):
     srcs = [rand(k) for k in (7, 0, 4099, 131)]
     out = poisoned((4237 + 5,), torch.bfloat16, DEVICE)
     view = out[:4237]
@@ -86,7 +86,7 @@ def test_cast_shards_flat_hit_reads_new_contents(builds):
     assert builds[0] == 1, "a repeat call rebuilt its table"
 
 
-def test_cast_shards_list_hit_reads_new_contents(builds):
+def test_cast_shards_list_hit_reads_new_contents(builds, triton_path):
     srcs = [rand(k, dtype=dt) for k, dt in ((5, torch.float32), (300, torch.float16), (9, torch.float32))]
     outs = [poisoned((s.numel(),), dt, DEVICE) for s, dt in zip(srcs, (torch.bfloat16, torch.float32, torch.float16))]
     cast.cast_shards(srcs, outs)
@@ -130,7 +130,7 @@ def test_flatten_pad_hit_allocates_a_fresh_buffer(builds):
     expect_equal(second, first)
 
 
-def test_concat_chunk_cat_pre_divide_hits_read_new_contents(builds):
+def test_concat_chunk_cat_pre_divide_hits_read_new_contents(builds, triton_path):
     parts = [rand(k, 6) for k in (3, 0, 5, 1)]
     cat_out = poisoned((9, 6), torch.float32, DEVICE)
     grads = [rand(k) for k in (5, 4099, 2)]
@@ -287,7 +287,7 @@ def test_a_plan_does_not_serve_an_out_that_moved_onto_the_inputs():
 # ------------------------------------------------------------------ bounded, holds no tensors
 
 
-def test_cache_is_bounded_lru(builds):
+def test_cache_is_bounded_lru(builds, triton_path):
     sources = [rand(k + 1) for k in range(70)]
     outs = [poisoned((k + 1,), torch.float32, DEVICE) for k in range(70)]
     for s, o in zip(sources, outs):

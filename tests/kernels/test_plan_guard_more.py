@@ -277,7 +277,8 @@ def test_cast_fp8_shards_at_cached_addresses(guard):
     for _ in range(2):
         for srcs, scales, out in cases:
             out_pool.fill_(0x7F)
-            expected = fp8.cast_fp8_shards_ref(srcs, scales, torch.full(out.shape, 0x7F, dtype=torch.uint8))
+            expected = fp8.cast_fp8_shards_ref(srcs, scales, torch.full(out.shape, 0x7F, dtype=torch.uint8,
+                                                                      device=DEVICE))
             fp8.cast_fp8_shards(srcs, scales, out)
             assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8))
             assert (out_pool[32:] == 0x7F).all(), "a stale plan wrote past out"
