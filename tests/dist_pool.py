@@ -8,6 +8,12 @@ traceback; every wait has a timeout, so a hang fails the test (and the pool is r
 blocking the suite. Each worker uses ``cores // world_size`` CPU threads (at least 1; ``OMP_NUM_THREADS``
 wins when set): N ranks with all cores each would oversubscribe a small machine several times over.
 
+A gloo pool's workers are forked from one server process per test session that has imported torch already
+(multiprocessing's forkserver, see ``_context``): each spawned worker imported torch anew, ~1.5 s of CPU apiece,
+which made a 2-rank pool's start and exit cost ~2 s per test module on a 2-core machine and an 8-rank one ~10 s.
+Each worker still gets the test process's environment, working directory and ``sys.path`` as they are when the
+pool starts, and imports the library and the test module itself. NCCL pools spawn fresh interpreters as before.
+
 The fixtures ``pool`` (the test module's ``WORLD`` ranks, default 2) and ``pool4`` in ``tests/conftest.py``
 start one pool per test module::
 
@@ -70,10 +76,27 @@ def _loads(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
+# What the forkserver imports once: third-party modules only, none of which reads the variables the tests set.
+# The library (whose kernels read TRITON_INTERPRET when imported) and the test modules load in each worker.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "pytest"]
+
+
+def _context(backend: str) -> Any:
+    """Forkserver for gloo pools (workers forked from a process with torch imported), spawn for NCCL."""
+    if backend == "nccl":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # takes effect when the session's server starts (once)
+    return ctx
+
+
 def _worker(
     rank: int, world_size: int, port: int, backend: str, env: dict[str, str], tasks: Any, results: Any
 ) -> None:
-    os.environ.update(env)  # TRITON_INTERPRET and friends, before anything imports triton
+    # The test process's environment at start(), as a spawned worker would inherit it (a forked one has the
+    # forkserver's, from when the server started): TRITON_INTERPRET and friends, before anything imports triton.
+    os.environ.clear()
+    os.environ.update(env)
     import torch.distributed as dist
 
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
@@ -127,11 +150,10 @@ class DistPool:
 
     def start(self) -> None:
         """Spawn the workers and wait until the process group is up."""
-        ctx = mp.get_context("spawn")
+        ctx = _context(self.backend)
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
-        env = {k: v for k, v in os.environ.items() if k.startswith(("TRITON", "TORCH", "NCCL", "GLOO", "PYTHON"))}
-        env["OMP_NUM_THREADS"] = str(threads_per_rank(self.world_size))
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank(self.world_size))}
         port = free_port()
         self._procs = [
             ctx.Process(

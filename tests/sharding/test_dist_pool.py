@@ -1,5 +1,6 @@
-"""The worker pool itself: results by rank, worker errors re-raised with the rank, timeouts, environment;
-and one 4-rank parity run (cheap enough to share the pool's start-up)."""
+"""The worker pool itself: results by rank, worker errors re-raised with the rank, timeouts, environment (also
+as changed after the session's forkserver started); and one 4-rank parity run (cheap enough to share the pool's
+start-up)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ def fail_on_rank(bad: int) -> int:
     return dist.get_rank()
 
 
+def environment(names: tuple[str, ...]) -> dict[str, str | None]:
+    return {n: os.environ.get(n) for n in names}
+
+
 def sleep_forever() -> None:
     time.sleep(3600)
 
@@ -40,6 +45,17 @@ def test_worker_error_names_the_rank(pool4):
     with pytest.raises(WorkerError, match=r"fail_on_rank failed on ranks \[2\]:[\s\S]*rank 2[\s\S]*boom on 2"):
         pool4.run(fail_on_rank, 2)
     assert pool4.run(fail_on_rank, 99) == [0, 1, 2, 3]  # the pool survives a failed check
+
+
+def test_workers_get_the_environment_at_pool_start(pool4, monkeypatch):
+    # The gloo workers fork from a server started once per session (pool4 started it, if nothing before did):
+    # a variable set or removed in the test process since then still reaches a new pool's workers as it is now.
+    monkeypatch.setenv("SHARDFUSE_POOL_PROBE", "set after the server started")
+    monkeypatch.delenv("HOME", raising=False)
+    with DistPool(world_size=1) as p:
+        (got,) = p.run(environment, ("SHARDFUSE_POOL_PROBE", "HOME", "TRITON_INTERPRET"))
+    assert got == environment(("SHARDFUSE_POOL_PROBE", "HOME", "TRITON_INTERPRET"))
+    assert got["SHARDFUSE_POOL_PROBE"] == "set after the server started" and got["HOME"] is None
 
 
 def test_timeout_fails_instead_of_hanging():
