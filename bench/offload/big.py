@@ -96,6 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1e9,
         help="fp32 parameters the CPU AdamW floor is measured on (scaled linearly to each model)",
     )
+    p.add_argument("--bw-gib", type=float, default=1.0,
+                   help="GiB of the buffers the floor's copy bandwidths (host<->device, host memory) are timed on")
     p.add_argument("--no-floor", action="store_true",
                    help="skip the hardware floor and the resident runs (shardfuse's rows alone, e.g. bench.ab's "
                         "offload-big): the rows get no floor or resident ratio")
@@ -113,8 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [c for c in args.config_list if c not in CONFIGS] + [i for i in args.impl_list if i not in IMPLS]
     if bad or not args.config_list:
         p.error(f"unknown configs/impls {bad}: configs from {', '.join(CONFIGS)}; impls from {', '.join(IMPLS)}")
-    if args.steps < 1 or args.warmup < 0:
-        p.error(f"need --steps >= 1 and --warmup >= 0, got {args.steps=} {args.warmup=}")
+    if args.steps < 1 or args.warmup < 0 or args.bw_gib * GIB < 4:
+        p.error(f"need --steps >= 1, --warmup >= 0 and --bw-gib > 0, got {args.steps=} {args.warmup=} {args.bw_gib=}")
     if args.device == "cpu" and any(CONFIGS[c].model != "tiny" for c in args.config_list):
         p.error(f"--device cpu runs only the tiny configs (plumbing), not {args.configs}")
     return args
@@ -425,7 +427,8 @@ def measure_hardware(args: argparse.Namespace) -> dict[str, Any]:
     n = min(int(args.opt_params), max(m.num_params() for m in cfgs))
     chunk = max(4 * m.dim * m.dim + 3 * m.dim * m.ffn_dim for m in cfgs)  # one decoder block's flat parameter
     job = Job(impl="floor", config=args.config_list[0], device=args.device,
-              extra={"opt_params": n, "chunk": chunk, "env_only": bool(args.no_floor)})  # fmt: skip
+              extra={"opt_params": n, "chunk": chunk, "env_only": bool(args.no_floor),
+                     "bw_bytes": int(args.bw_gib * GIB)})  # fmt: skip
     print("== environment only (--no-floor) ..." if args.no_floor else "== floor: copy bandwidth and CPU optimizer ...",
           flush=True)
     return run_child(job, timeout=args.child_timeout or 300)

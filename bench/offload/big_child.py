@@ -136,7 +136,8 @@ def measure_floor(job: Job) -> dict[str, Any]:
         out["d2h_gbps"] = copy_gbps(nbytes, to_device=False)
         out["bw_bytes"] = nbytes
     out.update(cpu_adamw_seconds(int(job.extra["opt_params"]), int(job.extra.get("chunk", 1 << 27))))
-    out["host_copy_gbps"] = host_copy_gbps()
+    out["host_copy_bytes"] = int(job.extra.get("bw_bytes", 1 << 30))  # bench.offload.big --bw-gib
+    out["host_copy_gbps"] = host_copy_gbps(out["host_copy_bytes"])
     return out
 
 

@@ -48,8 +48,9 @@ def _check_row(row: dict[str, Any]) -> None:
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     out = tmp_path_factory.mktemp("offload_big") / "offload_big.json"
+    # --bw-gib: the floor's host copy bandwidth on 64 MiB buffers, not 1 GiB (~5 s of page faults on the CPU)
     proc = _run("--device", "cpu", "--configs", "tiny-acc", "--impls", "shardfuse,fsdp2,deepspeed-zero2",
-                "--steps", "1", "--warmup", "0", "--out", str(out))  # fmt: skip
+                "--steps", "1", "--warmup", "0", "--bw-gib", "0.0625", "--out", str(out))  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, json.loads(out.read_text())
 
@@ -62,6 +63,7 @@ def test_cpu_run_schema(cpu_run: tuple[subprocess.CompletedProcess[str], dict[st
     assert data["host"]["cpu_count"] >= 1
     hw = data["hardware_floor"]
     assert hw["opt_s_per_param"] > 0 and hw["opt_threads"] >= 1
+    assert hw["host_copy_gbps"] > 0 and hw["host_copy_bytes"] == 2**26  # --bw-gib 0.0625
     floor = data["floors"]["tiny-acc"]
     assert floor["params"] == MODELS["tiny"].num_params() and floor["floor_ms"] > 0
     assert floor["floor_ms"] == max(v for k, v in floor.items() if k in ("compute_ms", "pcie_ms", "cpu_opt_ms") and v)
@@ -116,6 +118,12 @@ def test_cpu_only_configs_on_cpu() -> None:
         big.parse_args(["--device", "cpu", "--configs", "2.9b-4k"])
     with pytest.raises(SystemExit):
         big.parse_args(["--impls", "nope"])
+
+
+def test_bw_gib_must_be_positive() -> None:
+    assert big.parse_args(["--bw-gib", "0.5"]).bw_gib == 0.5
+    with pytest.raises(SystemExit):
+        big.parse_args(["--bw-gib", "0"])
 
 
 def test_floor_arithmetic_and_rows() -> None:
