@@ -8,14 +8,14 @@ docs/kernels.md, "Launching"), so below a few MB a Triton path lost to the PyTor
 time alone.
 
 :class:`DirectLauncher` keeps the first launch of each specialisation on the JIT path (which compiles, loads and
-returns the ``CompiledKernel``) and launches later calls with the same specialisation straight through that
-kernel's launcher. The specialisation comes from Triton's own binder, so the kernel launched is the one the JIT
-would pick (same argument types, pointer alignments, integer classes, constexprs and options); what is skipped is
-the cache-key string, the knob reads and the hooks' metadata. The JIT path is kept where that shortcut cannot be
-taken or would change behaviour: a launch hook is set (a profiler such as Proton's wants its metadata), the kernel
-is Triton's interpreter's (CPU tensors), the binder or kernel does not look like the Triton versions this was
-written against (3.6 on the GPU hosts, 3.9 read too), or ``SHARDFUSE_DIRECT_LAUNCH=0`` (read at import).
-Triton's debug knobs changed after a kernel's first launch are not seen by the direct launches (they would
+returns the ``CompiledKernel``) and launches later calls with the same specialisation straight through that kernel's
+launcher. The specialisation comes from Triton's own binder, so the kernel launched is the one the JIT would pick
+(same argument types, pointer alignments, integer classes, constexprs and options); what is skipped is the cache-key
+string, the knob reads and the hooks' metadata. The JIT path is kept where that shortcut cannot be taken or would
+change behaviour: a launch hook or a pre-run hook of the kernel is set (a profiler such as Proton's wants its
+metadata), the kernel is Triton's interpreter's (CPU tensors), the binder or kernel does not look like the Triton
+versions this was written against (3.6 on the GPU hosts, 3.9 read too), or ``SHARDFUSE_DIRECT_LAUNCH=0`` (read at
+import). Triton's debug knobs changed after a kernel's first launch are not seen by the direct launches (they would
 recompile on the JIT path): set ``SHARDFUSE_DIRECT_LAUNCH=0`` while toggling them.
 
 Each launcher caches, per (device, specialisation, options), the compiled kernel's launcher, function handle and
@@ -92,7 +92,7 @@ class DirectLauncher:
         if not ENABLED or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
             return None, ()
         caches = getattr(self.kernel, "device_caches", None)
-        if caches is None:  # the interpreter's kernel
+        if caches is None or getattr(self.kernel, "pre_run_hooks", None):  # the interpreter's kernel; hooks to run
             return None, ()
         try:
             device = _current_device()

@@ -116,8 +116,8 @@ def test_an_empty_hook_chain_is_no_hook(fake_cuda, monkeypatch):
     assert launcher.direct_launches == 2
 
 
-@pytest.mark.parametrize("why", ["enter hook", "exit hook", "hook chain", "disabled", "interpreter", "binder fails",
-                                 "no handle"])
+@pytest.mark.parametrize("why", ["enter hook", "exit hook", "hook chain", "pre-run hook", "disabled", "interpreter",
+                                 "binder fails", "no handle"])
 def test_jit_path_where_the_direct_one_may_not_serve(fake_cuda, monkeypatch, why):
     kernel = FakeKernel(function=None if why == "no handle" else "fn")
     if why == "enter hook":
@@ -128,6 +128,8 @@ def test_jit_path_where_the_direct_one_may_not_serve(fake_cuda, monkeypatch, why
         chain = knobs.HookChain()
         chain.add(lambda *a: None)
         monkeypatch.setattr(knobs.runtime, "launch_enter_hook", chain)
+    elif why == "pre-run hook":  # JITFunction.add_pre_run_hook: the JIT calls them before every launch
+        kernel.pre_run_hooks = [lambda *a, **k: None]
     elif why == "disabled":
         monkeypatch.setattr(_launch, "ENABLED", False)
     elif why == "interpreter":
