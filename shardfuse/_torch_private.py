@@ -43,6 +43,8 @@ OTHER_PRIVATE_USES: dict[tuple[str, str], str] = {
     ("kernels/_common.py", "_C"): "the raw current CUDA stream for Triton launches; torch.compile's C++ tensor "
     "guards (`_C._dynamo.guards.TensorGuards`) as the plan caches' layout check, self-checked once at first use "
     "with a Python fallback (`kernels._common.layout_guard`)",
+    ("kernels/_launch.py", "_C"): "the raw current CUDA stream for direct Triton launches, as Triton's JIT reads it; "
+    "`torch.cuda.current_stream(device).cuda_stream` where torch lacks it",
     ("sharding/core/_runtime.py", "_C"): "whether the autograd engine is running a backward",
     ("sharding/core/_flat_param.py", "_utils"): "pickling a parameter view as torch pickles parameters",
     ("sharding/core/_grad_reduce.py", "_foreach_norm"): "the global gradient norm, as torch.nn.utils computes it",

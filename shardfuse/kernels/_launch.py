@@ -42,8 +42,9 @@ if os.environ.get("SHARDFUSE_DIRECT_LAUNCH", "1").strip() not in ("0", "1"):
 
 # Bound here so that tests can stand in for them on a machine without a GPU.
 _current_device: Callable[[], int] = torch.cuda.current_device
-_raw_stream: Callable[[int], int] = torch._C._cuda_getCurrentRawStream if hasattr(
-    torch._C, "_cuda_getCurrentRawStream") else (lambda _device: 0)
+# The raw current stream as Triton's JIT gets it (torch's private getter: no Stream object per launch).
+_raw_stream: Callable[[int], int] = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda device: torch.cuda.current_stream(device).cuda_stream)
 
 _MAX_ENTRIES = 64  # specialisations per kernel; past it the cache starts again (a bound, never reached in practice)
 
