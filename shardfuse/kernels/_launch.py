@@ -33,12 +33,13 @@ from triton import knobs
 
 __all__ = ["DirectLauncher", "ENABLED"]
 
-ENABLED = os.environ.get("SHARDFUSE_DIRECT_LAUNCH", "1").strip() != "0"
-if os.environ.get("SHARDFUSE_DIRECT_LAUNCH", "1").strip() not in ("0", "1"):
+_ENV = os.environ.get("SHARDFUSE_DIRECT_LAUNCH", "1").strip()
+if _ENV not in ("0", "1"):
     raise ValueError(
         f"SHARDFUSE_DIRECT_LAUNCH={os.environ['SHARDFUSE_DIRECT_LAUNCH']!r}: set it to 1 (launch compiled kernels "
         "directly, the default) or 0 (every launch through Triton's JIT), or unset it"
     )
+ENABLED = _ENV == "1"
 
 # Bound here so that tests can stand in for them on a machine without a GPU.
 _current_device: Callable[[], int] = torch.cuda.current_device
