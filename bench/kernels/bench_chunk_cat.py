@@ -113,7 +113,8 @@ def crossover_cases() -> list[KernelCase]:
     """Counts around TORCH_MIN_TENSORS and output sizes per tensor around TORCH_MAX_OUT_BYTES_PER_TENSOR."""
     t = _chunk_cat.TORCH_MIN_TENSORS
     per_bytes = _chunk_cat.TORCH_MAX_OUT_BYTES_PER_TENSOR
-    counts = sorted({16, t // 2, t - 1, t, 2 * t, 512, 1024})
+    # 48-192: where the guarded-plan path once had a size crossover of its own (now the kernel at every size)
+    counts = sorted({16, 48, 96, 192, t // 2, t - 1, t, min(2 * t, 1024)})
     # bf16 elements per tensor: 16 KB to 1 MB of output each, the threshold (per_bytes // 2 elements) among them.
     sizes = sorted({per_bytes // 32, per_bytes // 8, per_bytes // 4, per_bytes // 2, per_bytes, 2 * per_bytes})
     return [_crossover_case(num, k) for k in sizes for num in counts if num * k <= 1 << 28]

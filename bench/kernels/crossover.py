@@ -20,6 +20,9 @@ that saves the most time over all rows (ties: the one sending fewer rows to the 
 thresholds lie nearest the rows it sends to the kernel: the largest ``min_bytes``, the smallest ``max_tensors``).
 A family with no row that may run the kernel keeps the default ``Crossover()``, and a family whose every rule
 loses somewhere is ``NEVER`` (the PyTorch sequence at every size).
+
+``chunk_cat`` is not fitted (``shardfuse.kernels._crossover``'s docstring says why: behind a launch plan its PyTorch
+pair is never the cheaper path); its ``chunk_cat_dispatch`` rows time the count rule that skips the plan.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench.kernels.cases import TORCH_PATH, TRITON_PATH
-from shardfuse.kernels import _chunk_cat, _crossover
+from shardfuse.kernels import _crossover
 from shardfuse.kernels._cast_multi import FOREACH_MIN_TENSORS
 from shardfuse.kernels._crossover import NEVER, Crossover
 
@@ -42,14 +45,12 @@ from shardfuse.kernels._crossover import NEVER, Crossover
 ROW_PATHS: dict[str, tuple[str, str, str]] = {
     "cast_shards_list": ("shard_cast_dispatch", "list ", "foreach_copy_"),
     "cast_shards_flat": ("shard_cast_dispatch", "flat ", "foreach_copy_(split)"),
-    "chunk_cat": ("chunk_cat_dispatch", "bf16 ", "_chunk_cat+div_"),
     "concat": ("concat", "", "torch.cat(out=)"),
 }
 # The Crossover fields each family's rule is fitted on (the others keep their defaults).
 FITTED: dict[str, tuple[str, ...]] = {
     "cast_shards_list": ("max_tensors", "min_bytes"),
     "cast_shards_flat": ("many_tensors", "min_bytes"),
-    "chunk_cat": ("max_tensors", "big_tensor_bytes", "min_bytes"),
     "concat": ("min_bytes",),
 }
 
@@ -64,11 +65,9 @@ class Point:
 
 def _prekey_triton(family: str, num: int, nbytes: int) -> bool:
     """Whether the launchers' count rules (applied before the crossover, machine-independent) send a call of
-    ``num`` tensors moving ``nbytes`` to the kernel. chunk_cat rows are bf16 -> bf16: half the bytes are out."""
+    ``num`` tensors moving ``nbytes`` to the kernel."""
     if family == "cast_shards_list":
         return num < FOREACH_MIN_TENSORS
-    if family == "chunk_cat":
-        return num < _chunk_cat.TORCH_MIN_TENSORS or nbytes / 2 / num >= _chunk_cat.TORCH_MAX_OUT_BYTES_PER_TENSOR
     return True
 
 

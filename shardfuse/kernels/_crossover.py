@@ -9,8 +9,13 @@ to what that fit gives for the stored files. The families and the rows each is f
   (``shard_cast_dispatch`` "list" rows);
 - ``"cast_shards_flat"``: ``cast_shards(srcs, flat_out)`` vs ``torch._foreach_copy_`` into views of ``flat_out``
   (``shard_cast_dispatch`` "flat" rows);
-- ``"chunk_cat"``: ``chunk_cat`` (no cast, power-of-two factor) vs ``torch._chunk_cat`` and one scaling pass
-  (``chunk_cat_dispatch`` rows);
+- ``"chunk_cat"``: ``chunk_cat`` (no cast, power-of-two factor) vs ``torch._chunk_cat`` and one scaling pass. Not
+  fitted, and on no kind in ``MEASURED``, so the kernel always (overrides still force either path): behind a launch
+  plan the PyTorch pair costs the same plan key and layout guard as the kernel, then ``torch._chunk_cat``'s host
+  work in place of one launch, and two passes over the output in place of one. On an H200 host the forced PyTorch
+  branch was slower than the forced kernel at every case timed, 48 to 1024 tensors of 16K to 128K elements
+  (docs/kernels.md, "Dispatch"). The many-tensor branch that skips the plan (``_chunk_cat.use_torch_chunk_cat``)
+  is the count rule of the module itself;
 - ``"concat"``: ``concat_microbatches`` vs ``torch.cat`` (``concat`` rows).
 
 The H100 rules come from ``bench/results/h100/kernels.json`` (commit b5976d4, launches through Triton's JIT), the
@@ -75,13 +80,11 @@ MEASURED: dict[str, dict[str, Crossover]] = {
     "h100": {
         "cast_shards_list": Crossover(min_bytes=12582912, max_tensors=17),
         "cast_shards_flat": Crossover(min_bytes=math.inf, many_tensors=1000),
-        "chunk_cat": Crossover(min_bytes=33603072, max_tensors=17, big_tensor_bytes=2100374),
         "concat": Crossover(min_bytes=268427264),
     },
     "h200": {
         "cast_shards_list": Crossover(min_bytes=12582912, max_tensors=32),
         "cast_shards_flat": Crossover(min_bytes=1572864),
-        "chunk_cat": Crossover(min_bytes=25209856, max_tensors=17, big_tensor_bytes=265366),
         "concat": NEVER,
     },
 }

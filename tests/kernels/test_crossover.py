@@ -209,7 +209,11 @@ def test_gpu_kind_from_the_device_name(monkeypatch):
         kinds = [_crossover.gpu_kind(torch.device("cuda", i)) for i in range(3)]
         assert kinds == ["h100", "h200", "other"]
         assert _crossover.crossover("concat", torch.device("cuda", 0)) == _crossover.MEASURED["h100"]["concat"]
-        assert _crossover.crossover("chunk_cat", torch.device("cuda", 1)) == _crossover.MEASURED["h200"]["chunk_cat"]
+        assert _crossover.crossover("cast_shards_flat", torch.device("cuda", 1)) == (
+            _crossover.MEASURED["h200"]["cast_shards_flat"])
+        # chunk_cat is measured on no kind: the kernel on every GPU, unless overridden
+        for i in range(3):
+            assert _crossover.crossover("chunk_cat", torch.device("cuda", i)) == _crossover.ALWAYS
         assert _crossover.crossover("concat", torch.device("cuda", 2)) == _crossover.FALLBACK["concat"]
         with override({"concat": "triton"}, kind="other"):
             assert _crossover.crossover("concat", torch.device("cuda", 2)) == _crossover.ALWAYS
