@@ -7,7 +7,8 @@ the share of the GPU's copy bandwidth are computed by ``bench/kernels/run.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -26,21 +27,6 @@ class KernelCase:
     num_tensors: int = 1  # for multi-tensor forms
 
 
-def forced(module: ModuleType, name: str, value: Any, fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` run with ``module.name`` set to ``value`` (a dispatch threshold): times the path the library
-    did not pick, for the crossover cases."""
-
-    def run() -> object:
-        old = getattr(module, name)
-        setattr(module, name, value)
-        try:
-            return fn()
-        finally:
-            setattr(module, name, old)
-
-    return run
-
-
 # Baseline labels of a forced path of a dispatching entry point (not a PyTorch sequence it replaces): the kernel
 # whatever the crossover says, and the PyTorch sequence as the entry point runs it.
 TRITON_PATH = "triton path"
@@ -48,16 +34,38 @@ TORCH_PATH = "torch path"
 FORCED_PATHS = (TRITON_PATH, TORCH_PATH)
 
 
+class ForcedPath:
+    """``fn`` with the size crossover of ``families`` forced to ``mode`` ("triton" or "torch") and the count thresholds
+    ``(module, name, value)`` set: one path of a dispatching entry point, whatever it would pick.
+
+    Calling it forces the path around that one call (correct anywhere). A timer takes ``with path.forcing():``
+    around its whole timing of ``path.fn`` instead (``bench.kernels.run.interleaved_ms``): entering the overrides
+    costs host time of its own (some 5-15 us on a slow host), which a per-call forcing would add to every timed call
+    of a host-bound case, and only to the forced path's, not to the entry point's or PyTorch's."""
+
+    def __init__(self, mode: str, families: Sequence[str], fn: Callable[[], object],
+                 counts: Sequence[tuple[ModuleType, str, Any]] = ()) -> None:
+        self.mode, self.families, self.fn, self.counts = mode, tuple(families), fn, tuple(counts)
+
+    @contextlib.contextmanager
+    def forcing(self) -> Iterator[None]:
+        saved = [(module, name, getattr(module, name)) for module, name, _ in self.counts]
+        try:
+            for module, name, value in self.counts:
+                setattr(module, name, value)
+            with _crossover.override(dict.fromkeys(self.families, self.mode)):
+                yield
+        finally:
+            for module, name, value in saved:
+                setattr(module, name, value)
+
+    def __call__(self) -> object:
+        with self.forcing():
+            return self.fn()
+
+
 def forced_path(
     mode: str, families: Sequence[str], fn: Callable[[], object], *counts: tuple[ModuleType, str, Any]
-) -> Callable[[], object]:
-    """``fn`` with the size crossover of ``families`` forced to ``mode`` ("triton" or "torch") and the count
-    thresholds ``(module, name, value)`` set: one path of a dispatching entry point, whatever it would pick."""
-
-    def run() -> object:
-        with _crossover.override(dict.fromkeys(families, mode)):
-            return fn()
-
-    for module, name, value in counts:
-        run = forced(module, name, value, run)
-    return run
+) -> ForcedPath:
+    """:class:`ForcedPath` of ``fn`` (``counts``: the count thresholds to set, ``(module, name, value)``)."""
+    return ForcedPath(mode, families, fn, counts)

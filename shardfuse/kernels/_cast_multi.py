@@ -306,7 +306,7 @@ def cast_shards(
         if isinstance(out, torch.Tensor):
             dests = out
         elif type(out) is list or isinstance(out, Iterable):  # a list first: the ABC check costs more
-            dests = list(out)
+            dests = out if type(out) is list else list(out)  # a list as given: no copy of a thousand entries
             if offsets is None and use_foreach(srcs):
                 try:
                     torch._foreach_copy_(dests, srcs)

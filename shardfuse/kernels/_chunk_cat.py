@@ -38,11 +38,11 @@ __all__ = ["chunk_cat", "chunk_cat_ref"]
 
 # On CUDA, torch._chunk_cat and one scaling pass take over from this many tensors on when they carry less
 # than TORCH_MAX_OUT_BYTES_PER_TENSOR of output each: there the per-tensor host work of a launch plan (its key
-# and layout guard, ~0.25 us a tensor) costs more than the kernel saves on the GPU. Measured with direct launches
-# (``_launch``) on H200 hosts, bf16, world size 8, factor 4 (docs/kernels.md, "Dispatch"): the kernel was as fast
-# or faster from 96 to 192 tensors at any size and from 256 KiB of output per tensor at any count; PyTorch's pair
-# was faster at 512-1024 tensors of 32-128 KiB in two of three runs.
-TORCH_MIN_TENSORS = 512
+# and layout guard, ~0.25 us a tensor on a slow host) is as much as torch._chunk_cat's own, and skipping it is
+# worth the branch's extra buffer. Measured with direct launches (``_launch``) on H200 hosts, bf16, world size 8,
+# factor 4 (docs/kernels.md, "Dispatch"): the kernel as fast or faster up to 511 tensors at any size and from
+# 256 KiB of output per tensor at any count; at 512-1024 tensors of 16-128 KiB the two within a few percent.
+TORCH_MIN_TENSORS = 1024
 TORCH_MAX_OUT_BYTES_PER_TENSOR = 256 * 1024
 
 _PLANS = common.GuardedPlanCache()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from bench.kernels.cases import KernelCase
 from bench.kernels.run import interleaved_ms, run_case
@@ -43,3 +44,33 @@ def test_row_is_the_median_of_its_rounds_with_the_spread():
     assert cat["ms"] == 3.0 and cat["ms_spread"] == [0.5, 3.2] and cat["speedup"] == pytest.approx(3.0 / 2.2)
     assert row["baselines"]["other"]["speedup"] == pytest.approx(4.0 / 2.2)
     assert row["shardfuse_gbps"] == pytest.approx(10**9 / 2.2e-3 / 1e9)
+
+
+def test_a_forced_path_is_forced_once_around_its_timing_not_in_each_timed_call():
+    import types
+
+    from bench.kernels.cases import forced_path
+    from shardfuse.kernels import _crossover
+
+    knob = types.SimpleNamespace(LIMIT=7)
+    seen = []
+
+    def body():
+        seen.append((knob.LIMIT, _crossover.crossover("concat", torch.device("cpu")) == _crossover.NEVER))
+        return "forced"
+
+    path = forced_path("torch", ["concat"], body, (knob, "LIMIT", 1))
+    timed = []
+
+    def timer(fn):
+        timed.append(fn)
+        for _ in range(3):
+            fn()
+        return 1.0
+
+    times = interleaved_ms({"a": lambda: None, "forced": path}, 2, timer)
+    assert times["forced"] == [1.0, 1.0]
+    assert timed[1] is body and timed[3] is body  # the bare function: no forcing inside the timed calls
+    assert seen == [(1, True)] * 6  # ... and the path was forced around them
+    assert knob.LIMIT == 7 and _crossover.crossover("concat", torch.device("cpu")) == _crossover.ALWAYS
+    assert path() == "forced" and seen[-1] == (1, True) and knob.LIMIT == 7  # a plain call forces itself

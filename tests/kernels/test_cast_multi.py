@@ -245,3 +245,16 @@ def test_gpu_cast_shards_past_the_crossover_is_foreach_and_bit_exact(pair):
     assert names and not any("_cast_shards_kernel" in n for n in names), names
     for s, o in zip(srcs, outs):
         assert_bits(o, s.to(dst_dt))
+
+
+@pytest.mark.parametrize("count", [3, _cast_multi.FOREACH_MIN_TENSORS], ids=["plan", "foreach"])
+def test_list_out_is_returned_as_given(count):
+    """A list ``out`` comes back as the same list (no copy of it per call); any other iterable as a new list."""
+    srcs = [fresh(5 + i, torch.float32) for i in range(count)]
+    outs = [poisoned((5 + i,), torch.bfloat16, DEVICE) for i in range(count)]
+    assert cast_shards(srcs, outs) is outs
+    assert cast_shards(srcs, outs) is outs  # a repeat call too (a cached plan, where one is)
+    again = cast_shards(srcs, tuple(outs))
+    assert type(again) is list and again == outs
+    for s, o in zip(srcs, outs):
+        assert_bits(o, s.to(torch.bfloat16), 1 if interpreting() else 0)
