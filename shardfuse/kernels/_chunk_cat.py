@@ -40,8 +40,9 @@ __all__ = ["chunk_cat", "chunk_cat_ref"]
 # than TORCH_MAX_OUT_BYTES_PER_TENSOR of output each: there the per-tensor host work of a launch plan (its key
 # and layout guard, ~0.25 us a tensor on a slow host) is as much as torch._chunk_cat's own, and skipping it is
 # worth the branch's extra buffer. Measured with direct launches (``_launch``) on H200 hosts, bf16, world size 8,
-# factor 4 (docs/kernels.md, "Dispatch"): the kernel as fast or faster up to 511 tensors at any size and from
-# 256 KiB of output per tensor at any count; at 512-1024 tensors of 16-128 KiB the two within a few percent.
+# factor 4 (docs/kernels.md, "Dispatch"): the kernel through its plan as fast as the branch or faster up to 1023
+# tensors, and 1.6-2.5x the bare pair from 256 KiB of output per tensor at any count; at 1024 tensors below that
+# the two within ~10% of each other, both 0.8-0.97x of the bare pair.
 TORCH_MIN_TENSORS = 1024
 TORCH_MAX_OUT_BYTES_PER_TENSOR = 256 * 1024
 

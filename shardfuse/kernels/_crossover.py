@@ -12,8 +12,8 @@ to what that fit gives for the stored files. The families and the rows each is f
 - ``"chunk_cat"``: ``chunk_cat`` (no cast, power-of-two factor) vs ``torch._chunk_cat`` and one scaling pass. Not
   fitted, and on no kind in ``MEASURED``, so the kernel always (overrides still force either path): behind a launch
   plan the PyTorch pair costs the same plan key and layout guard as the kernel, then ``torch._chunk_cat``'s host
-  work in place of one launch, and two passes over the output in place of one. On an H200 host the forced PyTorch
-  branch was slower than the forced kernel at every case timed, 48 to 1024 tensors of 16K to 128K elements
+  work in place of one launch, and two passes over the output in place of one. On an H200 host the plan's PyTorch
+  path, forced, was slower than its kernel at every case probed, 48 to 1024 tensors of 16K to 128K elements
   (docs/kernels.md, "Dispatch"). The many-tensor branch that skips the plan (``_chunk_cat.use_torch_chunk_cat``)
   is the count rule of the module itself;
 - ``"concat"``: ``concat_microbatches`` vs ``torch.cat`` (``concat`` rows).
