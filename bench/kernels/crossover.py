@@ -28,10 +28,12 @@ pair is never the cheaper path); its ``chunk_cat_dispatch`` rows time the count 
 from __future__ import annotations
 
 import hashlib
+import io
 import itertools
 import json
 import math
 import sys
+import tokenize
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -127,14 +129,30 @@ KERNELS_DIR = Path(_crossover.__file__).resolve().parent
 DIGEST_SKIPS = ("_crossover.py",)
 
 
+def _code_tokens(source: bytes) -> bytes:
+    """``source`` as the sequence of its Python tokens, comments and blank lines left out: an edit of a comment (or
+    a blank line) changes no path a run times, so it must not split the runs of one code into two pools. Source
+    that does not tokenize is taken as it is."""
+    try:
+        tokens = tokenize.tokenize(io.BytesIO(source).readline)
+        kept = [f"{tok.type}:{tok.string}" for tok in tokens if tok.type not in _NOT_CODE]
+    except (tokenize.TokenError, SyntaxError):
+        return source
+    return "\n".join(kept).encode()
+
+
+_NOT_CODE = (tokenize.COMMENT, tokenize.NL, tokenize.ENCODING)
+
+
 def kernels_source_digest(sources: dict[str, bytes] | None = None) -> str:
-    """A digest of the kernels' code (``shardfuse/kernels/*.py`` but the dispatch table): runs with the same digest
-    timed the same Triton and PyTorch paths. ``sources``: file name -> content (default: this tree's files)."""
+    """A digest of the kernels' code (``shardfuse/kernels/*.py`` but the dispatch table; tokens, not comments): runs
+    with the same digest timed the same Triton and PyTorch paths. ``sources``: file name -> content (default: this
+    tree's files)."""
     if sources is None:
         sources = {p.name: p.read_bytes() for p in KERNELS_DIR.glob("*.py")}
     h = hashlib.sha256()
     for name in sorted(n for n in sources if n not in DIGEST_SKIPS):
-        h.update(name.encode() + b"\0" + sources[name] + b"\0")
+        h.update(name.encode() + b"\0" + _code_tokens(sources[name]) + b"\0")
     return h.hexdigest()[:16]
 
 

@@ -136,5 +136,16 @@ def test_kernels_source_digest_follows_the_kernels_but_not_the_table():
     assert fit_mod.kernels_source_digest({**base, "_crossover.py": b"refitted"}) == digest
     assert fit_mod.kernels_source_digest({**base, "_cast.py": b"a2"}) != digest
     assert fit_mod.kernels_source_digest({**base, "_new.py": b""}) != digest
+    # Comments and blank lines are not code: editing them keeps the digest (and the pool of runs); code does not.
+    code = b"N = 96  # the count\n\n\ndef f(x):\n    return x * N\n"
+    one = fit_mod.kernels_source_digest({**base, "_chunk_cat.py": code})
+    reworded = code.replace(b"# the count", b"# the count rule, measured\n# on two hosts")
+    assert fit_mod.kernels_source_digest({**base, "_chunk_cat.py": reworded}) == one
+    assert fit_mod.kernels_source_digest({**base, "_chunk_cat.py": code.replace(b"\n\n\n", b"\n")}) == one
+    assert fit_mod.kernels_source_digest({**base, "_chunk_cat.py": code.replace(b"96", b"1024")}) != one
+    assert fit_mod.kernels_source_digest({**base, "_chunk_cat.py": code.replace(b"x * N", b"x + N")}) != one
+    broken = b'X = """never closed\n'  # does not tokenize: its bytes are digested as they are
+    assert fit_mod._code_tokens(broken) == broken
+    assert fit_mod.kernels_source_digest({**base, "_chunk_cat.py": broken}) != one
     assert fit_mod.kernels_source_digest() == fit_mod.kernels_source_digest(
         {p.name: p.read_bytes() for p in fit_mod.KERNELS_DIR.glob("*.py")})

@@ -197,8 +197,9 @@ def test_merge_is_the_most_cautious():
             assert m.triton(num, nbytes) <= (a.triton(num, nbytes) and b.triton(num, nbytes))
     # concat: an unknown GPU takes torch.cat wherever one measured kind does (the larger of the two size thresholds)
     rule = _crossover.FALLBACK["concat"]
-    sizes = [k["concat"].min_bytes for k in _crossover.MEASURED.values()]
-    assert rule.min_bytes == max(sizes) and not rule.triton(4, int(max(sizes)) - 1) and rule.triton(4, int(max(sizes)))
+    largest = max(k["concat"].min_bytes for k in _crossover.MEASURED.values())
+    assert rule.min_bytes == largest and not rule.triton(4, int(min(largest, 1 << 62)) - 1)
+    assert rule.triton(4, int(largest)) if largest < math.inf else rule == _crossover.NEVER
 
 
 def test_gpu_kind_from_the_device_name(monkeypatch):
