@@ -132,14 +132,15 @@ def _list_case(num: int, per_tensor: int) -> KernelCase:
     run = lambda: cast_shards(srcs, outs)  # noqa: E731
     return KernelCase(
         family=DISPATCH_FAMILY,
-        name=f"list fp32->bf16 {num} tensors x{per_tensor} ({_side('cast_shards_list', num, sum(sizes) * 6)})",
+        name=f"list fp32->bf16 {num} tensors x{per_tensor} ({_list_side(srcs, sum(sizes) * 6)})",
         numel=sum(sizes),
         bytes_moved=sum(sizes) * (4 + 2),
         shardfuse=run,
         baselines={
             "foreach_copy_": lambda: torch._foreach_copy_(outs, srcs),
             TRITON_PATH: forced_path("triton", ["cast_shards_list"], run,
-                                     (_cast_multi, "FOREACH_MIN_TENSORS", 1 << 62)),
+                                     (_cast_multi, "FOREACH_MIN_TENSORS", 1 << 62),
+                                     (_cast_multi, "FOREACH_SMALL_MIN_TENSORS", 1 << 62)),
         },
         num_tensors=num,
     )
@@ -165,15 +166,19 @@ def _flat_case(num: int, per_tensor: int) -> KernelCase:
 
 def _side(family: str, num: int, nbytes: int) -> str:
     """The path the entry point takes for such a call on this GPU (the row's name carries it)."""
-    if family == "cast_shards_list" and num >= _cast_multi.FOREACH_MIN_TENSORS:
-        return "foreach"
     return "triton" if _crossover.use_triton_at(family, torch.device("cuda"), num, nbytes) else "torch"
 
 
+def _list_side(srcs: list[torch.Tensor], nbytes: int) -> str:
+    """:func:`_side` of the list form: its count rules first (``_cast_multi.use_foreach``)."""
+    return "foreach" if _cast_multi.use_foreach(srcs) else _side("cast_shards_list", len(srcs), nbytes)
+
+
 def crossover_cases() -> list[KernelCase]:
-    """The list form at tensor counts around FOREACH_MIN_TENSORS (and 1000), and the flat form beside it."""
-    t = _cast_multi.FOREACH_MIN_TENSORS
-    counts = sorted({t // 4, t // 2, t - 1, t, 2 * t, 256, 1000})
+    """The list form at tensor counts around FOREACH_SMALL_MIN_TENSORS and FOREACH_MIN_TENSORS (and 1000), and the
+    flat form beside it."""
+    t, small = _cast_multi.FOREACH_MIN_TENSORS, _cast_multi.FOREACH_SMALL_MIN_TENSORS
+    counts = sorted({t // 4, small - 1, small, t - 1, t, 2 * t, 256, 1000})
     out = [_list_case(num, k) for k in CROSSOVER_NUMELS for num in counts]
     out += [_flat_case(num, k) for k in CROSSOVER_NUMELS for num in (16, t, 1000)]
     return out

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from bench.kernels.cases import TORCH_PATH, TRITON_PATH
 from shardfuse.kernels import _crossover
-from shardfuse.kernels._cast_multi import FOREACH_MIN_TENSORS
+from shardfuse.kernels._cast_multi import FOREACH_MIN_TENSORS, FOREACH_SMALL_MAX_NUMEL, FOREACH_SMALL_MIN_TENSORS
 from shardfuse.kernels._crossover import NEVER, Crossover
 
 # family of the library -> (bench family, row-name prefix, label of the PyTorch sequence's time)
@@ -67,9 +67,11 @@ class Point:
 
 def _prekey_triton(family: str, num: int, nbytes: int) -> bool:
     """Whether the launchers' count rules (applied before the crossover, machine-independent) send a call of
-    ``num`` tensors moving ``nbytes`` to the kernel."""
+    ``num`` tensors moving ``nbytes`` to the kernel. The list rows are fp32 -> bf16 (6 bytes an element) of near-even
+    sizes: their mean size stands for the first and last tensors the launcher samples."""
     if family == "cast_shards_list":
-        return num < FOREACH_MIN_TENSORS
+        small = nbytes / max(num, 1) / 6 <= FOREACH_SMALL_MAX_NUMEL
+        return num < FOREACH_SMALL_MIN_TENSORS or (num < FOREACH_MIN_TENSORS and not small)
     return True
 
 

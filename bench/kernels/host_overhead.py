@@ -84,7 +84,8 @@ def launchers(num: int, device: str) -> dict[str, Callable[[], object]]:
         f"cast_shards flat ({num})": lambda: cast_multi.cast_shards(srcs, flat_bf16),
         f"cast_shards list ({num})": list_cast,
         f"cast_shards list, triton path ({num})": forced_path(
-            "triton", ["cast_shards_list"], list_cast, (cast_multi, "FOREACH_MIN_TENSORS", 1 << 62)
+            "triton", ["cast_shards_list"], list_cast, (cast_multi, "FOREACH_MIN_TENSORS", 1 << 62),
+            (cast_multi, "FOREACH_SMALL_MIN_TENSORS", 1 << 62),
         ),
         f"flatten_pad ({num})": lambda: flatten.flatten_pad(params, 8, out=flat32),
         f"unflatten_into ({num})": lambda: flatten.unflatten_into(flat32, p_outs),

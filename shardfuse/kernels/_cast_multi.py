@@ -6,8 +6,9 @@ host-built owner column maps each program to its tensor in one load, so the laun
 the tensor count and nothing waits on the host. The launch plans (device tables included) are cached per set
 of tensors, so a repeat call costs little more than the launch itself, plus reading each tensor's address for
 the plan key and checking their layouts against the plan's guard (one C++ call for all of them). From
-``FOREACH_MIN_TENSORS`` tensors on, that per-tensor Python work costs more than PyTorch's C++
-``torch._foreach_copy_``, so the list form hands over to it (docs/kernels.md, "Dispatch").
+``FOREACH_MIN_TENSORS`` tensors on (from ``FOREACH_SMALL_MIN_TENSORS`` when the first and last are small), that
+per-tensor Python work costs more than PyTorch's C++ ``torch._foreach_copy_``, so the list form hands over to it
+(docs/kernels.md, "Dispatch").
 
 Layout: ``@triton.jit`` kernel, launcher (``cast_shards``), reference (``cast_shards_ref``).
 """
@@ -35,6 +36,13 @@ __all__ = ["cast_shards", "cast_shards_ref"]
 # From this many tensors on, the list form of cast_shards on CUDA runs torch._foreach_copy_: the measured
 # crossover (bench/results, bench/kernels/bench_cast.py "crossover" cases; docs/kernels.md, "Dispatch").
 FOREACH_MIN_TENSORS = 32
+# From this many, already, when the first and the last source hold at most FOREACH_SMALL_MAX_NUMEL elements each (a
+# sample of two, so the decision stays O(1)): a plan keys and guards sources and destinations, 2 x 16-31 tensors, on
+# top of one launch, while the tiny copies take the GPU less. On H200 hosts 31 tensors x 1024 took 14.8 us through
+# the plan (either path) against 4.7-5.3 for _foreach_copy_, in every round of two runs of three; 16 tensors x 16K
+# took 5.4-7.8 through the kernel against 11.4 (docs/kernels.md, "Dispatch").
+FOREACH_SMALL_MIN_TENSORS = 16
+FOREACH_SMALL_MAX_NUMEL = 4096
 
 _LIST_FIX = (
     "give every source a destination of its own that no other source or destination shares "
@@ -270,9 +278,22 @@ def _torch_copy(plan: _Plan, srcs: list[torch.Tensor], out: torch.Tensor | list[
 
 
 def use_foreach(srcs: Sequence[torch.Tensor]) -> bool:
-    """Whether the list form of :func:`cast_shards` runs ``torch._foreach_copy_`` (decided from the first
-    tensor and the count alone: reading every tensor's layout is the cost being avoided)."""
-    return len(srcs) >= FOREACH_MIN_TENSORS and isinstance(srcs[0], torch.Tensor) and common.triton_device(srcs[0])
+    """Whether the list form of :func:`cast_shards` runs ``torch._foreach_copy_``, decided from the count and the
+    first and last tensors alone (reading every tensor's layout is the cost being avoided): from
+    ``FOREACH_MIN_TENSORS`` tensors, or from ``FOREACH_SMALL_MIN_TENSORS`` when the first and last source hold at most
+    ``FOREACH_SMALL_MAX_NUMEL`` elements each. The sample only moves calls between two paths that give the same
+    bits (a call of mostly large tensors between two small ones runs ``_foreach_copy_``, at its speed)."""
+    n = len(srcs)
+    if n < min(FOREACH_MIN_TENSORS, FOREACH_SMALL_MIN_TENSORS) or not isinstance(srcs[0], torch.Tensor) or (
+            not common.triton_device(srcs[0])):
+        return False
+    if n >= FOREACH_MIN_TENSORS:
+        return True
+    if n < FOREACH_SMALL_MIN_TENSORS:
+        return False
+    last = srcs[-1]
+    return (isinstance(last, torch.Tensor) and srcs[0].numel() <= FOREACH_SMALL_MAX_NUMEL
+            and last.numel() <= FOREACH_SMALL_MAX_NUMEL)
 
 
 def cast_shards(
@@ -295,8 +316,9 @@ def cast_shards(
 
     A repeat call with the same tensors (same addresses, sizes, dtypes, layouts and device, on the same
     stream) reuses the cached launch plan: no validation, no table building, no host->device copy. With a
-    list ``out`` of at least ``FOREACH_MIN_TENSORS`` CUDA tensors, the call is ``torch._foreach_copy_(out,
-    srcs)`` (same bits; PyTorch's own argument checks apply, see docs/kernels.md, "Dispatch"). On CUDA, below
+    list ``out`` of at least ``FOREACH_MIN_TENSORS`` CUDA tensors (or ``FOREACH_SMALL_MIN_TENSORS`` whose first and
+    last source are small, :func:`use_foreach`), the call is ``torch._foreach_copy_(out, srcs)`` (same bits;
+    PyTorch's own argument checks apply, see docs/kernels.md, "Dispatch"). On CUDA, below
     the GPU's measured size crossover (``shardfuse.kernels._crossover``, families ``"cast_shards_list"`` and
     ``"cast_shards_flat"``) the call is ``torch._foreach_copy_`` into the destinations: the same bits, faster there.
     """

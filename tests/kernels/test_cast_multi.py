@@ -154,7 +154,14 @@ class _NoLaunch:
 def test_use_foreach_decision(monkeypatch):
     srcs = [torch.zeros(1)] * _cast_multi.FOREACH_MIN_TENSORS
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # a CPU tensor stands for a CUDA one under the interpreter
-    assert use_foreach(srcs) and not use_foreach(srcs[:-1])
+    assert use_foreach(srcs) and use_foreach(srcs[:-1])  # 31 small tensors too: the sampled-size rule
+    big = torch.zeros(_cast_multi.FOREACH_SMALL_MAX_NUMEL + 1)
+    few = _cast_multi.FOREACH_SMALL_MIN_TENSORS
+    assert use_foreach(srcs[:few]) and not use_foreach(srcs[: few - 1])
+    assert not use_foreach([big, *srcs[: few - 1]]) and not use_foreach([*srcs[: few - 1], big])  # first or last big
+    assert use_foreach([srcs[0], *[big] * (few - 2), srcs[0]])  # only the ends are sampled: same bits, its speed
+    assert use_foreach([big, *srcs[:-1]])  # from FOREACH_MIN_TENSORS the sizes do not matter
+    assert not use_foreach([*srcs[: few - 1], 3.0])  # a non-tensor at the end: the validating path names it
     assert not use_foreach([3.0] * len(srcs))  # not tensors: the validating path names them
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert not use_foreach(srcs)  # CPU tensors without the interpreter: the reference path
@@ -219,6 +226,7 @@ def test_cast_shards_non_tensor_entries():
 @pytest.mark.gpu
 def test_gpu_cast_shards_5000_tensors_one_launch(monkeypatch, triton_path):
     monkeypatch.setattr(_cast_multi, "FOREACH_MIN_TENSORS", 1 << 62)  # the kernel path, whatever the count
+    monkeypatch.setattr(_cast_multi, "FOREACH_SMALL_MIN_TENSORS", 1 << 62)
     clear_plan_caches()
     sizes = torch.randint(0, 3000, (5000,)).tolist()
     srcs = [fresh(k, torch.float32, "cuda") for k in sizes]
