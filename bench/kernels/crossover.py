@@ -131,30 +131,30 @@ KERNELS_DIR = Path(_crossover.__file__).resolve().parent
 DIGEST_SKIPS = ("_crossover.py",)
 
 
-def _code_tokens(source: bytes) -> bytes:
-    """``source`` as the sequence of its Python tokens, comments and blank lines left out: an edit of a comment (or
-    a blank line) changes no path a run times, so it must not split the runs of one code into two pools. Source
-    that does not tokenize is taken as it is."""
+def _code_text(source: bytes) -> bytes:
+    """``source`` without its comments and blank lines: an edit of a comment (or a blank line) changes no path a run
+    times, so it must not split the runs of one code into two pools. The comments are found by Python's tokenizer and
+    cut out of the text (the tokens themselves differ between Python versions: 3.12 splits f-strings, 3.11 does not;
+    the text left is the same on both). Source that does not tokenize is taken as it is."""
     try:
-        tokens = tokenize.tokenize(io.BytesIO(source).readline)
-        kept = [f"{tok.type}:{tok.string}" for tok in tokens if tok.type not in _NOT_CODE]
-    except (tokenize.TokenError, SyntaxError):
+        comments = [tok.start for tok in tokenize.tokenize(io.BytesIO(source).readline) if tok.type == tokenize.COMMENT]
+        lines = source.decode("utf-8").replace("\r\n", "\n").split("\n")
+    except (tokenize.TokenError, SyntaxError, UnicodeDecodeError):
         return source
-    return "\n".join(kept).encode()
-
-
-_NOT_CODE = (tokenize.COMMENT, tokenize.NL, tokenize.ENCODING)
+    for row, col in comments:  # a comment runs to the end of its line
+        lines[row - 1] = lines[row - 1][:col]
+    return "\n".join(line.rstrip() for line in lines if line.strip()).encode()
 
 
 def kernels_source_digest(sources: dict[str, bytes] | None = None) -> str:
-    """A digest of the kernels' code (``shardfuse/kernels/*.py`` but the dispatch table; tokens, not comments): runs
-    with the same digest timed the same Triton and PyTorch paths. ``sources``: file name -> content (default: this
-    tree's files)."""
+    """A digest of the kernels' code (``shardfuse/kernels/*.py`` but the dispatch table; comments and blank lines left
+    out): runs with the same digest timed the same Triton and PyTorch paths. ``sources``: file name -> content
+    (default: this tree's files)."""
     if sources is None:
         sources = {p.name: p.read_bytes() for p in KERNELS_DIR.glob("*.py")}
     h = hashlib.sha256()
     for name in sorted(n for n in sources if n not in DIGEST_SKIPS):
-        h.update(name.encode() + b"\0" + _code_tokens(sources[name]) + b"\0")
+        h.update(name.encode() + b"\0" + _code_text(sources[name]) + b"\0")
     return h.hexdigest()[:16]
 
 

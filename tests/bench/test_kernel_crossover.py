@@ -144,8 +144,12 @@ def test_kernels_source_digest_follows_the_kernels_but_not_the_table():
     assert fit_mod.kernels_source_digest({**base, "_chunk_cat.py": code.replace(b"\n\n\n", b"\n")}) == one
     assert fit_mod.kernels_source_digest({**base, "_chunk_cat.py": code.replace(b"96", b"1024")}) != one
     assert fit_mod.kernels_source_digest({**base, "_chunk_cat.py": code.replace(b"x * N", b"x + N")}) != one
+    fstr = b'A = 1\nS = f"{A}#kept"  # said\n'  # a '#' inside a string (an f-string: tokenized apart on 3.12) stays
+    assert fit_mod._code_text(fstr) == b'A = 1\nS = f"{A}#kept"'
+    assert fit_mod._code_text(fstr.replace(b"said", b"unsaid")) == fit_mod._code_text(fstr)
+    assert fit_mod._code_text(fstr.replace(b"#kept", b"#gone")) != fit_mod._code_text(fstr)
     broken = b'X = """never closed\n'  # does not tokenize: its bytes are digested as they are
-    assert fit_mod._code_tokens(broken) == broken
+    assert fit_mod._code_text(broken) == broken
     assert fit_mod.kernels_source_digest({**base, "_chunk_cat.py": broken}) != one
     assert fit_mod.kernels_source_digest() == fit_mod.kernels_source_digest(
         {p.name: p.read_bytes() for p in fit_mod.KERNELS_DIR.glob("*.py")})
