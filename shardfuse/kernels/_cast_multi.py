@@ -38,9 +38,9 @@ __all__ = ["cast_shards", "cast_shards_ref"]
 FOREACH_MIN_TENSORS = 32
 # From this many, already, when the first and the last source hold at most FOREACH_SMALL_MAX_NUMEL elements each (a
 # sample of two, so the decision stays O(1)): a plan keys and guards sources and destinations, 2 x 16-31 tensors, on
-# top of one launch, while the tiny copies take the GPU less. On H200 hosts 31 tensors x 1024 took 14.8 us through
-# the plan (either path) against 4.7-5.3 for _foreach_copy_, in every round of two runs of three; 16 tensors x 16K
-# took 5.4-7.8 through the kernel against 11.4 (docs/kernels.md, "Dispatch").
+# top of one launch, and such tiny copies take the GPU less time than that host work. On H200 hosts 31 tensors x
+# 1024 took 14.8 us through the plan (either path) against 4.7-5.3 for _foreach_copy_, in every round of two runs of
+# three; 16 tensors x 16K took 5.4-7.8 through the kernel against 11.4 (docs/kernels.md, "Dispatch").
 FOREACH_SMALL_MIN_TENSORS = 16
 FOREACH_SMALL_MAX_NUMEL = 4096
 
