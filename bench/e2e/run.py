@@ -96,6 +96,7 @@ from torch import nn  # noqa: E402
 from bench._progress import Progress  # noqa: E402
 from bench.common import free_port, write_result  # noqa: E402
 from bench.e2e import _variants as variants_  # noqa: E402
+from bench.e2e import memory_peak  # noqa: E402
 from bench.e2e._model_specs import (  # noqa: E402
     DECODER_CONFIGS,
     HF_CONFIGS,
@@ -145,6 +146,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"profile {PROFILE_STEPS} eager steps of one regime (--profile-regime) of each "
                         f"implementation (rank 0): a chrome trace and a kernel-time summary (NCCL vs other kernels, "
                         f"the top kernels) per implementation in DIR")
+    p.add_argument("--memory-peak", default=None, metavar="DIR",
+                   help="after the timed steps of --profile-regime, one more step of each implementation under the "
+                        "allocator's history: what is alive at its peak and who allocated it, in DIR (rank 0; "
+                        "bench.e2e.memory_peak)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--optim", choices=("foreach", "fused"), default="foreach",
                    help="AdamW implementation for every implementation (the captured step adds capturable=True)")
@@ -316,16 +321,28 @@ def measure(
         out["peak_bytes"] -= leftover
         out["leftover_bytes"] = leftover
         out["mem_after_wrap_bytes"] = mem_after_wrap
-    if args.profile and not graphed and regime == args.profile_regime:
-        path = Path(args.profile) / f"{impl}_{regime}_{dist.get_world_size()}gpu_rank0.json" if rank == 0 else None
-        # Every rank runs the same steps (collectives stay matched); rank 0 records them.
-        with maybe_profile(path, device):
-            for i in range(PROFILE_STEPS):
-                with torch.profiler.record_function(f"bench.e2e:{impl}_step"):
-                    step_fn(model, opt, data[i % len(data)], autocast, spec, after_step)
-            sync(device)
+    if not graphed and regime == args.profile_regime:
+        record_extras(impl, regime, args, device, rank,
+                      functools.partial(step_fn, model, opt, autocast=autocast, spec=spec, after_step=after_step), data)
     del model, opt, loss, data, step, prepared, after_step
     return out
+
+
+def record_extras(impl: str, regime: str, args: argparse.Namespace, device: torch.device, rank: int,
+                  one_step: Callable[[torch.Tensor], Any], data: list[torch.Tensor]) -> None:
+    """After the timed steps: ``--profile``'s profiled steps, then ``--memory-peak``'s step under the allocator's
+    history. Every rank runs the same steps (collectives stay matched); rank 0 records them."""
+    stem = f"{impl}_{regime}_{dist.get_world_size()}gpu_rank0"
+    if args.profile:
+        with maybe_profile(Path(args.profile) / f"{stem}.json" if rank == 0 else None, device):
+            for i in range(PROFILE_STEPS):
+                with torch.profiler.record_function(f"bench.e2e:{impl}_step"):
+                    one_step(data[i % len(data)])
+            sync(device)
+    if args.memory_peak:
+        path = Path(args.memory_peak) / f"{stem}.memory_peak.json" if rank == 0 else None
+        with memory_peak.recording(path, device, f"{impl} {regime}"):
+            one_step(data[0])
 
 
 def free_memory(device: torch.device) -> None:
