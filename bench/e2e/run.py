@@ -332,7 +332,8 @@ def record_extras(impl: str, regime: str, args: argparse.Namespace, device: torc
                   one_step: Callable[[torch.Tensor], Any], data: list[torch.Tensor]) -> None:
     """After the timed steps: ``--profile``'s profiled steps, then ``--memory-peak``'s step under the allocator's
     history. Every rank runs the same steps (collectives stay matched); rank 0 records them."""
-    stem = f"{impl}_{regime}_{dist.get_world_size()}gpu_rank0"
+    # "+" of a variant's name is "_" in file names (the device tool brings back plain names only).
+    stem = f"{impl.replace('+', '_')}_{regime}_{dist.get_world_size()}gpu_rank0"
     if args.profile:
         with maybe_profile(Path(args.profile) / f"{stem}.json" if rank == 0 else None, device):
             for i in range(PROFILE_STEPS):

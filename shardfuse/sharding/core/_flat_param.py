@@ -488,11 +488,13 @@ class FlatParamHandle:
 
     def views(self) -> list[torch.Tensor]:
         """Views of the gathered full buffer shaped like the original parameters (autograd-connected)."""
-        if self.step.float8:  # the layers' float8 weights over the gathered bytes
-            assert self.fp8 is not None
-            return self.fp8.weights(self.made(self.full_param), self.split_sizes, self.shapes)
         full = self.made(self.full_param)
         token = self.grad_token
+        if self.step.float8:  # the layers' float8 weights over the gathered bytes
+            assert self.fp8 is not None
+            if token is not None and full.requires_grad and torch.is_grad_enabled():
+                return self.fp8.weights_fused(token, self)
+            return self.fp8.weights(full, self.split_sizes, self.shapes)
         if token is not None and full.requires_grad and torch.is_grad_enabled():
             return list(Unflatten.apply(token, [full], self))
         # torch.split_with_sizes skips Tensor.split's Python layer.

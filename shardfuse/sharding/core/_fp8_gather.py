@@ -20,12 +20,16 @@ piece of each of their weights and one ``all_reduce(MAX)`` per process group. A 
 changed (a unit run outside the root's forward) refreshes its own scales the same way (the fallback). Then, at
 every gather (:meth:`Float8Gather.gather`), one ``cast_fp8_shards`` launch into the rank's uint8 slice and the
 all-gather of the bytes. The compute-dtype full buffer is never allocated:
-:class:`_Float8Weights` hands autograd the layer weights as outputs of the (unallocated) full parameter, so their
-gradients flow into ``full_param.grad`` and the normal reduce-scatter.
+the layer weights are autograd outputs of the handle's grad token (:class:`_Float8WeightsFused`, the fused
+gradient path of ``_fused_grads.py``): their gradients are kept apart and pre-divided straight into the
+reduce-scatter input, one multi-tensor launch, with no concatenation (at 6.7B, 2 H200s, that concatenation took 14
+of a 372 ms step). Without a grad token (``fuse_grads`` off) :class:`_Float8Weights` makes them outputs of the
+(unallocated) full parameter, so their gradients flow into ``full_param.grad`` and the normal reduce-scatter.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -33,6 +37,7 @@ from torch import nn
 
 from shardfuse.sharding.core import _collectives as coll
 from shardfuse.sharding.core import _data_path as dp
+from shardfuse.sharding.core._fused_grads import add_contribution
 
 __all__ = ["Float8Gather", "marker_of", "refresh_scales", "register_marker"]
 
@@ -133,6 +138,11 @@ class Float8Gather:
         """The layers' weights over the gathered bytes, autograd outputs of ``full_param`` (never read)."""
         return list(_Float8Weights.apply(full_param, self, split_sizes, shapes))
 
+    def weights_fused(self, token: torch.Tensor, handle: Any) -> list[torch.Tensor]:
+        """The same weights as outputs of ``handle``'s grad token (``_fused_grads.py``): their gradients are
+        stashed on the handle apart, for the reduction to pre-divide straight into the reduce-scatter input."""
+        return list(_Float8WeightsFused.apply(token, self, handle))
+
 
 def refresh_scales(stale: list[tuple[Float8Gather, torch.Tensor, Any, int]]) -> None:
     """Refresh the scales of each ``(gather, shard, process group, world size)``: per process group and device,
@@ -153,6 +163,39 @@ def refresh_scales(stale: list[tuple[Float8Gather, torch.Tensor, Any, int]]) -> 
             start += n
 
 
+def _float8_weights(gather: Float8Gather, dtype: torch.dtype, split_sizes: list[int],
+                    shapes: list[torch.Size]) -> tuple[torch.Tensor, ...]:
+    """The layers' float8 weights over ``gather``'s bytes, with gradients of ``dtype``."""
+    read, scales = gather.read, gather.scales
+    assert read is not None and scales is not None
+    chunks = torch.split_with_sizes(read.view(dp.FP8_DTYPE), split_sizes)
+    return tuple(gather.marker.weight(c.view(s), scales[i], dtype, gather.modules[i])
+                 for i, (c, s) in enumerate(zip(chunks, shapes)))
+
+
+class _Float8WeightsFused(torch.autograd.Function):
+    """``(token, gather, handle)`` -> the float8 weights; backward: their gradients stashed on ``handle`` apart
+    (``_fused_grads.add_contribution``, as the compute-dtype views' Unflatten node does), an empty gradient for
+    the token. No concatenation: the reduction reads each weight's gradient where it lies."""
+
+    @staticmethod
+    def forward(ctx: Any, token: torch.Tensor, gather: Float8Gather, handle: Any) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)  # a weight without gradient stays None (zeros where the reduction reads)
+        ctx.handle = weakref.ref(handle)  # a graph the user keeps must not keep the model alive
+        ctx.token_meta = (token.dtype, token.device)
+        return _float8_weights(gather, handle.compute_dtype, handle.split_sizes, handle.shapes)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor, None, None]:
+        handle = ctx.handle()
+        dtype, device = ctx.token_meta
+        if handle is not None:
+            # In the compute dtype, as the concatenating node's gradient (torchao's is already: a no-op there).
+            grads = tuple(g if g is None or g.dtype == dtype else g.to(dtype) for g in grads)
+            handle.step.fused = add_contribution(handle, handle.step.fused, grads)
+        return torch.empty(0, dtype=dtype, device=device), None, None
+
+
 class _Float8Weights(torch.autograd.Function):
     """``full_param`` -> the float8 weights; backward: their gradients as one flat gradient of ``full_param``."""
 
@@ -163,13 +206,7 @@ class _Float8Weights(torch.autograd.Function):
         ctx.split_sizes = split_sizes
         ctx.shapes = shapes
         ctx.dtype, ctx.device = full_param.dtype, full_param.device
-        read, scales = gather.read, gather.scales
-        assert read is not None and scales is not None
-        chunks = torch.split_with_sizes(read.view(dp.FP8_DTYPE), split_sizes)
-        return tuple(
-            gather.marker.weight(c.view(s), scales[i], full_param.dtype, gather.modules[i])
-            for i, (c, s) in enumerate(zip(chunks, shapes))
-        )
+        return _float8_weights(gather, full_param.dtype, split_sizes, shapes)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
