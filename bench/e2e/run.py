@@ -76,12 +76,11 @@ import datetime
 import functools
 import gc
 import importlib.util
-import json
 import os
 import statistics
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +95,7 @@ from torch import nn  # noqa: E402
 from bench._progress import Progress  # noqa: E402
 from bench.common import free_port, write_result  # noqa: E402
 from bench.e2e import _variants as variants_  # noqa: E402
-from bench.e2e import memory_peak  # noqa: E402
+from bench.e2e import recording  # noqa: E402
 from bench.e2e._model_specs import (  # noqa: E402
     DECODER_CONFIGS,
     HF_CONFIGS,
@@ -123,7 +122,6 @@ REGIME_SETS = {"both": ("8k", "1k")}
 IMPLS = ("shardfuse", "shardfuse-graph", "shardfuse-ref", "shardfuse-budget", "fsdp2", "fsdp1", "fairscale",
          "baseline-graph", "fsdp2-compile")
 DEFAULT_PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
-PROFILE_STEPS = 3
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -143,7 +141,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-baseline", action="store_true", help="skip the one-GPU unsharded baseline")
     p.add_argument("--profile-regime", default="1k", choices=tuple(REGIMES), help="the regime --profile records")
     p.add_argument("--profile", default=None, metavar="DIR",
-                   help=f"profile {PROFILE_STEPS} eager steps of one regime (--profile-regime) of each "
+                   help=f"profile {recording.PROFILE_STEPS} eager steps of one regime (--profile-regime) of each "
                         f"implementation (rank 0): a chrome trace and a kernel-time summary (NCCL vs other kernels, "
                         f"the top kernels) per implementation in DIR")
     p.add_argument("--memory-peak", default=None, metavar="DIR",
@@ -226,50 +224,6 @@ def _eager_step(
     return step_fn(model, opt, tokens, autocast, spec, after_step)
 
 
-@contextlib.contextmanager
-def maybe_profile(path: Path | None, device: torch.device, steps: int = PROFILE_STEPS) -> Iterator[None]:
-    """Record a chrome trace to ``path`` when given, and beside it a summary of the GPU kernels' time per step."""
-    if path is None:
-        yield
-        return
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        yield
-    path.parent.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(path))
-    summary = kernel_summary(prof.events(), steps)
-    write_json = path.with_suffix(".kernels.json")
-    write_json.write_text(json.dumps(summary, indent=1))
-    print(f"wrote profiler trace {path} and {write_json.name}: per step {summary['kernels_per_step']:.0f} "
-          f"kernels, NCCL {summary['nccl_ms_per_step']:.1f} ms, other kernels {summary['other_ms_per_step']:.1f} ms",
-          flush=True)
-    for k in summary["top_other"][:12]:
-        print(f"    {k['ms_per_step']:7.2f} ms {k['count_per_step']:6.1f}x  {k['name'][:100]}", flush=True)
-
-
-def kernel_summary(events: Any, steps: int) -> dict[str, Any]:
-    """GPU kernel time per step from profiler events: NCCL kernels apart from the others, and the others' top
-    names (summed durations: overlapping kernels both count)."""
-    per_name: dict[str, list[float]] = {}
-    for e in events:
-        if e.device_type != torch.autograd.DeviceType.CUDA or getattr(e, "is_user_annotation", False):
-            continue
-        per_name.setdefault(e.name, []).append(e.time_range.elapsed_us() / 1e3)
-    nccl = sum(sum(v) for n, v in per_name.items() if "nccl" in n.lower())
-    other = {n: v for n, v in per_name.items() if "nccl" not in n.lower()}
-    top = sorted(other.items(), key=lambda kv: -sum(kv[1]))
-    return {
-        "steps": steps,
-        "kernels_per_step": sum(len(v) for v in per_name.values()) / steps,
-        "nccl_ms_per_step": nccl / steps,
-        "other_ms_per_step": sum(sum(v) for v in other.values()) / steps,
-        "top_other": [{"name": n, "ms_per_step": sum(v) / steps, "count_per_step": len(v) / steps}
-                      for n, v in top[:40]],
-    }
-
-
 def measure(
     impl: str, regime: str, spec: ModelSpec, args: argparse.Namespace, device: torch.device, rank: int,
 ) -> dict[str, Any]:
@@ -322,28 +276,10 @@ def measure(
         out["leftover_bytes"] = leftover
         out["mem_after_wrap_bytes"] = mem_after_wrap
     if not graphed and regime == args.profile_regime:
-        record_extras(impl, regime, args, device, rank,
-                      functools.partial(step_fn, model, opt, autocast=autocast, spec=spec, after_step=after_step), data)
+        one_step = functools.partial(step_fn, model, opt, autocast=autocast, spec=spec, after_step=after_step)
+        recording.record_extras(impl, regime, args, device, rank, one_step, data, sync)
     del model, opt, loss, data, step, prepared, after_step
     return out
-
-
-def record_extras(impl: str, regime: str, args: argparse.Namespace, device: torch.device, rank: int,
-                  one_step: Callable[[torch.Tensor], Any], data: list[torch.Tensor]) -> None:
-    """After the timed steps: ``--profile``'s profiled steps, then ``--memory-peak``'s step under the allocator's
-    history. Every rank runs the same steps (collectives stay matched); rank 0 records them."""
-    # "+" of a variant's name is "_" in file names (the device tool brings back plain names only).
-    stem = f"{impl.replace('+', '_')}_{regime}_{dist.get_world_size()}gpu_rank0"
-    if args.profile:
-        with maybe_profile(Path(args.profile) / f"{stem}.json" if rank == 0 else None, device):
-            for i in range(PROFILE_STEPS):
-                with torch.profiler.record_function(f"bench.e2e:{impl}_step"):
-                    one_step(data[i % len(data)])
-            sync(device)
-    if args.memory_peak:
-        path = Path(args.memory_peak) / f"{stem}.memory_peak.json" if rank == 0 else None
-        with memory_peak.recording(path, device, f"{impl} {regime}"):
-            one_step(data[0])
 
 
 def free_memory(device: torch.device) -> None:

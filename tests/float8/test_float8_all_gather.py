@@ -539,7 +539,8 @@ def check_host_shards_fall_back() -> bool:
     rank = dist.get_rank()
     results = []
     for gather in (True, False):
-        model = wrap(build(gather), move_params_to_cpu=True)
+        # compute_device: on the CPU on a CUDA host too (move_params_to_cpu would compute on the current GPU).
+        model = wrap(build(gather), move_params_to_cpu=True, compute_device=torch.device("cpu"))
         seen: list[str] = []
         for m in float8_layers(model).values():
             m.register_forward_pre_hook(lambda mod, args, seen=seen: seen.append(type(mod.weight).__name__))
