@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from bench.e2e import memory_peak
-from bench.e2e._timeline import Kernel, split_step, union
+from bench.e2e._timeline import Kernel, collective_kind, is_comm, length, split_step, union
 
 PROFILE_STEPS = 3
 TOP_GAPS = 15
@@ -49,6 +49,13 @@ def print_summary(summary: dict[str, Any], title: str) -> None:
           f"+ exposed communication {t['exposed_comm']:.1f} + idle {t['idle']:.1f}", flush=True)
     for k in summary["top_other"][:12]:
         print(f"    {k['ms_per_step']:7.2f} ms {k['count_per_step']:6.1f}x  {k['name'][:100]}", flush=True)
+    for kind, c in sorted(summary["collectives"].items()):
+        print(f"  {kind}: {c['count'] / summary['steps']:.0f} per step, {c['us'] / 1e3 / summary['steps']:.1f} ms, "
+              f"{100 * c['overlapped_share']:.0f}% under compute", flush=True)
+    print("  longest exposed communication (a collective, no compute): ms at ms, collectives, after -> before")
+    for r in summary["exposed_comm"][:10]:
+        print(f"    {r['ms']:7.3f} at {r['at_ms']:8.1f}  {','.join(r['collectives'])}  {r['after'][:50]} -> "
+              f"{r['before'][:50]}", flush=True)
     print("  longest idle gaps (nothing on the GPU): ms, after -> before", flush=True)
     for g in summary["idle_gaps"][:8]:
         print(f"    {g['ms']:7.3f}  {g['after'][:60]} -> {g['before'][:60]}", flush=True)
@@ -89,7 +96,37 @@ def summarize(kernels: Sequence[Kernel], steps: int) -> dict[str, Any]:
         "timeline_ms_per_step": {k: split[f"{k}_us"] / 1e3 / steps
                                  for k in ("span", "compute", "exposed_comm", "idle")},
         "idle_gaps": idle_gaps(kernels),
+        "collectives": split["collectives"],
+        "exposed_comm": exposed_runs(kernels),
     }
+
+
+def exposed_runs(kernels: Sequence[Kernel], top: int = TOP_GAPS) -> list[dict[str, Any]]:
+    """The longest stretches in which a collective runs and no compute kernel does: each with its collectives'
+    names, the compute kernel that ended last before it and the one that started it (``at_ms`` from the window's
+    first kernel)."""
+    compute = [(s, e, n) for s, e, n in kernels if not is_comm(n)]
+    comm = [(s, e, n) for s, e, n in kernels if is_comm(n)]
+    if not compute or not comm:
+        return []
+    busy = union((s, e) for s, e, _ in compute)
+    first = min(s for s, _, _ in kernels)
+    ends = sorted((e, n) for _, e, n in compute)
+    starts = sorted((s, n) for s, _, n in compute)
+    end_times, start_times = [e for e, _ in ends], [s for s, _ in starts]
+    runs = []
+    # The holes between compute runs (and before the first / after the last), each cut to the collectives in it.
+    holes = [(first, busy[0][0]), *((a[1], b[0]) for a, b in zip(busy, busy[1:])), (busy[-1][1], float("inf"))]
+    for lo, hi in holes:
+        inside = union((max(s, lo), min(e, hi)) for s, e, _ in comm if e > lo and s < hi)
+        if not inside:
+            continue
+        names = sorted({collective_kind(n) for s, e, n in comm if e > lo and s < hi})
+        i, j = bisect.bisect_right(end_times, lo) - 1, bisect.bisect_left(start_times, hi)
+        runs.append({"ms": length(inside) / 1e3, "at_ms": (lo - first) / 1e3, "collectives": names,
+                     "after": ends[i][1] if i >= 0 else "-", "before": starts[j][1] if j < len(starts) else "-"})
+    runs.sort(key=lambda r: -r["ms"])
+    return runs[:top]
 
 
 def idle_gaps(kernels: Sequence[Kernel], top: int = TOP_GAPS) -> list[dict[str, Any]]:

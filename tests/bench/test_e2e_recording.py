@@ -31,4 +31,8 @@ def test_summary_splits_the_span_and_names_the_gaps() -> None:
     assert (gaps[1]["after"], gaps[1]["before"]) == ("gemm_b", "adam")
     assert abs(out["nccl_ms_per_step"] - 70.0 / 2e3) < 1e-9
     assert [k["name"] for k in out["top_other"]][:1] == ["gemm_b"]
+    (exposed,) = out["exposed_comm"]
+    assert abs(exposed["ms"] - 50.0 / 1e3) < 1e-9 and exposed["collectives"] == ["allgather"]
+    assert (exposed["after"], exposed["before"]) == ("gemm_a", "gemm_b")
+    assert out["collectives"]["allgather"]["count"] == 1
     json.dumps(out)

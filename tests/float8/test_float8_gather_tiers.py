@@ -103,7 +103,9 @@ def check_ssd_tier(path: str) -> bool:
         folder = os.path.join(path, f"gather{int(gather)}")
         os.makedirs(folder, exist_ok=True)
         offload = OffloadConfig(offload_type="ssd_offload", dir=folder)
-        model, losses, kinds = train(gather, 2, offload_config=offload, process_group=group)
+        # compute_device: on the CPU on a CUDA host too (the SSD tier would compute on the current GPU).
+        model, losses, kinds = train(gather, 2, offload_config=offload, process_group=group,
+                                     compute_device=torch.device("cpu"))
         assert kinds == {"Tensor"}, kinds
         results.append((losses, model.state_dict()))
     (losses, sd), (want, want_sd) = results
