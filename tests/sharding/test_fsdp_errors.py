@@ -101,7 +101,7 @@ def check_errors() -> bool:
     _raises(NotImplementedError, "move_grads_to_cpu=False is not supported", FSDP, nn.Linear(3, 3),
             move_params_to_cpu=True, move_grads_to_cpu=False)
     _raises(ValueError, "gradient_predivide_factor must be > 0", FSDP, nn.Linear(3, 3), gradient_predivide_factor=0)
-    _raises(NotImplementedError, "process_group_reduce_scatter='x'", FSDP, nn.Linear(3, 3),
+    _raises(ValueError, "process_group_reduce_scatter=.x.: pass a ProcessGroup", FSDP, nn.Linear(3, 3),
             process_group_reduce_scatter="x")
     _raises(TypeError, "wraps an nn.Module, got int", FSDP, 3)
     # Integer parameter.

@@ -66,6 +66,18 @@ def is_cuda_group(group: ProcessGroup) -> bool:
         return False
 
 
+def spans_world(group: ProcessGroup) -> bool:
+    """``group`` is a real process group holding every rank of the default group (as the default group does)."""
+    return is_process_group(group) and is_initialized() and dist.get_world_size(group) == dist.get_world_size()
+
+
+def new_group_like(group: ProcessGroup) -> ProcessGroup:
+    """A new process group of every rank, with ``group``'s backend: its own communicator (under NCCL its own
+    stream, so its collectives run beside ``group``'s). Collective: every rank of the default group calls it, in
+    the same order."""
+    return dist.new_group(backend=_backend(group))
+
+
 def rank(group: ProcessGroup) -> int:
     """This process's rank inside ``group`` (any object with ``rank()``/``size()`` works, as in FairScale)."""
     return group.rank() if callable(getattr(group, "rank", None)) else dist.get_rank(group)

@@ -8,6 +8,7 @@ groups a user passes; pickling drops them (FairScale's ``"MISSING"`` convention)
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -15,6 +16,23 @@ import torch
 from shardfuse.sharding.core import _collectives as coll
 
 MISSING_GROUP = "MISSING"
+# Pickled in place of a reduce-scatter group the user did not give: after unpickling it follows the process group
+# set again (and the root may give it a separate group once more, at its first forward).
+FOLLOWS_GROUP = "FOLLOWS_PROCESS_GROUP"
+# ``process_group_reduce_scatter`` by name, FairScale's ``ProcessGroupName`` values (a str Enum): "default" = the
+# process group itself; "reduce_scatter" = a separate group of the same ranks.
+SAME_NAME, SEPARATE_NAME = "default", "reduce_scatter"
+# Either name, read at wrap time where the argument is None (the default): the choice for a whole process.
+REDUCE_SCATTER_GROUP_ENV = "SHARDFUSE_REDUCE_SCATTER_GROUP"
+
+
+class ReduceScatterGroup:
+    """Where a unit's reduce-scatter group comes from (``Groups.reduce_scatter_source``)."""
+
+    GIVEN = "given"  # the user's group
+    SAME = "same"  # the process group ("default")
+    SEPARATE = "separate"  # a separate group of the same ranks, made by the root ("reduce_scatter")
+    AUTO = "auto"  # None: SEPARATE where the process group is NCCL, else SAME
 
 
 class Groups:
@@ -33,6 +51,7 @@ class Groups:
     # The 1-D DeviceMesh of ``process_group`` per device type, made by the checkpoint layer on first use (its
     # DTensors need one); dropped when the groups change or pickle.
     dcp_meshes: dict[str, Any] | None = None
+    reduce_scatter_source: str = ReduceScatterGroup.GIVEN  # units pickled before it existed kept what they had
 
     def __init__(self, process_group: coll.ProcessGroup, reduce_scatter_group: coll.ProcessGroup, rank: int,
                  world_size: int, replicate_group: coll.ProcessGroup | None = None, mesh: Any = None) -> None:
@@ -66,15 +85,34 @@ class Groups:
                     f"rank={coll.rank(g)} of {coll.world_size(g)}: the shards were cut for the original group"
                 )
         if process_group is not None:
+            follows = self.reduce_scatter_source != ReduceScatterGroup.GIVEN
+            if follows and self.reduce_scatter_group in (FOLLOWS_GROUP, self.process_group):
+                self.reduce_scatter_group = process_group
             self.process_group = process_group
             self.dcp_meshes = None
         if reduce_scatter_group is not None:
             self.reduce_scatter_group = reduce_scatter_group
+            self.reduce_scatter_source = ReduceScatterGroup.GIVEN
+
+    def wants_separate_reduce_scatter(self) -> bool:
+        """The root should give this unit a reduce-scatter group of its own: asked for (``"reduce_scatter"``, or by
+        default under NCCL), not yet made, and possible: flat sharding on a real group of every rank (a group is
+        made by all ranks at once; they agree on the groups of every unit, in order, at the root's first
+        forward)."""
+        source = self.reduce_scatter_source
+        if source not in (ReduceScatterGroup.SEPARATE, ReduceScatterGroup.AUTO):
+            return False
+        if self.reduce_scatter_group is not self.process_group or self.hybrid or self.world_size == 1:
+            return False
+        if not coll.spans_world(self.process_group):
+            return False
+        return source == ReduceScatterGroup.SEPARATE or coll.is_cuda_group(self.process_group)
 
     @property
     def missing(self) -> bool:
         """Pickling dropped the groups and the user has not set them again."""
-        return MISSING_GROUP in (self.process_group, self.reduce_scatter_group)
+        return MISSING_GROUP in (self.process_group, self.reduce_scatter_group) or (
+            self.reduce_scatter_group == FOLLOWS_GROUP)
 
     @property
     def device(self) -> torch.device:
@@ -91,21 +129,21 @@ class Groups:
                 "its replicate group and mesh cannot be set again after unpickling; save model.state_dict() "
                 "instead and load it into a model wrapped on the new mesh"
             )
-        return {**self.__dict__, "process_group": MISSING_GROUP, "reduce_scatter_group": MISSING_GROUP,
-                "dcp_meshes": None}
+        given = self.reduce_scatter_source == ReduceScatterGroup.GIVEN
+        return {**self.__dict__, "process_group": MISSING_GROUP, "dcp_meshes": None,
+                "reduce_scatter_group": MISSING_GROUP if given else FOLLOWS_GROUP}
 
 
 def resolve_groups(process_group: Any | None, process_group_reduce_scatter: Any | None) -> Groups:
     """The unit's groups (default: the world group); the reduce-scatter group must hold the same ranks."""
     group = coll.default_group() if process_group is None else process_group
     rank, world = coll.rank(group), coll.world_size(group)
-    if isinstance(process_group_reduce_scatter, str):
-        raise NotImplementedError(
-            f"process_group_reduce_scatter={process_group_reduce_scatter!r}: pass a ProcessGroup with the "
-            f"same ranks (e.g. torch.distributed.new_group()) or None"
-        )
-    if process_group_reduce_scatter is None:
-        return Groups(group, group, rank, world)
+    if isinstance(process_group_reduce_scatter, str) or process_group_reduce_scatter is None:
+        groups = Groups(group, group, rank, world)
+        groups.reduce_scatter_source = _source_of(process_group_reduce_scatter)
+        if process_group_reduce_scatter is None and os.environ.get(REDUCE_SCATTER_GROUP_ENV):
+            groups.reduce_scatter_source = _source_of(os.environ[REDUCE_SCATTER_GROUP_ENV], REDUCE_SCATTER_GROUP_ENV)
+        return groups
     rs_size, rs_rank = coll.world_size(process_group_reduce_scatter), coll.rank(process_group_reduce_scatter)
     if (rs_size, rs_rank) != (world, rank):
         raise ValueError(
@@ -113,6 +151,37 @@ def resolve_groups(process_group: Any | None, process_group_reduce_scatter: Any 
             f"size={rs_size} rank={rs_rank} vs size={world} rank={rank}"
         )
     return Groups(group, process_group_reduce_scatter, rank, world)
+
+
+def _source_of(name: str | None, where: str = "process_group_reduce_scatter") -> str:
+    if name is None:
+        return ReduceScatterGroup.AUTO
+    value = str(getattr(name, "value", name))  # FairScale's ProcessGroupName members are str Enum members
+    if value == SAME_NAME:
+        return ReduceScatterGroup.SAME
+    if value == SEPARATE_NAME:
+        return ReduceScatterGroup.SEPARATE
+    choices = "" if where == REDUCE_SCATTER_GROUP_ENV else "a ProcessGroup with the same ranks, None (a separate " \
+        "group of the same ranks under NCCL, made at the first forward), "
+    raise ValueError(
+        f"{where}={name!r}: pass {choices}{SEPARATE_NAME!r} (a separate group on any backend) or {SAME_NAME!r} (the "
+        f"process group itself: no second communicator)"
+    )
+
+
+def give_separate_reduce_scatter_groups(groups: list[Groups]) -> int:
+    """At the root's first forward: every unit that wants one (:meth:`Groups.wants_separate_reduce_scatter`) gets
+    a reduce-scatter group of its own, one per process group shared by all of them, so that under NCCL the
+    gradient reduce-scatters run on another stream than the all-gathers and stop queueing in front of the next
+    unit's gather (FairScale's default). Collective over every rank; returns how many groups it made."""
+    made: dict[int, Any] = {}
+    for g in groups:
+        if g.wants_separate_reduce_scatter():
+            key = id(g.process_group)
+            if key not in made:
+                made[key] = coll.new_group_like(g.process_group)
+            g.reduce_scatter_group = made[key]
+    return len(made)
 
 
 def check_sync_module_states(groups: Groups) -> None:

@@ -21,6 +21,7 @@ from shardfuse.sharding.core import _collectives as coll
 from shardfuse.sharding.core import _data_path as dp
 from shardfuse.sharding.core._devices import compute_device
 from shardfuse.sharding.core._flat_param import FlatParamHandle
+from shardfuse.sharding.core._groups import give_separate_reduce_scatter_groups
 from shardfuse.sharding.core._hybrid import check_one_mesh, layout
 from shardfuse.sharding.core._registry import OWNED_MARK, WRAPPED_MARK, iter_own_modules
 from shardfuse.sharding.core._runtime import RootState, Unit
@@ -65,6 +66,7 @@ def _lazy_init(unit: Unit) -> None:
             )
     check_one_mesh([u.name for u in units], [layout(u.groups) for u in units])
     _check_ranks_agree(unit, units)
+    give_separate_reduce_scatter_groups([u.groups for u in units])
     _find_lenders(units)
     _check_orig_views(units)
     for u in units:
