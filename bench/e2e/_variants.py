@@ -22,10 +22,10 @@ modifier. Bases that take modifiers: ``shardfuse``, ``shardfuse-budget``, ``fsdp
   (``FlatParamHandle.fuse_grads``, on by default; ``SHARDFUSE_FUSED_GRADS=1``/``0`` sets it for a whole process
   and then wins), for ``shardfuse``, ``shardfuse-graph`` and ``shardfuse-budget``: both paths' runs interleave in
   one job. Runs with neither get the library's default. FSDP2 has no such path: ratios match FSDP2 without them.
-- ``+onepg``: shardfuse's gradient reduce-scatters on the process group itself (``SHARDFUSE_REDUCE_SCATTER_GROUP=
-  default`` while wrapping) instead of the separate group of the same ranks it makes under NCCL by default, for
-  ``shardfuse``, ``shardfuse-graph`` and ``shardfuse-budget``: both in one job show what the second communicator
-  buys. FSDP2 has one group: ratios match FSDP2 without it.
+- ``+rspg``: shardfuse's gradient reduce-scatters on a separate process group of the same ranks
+  (``SHARDFUSE_REDUCE_SCATTER_GROUP=reduce_scatter`` while wrapping, FairScale's default) instead of the process
+  group itself, for ``shardfuse``, ``shardfuse-graph`` and ``shardfuse-budget``: both in one job show what the
+  second communicator buys. FSDP2 has one group: ratios match FSDP2 without it.
 - ``+once``: run in one round only, after every round of the others (a configuration expected to run out of
   memory goes last: a rank that fails alone would leave the others waiting in a collective).
 - ``shardfuse-budget``: shardfuse with ``move_params_to_cpu=True`` and ``OffloadOptimizer(gpu_budget_gib=
@@ -57,7 +57,7 @@ BASES = ("shardfuse", "shardfuse-budget", "fsdp2")  # the implementations that t
 SPLIT_BASES = ("shardfuse", "shardfuse-graph", "fsdp2", "fsdp2-compile")  # the ones that take +split
 FUSED_BASES = ("shardfuse", "shardfuse-graph", "shardfuse-budget")  # the ones that take +fused / +unfused
 RECIPES = ("tensorwise", "rowwise")
-MODIFIERS = ("fp8", "fp8row", "ac", "compile", "once", "split", "fused", "unfused", "onepg")
+MODIFIERS = ("fp8", "fp8row", "ac", "compile", "once", "split", "fused", "unfused", "rspg")
 FP8_RECIPE = {"fp8": "tensorwise", "fp8row": "rowwise"}
 DYNAMO_RECOMPILE_LIMIT = 64  # every variant is a new guard set on the same layer code; the default 8 falls back
 GIB = 1 << 30
@@ -76,7 +76,7 @@ class Variant:
     once: bool = False
     split: bool = False
     fused: bool | None = None  # +fused / +unfused; None: the library's default
-    one_group: bool = False  # +onepg: shardfuse's reduce-scatters on the process group itself
+    separate_rs: bool = False  # +rspg: shardfuse's reduce-scatters on a separate group of the same ranks
 
     @property
     def modifiers(self) -> tuple[str | None, bool, bool, bool]:
@@ -113,7 +113,7 @@ def parse_variant(name: str, known: Sequence[str], *, float8: str | None = None,
                          f"give one, +fp8 for tensorwise or +fp8row for rowwise")
     v = Variant(name, base, float8=next(iter(recipes), None), ac=ac or "ac" in mods,
                 compile=compile or "compile" in mods, once="once" in mods, split="split" in mods,
-                fused=True if "fused" in mods else False if "unfused" in mods else None, one_group="onepg" in mods)
+                fused=True if "fused" in mods else False if "unfused" in mods else None, separate_rs="rspg" in mods)
     if base not in BASES and v.modifiers[:3] != (None, False, False):
         raise ValueError(f"{name!r}: float8, activation checkpointing and compile apply to {', '.join(BASES)} only "
                          f"(drop --float8/--ac/--compile or the modifier, or pick one of those)")
@@ -122,8 +122,8 @@ def parse_variant(name: str, known: Sequence[str], *, float8: str | None = None,
                          f"{', '.join(SPLIT_BASES)} only: drop it or pick one of those")
     if "fused" in mods and "unfused" in mods:
         raise ValueError(f"{name!r}: +fused and +unfused at once: keep one")
-    if v.one_group and base not in FUSED_BASES:
-        raise ValueError(f"{name!r}: +onepg (shardfuse's reduce-scatter group) applies to {', '.join(FUSED_BASES)} "
+    if v.separate_rs and base not in FUSED_BASES:
+        raise ValueError(f"{name!r}: +rspg (shardfuse's reduce-scatter group) applies to {', '.join(FUSED_BASES)} "
                          f"only: drop it or pick one of those")
     if v.fused is not None and base not in FUSED_BASES:
         raise ValueError(f"{name!r}: +fused / +unfused (shardfuse's fused gradient pre-divide) applies to "
@@ -316,9 +316,9 @@ def prepare(v: Variant, model: nn.Module, spec: Any, device: torch.device, args:
         if v.fused is not None:
             info["fused_grads"] = ("views' gradients pre-divided straight into the reduce-scatter input" if v.fused
                                    else "off: one concatenated flat gradient, then the pre-divide")
-    if v.one_group:
-        info["reduce_scatter_group"] = "the process group (SHARDFUSE_REDUCE_SCATTER_GROUP=default)"
-    with _environment(REDUCE_SCATTER_GROUP_ENV, "default" if v.one_group else None):
+    if v.separate_rs:
+        info["reduce_scatter_group"] = "a separate group (SHARDFUSE_REDUCE_SCATTER_GROUP=reduce_scatter)"
+    with _environment(REDUCE_SCATTER_GROUP_ENV, "reduce_scatter" if v.separate_rs else None):
         model = wrappers[v.base](model, dataclasses.replace(spec, layer_cls=layer_cls, split_edges=v.split), device)
     fused = args.optim == "fused" and device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, capturable=capturable and device.type == "cuda",
@@ -402,7 +402,7 @@ def steady_round_s(rows: Sequence[dict[str, Any]], warmup: int) -> float:
 
 def _modifier_key(impl: str) -> tuple[str, tuple[str, ...]]:
     base, mods = split_name(impl)
-    return base, tuple(sorted(m for m in mods if m not in ("once", "fused", "unfused", "onepg")))
+    return base, tuple(sorted(m for m in mods if m not in ("once", "fused", "unfused", "rspg")))
 
 
 def variant_ratios(summary: list[dict[str, Any]]) -> None:

@@ -70,7 +70,9 @@ class FullyShardedDataParallel(CheckpointAPI, ConfigView):
             (dtype, requires_grad) group and sharded.
         process_group: the data-parallel group (default: the world group); with ``HYBRID_SHARD`` the pair
             ``(shard_group, replicate_group)``.
-        process_group_reduce_scatter: optional separate group (same ranks) for gradient reduce-scatter.
+        process_group_reduce_scatter: a separate group (same ranks) for the gradient reduce-scatter; None: the
+            process group (or ``SHARDFUSE_REDUCE_SCATTER_GROUP``'s choice); FairScale's names ``"reduce_scatter"``
+            (one separate group made at the root's first forward) and ``"default"`` (the process group).
         device_mesh: hybrid sharding: a 2-D ``DeviceMesh`` with dims ``("replicate", "shard")``; parameters are
             sharded over "shard" and gradients all-reduced over "replicate" (instead of ``process_group``).
         sharding_strategy: ``ShardingStrategy.FULL_SHARD`` (default) or ``HYBRID_SHARD`` (or their strings).

@@ -404,31 +404,31 @@ def test_fused_parses_for_shardfuse_and_compares_with_fsdp2_without_it() -> None
     assert [s.get("fsdp2_same") for s in summary[1:]] == ["fsdp2", "fsdp2"] and summary[1]["vs_fsdp2_same"] == 2.0
 
 
-def test_onepg_parses_for_shardfuse_sets_the_group_choice_while_wrapping_and_compares_with_fsdp2(
+def test_rspg_parses_for_shardfuse_sets_the_group_choice_while_wrapping_and_compares_with_fsdp2(
         world_of_one, monkeypatch) -> None:
     from bench.e2e.run import WRAPPERS, model_spec
     from shardfuse import FullyShardedDataParallel
     from shardfuse.sharding.core._groups import ReduceScatterGroup
 
     known = (*KNOWN, "fsdp2-compile")
-    assert parse_variant("shardfuse+fp8+onepg", known).one_group is True
-    assert parse_variant("shardfuse+fp8", known).one_group is False
-    for name in ("fsdp2+onepg", "fairscale+onepg"):
-        with pytest.raises(ValueError, match=r"\+onepg .* applies to shardfuse, shardfuse-graph, shardfuse-budget"):
+    assert parse_variant("shardfuse+fp8+rspg", known).separate_rs is True
+    assert parse_variant("shardfuse+fp8", known).separate_rs is False
+    for name in ("fsdp2+rspg", "fairscale+rspg"):
+        with pytest.raises(ValueError, match=r"\+rspg .* applies to shardfuse, shardfuse-graph, shardfuse-budget"):
             parse_variant(name, known)
     monkeypatch.delenv("SHARDFUSE_REDUCE_SCATTER_GROUP", raising=False)
     spec = model_spec("decoder", "tiny")
     args = SimpleNamespace(lr=1e-4, optim="foreach", budget_gib=None)
     cpu = torch.device("cpu")
-    for name, want in (("shardfuse+onepg", ReduceScatterGroup.SAME), ("shardfuse", ReduceScatterGroup.AUTO)):
+    for name, want in (("shardfuse+rspg", ReduceScatterGroup.SEPARATE), ("shardfuse", ReduceScatterGroup.SAME)):
         prepared = variants.prepare(parse_variant(name, KNOWN), spec.make(cpu, 0), spec, cpu, args, WRAPPERS)
         sources = {m._unit.groups.reduce_scatter_source for m in prepared.model.modules()
                    if isinstance(m, FullyShardedDataParallel)}
         assert sources == {want}, (name, sources)
-        assert ("reduce_scatter_group" in prepared.info) == name.endswith("onepg")
+        assert ("reduce_scatter_group" in prepared.info) == name.endswith("rspg")
         assert "SHARDFUSE_REDUCE_SCATTER_GROUP" not in os.environ  # set only while wrapping
     summary = [{"impl": i, "regime": "1k", "step_ms_median": ms, "peak_gib_max": 1.0}
-               for i, ms in (("fsdp2", 10.0), ("shardfuse+onepg", 5.0))]
+               for i, ms in (("fsdp2", 10.0), ("shardfuse+rspg", 5.0))]
     variant_ratios(summary)
     assert summary[1].get("fsdp2_same") == "fsdp2"
 

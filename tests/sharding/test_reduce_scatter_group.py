@@ -1,12 +1,12 @@
 """The gradient reduce-scatter's own process group (``process_group_reduce_scatter``), 2 gloo ranks on CPU.
 
-Under NCCL every collective of one process group runs on one stream, in issue order, so a unit's gradient
-reduce-scatter queued in front of the next unit's all-gather held that gather (and the compute waiting for it) up:
-on 2 H200s every reduce-scatter of the 6.7B decoder ran with no compute beside it. By default (None) the root
-gives every unit whose group is an NCCL group of every rank one separate group of the same ranks at its first
-forward (FairScale's default, ``ProcessGroupName.reduce_scatter``); ``"reduce_scatter"`` asks for it on any
-backend (how these tests reach it on gloo), ``"default"`` keeps the process group. Checked: the groups made (one,
-shared), every reduce-scatter going to it, the same losses and gradients as with one group, pickling, the names.
+Under NCCL every collective of one process group runs on one stream, in issue order: a unit's gradient
+reduce-scatter queues in front of the next all-gather. FairScale's default gives the reduce-scatters a separate
+group of the same ranks for that (``ProcessGroupName.reduce_scatter``); shardfuse's default (None) keeps the
+process group (no second communicator), ``"reduce_scatter"`` asks for the separate group (made by the root at its
+first forward, one for all its units), ``"default"`` names the process group, and ``SHARDFUSE_REDUCE_SCATTER_GROUP``
+chooses for a process. Checked: the groups made (one, shared), every reduce-scatter going to it, the same losses
+and gradients as with one group, pickling, the names.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def check_separate_group() -> bool:
         assert all(g is dist.group.WORLD for g in got["groups"])  # the gathers keep the process group
         assert got["losses"] == base["losses"]
         assert all(torch.equal(a, b) for a, b in zip(got["grads"], base["grads"]))
-    # None on gloo: the process group itself (the separate group is made by default only under NCCL).
+    # None: the process group itself.
     auto = _train(None)
     assert all(g is dist.group.WORLD for g in auto["rs_groups"] + auto["used"])
     default = _train(ProcessGroupName.default)
@@ -143,12 +143,12 @@ def test_environment_chooses_where_the_argument_is_none(monkeypatch) -> None:
 
     from shardfuse.sharding.core._groups import ReduceScatterGroup
 
-    monkeypatch.setenv("SHARDFUSE_REDUCE_SCATTER_GROUP", "default")
-    assert FSDP(nn.Linear(2, 2), process_group=Solo())._unit.groups.reduce_scatter_source == ReduceScatterGroup.SAME
-    given = FSDP(nn.Linear(2, 2), process_group=Solo(), process_group_reduce_scatter="reduce_scatter")
-    assert given._unit.groups.reduce_scatter_source == ReduceScatterGroup.SEPARATE  # the argument wins
+    monkeypatch.setenv("SHARDFUSE_REDUCE_SCATTER_GROUP", "reduce_scatter")
+    assert FSDP(nn.Linear(2, 2), process_group=Solo())._unit.groups.reduce_scatter_source == ReduceScatterGroup.SEPARATE
+    given = FSDP(nn.Linear(2, 2), process_group=Solo(), process_group_reduce_scatter="default")
+    assert given._unit.groups.reduce_scatter_source == ReduceScatterGroup.SAME  # the argument wins
     monkeypatch.setenv("SHARDFUSE_REDUCE_SCATTER_GROUP", "separate")
     with pytest.raises(ValueError, match="SHARDFUSE_REDUCE_SCATTER_GROUP='separate': pass 'reduce_scatter'"):
         FSDP(nn.Linear(2, 2), process_group=Solo())
     monkeypatch.delenv("SHARDFUSE_REDUCE_SCATTER_GROUP")
-    assert FSDP(nn.Linear(2, 2), process_group=Solo())._unit.groups.reduce_scatter_source == ReduceScatterGroup.AUTO
+    assert FSDP(nn.Linear(2, 2), process_group=Solo())._unit.groups.reduce_scatter_source == ReduceScatterGroup.SAME

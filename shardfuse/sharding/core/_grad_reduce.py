@@ -89,7 +89,7 @@ def _hold(held: list[tuple[Held, torch.cuda.Event | None]], tensor: Held,
 
 
 def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pending: PendingFrees,
-                all_reduce: bool = True, pieces: list[torch.Tensor | None] | None = None) -> None:
+                all_reduce: bool = True, pieces: list[torch.Tensor | None] | None = None, keep: int = 1) -> None:
     """Reduce-scatter ``handle.full_param.grad`` into ``handle.flat.grad`` (accumulating into an existing one).
 
     ``pieces``: the parameters' gradients of a fresh backward kept apart (``_fused_grads.py``, with no
@@ -98,6 +98,10 @@ def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pe
     post-backward stream has consumed it. Under hybrid sharding the reduce-scattered shard is then all-reduced
     across replicas on the same stream, unless ``all_reduce`` is False (``set_requires_all_reduce(False)``):
     then it is added to ``handle.unsynced_grad`` instead, and the next all-reduce carries that sum once.
+
+    ``keep``: how many reductions' gradients stay held before the compute stream waits for the oldest to be read
+    (the unit's trained handles: each waits for the previous unit's, never for a sibling's reduction issued just
+    now, which would hold the next unit's compute until that reduce-scatter ends).
     """
     full_param = handle.made(handle.full_param)
     grad = full_param.grad
@@ -140,7 +144,7 @@ def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pe
         pending.add_copy_source(dest, event, streams)
     kept: Held | None = grad if pieces is None else pieces
     if kept is not None:  # always: reduce_grad returned early when there was neither
-        pending.add(kept, event, streams)
+        pending.add(kept, event, streams, keep)
 
 
 def _reduce_input(handle: FlatParamHandle, cfg: ReduceConfig, grad: torch.Tensor | None,

@@ -20,7 +20,7 @@ MISSING_GROUP = "MISSING"
 # set again (and the root may give it a separate group once more, at its first forward).
 FOLLOWS_GROUP = "FOLLOWS_PROCESS_GROUP"
 # ``process_group_reduce_scatter`` by name, FairScale's ``ProcessGroupName`` values (a str Enum): "default" = the
-# process group itself; "reduce_scatter" = a separate group of the same ranks.
+# process group itself (also what None gives); "reduce_scatter" = a separate group of the same ranks.
 SAME_NAME, SEPARATE_NAME = "default", "reduce_scatter"
 # Either name, read at wrap time where the argument is None (the default): the choice for a whole process.
 REDUCE_SCATTER_GROUP_ENV = "SHARDFUSE_REDUCE_SCATTER_GROUP"
@@ -32,7 +32,6 @@ class ReduceScatterGroup:
     GIVEN = "given"  # the user's group
     SAME = "same"  # the process group ("default")
     SEPARATE = "separate"  # a separate group of the same ranks, made by the root ("reduce_scatter")
-    AUTO = "auto"  # None: SEPARATE where the process group is NCCL, else SAME
 
 
 class Groups:
@@ -95,18 +94,14 @@ class Groups:
             self.reduce_scatter_source = ReduceScatterGroup.GIVEN
 
     def wants_separate_reduce_scatter(self) -> bool:
-        """The root should give this unit a reduce-scatter group of its own: asked for (``"reduce_scatter"``, or by
-        default under NCCL), not yet made, and possible: flat sharding on a real group of every rank (a group is
-        made by all ranks at once; they agree on the groups of every unit, in order, at the root's first
-        forward)."""
-        source = self.reduce_scatter_source
-        if source not in (ReduceScatterGroup.SEPARATE, ReduceScatterGroup.AUTO):
+        """The root should give this unit a reduce-scatter group of its own: asked for (``"reduce_scatter"``), not
+        yet made, and possible: flat sharding on a real group of every rank (a group is made by all ranks at once;
+        they agree on the groups of every unit, in order, at the root's first forward)."""
+        if self.reduce_scatter_source != ReduceScatterGroup.SEPARATE:
             return False
         if self.reduce_scatter_group is not self.process_group or self.hybrid or self.world_size == 1:
             return False
-        if not coll.spans_world(self.process_group):
-            return False
-        return source == ReduceScatterGroup.SEPARATE or coll.is_cuda_group(self.process_group)
+        return coll.spans_world(self.process_group)
 
     @property
     def missing(self) -> bool:
@@ -155,14 +150,14 @@ def resolve_groups(process_group: Any | None, process_group_reduce_scatter: Any 
 
 def _source_of(name: str | None, where: str = "process_group_reduce_scatter") -> str:
     if name is None:
-        return ReduceScatterGroup.AUTO
+        return ReduceScatterGroup.SAME
     value = str(getattr(name, "value", name))  # FairScale's ProcessGroupName members are str Enum members
     if value == SAME_NAME:
         return ReduceScatterGroup.SAME
     if value == SEPARATE_NAME:
         return ReduceScatterGroup.SEPARATE
-    choices = "" if where == REDUCE_SCATTER_GROUP_ENV else "a ProcessGroup with the same ranks, None (a separate " \
-        "group of the same ranks under NCCL, made at the first forward), "
+    choices = "" if where == REDUCE_SCATTER_GROUP_ENV else "a ProcessGroup with the same ranks, None (the process " \
+        "group, or what SHARDFUSE_REDUCE_SCATTER_GROUP names), "
     raise ValueError(
         f"{where}={name!r}: pass {choices}{SEPARATE_NAME!r} (a separate group on any backend) or {SAME_NAME!r} (the "
         f"process group itself: no second communicator)"
@@ -170,10 +165,11 @@ def _source_of(name: str | None, where: str = "process_group_reduce_scatter") ->
 
 
 def give_separate_reduce_scatter_groups(groups: list[Groups]) -> int:
-    """At the root's first forward: every unit that wants one (:meth:`Groups.wants_separate_reduce_scatter`) gets
-    a reduce-scatter group of its own, one per process group shared by all of them, so that under NCCL the
-    gradient reduce-scatters run on another stream than the all-gathers and stop queueing in front of the next
-    unit's gather (FairScale's default). Collective over every rank; returns how many groups it made."""
+    """At the root's first forward: every unit that asked for one (:meth:`Groups.wants_separate_reduce_scatter`)
+    gets a reduce-scatter group of its own, one per process group shared by all of them: under NCCL its
+    reduce-scatters then run on another stream than the all-gathers instead of queueing in front of the next
+    unit's gather (FairScale's default; shardfuse's default keeps one group: see docs/api.md). Collective over
+    every rank; returns how many groups it made."""
     made: dict[int, Any] = {}
     for g in groups:
         if g.wants_separate_reduce_scatter():

@@ -195,6 +195,11 @@ class Unit:
         return self.groups.world_size
 
     @property
+    def trained_handles(self) -> int:
+        """How many of the unit's flat parameters get gradients (reductions in flight per unit; at least 1)."""
+        return max(1, sum(1 for h in self.handles if h.requires_grad))
+
+    @property
     def gradient_predivide_factor(self) -> float:
         return self.reduce_cfg.predivide
 
@@ -470,7 +475,8 @@ class Unit:
             handle.step.fired = True
             rs = self.require_root_state()
             if self.require_backward_grad_sync:
-                reduce_grad(handle, self.reduce_cfg, rs.streams, rs.pending, self.require_all_reduce, pieces)
+                reduce_grad(handle, self.reduce_cfg, rs.streams, rs.pending, self.require_all_reduce, pieces,
+                            keep=self.trained_handles)
             # Under no_sync the full gradient stays in full_param.grad and keeps accumulating.
             if not self.keeps_full(handle):
                 handle.reshard()
