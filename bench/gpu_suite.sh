@@ -253,8 +253,14 @@ for stage in "${STAGES[@]}"; do
         [ -n "${E2E_ALLOC_CONF-expandable_segments:True}" ] \
           && export PYTORCH_CUDA_ALLOC_CONF="${E2E_ALLOC_CONF-expandable_segments:True}"
       fi
+      # Each implementation's first round also records a profile (kernel time, the step's span split into compute,
+      # exposed communication and idle time) and the memory peak's owners, rank 0, under $OUT/prof and $OUT/mem
+      # (E2E_RECORD=0: neither); the chrome traces themselves are too large to bring back and are dropped.
+      [ "${E2E_RECORD:-1}" = 1 ] && E2E_FP8+=(--profile "$OUT/prof" --memory-peak "$OUT/mem"
+                                              --profile-regime "$([ "$stage" = e2e-fp8 ] && echo 4k || echo 8k1)")
       step "$stage" 560 torchrun --standalone --nproc_per_node "$NGPU" -m bench.e2e.run --no-baseline --compile \
         --optim fused --rounds 2 --steps "${E2E_STEPS:-8}" --warmup 3 --name "$E2E_NAME" "${E2E_FP8[@]}" ${E2E_ARGS:-}
+      rm -f "$OUT"/prof/*_rank0.json
       python3 -m bench.e2e._variants "$BENCH_OUT/$GPU_KEY/$E2E_NAME.json" >>"$SUMMARY" 2>&1 ;;
     train)
       # the README's main job on every local GPU (NCCL), with its parity check against unsharded training

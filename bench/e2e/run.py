@@ -226,8 +226,10 @@ def _eager_step(
 
 def measure(
     impl: str, regime: str, spec: ModelSpec, args: argparse.Namespace, device: torch.device, rank: int,
+    extras: bool = True,
 ) -> dict[str, Any]:
-    """Build, wrap and train ``impl`` for warmup + steps on this rank; returns this rank's numbers."""
+    """Build, wrap and train ``impl`` for warmup + steps on this rank; returns this rank's numbers (``extras``:
+    then ``--profile``'s and ``--memory-peak``'s steps, where asked)."""
     batch, seq = REGIMES[regime]
     seq = min(seq, spec.max_seq_len)
     # What earlier implementations left allocated (FairScale 0.4.13 never frees a trained model: its hooks keep
@@ -275,7 +277,7 @@ def measure(
         out["peak_bytes"] -= leftover
         out["leftover_bytes"] = leftover
         out["mem_after_wrap_bytes"] = mem_after_wrap
-    if not graphed and regime == args.profile_regime:
+    if extras and not graphed and regime == args.profile_regime:
         one_step = functools.partial(step_fn, model, opt, autocast=autocast, spec=spec, after_step=after_step)
         recording.record_extras(impl, regime, args, device, rank, one_step, data, sync)
     del model, opt, loss, data, step, prepared, after_step
@@ -296,7 +298,7 @@ def free_memory(device: torch.device) -> None:
 
 def run_one(
     impl: str, regime: str, spec: ModelSpec, args: argparse.Namespace, device: torch.device,
-    rank: int, world: int, host_group: dist.ProcessGroup | None,
+    rank: int, world: int, host_group: dist.ProcessGroup | None, extras: bool = True,
 ) -> dict[str, Any]:
     """Measure one (impl, regime) on all ranks in lockstep; returns the row (meaningful on rank 0)."""
     batch, seq = REGIMES[regime]
@@ -306,7 +308,7 @@ def run_one(
     error, oom = None, False
     if not only_rank0 or rank == 0:
         try:
-            mine = measure(impl, regime, spec, args, device, rank)
+            mine = measure(impl, regime, spec, args, device, rank, extras)
         except Exception as exc:  # recorded, and the other ranks learn of it below
             traceback.print_exc()
             error, oom = f"rank {rank}: {type(exc).__name__}: {exc}", variants_.is_oom(exc)
@@ -446,7 +448,8 @@ def _run_and_record(
     if rank == 0:
         print(progress.line(f"round {rnd} {impl} {regime} ..."), flush=True)
     t0 = time.perf_counter()
-    row = run_one(impl, regime, spec, args, device, rank, world, host_group)
+    # --profile and --memory-peak record in the first round (a deadline may cut the later ones).
+    row = run_one(impl, regime, spec, args, device, rank, world, host_group, extras=rnd == 0)
     row.update(round=rnd, wall_s=time.perf_counter() - t0)
     payload["results"].append(row)
     if rank == 0:

@@ -36,3 +36,4 @@ def test_summary_splits_the_span_and_names_the_gaps() -> None:
     assert (exposed["after"], exposed["before"]) == ("gemm_a", "gemm_b")
     assert out["collectives"]["allgather"]["count"] == 1
     json.dumps(out)
+

@@ -508,3 +508,23 @@ def test_report_row_compares_the_best_configuration_of_each() -> None:
     plain = Result("h200", "e2e_2gpu", Path("e2e_2gpu.json"), "e2e",
                    {"config": {"world_size": 2}, "results": [], "summary": two})
     assert _best_of_each_row(plain, "8k1") is None  # no variants: the usual row says it all
+
+
+def test_extras_record_in_the_first_round_only(world_of_one, monkeypatch, tmp_path) -> None:
+    """--profile and --memory-peak record each implementation once, in round 0 (a deadline may cut later rounds;
+    recording again would only lengthen every round)."""
+    from bench.e2e import run
+
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(run.recording, "record_extras", lambda impl, *a, **k: calls.append((impl, len(calls))))
+    args = run.parse_args(["--device", "cpu", "--config", "tiny", "--impls", "shardfuse", "--steps", "1",
+                           "--warmup", "1", "--optim", "foreach", "--regime", "1k", "--profile-regime", "1k",
+                           "--profile", str(tmp_path / "prof"), "--memory-peak", str(tmp_path / "mem")])
+    spec = run.model_spec("decoder", "tiny")
+    payload: dict = {"config": {}, "results": []}
+    monkeypatch.setattr(run, "write_result", lambda *a, **k: None)
+    for rnd in range(3):
+        run._run_and_record("shardfuse", "1k", rnd, run.Progress(3), spec=spec, args=args, device=torch.device("cpu"),
+                            rank=0, world=1, host_group=None, name="x", payload=payload)
+    assert [c[0] for c in calls] == ["shardfuse"]
+    assert [r["round"] for r in payload["results"]] == [0, 1, 2] and all("step_ms" in r for r in payload["results"])
