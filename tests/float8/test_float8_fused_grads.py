@@ -2,7 +2,7 @@
 compute-dtype views' do (``_fused_grads.py``): no concatenation into a flat gradient in backward, and every
 reduce-scatter input and sharded gradient the same bytes as on the concatenating path
 (``FlatParamHandle.fuse_grads = False``), 2 gloo ranks on CPU. Covered: fp32, bf16 compute with fp32 and bf16
-reduce-scatter, ``no_sync`` accumulation, two forwards of the model in one backward."""
+reduce-scatter, ``no_sync`` accumulation, two forwards of the model in one backward, activation checkpointing."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ CASES = {
     "bf16_bf16_reduce": {**BF16, "fp32_reduce_scatter": False},
     "no_sync": {"micro": 2},
     "twice": {"twice": True, **BF16, "fp32_reduce_scatter": True},
+    "ckpt": {"ckpt": True, **BF16, "fp32_reduce_scatter": True},
 }
 
 
@@ -63,12 +64,18 @@ def _run(cfg: dict[str, Any], fused: bool) -> dict[str, Any]:
         return real_fused(ctx, *grads)
 
     default, grads, cats = FlatParamHandle.fuse_grads, [], 0
-    kw = {k: v for k, v in cfg.items() if k not in ("micro", "twice")}
+    kw = {k: v for k, v in cfg.items() if k not in ("micro", "twice", "ckpt")}
     try:
         coll.reduce_scatter_into = recording_rs
         _fp8_gather._Float8WeightsFused.backward = staticmethod(counting_fused)  # type: ignore[method-assign]
         FlatParamHandle.fuse_grads = fused
-        model = wrap(build(), **kw)
+        net = build()
+        if cfg.get("ckpt"):  # every block's activations recomputed in backward (the unit wraps the checkpoint)
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+            for i in range(len(net.blocks)):
+                net.blocks[i] = checkpoint_wrapper(net.blocks[i])
+        model = wrap(net, **kw)
         assert float8_handles(model), "the model has no float8 flat parameter"
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         for step in range(2):
