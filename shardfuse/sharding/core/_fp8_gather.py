@@ -169,8 +169,9 @@ def _float8_weights(gather: Float8Gather, dtype: torch.dtype, split_sizes: list[
     read, scales = gather.read, gather.scales
     assert read is not None and scales is not None
     chunks = torch.split_with_sizes(read.view(dp.FP8_DTYPE), split_sizes)
-    return tuple(gather.marker.weight(c.view(s), scales[i], dtype, gather.modules[i])
-                 for i, (c, s) in enumerate(zip(chunks, shapes)))
+    # unbind: every weight's 0-dim scale in one call (indexing made one view per call)
+    return tuple(gather.marker.weight(c.view(s), scale, dtype, m)
+                 for c, s, scale, m in zip(chunks, shapes, scales.unbind(), gather.modules))
 
 
 class _Float8WeightsFused(torch.autograd.Function):
