@@ -45,10 +45,11 @@ import dataclasses
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from torch import nn
@@ -271,22 +272,6 @@ def _choose_gradient_path(fused: bool | None) -> None:
 REDUCE_SCATTER_GROUP_ENV = "SHARDFUSE_REDUCE_SCATTER_GROUP"
 
 
-@contextlib.contextmanager
-def _environment(name: str, value: str | None) -> Iterator[None]:
-    """``name=value`` in the environment inside (``None``: as it was), restored after."""
-    old = os.environ.get(name)
-    if value is not None:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if value is not None:
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
-
-
 def prepare(v: Variant, model: nn.Module, spec: Any, device: torch.device, args: Any,
             wrappers: dict[str, Callable[..., nn.Module]], capturable: bool = False) -> Prepared:
     """Float8, then checkpointing, then compile (torchtitan's order), then the wrapper and the optimizer."""
@@ -318,7 +303,9 @@ def prepare(v: Variant, model: nn.Module, spec: Any, device: torch.device, args:
                                    else "off: one concatenated flat gradient, then the pre-divide")
     if v.separate_rs:
         info["reduce_scatter_group"] = "a separate group (SHARDFUSE_REDUCE_SCATTER_GROUP=reduce_scatter)"
-    with _environment(REDUCE_SCATTER_GROUP_ENV, "reduce_scatter" if v.separate_rs else None):
+    # Set only while wrapping (read at wrap time), restored after.
+    choice = mock.patch.dict(os.environ, {REDUCE_SCATTER_GROUP_ENV: "reduce_scatter"})
+    with choice if v.separate_rs else contextlib.nullcontext():
         model = wrappers[v.base](model, dataclasses.replace(spec, layer_cls=layer_cls, split_edges=v.split), device)
     fused = args.optim == "fused" and device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, capturable=capturable and device.type == "cuda",

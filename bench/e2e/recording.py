@@ -101,6 +101,23 @@ def summarize(kernels: Sequence[Kernel], steps: int) -> dict[str, Any]:
     }
 
 
+class _Neighbours:
+    """The kernel of ``kernels`` that ended last by a time, and the one that started first from a time."""
+
+    def __init__(self, kernels: Sequence[Kernel]) -> None:
+        self.ends = sorted((e, n) for _, e, n in kernels)
+        self.starts = sorted((s, n) for s, _, n in kernels)
+        self.end_times, self.start_times = [e for e, _ in self.ends], [s for s, _ in self.starts]
+
+    def ended_by(self, t: float) -> str:
+        i = bisect.bisect_right(self.end_times, t) - 1
+        return self.ends[i][1] if i >= 0 else "-"
+
+    def starting_from(self, t: float) -> str:
+        j = bisect.bisect_left(self.start_times, t)
+        return self.starts[j][1] if j < len(self.starts) else "-"
+
+
 def exposed_runs(kernels: Sequence[Kernel], top: int = TOP_GAPS) -> list[dict[str, Any]]:
     """The longest stretches in which a collective runs and no compute kernel does: each with its collectives'
     names, the compute kernel that ended last before it and the one that started it (``at_ms`` from the window's
@@ -111,20 +128,18 @@ def exposed_runs(kernels: Sequence[Kernel], top: int = TOP_GAPS) -> list[dict[st
         return []
     busy = union((s, e) for s, e, _ in compute)
     first = min(s for s, _, _ in kernels)
-    ends = sorted((e, n) for _, e, n in compute)
-    starts = sorted((s, n) for s, _, n in compute)
-    end_times, start_times = [e for e, _ in ends], [s for s, _ in starts]
+    around = _Neighbours(compute)
     runs = []
     # The holes between compute runs (and before the first / after the last), each cut to the collectives in it.
     holes = [(first, busy[0][0]), *((a[1], b[0]) for a, b in zip(busy, busy[1:])), (busy[-1][1], float("inf"))]
     for lo, hi in holes:
-        inside = union((max(s, lo), min(e, hi)) for s, e, _ in comm if e > lo and s < hi)
-        if not inside:
+        there = [(s, e, n) for s, e, n in comm if e > lo and s < hi]
+        if not there:
             continue
-        names = sorted({collective_kind(n) for s, e, n in comm if e > lo and s < hi})
-        i, j = bisect.bisect_right(end_times, lo) - 1, bisect.bisect_left(start_times, hi)
-        runs.append({"ms": length(inside) / 1e3, "at_ms": (lo - first) / 1e3, "collectives": names,
-                     "after": ends[i][1] if i >= 0 else "-", "before": starts[j][1] if j < len(starts) else "-"})
+        inside = union((max(s, lo), min(e, hi)) for s, e, _ in there)
+        runs.append({"ms": length(inside) / 1e3, "at_ms": (lo - first) / 1e3,
+                     "collectives": sorted({collective_kind(n) for _, _, n in there}),
+                     "after": around.ended_by(lo), "before": around.starting_from(hi)})
     runs.sort(key=lambda r: -r["ms"])
     return runs[:top]
 
@@ -133,14 +148,10 @@ def idle_gaps(kernels: Sequence[Kernel], top: int = TOP_GAPS) -> list[dict[str, 
     """The longest stretches with no kernel running on the GPU, each with the name of the kernel that ended
     last before it and the one that started it."""
     busy = union((s, e) for s, e, _ in kernels)
-    ends = sorted((e, n) for _, e, n in kernels)
-    starts = sorted((s, n) for s, _, n in kernels)
-    end_times, start_times = [e for e, _ in ends], [s for s, _ in starts]
-    gaps = []
-    for (_, end), (start, _) in zip(busy, busy[1:]):
-        after = ends[bisect.bisect_right(end_times, end) - 1][1]  # a kernel ends exactly where the busy run ends
-        before = starts[bisect.bisect_left(start_times, start)][1]  # and one starts where the next run starts
-        gaps.append({"ms": (start - end) / 1e3, "at_ms": (end - busy[0][0]) / 1e3, "after": after, "before": before})
+    around = _Neighbours(kernels)
+    # A kernel ends exactly where each busy run ends, and one starts where the next run starts.
+    gaps = [{"ms": (start - end) / 1e3, "at_ms": (end - busy[0][0]) / 1e3, "after": around.ended_by(end),
+             "before": around.starting_from(start)} for (_, end), (start, _) in zip(busy, busy[1:])]
     gaps.sort(key=lambda g: -g["ms"])
     return gaps[:top]
 
