@@ -11,6 +11,7 @@ from shardfuse._graph_guard import CaptureError
 from shardfuse.bucketing import PaddedBatch, bucket_length, pad_to_bucket
 from shardfuse.offload import OffloadModel, checkpoint_wrapper, disable_checkpointing
 from shardfuse.sharding import (
+    ActivationOffload,
     FullyShardedDataParallel,
     ModuleClassWrapPolicy,
     OffloadConfig,
@@ -23,6 +24,7 @@ from shardfuse.sharding import (
     default_auto_wrap_policy,
     enable_wrap,
     no_split_modules_policy,
+    offload_activations,
     set_process_hooks,
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
@@ -53,6 +55,7 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "ActivationOffload",
     "CaptureError",
     "CapturedStep",
     "FullyShardedDataParallel",
@@ -76,6 +79,7 @@ __all__ = [
     "enable_wrap",
     "kernels",
     "no_split_modules_policy",
+    "offload_activations",
     "plan",
     "pad_to_bucket",
     "set_process_hooks",

@@ -26,6 +26,9 @@ modifier. Bases that take modifiers: ``shardfuse``, ``shardfuse-budget``, ``fsdp
   (``SHARDFUSE_REDUCE_SCATTER_GROUP=reduce_scatter`` while wrapping, FairScale's default) instead of the process
   group itself, for ``shardfuse``, ``shardfuse-graph`` and ``shardfuse-budget``: both in one job show what the
   second communicator buys. FSDP2 has one group: ratios match FSDP2 without it.
+- ``+aoffN`` (e.g. ``+aoff6``): shardfuse's activation offload (``shardfuse.offload_activations``) of the first N
+  decoder layers, for ``shardfuse``: what they save for backward waits in pinned host memory from the end of their
+  forward to their backward. FSDP2 has none: ratios match FSDP2 without it.
 - ``+once``: run in one round only, after every round of the others (a configuration expected to run out of
   memory goes last: a rank that fails alone would leave the others waiting in a collective).
 - ``shardfuse-budget``: shardfuse with ``move_params_to_cpu=True`` and ``OffloadOptimizer(gpu_budget_gib=
@@ -78,6 +81,7 @@ class Variant:
     split: bool = False
     fused: bool | None = None  # +fused / +unfused; None: the library's default
     separate_rs: bool = False  # +rspg: shardfuse's reduce-scatters on a separate group of the same ranks
+    offload_activations: int = 0  # +aoffN: the first N decoder layers' saved activations in host memory
 
     @property
     def modifiers(self) -> tuple[str | None, bool, bool, bool]:
@@ -101,6 +105,13 @@ def parse_variant(name: str, known: Sequence[str], *, float8: str | None = None,
     """Parse ``name`` (a base of ``known`` or ``BASES`` plus modifiers) with the job-wide flags added; raises
     ValueError naming the part that is wrong and what to write instead."""
     base, mods = split_name(name)
+    aoff = [m for m in mods if m.startswith("aoff")]
+    mods = [m for m in mods if not m.startswith("aoff")]
+    if len(aoff) > 1 or (aoff and not (aoff[0][4:].isdigit() and int(aoff[0][4:]) > 0)):
+        raise ValueError(f"{name!r}: {'+'.join(aoff)}: give one +aoffN with N >= 1 decoder layers (e.g. +aoff6)")
+    if aoff and base != "shardfuse":
+        raise ValueError(f"{name!r}: +{aoff[0]} (shardfuse's activation offload) applies to shardfuse only: drop it "
+                         f"or use shardfuse+{aoff[0]}")
     if base not in known and base not in BASES:
         choices = ", ".join(dict.fromkeys([*known, *BASES]))
         raise ValueError(f"{name!r}: unknown implementation {base!r}; choose from {choices}")
@@ -114,7 +125,8 @@ def parse_variant(name: str, known: Sequence[str], *, float8: str | None = None,
                          f"give one, +fp8 for tensorwise or +fp8row for rowwise")
     v = Variant(name, base, float8=next(iter(recipes), None), ac=ac or "ac" in mods,
                 compile=compile or "compile" in mods, once="once" in mods, split="split" in mods,
-                fused=True if "fused" in mods else False if "unfused" in mods else None, separate_rs="rspg" in mods)
+                fused=True if "fused" in mods else False if "unfused" in mods else None, separate_rs="rspg" in mods,
+                offload_activations=int(aoff[0][4:]) if aoff else 0)
     if base not in BASES and v.modifiers[:3] != (None, False, False):
         raise ValueError(f"{name!r}: float8, activation checkpointing and compile apply to {', '.join(BASES)} only "
                          f"(drop --float8/--ac/--compile or the modifier, or pick one of those)")
@@ -307,6 +319,11 @@ def prepare(v: Variant, model: nn.Module, spec: Any, device: torch.device, args:
     choice = mock.patch.dict(os.environ, {REDUCE_SCATTER_GROUP_ENV: "reduce_scatter"})
     with choice if v.separate_rs else contextlib.nullcontext():
         model = wrappers[v.base](model, dataclasses.replace(spec, layer_cls=layer_cls, split_edges=v.split), device)
+    if v.offload_activations:
+        import shardfuse
+
+        shardfuse.offload_activations(model, v.offload_activations)
+        info["offload_activations"] = f"the first {v.offload_activations} decoder layers"
     fused = args.optim == "fused" and device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, capturable=capturable and device.type == "cuda",
                             fused=fused)
@@ -389,7 +406,8 @@ def steady_round_s(rows: Sequence[dict[str, Any]], warmup: int) -> float:
 
 def _modifier_key(impl: str) -> tuple[str, tuple[str, ...]]:
     base, mods = split_name(impl)
-    return base, tuple(sorted(m for m in mods if m not in ("once", "fused", "unfused", "rspg")))
+    return base, tuple(sorted(m for m in mods if m not in ("once", "fused", "unfused", "rspg")
+                              and not m.startswith("aoff")))
 
 
 def variant_ratios(summary: list[dict[str, Any]]) -> None:

@@ -18,6 +18,7 @@ from shardfuse.sharding.checkpoint._dcp_layout import UnsafeCheckpointError
 from shardfuse.sharding.core._hybrid import ShardingStrategy
 from shardfuse.sharding.core._process_hooks import set_process_hooks
 from shardfuse.sharding.core._state import TrainingState
+from shardfuse.sharding.host._activations import ActivationOffload, offload_activations
 from shardfuse.sharding.host._offload_optim import OffloadOptimizer
 from shardfuse.sharding.ssd._ssd_config import OffloadConfig
 
@@ -35,6 +36,7 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "ActivationOffload",
     "FullyShardedDataParallel",
     "ModuleClassWrapPolicy",
     "OffloadConfig",
@@ -49,6 +51,7 @@ __all__ = [
     "default_auto_wrap_policy",
     "enable_wrap",
     "no_split_modules_policy",
+    "offload_activations",
     "set_process_hooks",
     "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",

@@ -318,8 +318,18 @@ class FullyShardedDataParallel(CheckpointAPI, ConfigView):
             pre, post, abort = _compiled_forward_hooks() if compiling else (
                 _pre_forward, Unit.post_forward, Unit.abort_forward)
             args, kwargs, recomputing = pre(unit, args, kwargs)
+            saved = None if recomputing else unit.saved_activations
             try:
-                outputs = self.module(*args, **kwargs)
+                if saved is None:
+                    outputs = self.module(*args, **kwargs)
+                elif compiling:
+                    raise RuntimeError(
+                        f"offload_activations: {unit.name}'s forward is traced by torch.compile, which cannot run "
+                        f"saved-tensor hooks inside the graph; compile the layers inside the wrappers "
+                        f"(layer.compile()) instead of the wrapped model, or remove() the ActivationOffload")
+                else:
+                    with saved.forward_context(unit):
+                        outputs = self.module(*args, **kwargs)
             except BaseException:
                 abort(unit, recomputing)
                 raise

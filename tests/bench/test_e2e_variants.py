@@ -433,6 +433,30 @@ def test_rspg_parses_for_shardfuse_sets_the_group_choice_while_wrapping_and_comp
     assert summary[1].get("fsdp2_same") == "fsdp2"
 
 
+def test_aoff_parses_for_shardfuse_offloads_the_first_layers_and_compares_with_fsdp2(world_of_one) -> None:
+    from bench.e2e.run import WRAPPERS, model_spec
+    from shardfuse import FullyShardedDataParallel
+
+    assert parse_variant("shardfuse+fp8+aoff6", KNOWN).offload_activations == 6
+    assert parse_variant("shardfuse+fp8", KNOWN).offload_activations == 0
+    for name, match in (("fsdp2+aoff2", "applies to shardfuse only"), ("shardfuse+aoff0", "N >= 1"),
+                        ("shardfuse+aoffx", "N >= 1"), ("shardfuse+aoff1+aoff2", "give one")):
+        with pytest.raises(ValueError, match=match):
+            parse_variant(name, KNOWN)
+    spec = model_spec("decoder", "tiny")
+    args = SimpleNamespace(lr=1e-4, optim="foreach", budget_gib=None)
+    cpu = torch.device("cpu")
+    prepared = variants.prepare(parse_variant("shardfuse+aoff1", KNOWN), spec.make(cpu, 0), spec, cpu, args, WRAPPERS)
+    units = [m._unit for m in prepared.model.modules() if isinstance(m, FullyShardedDataParallel)]
+    offload = units[0].saved_activations
+    assert offload is not None and all(u.saved_activations is offload for u in units)
+    assert len(offload.chosen_names) == 1 and prepared.info["offload_activations"] == "the first 1 decoder layers"
+    summary = [{"impl": i, "regime": "1k", "step_ms_median": ms, "peak_gib_max": 1.0}
+               for i, ms in (("fsdp2+fp8", 10.0), ("shardfuse+fp8+aoff6", 5.0))]
+    variant_ratios(summary)
+    assert summary[1].get("fsdp2_same") == "fsdp2+fp8"
+
+
 def _grad_tokens(model: torch.nn.Module) -> list[bool]:
     """Per flat handle of every unit: whether its views come from the fused path's Unflatten node."""
     from shardfuse import FullyShardedDataParallel

@@ -8,6 +8,7 @@ from the main thread; every method may block on the shard's update in flight on 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -48,3 +49,15 @@ class HostSide(Protocol):
 
     def land_grad(self, flat: torch.Tensor) -> None:
         """After the copies finished (end of backward): ``flat.grad`` holds the gradient."""
+
+
+class SavedActivations(Protocol):
+    """Where a unit's forward keeps what autograd saves for backward, as the core sees it (``Unit.saved_activations``;
+    the host tier's ``ActivationOffload`` implements it)."""
+
+    def forward_context(self, unit: Any) -> contextlib.AbstractContextManager[None]:
+        """Entered around the wrapped module's forward (not around an activation-checkpoint recompute)."""
+        ...
+
+    def before_backward(self, unit: Any) -> None:
+        """``unit``'s pre-backward hook ran (autograd's device thread): its backward starts."""

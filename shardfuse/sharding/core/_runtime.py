@@ -39,6 +39,7 @@ from shardfuse.sharding.core._grad_reduce import (
     reduce_grad,
 )
 from shardfuse.sharding.core._groups import Groups
+from shardfuse.sharding.core._host_protocol import SavedActivations
 from shardfuse.sharding.core._registry import iter_own_modules
 from shardfuse.sharding.core._state import TrainingState, check_state
 
@@ -162,6 +163,9 @@ class Unit:
         # The top unit only: the parts of the storage tiers below host memory that keep this tree's shards (the SSD
         # tier's Tier, each owning its store: folder and I/O threads). Strong: the model owns them.
         self.lower_tiers: list[Any] = []
+        # Every unit of a tree with activation offload: the host tier's ActivationOffload, which owns the step's
+        # saved tensors (offload_activations); None: autograd keeps them on the device.
+        self.saved_activations: SavedActivations | None = None
         self.require_backward_grad_sync = True
         self.require_all_reduce = True  # hybrid sharding: all-reduce across replicas (set_requires_all_reduce)
         self.reshard_after_forward = config.reshard.reshard_after_forward  # effective value, set at lazy init
@@ -217,6 +221,7 @@ class Unit:
         state = dict(self.__dict__)
         state["root_state"] = None
         state["host_engine"] = None  # the OffloadOptimizer stays with the original
+        state["saved_activations"] = None  # so does the activation offload (its streams and pinned copies)
         state["is_root"] = None if self.parent is None else False
         # The tables keyed by id(module) would name the old process's objects: key them by the modules (pickle
         # restores those consistently) and by id again in __setstate__.
@@ -230,6 +235,7 @@ class Unit:
         state.setdefault("borrowed", [])
         state.setdefault("host_engine", None)
         state.setdefault("lower_tiers", [])
+        state.setdefault("saved_activations", None)
         state.setdefault("gather_handles", state["handles"])
         if isinstance(state.get("param_table"), list):
             state["param_table"] = {id(m): v for m, v in state["param_table"]}
@@ -411,6 +417,8 @@ class Unit:
                 self.training_state = TrainingState.BACKWARD_PRE
             elif state not in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
                 check_state(state, (TrainingState.IDLE, TrainingState.BACKWARD_PRE), "backward", self.name)
+            if self.saved_activations is not None:  # first: its copies back overlap the gathers and this backward
+                self.saved_activations.before_backward(self)
             # Idempotent: several outputs, several forwards and checkpoint recomputes all land here.
             self.unshard()
             if rs.order_recorded:
