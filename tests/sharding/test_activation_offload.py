@@ -239,7 +239,7 @@ def test_choosing_units() -> None:
     with pytest.raises(ValueError, match="min_bytes=-2"):
         shardfuse.offload_activations(model, 1, min_bytes=-2)
     by_name = shardfuse.offload_activations(model, lambda name, m: name.endswith(("blocks.1", "blocks.2")))
-    assert len(by_name.chosen_names) == 2 and by_name.prefetch_ahead == 4
+    assert len(by_name.chosen_names) == 2 and by_name.prefetch_ahead == _activations.DEFAULT_PREFETCH_AHEAD
     by_name.remove()
     inner = shardfuse.offload_activations(model, [blocks[0].module, blocks[0]])  # a wrapped module or its wrapper
     assert len(inner.chosen_names) == 1
