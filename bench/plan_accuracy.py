@@ -86,6 +86,8 @@ def skip_reason(impl: str, status: str = "ok", step_ms: float | None = 1.0, host
         return "captured with capture_step: the planner predicts eager steps"
     if "fp8" in modifiers:
         return "float8 matmuls (torchao) are not modelled: the planner's compute is bf16"
+    if any(m.startswith("aoff") for m in modifiers):
+        return "activation offload (offload_activations) is not modelled: the planner keeps activations on the GPU"
     if host_cores is not None and host_cores != CALIBRATED_HOST_CORES:
         return (f"measured on a {host_cores}-core host: the planner's in-training host slowdown is calibrated on "
                 f"{CALIBRATED_HOST_CORES}-core hosts")

@@ -79,7 +79,13 @@ def test_only_peers_captured_and_unmeasured_rows_are_skipped():
                     or "float8 matmuls" in c.skipped or "-core host" in c.skipped
                     or "many-shape SFT" in c.skipped or "measured on a loaded host" in c.skipped
                     or "torch.compile'd" in c.skipped or "GPU memory cap" in c.skipped
+                    or "activation offload" in c.skipped
                     or c.skipped == "implementation 'shardfuse-budget' not modelled"), c  # fmt: skip
+
+
+def test_activation_offload_rows_are_not_predicted():
+    assert "activation offload" in plan_accuracy.skip_reason("shardfuse+aoff4")
+    assert plan_accuracy.skip_reason("shardfuse+split") is None
 
 
 def test_accuracy_check_fails_on_a_wrong_row(tmp_path):
