@@ -196,6 +196,16 @@ def test_a_forward_that_raises_drops_its_group_and_the_next_step_runs() -> None:
     assert off.stats()["calls"] == 2
 
 
+def test_no_grad_forward_offloads_nothing() -> None:
+    model = wrapped(9)
+    off = shardfuse.offload_activations(model, 4, min_bytes=0)
+    with torch.no_grad():
+        model(torch.randn(4, 5, D))
+    assert off.stats() == {"calls": 0, "tensors": 0, "bytes": 0, "late_fetches": 0}
+    model(torch.randn(4, 5, D)).sum().backward()
+    assert off.stats()["calls"] == 4
+
+
 def test_small_tensors_stay() -> None:
     model = wrapped(6)
     off = shardfuse.offload_activations(model, 4, min_bytes=1 << 20)

@@ -202,7 +202,7 @@ class ActivationOffload:
         """Around the wrapped module's forward (not an activation-checkpoint recompute)."""
         if unit.is_root:
             self._new_step()
-        if id(unit) not in self._chosen:
+        if id(unit) not in self._chosen or not torch.is_grad_enabled():  # under no_grad nothing is saved
             yield
             self._end_call(unit, None)
             return
