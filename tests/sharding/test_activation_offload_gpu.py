@@ -13,18 +13,11 @@ from torch import nn
 
 import shardfuse
 from shardfuse import FullyShardedDataParallel as FSDP
+from tests.sharding.test_activation_offload import _Group
 
 pytestmark = pytest.mark.gpu
 
 D, TOKENS, LAYERS = 1024, 4096, 8
-
-
-class _Group:
-    def rank(self) -> int:
-        return 0
-
-    def size(self) -> int:
-        return 1
 
 
 class Block(nn.Module):
