@@ -1,9 +1,11 @@
-"""What the flat-shard core calls on the host side of an offloaded shard (``FlatParamHandle.host``).
+"""What the flat-shard core calls in the host tier: the host side of an offloaded shard (``HostSide``,
+``FlatParamHandle.host``) and where a unit's saved activations go (``SavedActivations``, ``Unit.saved_activations``).
 
 The core (gathers in ``_flat_param``, gradient reduction in ``_grad_reduce``, the no_sync decision in
-``_runtime``) knows the host tier only through this Protocol; ``_host_shard.HostShard`` (and the SSD tier's
+``_runtime``) knows the host tier only through ``HostSide``; ``_host_shard.HostShard`` (and the SSD tier's
 subclass) implement it. ``send_grad`` is called from autograd's device thread (the post-backward hook), the others
-from the main thread; every method may block on the shard's update in flight on the host worker.
+from the main thread; every method may block on the shard's update in flight on the host worker. The unit's forward
+and pre-backward hook reach ``_activations.ActivationOffload`` through ``SavedActivations``.
 """
 
 from __future__ import annotations
