@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bench.report._common import IMPL_LABEL, IMPL_SHORT, MODIFIER_LABEL, MODIFIER_SHORT
+from bench.report._common import IMPL_LABEL, IMPL_SHORT, MODIFIER_LABEL, MODIFIER_SHORT, modifier_text
 from bench.results_io import E2EConfig, Result
 
 # The model an e2e file trained (``config.model_kind``, written by bench/e2e/run.py's ModelSpec; a file without
@@ -33,9 +33,10 @@ def ref_label(res: Result, short: bool = False) -> str:
 def _with_modifiers(impl: str, names: dict[str, str], modifiers: dict[str, str]) -> str:
     """``shardfuse-graph+fused``: the base's name, then what each known modifier adds (else the name as it is)."""
     base, *mods = impl.split("+")
-    if base not in names or not mods or any(m not in modifiers for m in mods):
+    texts = [modifier_text(m, modifiers) for m in mods]
+    if base not in names or not mods or any(t is None for t in texts):
         return impl
-    return f"{names[base]}, " + ", ".join(modifiers[m] for m in mods)
+    return f"{names[base]}, " + ", ".join(t for t in texts if t is not None)
 
 
 def impl_label(res: Result, impl: str) -> str:

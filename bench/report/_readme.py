@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.report._common import CAPTURED, DASH, MODIFIER_SHORT, REGIME_ORDER, fmt, ordered, span, table
+from bench.report._common import CAPTURED, DASH, MODIFIER_SHORT, REGIME_ORDER, fmt, modifier_text, ordered, span, table
 from bench.report._kernels import kernel_summary
 from bench.report._models import DEFAULT_DECODER_CONFIG, e2e_model, e2e_models
 from bench.report._offload_big import README_BENCH as OFFLOAD_BIG_BENCH
@@ -97,7 +97,7 @@ SIZE_LABEL = {"sft": "many-shape SFT", "8k1": "8K tokens/GPU"}  # bench.e2e.sft'
 def _variant_short(impl: str) -> str:
     """``shardfuse+fp8`` -> ``shardfuse (float8)``: the base and its modifiers' short names."""
     base, *mods = impl.split("+")
-    return f"{base} ({', '.join(MODIFIER_SHORT.get(m, m) for m in mods)})" if mods else base
+    return f"{base} ({', '.join(modifier_text(m, MODIFIER_SHORT) or m for m in mods)})" if mods else base
 
 
 def _best_of_each_row(r: Result, regime: str) -> list[str] | None:

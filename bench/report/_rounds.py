@@ -78,7 +78,7 @@ def _intro(res: Result, f: E2EFile, rounds: int) -> list[str]:
     first = [r for r in f.rows if r.round == 0]
     regimes = list(dict.fromkeys(r.regime for r in first))
     impls = list(dict.fromkeys(r.impl for r in first))
-    order = ", ".join(impl_short(res, i) for i in impls)
+    order = " -> ".join(impl_short(res, i) for i in impls)  # short names may hold commas ("FSDP2, float8")
     regimes_text = " then ".join(REGIME_LABEL.get(x, x).split(" (")[0] for x in regimes)
     if first and rounds > 1:
         return [

@@ -119,8 +119,8 @@ def test_7b_section(tmp_path: Path) -> None:
     assert "#### 4K tokens per GPU, batch 1 x seq 4096" in seven
     # one run each: no rounds in the text
     assert (
-        "The job ran 4K tokens per GPU, every implementation once per regime in this order: shardfuse, "
-        "shardfuse (captured), FSDP2." in seven
+        "The job ran 4K tokens per GPU, every implementation once per regime in this order: shardfuse -> "
+        "shardfuse (captured) -> FSDP2." in seven
     )
     assert "_vs X: X's step time divided by this one's (above 1.00x is faster), one run each in the same job._" in seven
     assert "interleaved" not in seven and "median over rounds" not in seven
@@ -206,3 +206,9 @@ def test_names_with_modifiers_read_as_the_base_and_what_each_adds() -> None:
     # an unknown base or modifier: the name as it is
     assert impl_label(res, "mystery+fused") == "mystery+fused" and impl_short(res, "shardfuse+odd") == "shardfuse+odd"
     assert impl_label(res, "shardfuse") == "shardfuse `FullyShardedDataParallel`"
+    # a modifier with a count (+aoffN: activation offload of the first N layers), and one without its count
+    assert impl_short(res, "shardfuse+fp8+aoff4") == "shardfuse, float8, 4 layers' activations offloaded"
+    assert impl_label(res, "shardfuse+aoff12").endswith(
+        "activation offload of the first 12 layers (`offload_activations`)")
+    assert impl_short(res, "shardfuse+aoff") == "shardfuse+aoff"
+    assert impl_short(res, "shardfuse+rspg") == "shardfuse, RS group"

@@ -67,7 +67,7 @@ def test_medians_table_per_regime(tmp_path: Path) -> None:
     assert "1K tokens per GPU: the mean step time of one implementation moved by 3-37%" in text
     assert "(most: shardfuse at b3aa59b)" in text
     assert "each round the mean of 8 steps after 3 warm-up; 3 interleaved rounds" in text
-    assert "in this order: one GPU, shardfuse, shardfuse at b3aa59b, FairScale, FSDP2" in text
+    assert "in this order: one GPU -> shardfuse -> shardfuse at b3aa59b -> FairScale -> FSDP2" in text
     # memory left behind by earlier runs is detected; the peak shown is the lowest over rounds
     assert "grew by up to 15.00 GiB from one round to the next" in text
     # no table of single runs for this file
@@ -236,7 +236,7 @@ def test_captured_step_docs_table(tmp_path: Path) -> None:
     assert eager < one_k.index(captured) < one_k.index("| shardfuse at `b3aa59b` (reference) |")
     assert "| 1.08x | 0.84x | 1.38x | - | 1.04x |" in one_k  # eager shardfuse against itself: a dash
     assert f"- {CAPTURED_LABEL}: the CUDA graph's private memory pool kept 2.25 GiB reserved" in one_k
-    assert "in this order: one GPU, shardfuse, shardfuse (captured), shardfuse at b3aa59b" in text
+    assert "in this order: one GPU -> shardfuse -> shardfuse (captured) -> shardfuse at b3aa59b" in text
     text, _ = _render(tmp_path / "nopool", e2e_2gpu=e2e_rounds_payload(captured=True))
     one_k = _section(text, "#### 1K tokens per GPU")
     assert f"- {CAPTURED_LABEL}: these rows carry no graph pool (`graph_pool_gib_rank0`)" in one_k
