@@ -63,16 +63,19 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def wrapped(seed: int, **kw: Any) -> FSDP:
+def wrapped(seed: int, fsdp: dict[str, Any] | None = None, checkpointed: bool = False, **kw: Any) -> FSDP:
     torch.manual_seed(seed)
     net = Net(**kw)
     for i, b in enumerate(net.blocks):
-        net.blocks[i] = FSDP(b, process_group=_Group())
-    return FSDP(net, process_group=_Group())
+        net.blocks[i] = FSDP(shardfuse.checkpoint_wrapper(b) if checkpointed else b, process_group=_Group(),
+                             **(fsdp or {}))
+    return FSDP(net, process_group=_Group(), **(fsdp or {}))
 
 
-def train(model: FSDP, data: list[torch.Tensor], retain: bool = False) -> list[float]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+def train(model: FSDP, data: list[torch.Tensor], retain: bool = False, host_optimizer: bool = False) -> list[float]:
+    opt: Any = torch.optim.SGD(model.parameters(), lr=0.1)
+    if host_optimizer:
+        opt = shardfuse.OffloadOptimizer(model, torch.optim.AdamW(model.parameters(), lr=0.01))
     losses = []
     for x in data:
         loss = model(x).square().mean()
@@ -82,6 +85,8 @@ def train(model: FSDP, data: list[torch.Tensor], retain: bool = False) -> list[f
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    if host_optimizer:
+        opt.close()
     return losses
 
 
@@ -105,6 +110,25 @@ def test_same_losses_and_parameters(units: int, ahead: int | None, block: dict[s
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     stats = off.stats()
     assert stats["calls"] == units and stats["tensors"] >= 2 * units and stats["late_fetches"] == 0, stats
+
+
+@pytest.mark.parametrize("case", [
+    {"fsdp": {"use_orig_params": True}},
+    {"fsdp": {"mixed_precision": True, "compute_dtype": torch.bfloat16}},
+    {"fsdp": {"move_params_to_cpu": True}, "host_optimizer": True},
+    {"checkpointed": True},
+], ids=["orig_params", "bf16", "offload_optimizer", "checkpoint_wrapper"])
+def test_composes_with_the_other_features(case: dict[str, Any]) -> None:
+    seed = int(torch.randint(0, 1 << 30, ()).item())
+    data = [torch.randn(4, 5, D) for _ in range(3)]
+    build = {k: v for k, v in case.items() if k != "host_optimizer"}
+    host = case.get("host_optimizer", False)
+    want = train(wrapped(seed, **build), data, host_optimizer=host)
+    model = wrapped(seed, **build)
+    off = shardfuse.offload_activations(model, 2, min_bytes=0)
+    assert train(model, data, host_optimizer=host) == want
+    # a checkpointed block keeps only its input, through the checkpoint's own hooks: nothing for the offload
+    assert (off.stats()["tensors"] == 0) == ("checkpointed" in case), off.stats()
 
 
 def test_saved_tensors_leave_at_the_end_of_the_forward() -> None:
