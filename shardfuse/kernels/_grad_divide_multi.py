@@ -5,7 +5,13 @@ The list form serves the public API and the sharding runtime's gradients kept ap
 ``_grad_divide.pre_divide_pad_unchecked`` directly. The multi-tensor kernel, its launch plans and their cache
 live here. A list's plan (the metadata table and launch arguments) is cached per set of tensors and stream, found
 by their addresses (``_common.guarded_key``) and checked by one C++ guard of their layouts (``_common.layout_guard``):
-a repeat call skips validation, table building and the host-to-device copy.
+a repeat call skips validation, table building and the host-to-device copy. The runtime's gradients come back with
+the same shapes at other addresses every step (autograd allocates them anew): a plan is also found by the shapes
+(``_BY_SHAPE``), and then, after the call is validated, only the changed source addresses of its device table are
+rewritten, by one ``torch._foreach_add_`` whose operands travel as launch arguments. Not by a host-to-device copy:
+copies share the GPU's copy engine in the order they were queued, so behind megabytes of other host-to-device
+traffic (activation offload bringing activations back, uploads of offloaded parameters) the backward would stall on
+a table of a few hundred bytes.
 
 Layout: ``@triton.jit`` kernel, plan, launcher (``pre_divide_pad``); the reference is
 ``_grad_divide.pre_divide_pad_ref``.
@@ -13,6 +19,7 @@ Layout: ``@triton.jit`` kernel, plan, launcher (``pre_divide_pad``); the referen
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -32,7 +39,8 @@ from shardfuse.kernels._launch import DirectLauncher
 
 __all__ = ["pre_divide_pad"]
 
-_PLANS = common.GuardedPlanCache()
+_PLANS = common.GuardedPlanCache()  # by the addresses of the gradients and out (``common.guarded_key``)
+_BY_SHAPE = common.GuardedPlanCache()  # the same plans by the stream, the overrides and the tensors' sizes
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -95,6 +103,38 @@ def _pre_divide_pad_multi_kernel(
 _pre_divide_pad_multi_launch = DirectLauncher(_pre_divide_pad_multi_kernel)
 
 
+class _Sources:
+    """The source-address column of a plan's device table as the device will hold it once the work queued so far
+    has run, and what the plan may take from those addresses. Every change is queued on the plan's stream (part of
+    both keys), after the launches that read the old addresses; ``lock`` makes compare, rewrite and launch one step
+    for threads sharing a stream (docs/concurrency.md)."""
+
+    __slots__ = ("addresses", "aligned", "column", "lock", "offsets_aligned", "views")
+
+    def __init__(self, table: torch.Tensor, addresses: tuple[int, ...], offsets_aligned: bool) -> None:
+        num = len(addresses) - 1  # the last address is out's: a launch argument, not in the table
+        self.column = table[:num]
+        self.views: list[torch.Tensor] | None = None  # one per entry, made by the first rewrite
+        self.offsets_aligned = offsets_aligned
+        self.addresses = addresses
+        self.aligned = offsets_aligned and all(p % 16 == 0 for p in addresses[:num])
+        self.lock = threading.Lock()
+
+    def rewrite(self, addresses: tuple[int, ...]) -> None:
+        """Point the table at ``addresses`` (the gradients', then out's: a validated call's): only the entries
+        that changed, each by the difference, in one launch (never run while a CUDA graph is captured: the
+        keys are None then, so no plan is found to rewrite)."""
+        num = self.column.numel()
+        changed = [i for i in range(num) if addresses[i] != self.addresses[i]]
+        if changed:
+            if self.views is None:
+                self.views = list(self.column.unbind())
+            views = self.views
+            torch._foreach_add_([views[i] for i in changed], [addresses[i] - self.addresses[i] for i in changed])
+        self.addresses = addresses
+        self.aligned = self.offsets_aligned and all(p % 16 == 0 for p in addresses[:num])
+
+
 class _Plan(NamedTuple):
     device: torch.device
     grid: int
@@ -103,7 +143,7 @@ class _Plan(NamedTuple):
     n: int  # gradient elements; out[n:] is padding
     total: int  # out.numel()
     like: int  # index of a non-empty gradient (types the source addresses); -1: none
-    aligned: bool  # given a 16-byte aligned out
+    sources: _Sources  # the addresses the table holds; aligned given a 16-byte aligned out
     out_vec: int
     check: Callable[..., bool] | None = None  # the layout guard of the gradients and out it was built for
 
@@ -116,19 +156,19 @@ def _plan_multi(grads: list[torch.Tensor], out_flat: torch.Tensor, n: int) -> _P
     pad_blocks = -(-(total - n) // common.BLOCK_SIZE)
     ptrs = [g.data_ptr() for g in grads]
     out_vec = 16 // out_flat.element_size()
-    aligned = all(p % 16 == 0 for p in ptrs) and all(o % out_vec == 0 for o in offsets)
     starts = [*common.block_starts(counts), sum(counts)]  # T + 1: the last is the first padding program
     meta = common.block_table([ptrs, numels, offsets, starts], counts, out_flat.device)
     # `like` only types the source pointers: a non-empty tensor (empty CUDA tensors have null pointers).
     like = next((i for i, k in enumerate(numels) if k), -1)
-    return _Plan(out_flat.device, sum(counts) + pad_blocks, meta, len(grads), n, total, like, aligned, out_vec)
+    sources = _Sources(meta, (*ptrs, out_flat.data_ptr()), all(o % out_vec == 0 for o in offsets))
+    return _Plan(out_flat.device, sum(counts) + pad_blocks, meta, len(grads), n, total, like, sources, out_vec)
 
 
 def _run_multi(plan: _Plan, grads: list[torch.Tensor], out_flat: torch.Tensor, factor: float) -> None:
     if not plan.total:
         return
     kernel_factor, divide, multiply = common.scale_args(factor)
-    aligned = plan.aligned and out_flat.data_ptr() % 16 == 0
+    aligned = plan.sources.aligned and out_flat.data_ptr() % 16 == 0
     src_like = out_flat if plan.like < 0 else grads[plan.like]
     with common.device_guard(plan.device):
         _pre_divide_pad_multi_launch[(plan.grid,)](
@@ -161,17 +201,29 @@ def _pre_divide_pad_list(grads: list[torch.Tensor], out: torch.Tensor, factor: f
         guarded = [*grads, out]
         key = common.guarded_key(guarded)
         plan = _PLANS.get(key, guarded)
-        if plan is not None:
-            _run_multi(plan, grads, out.view(-1), common.check_factor(factor))
-            return out
+        if plan is not None and key is not None:
+            with plan.sources.lock:
+                if plan.sources.addresses == key[-1]:  # the table holds these addresses: a validated call's
+                    _run_multi(plan, grads, out.view(-1), common.check_factor(factor))
+                    return out
         grads, n, factor = check_pre_divide_pad(grads, out, factor)
         if not common.use_triton(*grads, out):
             return _pre_divide_pad_torch(grads, out, n, factor)
         if out.numel() == 0:
             return out
         out_flat = out.view(-1)
-        plan = _plan_multi(grads, out_flat, n)
-        if key is not None:
-            _PLANS.put(key, plan._replace(check=common.layout_guard(guarded)))
-        _run_multi(plan, grads, out_flat, factor)
+        shape_key = None if key is None else (*key[:-1], tuple(map(torch.Tensor.numel, guarded)))
+        plan = _BY_SHAPE.get(shape_key, guarded)
+        if plan is None:
+            plan = _plan_multi(grads, out_flat, n)
+            if key is not None:
+                plan = plan._replace(check=common.layout_guard(guarded))
+                _BY_SHAPE.put(shape_key, plan)
+        if key is None:
+            _run_multi(plan, grads, out_flat, factor)
+            return out
+        _PLANS.put(key, plan)
+        with plan.sources.lock:
+            plan.sources.rewrite(key[-1])
+            _run_multi(plan, grads, out_flat, factor)
         return out

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import gc
 import importlib
+import threading
+import time
 import weakref
 
 import pytest
@@ -17,6 +19,7 @@ import torch
 
 from shardfuse.kernels import _common
 from shardfuse.kernels._common import clear_plan_caches, interpreting
+from shardfuse.kernels._grad_divide import pre_divide_pad_ref
 from tests.conftest import kernel_device, poisoned
 
 DEVICE = kernel_device()
@@ -147,6 +150,80 @@ def test_concat_chunk_cat_pre_divide_hits_read_new_contents(builds, triton_path)
         chunk_cat.chunk_cat(parts, 4, factor=4.0, out=cc_out)
         expect_equal(cc_out, chunk_cat.chunk_cat_ref(parts, 4, factor=4.0, dtype=torch.float16))
     assert builds[0] == 3, "each launcher should have built its table once"
+
+
+def _pre_divide_expected(grads: list[torch.Tensor], out: torch.Tensor, factor: float) -> torch.Tensor:
+    return pre_divide_pad_ref(grads, torch.empty_like(out), factor)
+
+
+def test_pre_divide_pad_same_shapes_at_other_addresses_rewrites_the_table(builds, triton_path):
+    # The runtime's gradients come back every step with the same shapes at other addresses: one table, its
+    # source addresses rewritten; every set kept alive, so a stale address would read another set's values.
+    shapes = (5, 4099, 0, 2, 131)
+    sets = [[rand(k) for k in shapes] for _ in range(3)]
+    outs = [poisoned((4240,), torch.float32, DEVICE) for _ in range(2)]
+    for i, (grads, out) in enumerate([(sets[0], outs[0]), (sets[1], outs[0]), (sets[0], outs[1]),
+                                      (sets[2], outs[1]), (sets[1], outs[1]), (sets[0], outs[0])]):
+        refill(*grads)
+        poison(out)
+        grad_divide.pre_divide_pad(grads, out, 3.0)
+        expect_equal(out, _pre_divide_expected(grads, out, 3.0))
+        assert builds[0] == 1, f"call {i}: a table was built again for gradients of the same shapes"
+    grad_divide.pre_divide_pad([rand(k) for k in (5, 4098, 0, 2, 131)], outs[0][:4239], 3.0)
+    assert builds[0] == 2, "another shape must build a table of its own"
+
+
+def test_pre_divide_pad_rewrite_misaligned_sources(triton_path):
+    # A rewrite to addresses that are not 16-byte aligned must drop the aligned launch (and the next aligned
+    # set bring it back): every result against the reference.
+    bufs = [rand(4200) for _ in range(3)]
+    out = poisoned((4200,), torch.float32, DEVICE)
+    for buf, start in [(bufs[0], 0), (bufs[1], 1), (bufs[2], 4), (bufs[0], 3), (bufs[1], 0)]:
+        grads = [buf[start:start + 2048], buf[start + 2048:start + 4096]]
+        refill(buf)
+        poison(out)
+        grad_divide.pre_divide_pad(grads, out, 2.0)
+        expect_equal(out, _pre_divide_expected(grads, out, 2.0))
+
+
+def test_pre_divide_pad_threads_rewriting_one_table(triton_path, monkeypatch):
+    # Two threads on one stream (the CPU's) share the plan of their shapes, each with gradients of its own: the
+    # rewrite and the launch that reads it are one step under the plan's lock. Each launch waits a moment first,
+    # so that without that lock the other thread rewrites the table in between; the launches themselves are
+    # serialized (Triton's interpreter runs one kernel at a time).
+    launching = threading.Lock()
+    real = grad_divide._run_multi
+
+    def slow_launch(*args):
+        time.sleep(0.002)
+        with launching:
+            return real(*args)
+
+    monkeypatch.setattr(grad_divide, "_run_multi", slow_launch)
+    shapes = (3, 70, 1)
+    errors: list[str] = []
+    start = threading.Barrier(2)
+    grad_divide.pre_divide_pad([rand(k) for k in shapes], poisoned((80,), torch.float32, DEVICE), 1.0)  # the plan
+
+    def worker(seed: int) -> None:
+        grads = [rand(k) for k in shapes]
+        out = poisoned((80,), torch.float32, DEVICE)
+        start.wait()
+        try:
+            for i in range(12):
+                refill(*grads)
+                grad_divide.pre_divide_pad(grads, out, float(seed))
+                if not torch.equal(out, _pre_divide_expected(grads, out, float(seed))):
+                    errors.append(f"thread {seed}, call {i}: another thread's gradients")
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below, not lost in the thread
+            errors.append(f"thread {seed}: {e!r}")
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in (2, 4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
 
 
 def test_factor_is_not_cached():
@@ -342,6 +419,36 @@ def test_gpu_plan_per_stream(builds, triton_path):
     torch.cuda.current_stream().wait_stream(side)
     assert builds[0] == 2
     expect_equal(out, torch.cat(srcs).to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_gpu_pre_divide_pad_new_addresses_copy_nothing_to_the_device(builds, triton_path):
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    shapes = (4099, 1, 777, 65536)
+    out = poisoned((70400,), torch.bfloat16, "cuda")
+    grad_divide.pre_divide_pad([torch.randn(k, device="cuda") for k in shapes], out, 2.0)
+    grads = [torch.randn(k, device="cuda") for k in shapes]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        grad_divide.pre_divide_pad(grads, out, 2.0)
+        torch.cuda.synchronize()
+    copies = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA and "HtoD" in e.name]
+    assert not copies, f"a host-to-device copy for gradients at new addresses: {copies}"
+    assert builds[0] == 1
+    expect_equal(out, pre_divide_pad_ref(grads, torch.empty_like(out), 2.0))
+    graph = torch.cuda.CUDAGraph()
+    captured = [torch.randn(k, device="cuda") for k in shapes]
+    with torch.cuda.graph(graph):
+        grad_divide.pre_divide_pad(captured, out, 2.0)  # no key while capturing: a table of its own
+    for _ in range(2):
+        refill(*captured)
+        graph.replay()
+        torch.cuda.synchronize()
+        expect_equal(out, pre_divide_pad_ref(captured, torch.empty_like(out), 2.0))
+    grad_divide.pre_divide_pad(grads, out, 2.0)  # the plan by shape still holds these addresses
+    expect_equal(out, pre_divide_pad_ref(grads, torch.empty_like(out), 2.0))
 
 
 @pytest.mark.gpu

@@ -259,3 +259,42 @@ def test_environment_switch_rejects_other_values(monkeypatch):
     monkeypatch.setenv("SHARDFUSE_FUSED_GRADS", "yes")
     with pytest.raises(ValueError, match="SHARDFUSE_FUSED_GRADS='yes'"):
         requested_by_environment()
+
+
+def tables_built_per_step(cfg: dict[str, Any], steps: int = 3) -> list[int]:
+    """The launch tables ``pre_divide_pad`` built in each step's backward (a table built is a host-to-device copy
+    on the GPU)."""
+    from shardfuse.kernels import _common
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    real = _common.block_table
+    built = [0]
+
+    def counting(*a: Any, **k: Any) -> Any:
+        built[0] += 1
+        return real(*a, **k)
+
+    model = _model(cfg, torch.device("cpu"))
+    per_step = []
+    _common.clear_plan_caches()  # plans of the same shapes left by earlier tests in this worker
+    try:
+        _common.block_table = counting
+        for step in range(steps):
+            ids, target = batch(step, rank, ws)
+            built[0] = 0
+            loss_fn(model, ids, target, step, cfg).backward()
+            per_step.append(built[0])
+            for p in model.parameters():
+                p.grad = None  # the next backward's gradients are new tensors, at other addresses
+    finally:
+        _common.block_table = real
+    return per_step
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16_fp32_reduce"])
+def test_gradients_at_new_addresses_build_no_table_after_the_first_step(pool, name):
+    # Autograd allocates the gradients anew every step: the plan found by their shapes has its address column
+    # rewritten in place (one launch, no host-to-device copy, which on the GPU would queue behind other copies).
+    for per_step in pool.run(tables_built_per_step, CASES[name]):
+        assert per_step[0] > 0, f"the fused path built no table in the first step: {per_step}"
+        assert per_step[1:] == [0] * (len(per_step) - 1), f"tables built again in later steps: {per_step}"
