@@ -427,7 +427,7 @@ def test_gpu_pre_divide_pad_new_addresses_copy_nothing_to_the_device(builds, tri
     from torch.profiler import ProfilerActivity, profile
 
     shapes = (4099, 1, 777, 65536)
-    out = poisoned((70400,), torch.bfloat16, "cuda")
+    out = poisoned((70416,), torch.bfloat16, "cuda")  # 70413 gradient elements, 3 of padding
     grad_divide.pre_divide_pad([torch.randn(k, device="cuda") for k in shapes], out, 2.0)
     grads = [torch.randn(k, device="cuda") for k in shapes]
     torch.cuda.synchronize()
