@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 OTHER_PRIVATE_USES: dict[tuple[str, str], str] = {
     ("kernels/_chunk_cat.py", "_chunk_cat"): "torch's own chunk-cat, measured faster for many small CUDA tensors",
     ("kernels/_cast_multi.py", "_foreach_copy_"): "torch's multi-tensor copy, measured faster for many tensors",
+    ("kernels/_grad_divide_multi.py", "_foreach_add_"): "rewriting a launch table's changed addresses on the device in "
+    "one launch, the values as launch arguments (a copy to the device would queue behind other copies); a loop of "
+    "Tensor.add_ where torch lacks it",
     ("kernels/_common.py", "_C"): "the raw current CUDA stream for Triton launches; torch.compile's C++ tensor "
     "guards (`_C._dynamo.guards.TensorGuards`) as the plan caches' layout check, self-checked once at first use "
     "with a Python fallback (`kernels._common.layout_guard`)",

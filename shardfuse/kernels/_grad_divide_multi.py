@@ -39,6 +39,7 @@ from shardfuse.kernels._launch import DirectLauncher
 
 __all__ = ["pre_divide_pad"]
 
+_FOREACH_ADD = hasattr(torch, "_foreach_add_")
 _PLANS = common.GuardedPlanCache()  # by the addresses of the gradients and out (``common.guarded_key``)
 _BY_SHAPE = common.GuardedPlanCache()  # the same plans by the stream, the overrides and the tensors' sizes
 
@@ -129,8 +130,13 @@ class _Sources:
         if changed:
             if self.views is None:
                 self.views = list(self.column.unbind())
-            views = self.views
-            torch._foreach_add_([views[i] for i in changed], [addresses[i] - self.addresses[i] for i in changed])
+            views = [self.views[i] for i in changed]
+            deltas = [addresses[i] - self.addresses[i] for i in changed]
+            if _FOREACH_ADD:
+                torch._foreach_add_(views, deltas)
+            else:  # one launch per entry, each value still a launch argument
+                for view, delta in zip(views, deltas):
+                    view.add_(delta)
         self.addresses = addresses
         self.aligned = self.offsets_aligned and all(p % 16 == 0 for p in addresses[:num])
 

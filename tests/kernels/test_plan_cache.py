@@ -173,6 +173,19 @@ def test_pre_divide_pad_same_shapes_at_other_addresses_rewrites_the_table(builds
     assert builds[0] == 2, "another shape must build a table of its own"
 
 
+def test_pre_divide_pad_rewrite_without_foreach(builds, triton_path, monkeypatch):
+    # Where torch lacks _foreach_add_, each changed entry is rewritten by its own add_: the same results.
+    monkeypatch.setattr(grad_divide, "_FOREACH_ADD", False)
+    sets = [[rand(k) for k in (9, 300, 1)] for _ in range(2)]
+    out = poisoned((320,), torch.float32, DEVICE)
+    for grads in (sets[0], sets[1], sets[0]):
+        refill(*grads)
+        poison(out)
+        grad_divide.pre_divide_pad(grads, out, 2.0)
+        expect_equal(out, _pre_divide_expected(grads, out, 2.0))
+    assert builds[0] == 1
+
+
 def test_pre_divide_pad_rewrite_misaligned_sources(triton_path):
     # A rewrite to addresses that are not 16-byte aligned must drop the aligned launch (and the next aligned
     # set bring it back): every result against the reference.
