@@ -127,6 +127,10 @@ _amax_launch = DirectLauncher(_amax_kernel)
 # Plans found by the tensors' addresses (``_common.guarded_key``), each holding the layout guard of the tensors its
 # table addresses and its launch is given (``_common.layout_guard``): another layout at the same addresses misses.
 _CAST_PLANS = common.GuardedPlanCache()
+# The same tables by the sources' addresses and the offsets alone: ``scales`` and ``out`` are launch arguments, not in
+# the table, so a gather buffer that comes back elsewhere (its storage is freed and allocated again every step) costs a
+# validation, not a new table and its copy to the device (which would queue behind other host-to-device copies).
+_CAST_BY_SOURCES = common.GuardedPlanCache()
 _AMAX_PLANS = common.GuardedPlanCache()
 
 
@@ -275,7 +279,12 @@ def cast_fp8_shards(srcs: Sequence[torch.Tensor], scales: torch.Tensor, out: tor
             offs = _check_cast(srcs, scales, out, offsets)
             if not common.use_triton(scales, out, *srcs):
                 return cast_fp8_shards_ref(srcs, scales, out, offsets=offsets)
-            plan = _plan(srcs, [offs, list(range(len(srcs)))], out.device)
+            by_sources = None if key is None else _cast_key(srcs, offsets)
+            plan = _CAST_BY_SOURCES.get(by_sources, srcs)
+            if plan is None:
+                plan = _plan(srcs, [offs, list(range(len(srcs)))], out.device)
+                if by_sources is not None:
+                    _CAST_BY_SOURCES.put(by_sources, plan._replace(check=common.layout_guard(srcs)))
             if key is not None and guarded is not None:
                 plan = plan._replace(check=common.layout_guard(guarded))
                 _CAST_PLANS.put(key, plan)

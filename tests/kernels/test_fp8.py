@@ -110,6 +110,31 @@ def test_cast_plan_is_reused_and_reads_new_values():
     assert torch.equal(fp8_bytes(out), fp8_bytes(cast_fp8_shards_ref(srcs, scales, poisoned_fp8(4104))))
 
 
+def test_cast_plan_table_kept_when_out_and_scales_move(monkeypatch):
+    # A gather buffer freed and allocated again every step comes back elsewhere: the table (the sources' addresses
+    # and offsets) is reused, no new one built; an out that moved onto a source is still refused.
+    from shardfuse.kernels import _common
+
+    clear_plan_caches()
+    built = []
+    real = _common.block_table
+    monkeypatch.setattr(_common, "block_table", lambda *a, **k: built.append(1) or real(*a, **k))
+    srcs = [fresh(k) for k in (7, 4099, 130)]
+    offsets = [0, 16, 4120]
+    for _ in range(4):
+        out, scales = poisoned_fp8(4300), torch.rand(3, device=DEVICE) * 4 + 0.25
+        cast_fp8_shards(srcs, scales, out, offsets=offsets)
+        want = cast_fp8_shards_ref(srcs, scales, poisoned_fp8(4300), offsets=offsets)
+        assert torch.equal(fp8_bytes(out), fp8_bytes(want))
+    assert len(built) == 1, f"{len(built)} tables built for the same sources"
+    buf = torch.zeros(8192, device=DEVICE)
+    srcs = [buf[:7], buf[16:4115]]
+    cast_fp8_shards(srcs, torch.ones(2, device=DEVICE), poisoned_fp8(4200), offsets=[0, 16])
+    with pytest.raises(ValueError, match="overlap"):
+        cast_fp8_shards(srcs, torch.ones(2, device=DEVICE), buf.view(torch.uint8)[100:4300].view(FP8_DTYPE),
+                        offsets=[0, 16])
+
+
 @pytest.mark.parametrize("src", list(SRC_DTYPES))
 def test_amax_matches_reference(src):
     srcs = [fresh(k, SRC_DTYPES[src]) for k in SIZES]
