@@ -249,8 +249,9 @@ def _check_cast(srcs: list[torch.Tensor], scales: torch.Tensor, out: torch.Tenso
 
 
 def _cast_key(guarded: list[torch.Tensor], offsets: Sequence[int] | None) -> tuple | None:
-    """``guarded``: the sources, then ``scales`` and ``out``. The key holds their addresses and the offsets (where
-    each source lands in ``out``), the plan their layout guard."""
+    """``guarded``: the sources, then ``scales`` and ``out`` (or the sources alone: the key of the table itself,
+    ``_CAST_BY_SOURCES``). The key holds their addresses and the offsets (where each source lands in ``out``), the
+    plan their layout guard."""
     try:
         placement = None if offsets is None else tuple(map(operator.index, offsets))
     except TypeError:
