@@ -299,9 +299,11 @@ class PlanCache:
     tensors' (address, size, dtype, layout, device) and the current stream lets a repeat call skip the
     validation that depends only on those (overlap checks included), the table building and the
     host->device copy. Plans are never mutated once stored: a kernel still in flight may be reading a
-    plan's table. Keys hold only ints, dtypes and devices, never tensors, so the cache keeps no user memory
-    alive. A table is used only on the stream it was copied on, so when an evicted table is freed, the
-    caching allocator hands its block out only to later work on that stream. Every plan has a ``device``.
+    plan's table (one exception: the source-address column of ``pre_divide_pad``'s list plans, rewritten by a launch
+    queued on the plan's own stream behind the kernels that read it, ``_grad_divide_multi._Sources``). Keys hold
+    only ints, dtypes and devices, never tensors, so the cache keeps no user memory alive. A table is used only on
+    the stream it was copied on, so when an evicted table is freed, the caching allocator hands its block out only
+    to later work on that stream. Every plan has a ``device``.
     """
 
     def __init__(self, maxsize: int = 64) -> None:
