@@ -26,9 +26,9 @@ modifier. Bases that take modifiers: ``shardfuse``, ``shardfuse-budget``, ``fsdp
   (``SHARDFUSE_REDUCE_SCATTER_GROUP=reduce_scatter`` while wrapping, FairScale's default) instead of the process
   group itself, for ``shardfuse``, ``shardfuse-graph`` and ``shardfuse-budget``: both in one job show what the
   second communicator buys. FSDP2 has one group: ratios match FSDP2 without it.
-- ``+aoffN`` (e.g. ``+aoff6``): shardfuse's activation offload (``shardfuse.offload_activations``) of the first N
-  decoder layers, for ``shardfuse``: what they save for backward waits in pinned host memory from the end of their
-  forward to their backward. FSDP2 has none: ratios match FSDP2 without it.
+- ``+aoffN`` (e.g. ``+aoff6``): shardfuse's activation offload (``shardfuse.offload_activations``) of N decoder
+  layers (its count: spread from the first layer on), for ``shardfuse``: what they save for backward waits in pinned
+  host memory from the end of their forward to their backward. FSDP2 has none: ratios match FSDP2 without it.
 - ``+once``: run in one round only, after every round of the others (a configuration expected to run out of
   memory goes last: a rank that fails alone would leave the others waiting in a collective).
 - ``shardfuse-budget``: shardfuse with ``move_params_to_cpu=True`` and ``OffloadOptimizer(gpu_budget_gib=
@@ -81,7 +81,7 @@ class Variant:
     split: bool = False
     fused: bool | None = None  # +fused / +unfused; None: the library's default
     separate_rs: bool = False  # +rspg: shardfuse's reduce-scatters on a separate group of the same ranks
-    offload_activations: int = 0  # +aoffN: the first N decoder layers' saved activations in host memory
+    offload_activations: int = 0  # +aoffN: N decoder layers' saved activations in host memory
 
     @property
     def modifiers(self) -> tuple[str | None, bool, bool, bool]:
@@ -322,8 +322,9 @@ def prepare(v: Variant, model: nn.Module, spec: Any, device: torch.device, args:
     if v.offload_activations:
         import shardfuse
 
-        shardfuse.offload_activations(model, v.offload_activations)
-        info["offload_activations"] = f"the first {v.offload_activations} decoder layers"
+        offload = shardfuse.offload_activations(model, v.offload_activations)
+        info["offload_activations"] = (f"{v.offload_activations} decoder layers, spread (offload_activations' "
+                                       f"count, copies back {offload.prefetch_ahead} ahead)")
     fused = args.optim == "fused" and device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, capturable=capturable and device.type == "cuda",
                             fused=fused)

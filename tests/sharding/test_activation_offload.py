@@ -282,6 +282,38 @@ def test_choosing_units() -> None:
     assert len(inner.chosen_names) == 1
 
 
+@pytest.mark.parametrize(("n", "count", "ahead", "want"), [
+    (10, 3, None, [0, 3, 6]),  # spread over the first 10 - (2 + 1) blocks
+    (10, 4, 1, [0, 2, 5, 7]),
+    (10, 8, 2, list(range(8))),  # more than the spread leaves room for: the first 8
+    (10, 10, 0, list(range(10))),
+    (10, 1, 2, [0]),
+])
+def test_a_count_spreads_the_units(n: int, count: int, ahead: int | None, want: list[int]) -> None:
+    model = wrapped(int(torch.randint(0, 1 << 30, ()).item()), n=n)
+    off = shardfuse.offload_activations(model, count, prefetch_ahead=ahead, min_bytes=0)
+    loss = model(torch.randn(4, 5, D)).sum()
+    # an offloaded block's gelu input dies when its forward ends; the others' live until their backward
+    assert [i for i, b in enumerate(model.module.blocks) if b.module.probe() is None] == want
+    loss.backward()
+    assert off.stats()["calls"] == count and off.stats()["late_fetches"] == 0
+
+
+@pytest.mark.parametrize("units", range(1, 41))
+@pytest.mark.parametrize("ahead", [0, 1, 2, 5])
+def test_spread_indices(units: int, ahead: int) -> None:
+    room = units - ahead - 1
+    for count in range(1, units + 1):
+        got = _activations.spread(count, units, ahead)
+        assert len(got) == count and got[0] == 0 and all(a < b for a, b in zip(got, got[1:])), (count, got)
+        if count == 1:
+            assert got == [0]
+        elif count <= room:
+            assert got[-1] == room - 1, (count, units, ahead, got)  # reaches the last unit it may take
+        else:
+            assert got == list(range(count)), (count, got)
+
+
 def test_group_moves_are_checked() -> None:
     g = _activations._Group("unit", torch.device("cpu"))
     g.move(GroupState.ON_HOST)

@@ -39,8 +39,8 @@ __all__ = ["ActivationOffload", "GroupState", "offload_activations"]
 
 DEFAULT_MIN_BYTES = 1 << 20  # smaller tensors stay: a copy's fixed cost outweighs the memory
 # Copies back start this many forward positions before their unit's backward. Measured on one H200 (7B layers,
-# float8, compiled, docs/design.md "Activation offload"): the backward slowed the more, the earlier the copies back
-# started (4 of 8 layers offloaded at 16K tokens: +18 ms at 2, +42 at 4, +70 at 8 of 243 ms).
+# float8, compiled, 4 of 8 layers offloaded at 16K tokens, docs/design.md "Activation offload"): the same step time
+# at 2, 4 and 8 ahead, the peak 1.7 GiB higher at 8 (every copy back at the backward's start).
 DEFAULT_PREFETCH_AHEAD = 2
 
 
@@ -152,12 +152,12 @@ class ActivationOffload:
         if taken:
             raise ValueError(f"{taken[0].name} already offloads activations: call remove() on the ActivationOffload "
                              f"offload_activations() returned before making another")
-        chosen = _choose(model, every, units)
         if prefetch_ahead is None:
             prefetch_ahead = DEFAULT_PREFETCH_AHEAD
         if isinstance(prefetch_ahead, bool) or not isinstance(prefetch_ahead, int) or prefetch_ahead < 0:
             raise ValueError(f"prefetch_ahead={prefetch_ahead!r}: give a number of units >= 0 (how many positions "
                              f"before a unit's backward its activations start coming back), or None for the default")
+        chosen = _choose(model, every, units, prefetch_ahead)
         if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
             raise ValueError(f"min_bytes={min_bytes!r}: give a size in bytes >= 0 (smaller saved tensors stay)")
         self.prefetch_ahead = prefetch_ahead
@@ -368,10 +368,27 @@ def _modified(e: _Saved, now: int) -> str:
             f"operation, or leave this unit out of offload_activations(units=...)")
 
 
+def spread(count: int, units: int, prefetch_ahead: int) -> list[int]:
+    """The indices, in forward order, of ``count`` of ``units`` innermost units to offload: evenly spaced from the
+    first over those whose backward starts at least ``prefetch_ahead + 1`` units into the backward (all the first
+    ``count`` where fewer are left than that).
+
+    Spaced, each copy back has the backward of the units between two offloaded ones to hide in: a group's copy back
+    takes longer than a decoder layer's backward (2 x H200, the 7B decoder's layers at 4K tokens, float8: ~9.5 against
+    ~6 ms), so the first N layers' copies fell behind one another (+26 ms in a 197 ms backward for 9 of 32, copies
+    started 2 positions ahead) where 9 spread cost nothing, at the same peak (docs/design.md, "Activation offload").
+    The last units are left out because their copies back would start with the backward, at its peak."""
+    room = max(count, units - prefetch_ahead - 1)
+    if count == 1:
+        return [0]
+    step = (room - 1) / (count - 1)  # >= 1: the indices rise strictly
+    return [round(i * step) for i in range(count)]
+
+
 def _choose(model: nn.Module, every: list[Any],
-            units: int | Iterable[nn.Module] | Callable[[str, nn.Module], bool]) -> list[Any]:
-    """The units ``units`` names: the first N innermost units, those a predicate of (name, wrapper) picks, or the
-    given wrappers (or the modules they wrap)."""
+            units: int | Iterable[nn.Module] | Callable[[str, nn.Module], bool], prefetch_ahead: int) -> list[Any]:
+    """The units ``units`` names: N innermost units spread over the model (:func:`spread`), those a predicate of
+    (name, wrapper) picks, or the given wrappers (or the modules they wrap)."""
     top = every[0]
     named = [(name, m, u) for name, m in model.named_modules() if (u := unit_of(m)) is not None]
     inner = [u for _, _, u in named if u is not top and len(units_below(u)) == 1]
@@ -380,8 +397,8 @@ def _choose(model: nn.Module, every: list[Any],
     if isinstance(units, int):
         if not 1 <= units <= len(inner):
             raise ValueError(f"units={units}: the model has {len(inner)} innermost units below the top one; offload "
-                             f"the first 1..{len(inner)} of them, or name the modules")
-        return inner[:units]
+                             f"1..{len(inner)} of them, or name the modules")
+        return [inner[i] for i in spread(units, len(inner), prefetch_ahead)]
     if callable(units):
         picked = [u for name, m, u in named if u is not top and units(name, m)]
         if not picked:
@@ -404,18 +421,19 @@ def offload_activations(model: nn.Module, units: int | Iterable[nn.Module] | Cal
                         prefetch_ahead: int | None = None, min_bytes: int = DEFAULT_MIN_BYTES) -> ActivationOffload:
     """Keep what chosen units' forwards save for backward in pinned host memory between forward and backward.
 
-    The activations of the first layers are needed last: offloading them lowers the step's peak (the start of the
-    backward) by their size, and their copies overlap the rest of the forward and the first layers' backward on two
-    side streams. Values and gradients are the same as without it.
+    Offloading a unit lowers the step's peak (the start of the backward) by what it saved, and its copies overlap
+    the rest of the forward and the backward of the units after it on two side streams. Values and gradients are the
+    same as without it.
 
     Args:
         model: the outermost ``FullyShardedDataParallel`` wrapper.
-        units: how many of the innermost wrapped units to offload, first in module order (the first layers), or the
-            wrapped modules themselves (wrappers or the modules they wrap), or a predicate ``(name, wrapper) -> bool``
-            over the nested wrappers. A chosen unit's nested units' activations go with it.
+        units: how many of the innermost wrapped units to offload, spread evenly from the first one over all but the
+            last ``prefetch_ahead + 1`` (:func:`spread`: each copy back then has the units between two offloaded ones
+            to hide behind), or the wrapped modules themselves (wrappers or the modules they wrap), or a predicate
+            ``(name, wrapper) -> bool`` over the nested wrappers. A chosen unit's nested units' activations go with it.
         prefetch_ahead: when a unit's backward starts, the activations of the units up to this many forward
             positions before it start coming back (default 2). Larger hides slower copies, at the cost of holding
-            them on the device longer (and, measured, of a slower backward).
+            them on the device longer.
         min_bytes: saved tensors smaller than this stay on the device (default 1 MiB).
 
     Returns the :class:`ActivationOffload`, which the model keeps; ``remove()`` turns it off. Raises ``ValueError``
