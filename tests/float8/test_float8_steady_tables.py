@@ -20,7 +20,6 @@ from tests.float8.test_float8_all_gather import build  # noqa: E402
 from tests.float8.test_float8_training import batch, loss_of, wrap  # noqa: E402
 from tests.sharding.test_activation_offload import _Group  # noqa: E402
 
-
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
