@@ -118,7 +118,8 @@ def test_same_losses_and_parameters(units: int, ahead: int | None, block: dict[s
 @pytest.mark.parametrize("case", [
     {"fsdp": {"use_orig_params": True}},
     {"fsdp": {"mixed_precision": True, "compute_dtype": torch.bfloat16}},
-    {"fsdp": {"move_params_to_cpu": True}, "host_optimizer": True},
+    # the CPU as compute device also where a GPU is (move_params_to_cpu computes on the GPU by default there)
+    {"fsdp": {"move_params_to_cpu": True, "compute_device": torch.device("cpu")}, "host_optimizer": True},
     {"checkpointed": True},
 ], ids=["orig_params", "bf16", "offload_optimizer", "checkpoint_wrapper"])
 def test_composes_with_the_other_features(case: dict[str, Any]) -> None:
