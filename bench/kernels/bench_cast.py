@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from bench.kernels.cases import TRITON_PATH, KernelCase, forced_path
+from bench.kernels.cases import TORCH_PATH, TRITON_PATH, KernelCase, forced_path
 from shardfuse.kernels import _cast_multi, _crossover
 from shardfuse.kernels._cast import cast_shard_unchecked
 from shardfuse.kernels._cast_multi import cast_shards
@@ -141,6 +141,11 @@ def _list_case(num: int, per_tensor: int) -> KernelCase:
             TRITON_PATH: forced_path("triton", ["cast_shards_list"], run,
                                      (_cast_multi, "FOREACH_MIN_TENSORS", 1 << 62),
                                      (_cast_multi, "FOREACH_SMALL_MIN_TENSORS", 1 << 62)),
+            # the entry point's own PyTorch path through its plan (key, guard, then _foreach_copy_): what the rule
+            # weighs the kernel against where the count rules leave the call to the plan
+            TORCH_PATH: forced_path("torch", ["cast_shards_list"], run,
+                                    (_cast_multi, "FOREACH_MIN_TENSORS", 1 << 62),
+                                    (_cast_multi, "FOREACH_SMALL_MIN_TENSORS", 1 << 62)),
         },
         num_tensors=num,
     )
@@ -159,6 +164,7 @@ def _flat_case(num: int, per_tensor: int) -> KernelCase:
         baselines={
             "foreach_copy_(split)": lambda: torch._foreach_copy_(flat.split(sizes), srcs),
             TRITON_PATH: forced_path("triton", ["cast_shards_flat"], lambda: cast_shards(srcs, flat)),
+            TORCH_PATH: forced_path("torch", ["cast_shards_flat"], lambda: cast_shards(srcs, flat)),
         },
         num_tensors=num,
     )

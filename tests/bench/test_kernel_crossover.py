@@ -106,6 +106,28 @@ def test_fit_pools_every_stored_run(tmp_path):
     assert fit_mod.fit_files(files)["concat"] == Crossover(min_bytes=10**9)
 
 
+def test_points_weigh_the_kernel_against_the_entry_points_own_pytorch_path():
+    """Where a row timed the entry point's PyTorch path (behind its plan's key and guard), the fit weighs the kernel
+    against that, not the bare sequence: a host slow enough shows the plan's host time on that side too."""
+    from bench.kernels.cases import TORCH_PATH, TRITON_PATH
+
+    def row(num, triton_ms, bare_ms, torch_path_ms=None):
+        base = {"foreach_copy_(split)": {"ms": bare_ms}, TRITON_PATH: {"ms": triton_ms}}
+        if torch_path_ms is not None:
+            base[TORCH_PATH] = {"ms": torch_path_ms}
+        return {"family": "shard_cast_dispatch", "name": f"flat fp32->bf16 {num} tensors x1024 (torch)",
+                "num_tensors": num, "bytes": num * 1024 * 6, "shardfuse_ms": torch_path_ms or bare_ms,
+                "baselines": base}
+
+    with_path = fit_mod.points("cast_shards_flat", [row(32, 0.0057, 0.0043, 0.0162)])
+    assert [(p.triton_ms, p.torch_ms) for p in with_path] == [(0.0057, 0.0162)]
+    bare_only = fit_mod.points("cast_shards_flat", [row(32, 0.0057, 0.0043)])
+    assert [(p.triton_ms, p.torch_ms) for p in bare_only] == [(0.0057, 0.0043)]
+    # the fit then sends the call to the kernel (it is the faster of the entry point's two paths), not without
+    assert fit_mod.fit("cast_shards_flat", with_path).triton(32, 32 * 1024 * 6)
+    assert not fit_mod.fit("cast_shards_flat", bare_only).triton(32, 32 * 1024 * 6)
+
+
 def _write_run(path: Path, rounds: int | None, source: str | None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     data: dict = {"rows": [], **({"rounds": rounds} if rounds else {})}
