@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 
@@ -74,3 +76,21 @@ def test_a_forced_path_is_forced_once_around_its_timing_not_in_each_timed_call()
     assert seen == [(1, True)] * 6  # ... and the path was forced around them
     assert knob.LIMIT == 7 and _crossover.crossover("concat", torch.device("cpu")) == _crossover.ALWAYS
     assert path() == "forced" and seen[-1] == (1, True) and knob.LIMIT == 7  # a plain call forces itself
+
+
+@pytest.mark.parametrize(("ms", "rounds", "want"), [(0.005, 3, 7), (0.005, 1, 1), (0.05, 3, 3), (0.005, 9, 9)])
+def test_rows_at_the_timers_floor_get_more_rounds(ms: float, rounds: int, want: int):
+    """Every timing under FLOOR_MS: FLOOR_ROUNDS rounds in all, both sides alike (a one-round run stays one)."""
+    from bench.kernels import run
+
+    calls = []
+
+    def timer(fn):
+        calls.append(fn())
+        return ms + 0.001 * (len(calls) % 3)
+
+    row = run_case(_case(), copy_gbps=1000.0, rounds=rounds, timer=timer)
+    assert run.FLOOR_ROUNDS == 7 and row["rounds"] == want
+    assert calls == ["sf", "cat", "other"] * want
+    assert row["shardfuse_ms"] == pytest.approx(statistics.median(
+        ms + 0.001 * ((3 * i + 1) % 3) for i in range(want)))
