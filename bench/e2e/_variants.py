@@ -29,6 +29,9 @@ modifier. Bases that take modifiers: ``shardfuse``, ``shardfuse-budget``, ``fsdp
 - ``+aoffN`` (e.g. ``+aoff6``): shardfuse's activation offload (``shardfuse.offload_activations``) of N decoder
   layers (its count: spread from the first layer on), for ``shardfuse``: what they save for backward waits in pinned
   host memory from the end of their forward to their backward. FSDP2 has none: ratios match FSDP2 without it.
+- ``+sib``: shardfuse's ``StepInBackward``: each unit's optimizer step runs as its gradient is reduced, the
+  sharded gradient freed then (the runs here do not clip), for ``shardfuse``. FSDP2 has none: ratios match FSDP2
+  without it.
 - ``+once``: run in one round only, after every round of the others (a configuration expected to run out of
   memory goes last: a rank that fails alone would leave the others waiting in a collective).
 - ``shardfuse-budget``: shardfuse with ``move_params_to_cpu=True`` and ``OffloadOptimizer(gpu_budget_gib=
@@ -61,7 +64,7 @@ BASES = ("shardfuse", "shardfuse-budget", "fsdp2")  # the implementations that t
 SPLIT_BASES = ("shardfuse", "shardfuse-graph", "fsdp2", "fsdp2-compile")  # the ones that take +split
 FUSED_BASES = ("shardfuse", "shardfuse-graph", "shardfuse-budget")  # the ones that take +fused / +unfused
 RECIPES = ("tensorwise", "rowwise")
-MODIFIERS = ("fp8", "fp8row", "ac", "compile", "once", "split", "fused", "unfused", "rspg")
+MODIFIERS = ("fp8", "fp8row", "ac", "compile", "once", "split", "fused", "unfused", "rspg", "sib")
 FP8_RECIPE = {"fp8": "tensorwise", "fp8row": "rowwise"}
 DYNAMO_RECOMPILE_LIMIT = 64  # every variant is a new guard set on the same layer code; the default 8 falls back
 GIB = 1 << 30
@@ -82,6 +85,7 @@ class Variant:
     fused: bool | None = None  # +fused / +unfused; None: the library's default
     separate_rs: bool = False  # +rspg: shardfuse's reduce-scatters on a separate group of the same ranks
     offload_activations: int = 0  # +aoffN: N decoder layers' saved activations in host memory
+    step_in_backward: bool = False  # +sib: shardfuse's StepInBackward drives the optimizer
 
     @property
     def modifiers(self) -> tuple[str | None, bool, bool, bool]:
@@ -126,7 +130,10 @@ def parse_variant(name: str, known: Sequence[str], *, float8: str | None = None,
     v = Variant(name, base, float8=next(iter(recipes), None), ac=ac or "ac" in mods,
                 compile=compile or "compile" in mods, once="once" in mods, split="split" in mods,
                 fused=True if "fused" in mods else False if "unfused" in mods else None, separate_rs="rspg" in mods,
-                offload_activations=int(aoff[0][4:]) if aoff else 0)
+                offload_activations=int(aoff[0][4:]) if aoff else 0, step_in_backward="sib" in mods)
+    if v.step_in_backward and base != "shardfuse":
+        raise ValueError(f"{name!r}: +sib (shardfuse's StepInBackward) applies to shardfuse only: drop it or use "
+                         f"shardfuse+sib")
     if base not in BASES and v.modifiers[:3] != (None, False, False):
         raise ValueError(f"{name!r}: float8, activation checkpointing and compile apply to {', '.join(BASES)} only "
                          f"(drop --float8/--ac/--compile or the modifier, or pick one of those)")
@@ -328,6 +335,11 @@ def prepare(v: Variant, model: nn.Module, spec: Any, device: torch.device, args:
     fused = args.optim == "fused" and device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, capturable=capturable and device.type == "cuda",
                             fused=fused)
+    if v.step_in_backward:
+        import shardfuse
+
+        opt = shardfuse.StepInBackward(model, opt)
+        info["step_in_backward"] = "each unit's AdamW step as its gradient is reduced (StepInBackward)"
     after_step = None
     if v.base == "fsdp2" and v.fp8_all_gather:
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
@@ -407,7 +419,7 @@ def steady_round_s(rows: Sequence[dict[str, Any]], warmup: int) -> float:
 
 def _modifier_key(impl: str) -> tuple[str, tuple[str, ...]]:
     base, mods = split_name(impl)
-    return base, tuple(sorted(m for m in mods if m not in ("once", "fused", "unfused", "rspg")
+    return base, tuple(sorted(m for m in mods if m not in ("once", "fused", "unfused", "rspg", "sib")
                               and not m.startswith("aoff")))
 
 

@@ -3,6 +3,7 @@
 from typing import TYPE_CHECKING
 
 from shardfuse.sharding._fully_sharded import FullyShardedDataParallel
+from shardfuse.sharding._step_in_backward import StepInBackward
 from shardfuse.sharding._wrap import (
     ModuleClassWrapPolicy,
     auto_wrap,
@@ -44,6 +45,7 @@ __all__ = [
     "SafeFileSystemReader",
     "SafeLoadPlanner",
     "ShardingStrategy",
+    "StepInBackward",
     "TrainingState",
     "UnsafeCheckpointError",
     "auto_wrap",

@@ -553,3 +553,26 @@ def test_extras_record_in_the_first_round_only(world_of_one, monkeypatch, tmp_pa
                             rank=0, world=1, host_group=None, name="x", payload=payload)
     assert [c[0] for c in calls] == ["shardfuse"]
     assert [r["round"] for r in payload["results"]] == [0, 1, 2] and all("step_ms" in r for r in payload["results"])
+
+
+def test_sib_drives_shardfuse_with_step_in_backward_and_compares_with_fsdp2(world_of_one) -> None:
+    from bench.e2e.run import WRAPPERS, model_spec
+    from shardfuse import StepInBackward
+
+    assert parse_variant("shardfuse+fp8+sib", KNOWN).step_in_backward
+    assert not parse_variant("shardfuse+fp8", KNOWN).step_in_backward
+    with pytest.raises(ValueError, match="applies to shardfuse only"):
+        parse_variant("fsdp2+sib", KNOWN)
+    spec = model_spec("decoder", "tiny")
+    args = SimpleNamespace(lr=1e-4, optim="foreach", budget_gib=None)
+    cpu = torch.device("cpu")
+    prepared = variants.prepare(parse_variant("shardfuse+sib", KNOWN), spec.make(cpu, 0), spec, cpu, args, WRAPPERS)
+    assert isinstance(prepared.opt, StepInBackward)
+    assert "StepInBackward" in prepared.info["step_in_backward"]
+    tokens = torch.randint(0, 100, (1, 9))
+    prepared.model(tokens[:, :-1]).float().mean().backward()  # the updates ran in backward: no gradient left
+    assert all(p.grad is None for p in prepared.model.parameters())
+    summary = [{"impl": i, "regime": "1k", "step_ms_median": ms, "peak_gib_max": 1.0}
+               for i, ms in (("fsdp2+fp8", 10.0), ("shardfuse+fp8+sib+aoff6", 5.0))]
+    variant_ratios(summary)
+    assert summary[1].get("fsdp2_same") == "fsdp2+fp8"

@@ -161,6 +161,9 @@ class FlatParamHandle:
         self.view_ranges: list[tuple[int, int]] = []
         # Host buffers of a shard stepped by an OffloadOptimizer (_host_shard.HostShard), else None.
         self.host: HostSide | None = None
+        # Set by a StepInBackward: called on the post-backward stream as soon as a reduction has written the
+        # resident ``flat.grad``; steps the shard and takes the gradient (returns True), or leaves it (False).
+        self.grad_consumer: Callable[[FlatParamHandle], bool] | None = None
         # The float8 all-gather of float8 weights (use_float8), else None.
         self.fp8: Float8Gather | None = None
 
@@ -357,12 +360,13 @@ class FlatParamHandle:
         for key in ("_on_grad", "_hooked"):
             state.pop(key, None)
         state.update(full_param=None, full_data=None, grad_token=None, step=HandleStep(), host=None,
-                     unsynced_grad=None)
+                     unsynced_grad=None, grad_consumer=None)
         return state
 
     def __setstate__(self, state: dict) -> None:
         state.setdefault("attr_slots", state["slots"])  # pickled before sharing across units: nothing lent
         state.setdefault("host", None)
+        state.setdefault("grad_consumer", None)
         state.setdefault("unsynced_grad", None)
         state.setdefault("fp8", None)
         state.setdefault("grad_token", None)

@@ -139,12 +139,29 @@ def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pe
                 handle.unsynced_grad = rs_out if held is None else held.add_(rs_out)
             else:
                 _finish(handle, cfg, rs_out, dest, accumulate, pending, post_backward, lowp)
+        consumed = _consume(handle, dest)
         event = record_event(post_backward)  # after the copy to the host: ``grad`` (lowp's storage) is held to it
     if handle.host is not None and dest is not None:
         pending.add_copy_source(dest, event, streams)
     kept: Held | None = grad if pieces is None else pieces
+    if consumed is not None:  # the stepped gradient, read on the post-backward stream: freed with the input
+        together: list[torch.Tensor | None] = [consumed]
+        together += kept if isinstance(kept, list) else [kept]
+        kept = together
     if kept is not None:  # always: reduce_grad returned early when there was neither
         pending.add(kept, event, streams, keep)
+
+
+def _consume(handle: FlatParamHandle, dest: torch.Tensor | None) -> torch.Tensor | None:
+    """On the post-backward stream, once a reduction has written the resident ``flat.grad``: hand it to the
+    handle's ``grad_consumer`` (``StepInBackward`` steps the shard with it and drops it). Returns the gradient it
+    took, for the caller to hold until the compute stream has waited for this stream (it was allocated on the
+    compute stream, which may reuse its memory as soon as it is freed), or None."""
+    consumer = handle.grad_consumer
+    if consumer is None or dest is None or dest is not handle.flat.grad:
+        return None
+    with profiled("shardfuse.sharding:step_in_backward"):
+        return dest if consumer(handle) else None
 
 
 def _reduce_input(handle: FlatParamHandle, cfg: ReduceConfig, grad: torch.Tensor | None,
@@ -214,9 +231,12 @@ def flush_unsynced(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams,
     wait_stream(post_backward, streams.current())
     with profiled("shardfuse.sharding:all_reduce_replicas"), use_stream(post_backward):
         _finish(handle, cfg, held, dest, accumulate, pending, post_backward)
+        consumed = _consume(handle, dest)
         event = record_event(post_backward)
     if handle.host is not None:
         pending.add_copy_source(dest, event, streams)
+    if consumed is not None:
+        pending.add(consumed, event, streams)
 
 
 def exact_compute_dtype_grad(handle: FlatParamHandle, cfg: ReduceConfig, grad: torch.Tensor) -> torch.Tensor | None:
