@@ -1,7 +1,7 @@
 """StepInBackward on CUDA with NCCL, one GPU per rank (skipped without 2 GPUs): the updates run on the post-backward
 stream beside backward's compute and equal stepping the plain optimizer after backward bit for bit (fp32 and bf16
-mixed precision, fused AdamW, original parameters, no_sync); the step's peak holds one unit's sharded gradient, not
-the model's; a captured step (capture_step) with it trains as the eager one does."""
+mixed precision, fused AdamW, original parameters, no_sync); backward leaves no sharded gradient (the plain one leaves
+the model's); a captured step (capture_step) with it trains as the eager one does."""
 
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ def test_step_in_backward_equals_plain_gpu(pool, name):
 DIM, LAYERS = 1024, 8
 
 
-def _peak_step(in_backward: bool) -> tuple[int, int]:
-    """Peak bytes allocated over the third step of 8 wrapped 1024 x 1024 layers (fp32 shards, bf16 compute, fused
-    AdamW) and the bytes of one rank's sharded gradients of the whole model."""
+def _after_backward(in_backward: bool) -> tuple[int, int, int]:
+    """Bytes allocated at the end of the third backward of 8 wrapped 1024 x 1024 layers (fp32 shards, bf16 compute,
+    fused AdamW), that step's peak, and the bytes of one rank's sharded gradients of the whole model."""
     dev = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
     kw: dict[str, Any] = dict(mixed_precision=True, compute_dtype=torch.bfloat16)
@@ -52,30 +52,32 @@ def _peak_step(in_backward: bool) -> tuple[int, int]:
     if in_backward:
         opt = StepInBackward(model, opt)
     x = torch.randn(64, DIM, device=dev)
-    peak = 0
-    for _ in range(3):  # the last step's peak: optimizer state made, allocator warm
+    held = peak = 0
+    for _ in range(3):  # the last step's: optimizer state made, allocator warm
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         model(x).float().pow(2).mean().backward()
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated()
         opt.step()
         opt.zero_grad()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
     grads = sum(p.numel() * 4 for p in model.parameters())
-    return peak, grads
+    return held, peak, grads
 
 
-def check_peak_holds_one_unit() -> bool:
-    plain, grads = _peak_step(False)
-    stepped, _ = _peak_step(True)
-    # The plain step's peak holds every sharded gradient (fp32) at once; stepping in backward frees each as soon as
-    # its unit is updated, so the saving is all of them but the last two units' (one held until the next is read).
-    assert plain - stepped >= grads * (LAYERS - 2) / LAYERS, (plain, stepped, grads)
-    return True
+def check_backward_leaves_no_gradient() -> dict[str, int]:
+    plain, plain_peak, grads = _after_backward(False)
+    stepped, stepped_peak, _ = _after_backward(True)
+    # The plain backward leaves every sharded gradient (fp32); stepping in backward freed each after its update.
+    assert plain - stepped >= grads * 0.9, (plain, stepped, grads)
+    return {"plain_peak": plain_peak, "stepped_peak": stepped_peak, "grads": grads}
 
 
-def test_step_in_backward_lowers_the_peak_gpu(pool):
-    assert pool.run(check_peak_holds_one_unit) == [True] * WORLD
+def test_step_in_backward_frees_the_gradients_gpu(pool):
+    out = pool.run(check_backward_leaves_no_gradient)
+    print("peaks (bytes) over the step, plain and in backward:", out)
 
 
 def check_captured_equals_eager(steps: int = 12) -> bool:
