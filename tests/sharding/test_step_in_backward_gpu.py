@@ -5,6 +5,7 @@ the model's); a captured step (capture_step) with it trains as the eager one doe
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
@@ -41,9 +42,12 @@ DIM, LAYERS = 1024, 8
 
 
 def _after_backward(in_backward: bool) -> tuple[int, int, int]:
-    """Bytes allocated at the end of the third backward of 8 wrapped 1024 x 1024 layers (fp32 shards, bf16 compute,
-    fused AdamW), that step's peak, and the bytes of one rank's sharded gradients of the whole model."""
+    """Bytes allocated over what was before, at the end of the third backward of 8 wrapped 1024 x 1024 layers
+    (fp32 shards, bf16 compute, fused AdamW); that step's peak; the bytes of the model's sharded gradients."""
     dev = torch.device("cuda", torch.cuda.current_device())
+    gc.collect()  # an earlier call's model (reference cycles) must not count here
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
     torch.manual_seed(0)
     kw: dict[str, Any] = dict(mixed_precision=True, compute_dtype=torch.bfloat16)
     layers = [FSDP(nn.Sequential(nn.Linear(DIM, DIM), nn.GELU()).to(dev), **kw) for _ in range(LAYERS)]
@@ -58,11 +62,11 @@ def _after_backward(in_backward: bool) -> tuple[int, int, int]:
         torch.cuda.reset_peak_memory_stats()
         model(x).float().pow(2).mean().backward()
         torch.cuda.synchronize()
-        held = torch.cuda.memory_allocated()
+        held = torch.cuda.memory_allocated() - base
         opt.step()
         opt.zero_grad()
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
+        peak = torch.cuda.max_memory_allocated() - base
     grads = sum(p.numel() * 4 for p in model.parameters())
     return held, peak, grads
 
@@ -72,6 +76,7 @@ def check_backward_leaves_no_gradient() -> dict[str, int]:
     stepped, stepped_peak, _ = _after_backward(True)
     # The plain backward leaves every sharded gradient (fp32); stepping in backward freed each after its update.
     assert plain - stepped >= grads * 0.9, (plain, stepped, grads)
+    assert stepped_peak < plain_peak, (stepped_peak, plain_peak)  # the plain step's peak: gradients and the update
     return {"plain_peak": plain_peak, "stepped_peak": stepped_peak, "grads": grads}
 
 
