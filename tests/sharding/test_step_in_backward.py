@@ -179,6 +179,9 @@ def check_close_hands_back() -> bool:
     inner.step()
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
     del first
+    again = StepInBackward(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    model.double()  # moving or casting the model closes it: the gradients stay after backward again
+    assert all(h.grad_consumer is None for h in _handles(model)) and again is not None
     return True
 
 
