@@ -76,9 +76,8 @@ class StepInBackward(torch.optim.Optimizer):
                      "load_state_dict_post"):
             setattr(self, f"_optimizer_{name}_hooks", OrderedDict())
         self._hooks: list[RemovableHandle] = [optimizer.register_step_pre_hook(_refuse_step(self))]
-        consumer = functools.partial(_consume_weakly, weakref.WeakMethod(self._on_grad))
-        for h in self._handles():
-            h.grad_consumer = consumer
+        self._consumer = functools.partial(_consume_weakly, weakref.WeakMethod(self._on_grad))
+        self._refresh_plans()  # hands the consumer to the handles the optimizer holds
         self.root.host_engine = weakref.ref(self)
 
     # ------------------------------------------------------------------------------------------ the user's optimizer
@@ -146,6 +145,11 @@ class StepInBackward(torch.optim.Optimizer):
         for plan in plans.values():
             make_sub_optimizers(self.optimizer, plan)
         self._plans, self._signature = plans, signature
+        for h in self._handles():  # only the shards it holds: the reduction makes their gradients on its stream
+            if id(h) in plans:
+                h.grad_consumer = self._consumer
+            elif h.grad_consumer is self._consumer:
+                h.grad_consumer = None
 
     @torch.no_grad()
     def _on_grad(self, handle: FlatParamHandle) -> bool:
@@ -205,7 +209,7 @@ class StepInBackward(torch.optim.Optimizer):
             hook.remove()
         self._hooks = []
         for h in self._handles():
-            if h.grad_consumer is not None and _owner(h.grad_consumer) is self:
+            if h.grad_consumer is self._consumer:
                 h.grad_consumer = None
         if engine_of(self.root) is self:
             self.root.host_engine = None
@@ -238,12 +242,6 @@ def _consume_weakly(method: weakref.WeakMethod, handle: FlatParamHandle) -> bool
     """The handle's ``grad_consumer``: holds its StepInBackward weakly (a dropped one steps nothing)."""
     on_grad = method()
     return bool(on_grad(handle)) if on_grad is not None else False
-
-
-def _owner(consumer: Any) -> Any:
-    method = consumer.args[0] if isinstance(consumer, functools.partial) and consumer.args else None
-    bound = method() if isinstance(method, weakref.WeakMethod) else None
-    return getattr(bound, "__self__", None)
 
 
 def _refuse_step(driver: StepInBackward) -> Any:

@@ -5,7 +5,9 @@ Lifetimes without ``record_stream``: the full gradient was allocated by the comp
 post-backward stream, so a reference is kept (with an event) until the compute stream has waited for that
 read; scratch buffers are allocated on the post-backward stream and only ever used there; the sharded
 gradient is allocated on the compute stream, written on the post-backward stream, and the compute stream
-waits for the post-backward stream at the end of backward before anyone reads it.
+waits for the post-backward stream at the end of backward before anyone reads it. A fresh sharded gradient that a
+``StepInBackward`` takes (the handle's ``grad_consumer``) is allocated on the post-backward stream instead, the only
+stream that ever touches it, and dropped there once its update is queued.
 """
 
 from __future__ import annotations
@@ -116,7 +118,11 @@ def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pe
             f"offloaded: its host step expects the all-reduced gradient each backward): use no_sync() to accumulate"
         )
     device = handle.made(handle.full_data).device
-    dest, accumulate = (None, False) if hold else _destination(handle, device)
+    # A fresh gradient a StepInBackward will take on the post-backward stream is made on that stream: its memory is
+    # then reused only in that stream's order, so it is freed the moment the update is queued (no hold).
+    side = not hold and _taken_on_side(handle, device, streams)
+    made_on = streams.post_backward if side else None
+    dest, accumulate = (None, False) if hold else _destination(handle, device, made_on)
     lowp = None if dest is None or grad is None else exact_compute_dtype_grad(handle, cfg, grad)
     direct = direct_predivide(handle, cfg, dest, accumulate)
     predivide = cfg.predivide if direct is None else direct
@@ -144,7 +150,7 @@ def reduce_grad(handle: FlatParamHandle, cfg: ReduceConfig, streams: Streams, pe
     if handle.host is not None and dest is not None:
         pending.add_copy_source(dest, event, streams)
     kept: Held | None = grad if pieces is None else pieces
-    if consumed is not None:  # the stepped gradient, read on the post-backward stream: freed with the input
+    if consumed is not None and not side:  # made on the compute stream, read on the post-backward one: held
         together: list[torch.Tensor | None] = [consumed]
         together += kept if isinstance(kept, list) else [kept]
         kept = together
@@ -260,16 +266,27 @@ def exact_compute_dtype_grad(handle: FlatParamHandle, cfg: ReduceConfig, grad: t
     return grad.view(-1).narrow(0, 0, handle.shard_numel)
 
 
-def _destination(handle: FlatParamHandle, device: torch.device) -> tuple[torch.Tensor, bool]:
-    """Where the reduced shard is written (on the compute stream) and whether it accumulates there."""
+def _taken_on_side(handle: FlatParamHandle, device: torch.device, streams: Streams) -> bool:
+    """Whether this reduction's gradient is fresh, resident and taken by the handle's ``grad_consumer`` on the
+    post-backward stream (a CUDA one)."""
+    return (handle.grad_consumer is not None and streams.post_backward is not None and handle.host is None
+            and handle.flat.grad is None and handle.flat.device == device)
+
+
+def _destination(handle: FlatParamHandle, device: torch.device,
+                 made_on: torch.cuda.Stream | None = None) -> tuple[torch.Tensor, bool]:
+    """Where the reduced shard is written and whether it accumulates there. A fresh one is made on the compute
+    stream, or on ``made_on`` (the post-backward stream, where a StepInBackward takes it: :func:`_taken_on_side`)."""
     flat = handle.flat
     handle.step.grad_reduced = True
     if flat.device != device or handle.host is not None:
         # The shard lives on the host: reduce into a device temporary, then copy it out.
         return torch.empty(handle.shard_numel, dtype=flat.dtype, device=device), False
     if flat.grad is None:
-        # Allocated on the compute stream, so its memory is reused only in compute-stream order.
-        flat.grad = torch.empty_like(flat, memory_format=torch.contiguous_format)
+        # Its memory is reused only in the order of the stream that made it: the compute stream, which reads it
+        # after backward, or the post-backward stream, the only one to touch a gradient a StepInBackward takes.
+        with use_stream(made_on):
+            flat.grad = torch.empty_like(flat, memory_format=torch.contiguous_format)
         return flat.grad, False
     dest = flat.grad
     if dest.shape != flat.shape or not dest.is_contiguous():  # set outside the runtime: checked here
