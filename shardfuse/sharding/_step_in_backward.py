@@ -1,7 +1,8 @@
 """``StepInBackward``: the user's optimizer over a model whose shards stay on the GPU, stepped unit by unit during
 backward, each unit as soon as its gradient is reduced, on the post-backward stream; the sharded gradient is freed
-right after. The gradients of the whole model never exist at once: at 7B on 2 GPUs that is 12 GiB of fp32 shard
-gradients at the end of backward, the peak of a step without activation checkpointing.
+right after. The gradients of the whole model never exist at once: at 7B on 2 GPUs that is 12.5 GiB of fp32 shard
+gradients at the end of backward, where the peak is once the activations no longer make it (checkpointed or
+offloaded).
 
 The reduction path calls the handle's ``grad_consumer`` (``_grad_reduce._consume``) with the gradient written; it
 runs on autograd's thread while the main thread waits in ``backward()``, so no lock guards this object's state.
