@@ -187,6 +187,30 @@ def test_offload_budget_trades_gpu_memory_for_speed():
     assert len(set(step)) == len(step)
 
 
+def test_step_in_backward_frees_the_gradients_and_hides_part_of_the_update():
+    """Without clipping the sharded setups step in backward (StepInBackward): where the end of backward makes the
+    peak (checkpointed activations), it holds one unit's gradient instead of the model's, and part of the GPU
+    optimizer step overlaps backward; with clipping nothing changes."""
+    from shardfuse.plan._time import OPT_BYTES, SIB_HIDDEN
+
+    shape, f = BUILTIN["6.7b"], floors_for("h200")
+    clip, free = Workload(4096, 4096), Workload(4096, 4096, clip=False)
+    base = Setup("s", "sharded", shard=2, checkpointing=True, ranks_per_node=2)
+    sib = Setup("s", "sharded", shard=2, checkpointing=True, ranks_per_node=2, step_in_backward=True)
+    plain, stepped = predict(shape, base, clip, f), predict(shape, sib, free, f)
+    grads, held = 4.0 * shape.params / 2, 12.0 * shape.params / 2  # the gradients; shard and AdamW state
+    assert plain.memory.gpu_peak == pytest.approx(held + grads)  # the end of backward makes the plain peak
+    # Stepping in backward: the larger of forward's end (state, a unit's transients, checkpointed activations) and
+    # the end of backward with one unit's gradient, both well under the plain peak.
+    assert held + 4.0 * shape.largest_unit / 2 <= stepped.memory.gpu_peak < held + grads / 2
+    opt = OPT_BYTES[("adamw", "fused")] / (f.hbm_gbps * 1e6) * shape.params / 2
+    assert plain.time.step_ms - stepped.time.step_ms == pytest.approx(SIB_HIDDEN * opt)
+    names = {p.setup.name: p.setup for p in plan("6.7b", gpus=2, gpu_mem_gib=141, tokens=4096, clip=False).predictions}
+    assert names["sharded"].step_in_backward and names["sharded + checkpointing"].step_in_backward
+    names = {p.setup.name: p.setup for p in plan("6.7b", gpus=2, gpu_mem_gib=141, tokens=4096).predictions}
+    assert not names["sharded"].step_in_backward
+
+
 def test_recommendations_cover_each_setup():
     assert plan("llama-7b", gpus=8, gpu_mem_gib=80, host_mem_gib=1024, tokens=4096).recommended.setup.kind == "sharded"
     one = plan("6.7b", gpus=1, gpu_mem_gib=80, host_mem_gib=256, tokens=2048).recommended
@@ -277,7 +301,8 @@ def _code_after_recommendation(stdout: str) -> str:
      "OffloadConfig"),
     (("--dims", "2048,16,16,5632,32000", "--nodes", "2", "--gpus", "8", "--tokens", "8192"), "init_device_mesh"),
     (("6.7b", "--gpus", "1", "--gpu-mem", "80", "--no-clip", "--tokens", "2048"), "step_in_backward=True"),
-], ids=["sharded", "offload", "ssd", "hybrid-2-nodes", "no-clip"])  # fmt: skip
+    (("llama-7b", "--gpus", "8", "--gpu-mem", "80", "--host-mem", "1024", "--no-clip"), "StepInBackward(model, "),
+], ids=["sharded", "offload", "ssd", "hybrid-2-nodes", "no-clip", "sharded-no-clip"])  # fmt: skip
 def test_printed_code_is_valid_python(args, kind):
     out = run_cli(*args)
     assert out.returncode == 0, out.stderr

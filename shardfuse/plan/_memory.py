@@ -9,7 +9,9 @@ What lives where, read from the code (``shardfuse/sharding``) and checked agains
   bf16 parameters (it keeps them from forward to backward; its gradient buffers come after the activations are
   freed); the activations
   (:func:`activation_bytes`). The peak is the larger of forward's end (state + activations) and the optimizer step
-  (state + gradients). Under ``no_sync`` accumulation the unsharded bf16 gradients (2 B/param) are kept.
+  (state + gradients; with ``StepInBackward``, where the workload does not clip, one unit's gradient: each is freed
+  as its unit is updated in backward). Under ``no_sync`` accumulation the unsharded bf16 gradients (2 B/param) are
+  kept.
 * **offload** (``move_params_to_cpu=True`` + ``OffloadOptimizer``): the GPU holds the units the budget keeps
   resident (16 B/param with AdamW: shard, gradient, state, as ``choose_resident`` counts) and the transients; the
   host the offloaded fp32 shards and their optimizer state, and a pinned gradient buffer for *every* unit, made at
@@ -115,7 +117,9 @@ def estimate_memory(shape: ModelShape, setup: Setup, work: Workload) -> MemoryEs
         params = shape.params / setup.shard
         grads_kept = 4.0 * params if work.micro_batches > 1 and setup.kind == "plain" else 0.0
         forward = (4.0 + state) * params + grads_kept + transient
-        gpu = max(forward, per_param * params)
+        # The end of backward holds every sharded gradient, or with StepInBackward the last unit's alone.
+        grads = 4.0 * (shape.largest_unit / setup.shard if setup.step_in_backward else params)
+        gpu = max(forward, (4.0 + state) * params + grads)
         return MemoryEstimate(gpu, HOST_BASE_BYTES * setup.ranks_per_node, 0.0)
     full_peak = transient
     resident = setup.resident_params

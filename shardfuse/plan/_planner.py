@@ -65,27 +65,30 @@ def offload_setup(shape: ModelShape, base: Setup, work: Workload, budget_gib: fl
     return dataclasses.replace(base, resident_params=resident, gpu_budget_gib=budget_gib)
 
 
-def _sharded(machine: Machine, ckpt: bool, mesh: tuple[int, int] | None) -> list[Setup]:
+def _sharded(machine: Machine, ckpt: bool, mesh: tuple[int, int] | None, sib: bool) -> list[Setup]:
     n, g = machine.nodes, machine.gpus_per_node
     tag = " + checkpointing" if ckpt else ""
-    out = [Setup(f"sharded{tag}", "sharded", shard=n * g, checkpointing=ckpt, inter_node=n > 1, ranks_per_node=g)]
+    out = [Setup(f"sharded{tag}", "sharded", shard=n * g, checkpointing=ckpt, step_in_backward=sib, inter_node=n > 1,
+                 ranks_per_node=g)]
     replicas, shards = mesh or (n, g)
     if replicas > 1:
         out.append(Setup(f"hybrid {replicas}x{shards}{tag}", "sharded", shard=shards, replicas=replicas,
-                         checkpointing=ckpt, inter_node=shards > g, ranks_per_node=g))  # fmt: skip
+                         checkpointing=ckpt, step_in_backward=sib, inter_node=shards > g,
+                         ranks_per_node=g))  # fmt: skip
     return out
 
 
 def candidate_setups(shape: ModelShape, work: Workload, machine: Machine,
                      mesh: tuple[int, int] | None = None) -> list[Setup]:
-    """The setups the planner compares: sharded (and hybrid over nodes) with and without activation checkpointing,
+    """The setups the planner compares: sharded (and hybrid over nodes; with ``StepInBackward`` where the workload
+    does not clip) with and without activation checkpointing,
     OffloadOptimizer with the budget it would pick (with checkpointing when the activations need it), the SSD
     tier (when there is disk), and plain PyTorch on one GPU as a reference."""
     n, g = machine.nodes, machine.gpus_per_node
     world = n * g
     budget = math.floor(GPU_USABLE * machine.gpu_mem_gib)
-    setups = _sharded(machine, False, mesh) + _sharded(machine, True, mesh)
-    sib = not work.clip
+    sib = not work.clip  # without clipping the optimizer may step in backward (StepInBackward, OffloadOptimizer's)
+    setups = _sharded(machine, False, mesh, sib) + _sharded(machine, True, mesh, sib)
     for ckpt in (False, True):
         tag = " + checkpointing" if ckpt else ""
         base = Setup(f"offload (budget {budget} GiB){tag}", "offload", shard=world, checkpointing=ckpt,

@@ -84,6 +84,9 @@ def snippet(p: Prediction, nodes: int, gpus_per_node: int, optimizer: str = "ada
     body.append("    model = wrap(auto_wrap(model, auto_wrap_policy=policy))")
     opt = ("torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)" if optimizer == "adamw"
            else "torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)")  # fmt: skip
+    if setup.step_in_backward and not setup.offloaded:
+        imports.append("StepInBackward")
+        opt = f"StepInBackward(model, {opt})  # each unit's update in backward: no clip_grad_norm_"
     if setup.offloaded:
         extra = ", step_in_backward=True" if setup.step_in_backward else ""
         extra += ", accumulate_on_gpu=True" if setup.accumulate_on_gpu else ""

@@ -8,7 +8,8 @@
   Hybrid sharding adds the all-reduce of each fp32 gradient shard across nodes.
 * **host launch** (eager): ``host_ms_per_unit`` per unit per micro-batch; the host runs ahead of the GPU, so the
   step is the longer of the two (a 1K-token step of a 1B model is host-bound).
-* **GPU optimizer**: bytes per parameter (:data:`OPT_BYTES`) at the device copy bandwidth.
+* **GPU optimizer**: bytes per parameter (:data:`OPT_BYTES`) at the device copy bandwidth; with ``StepInBackward``
+  (sharded setups of a workload that does not clip) :data:`SIB_HIDDEN` of it overlaps backward.
 * **offload**: the fp32 shard crosses to the GPU for every gather (2 B with ``host_compute_copy``), the fp32
   gradient comes back once per optimizer step, overlapped with compute per phase (forward: max(compute, H2D),
   backward: max(compute, H2D, D2H)); the host update (CPU AdamW x the calibrated in-training slowdown, ranks of a
@@ -26,12 +27,16 @@ from shardfuse.plan._hardware import Floors
 from shardfuse.plan._setup import Setup, Workload, state_bytes
 from shardfuse.plan._shapes import ModelShape
 
-__all__ = ["OPT_BYTES", "StepTime", "estimate_time", "ring_ms"]
+__all__ = ["OPT_BYTES", "SIB_HIDDEN", "StepTime", "estimate_time", "ring_ms"]
 
 # Bytes an optimizer step moves through GPU memory per parameter. Fused AdamW reads parameter, gradient and two
 # moments and writes three (28 B, rounded up for the step counter and launch gaps); foreach takes more passes: the
 # profiled AdamW step of bench/results/logs/h200x2-profile.log is 21.9 ps per parameter at 4,240 GB/s = 93 B.
 OPT_BYTES = {("adamw", "fused"): 32.0, ("adamw", "foreach"): 93.0, ("sgd", "fused"): 20.0, ("sgd", "foreach"): 40.0}
+# The share of the GPU optimizer step that StepInBackward hides behind backward (its updates on the post-backward
+# stream share memory bandwidth with the backward's kernels): 10.3, 10.3 and 1.8 ms saved of a predicted 25 ms pass
+# (7B decoder, float8, 2 x H200: e2e_7b_fp8_sib14_2gpu.json, e2e_7b_fp8_sib_2gpu.json, e2e_7b_fp8_sib_side_2gpu.json).
+SIB_HIDDEN = 0.4
 # Eager plain PyTorch (no sharding hooks) launches a block's work in this fraction of shardfuse's per-unit host
 # time: the one-GPU 1K-token rows of bench/results/h200/e2e_2gpu.json, e2e_fused_2gpu.json, e2e_4gpu.json (54-62 ms
 # for the 953M decoder) against shardfuse's 73.6 ms there (17 units x 4.33 ms).
@@ -89,6 +94,8 @@ def estimate_time(shape: ModelShape, setup: Setup, work: Workload, f: Floors) ->
         launch *= PLAIN_LAUNCH_RATIO
     if not setup.offloaded:
         opt = per_byte * shape.params / setup.shard
+        if setup.step_in_backward:  # StepInBackward: each unit's update beside the backward of the next ones
+            opt *= 1.0 - SIB_HIDDEN
         gpu = max(fwd + bwd, comm - exposed) + exposed + opt
         step = max(gpu, launch)
         bound = "launch" if launch >= gpu else ("comm" if comm - exposed > fwd + bwd else "compute")
