@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -35,9 +34,10 @@ from shardfuse.sharding.host._host_step import (
     settings_of,
     step_plan,
 )
+from shardfuse.sharding.host._wrapped_hooks import WrapsOptimizer
 
 
-class StepInBackward(torch.optim.Optimizer):
+class StepInBackward(WrapsOptimizer):
     """Step ``optimizer`` during backward, one unit at a time, as each unit's gradient is reduced; free that gradient
     at once. The peak of a step then holds no model-wide sharded gradient (4 bytes a parameter over the ranks in
     fp32), at the cost of clipping by the global norm (the norm needs every gradient before any update).
@@ -73,39 +73,13 @@ class StepInBackward(torch.optim.Optimizer):
         self._plans: dict[int, ShardPlan] = {}  # id(handle) -> its plan; 0: the parameters that are no shard
         self._signature: tuple = ()
         self._stepped: set[int] = set()  # id(handle) of the units stepped in this backward
-        for name in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
-                     "load_state_dict_post"):
-            setattr(self, f"_optimizer_{name}_hooks", OrderedDict())
+        self._init_hook_dicts()
         self._hooks: list[RemovableHandle] = [optimizer.register_step_pre_hook(_refuse_step(self))]
         self._consumer = functools.partial(_consume_weakly, weakref.WeakMethod(self._on_grad))
         self._refresh_plans()  # hands the consumer to the handles the optimizer holds
         self.root.host_engine = weakref.ref(self)
 
     # ------------------------------------------------------------------------------------------ the user's optimizer
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
 
     def __repr__(self) -> str:
         return f"StepInBackward({self.optimizer!r})"

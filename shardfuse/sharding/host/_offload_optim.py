@@ -10,7 +10,6 @@ import logging
 import os
 import threading
 import weakref
-from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -64,7 +63,7 @@ HOST_TILES_ENV = "SHARDFUSE_HOST_TILES"  # "0": no tile pool (the scaled updates
 WIDEN_KEY = -1.0  # the worker's key of a gradient widening: ahead of every update (keys >= 0)
 
 
-class OffloadOptimizer(torch.optim.Optimizer):
+class OffloadOptimizer(_wrapped_hooks.WrapsOptimizer):
     """Step ``optimizer`` over a ``move_params_to_cpu=True`` model unit by unit on a host thread, overlapped with
     the GPU: gradients leave the GPU as each unit is reduced (into reused pinned buffers), the step returns at
     once, each unit's update runs on the host in forward order and writes a compute-dtype (bf16) copy, and the
@@ -181,12 +180,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._placements = 0  # budget placements made (PLACEMENTS at most)
         self._moved_any = False
         self._trace: HostTrace | None = None  # trace_host()
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._init_hook_dicts()
         self._attach()
         self.root.host_engine = weakref.ref(self)
         self._wrapped_hooks = _wrapped_hooks.attach(self, optimizer)
@@ -194,30 +188,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------------------------------------------
     # the user's optimizer, seen through this one
     # ----------------------------------------------------------------------------------------------
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
 
     def __repr__(self) -> str:
         return f"OffloadOptimizer({self.optimizer!r}, gpu_budget_gib={self.gpu_budget_gib})"

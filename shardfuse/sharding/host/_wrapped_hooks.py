@@ -1,4 +1,5 @@
-"""The hooks an ``OffloadOptimizer`` puts on the optimizer it wraps (the user's, which the user may still hold).
+"""The hooks an ``OffloadOptimizer`` puts on the optimizer it wraps (the user's, which the user may still hold), and
+``WrapsOptimizer``: the user's optimizer's groups, state and defaults seen through a wrapper.
 
 While the ``OffloadOptimizer`` drives it, that optimizer's own ``step()`` would update the host shards on the
 caller's thread, beside the worker's updates and without the deferred clip coefficient: it is refused, naming the
@@ -10,6 +11,7 @@ the ``OffloadOptimizer`` weakly and does nothing once it is gone; ``close()`` re
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from typing import Any, Protocol
 
 import torch
@@ -54,3 +56,41 @@ def attach(driver: Driver, optimizer: torch.optim.Optimizer) -> list[RemovableHa
     return [optimizer.register_step_pre_hook(refuse_step), optimizer.register_state_dict_pre_hook(before_read),
             optimizer.register_load_state_dict_pre_hook(before_load),
             optimizer.register_load_state_dict_post_hook(after_load)]
+
+
+class WrapsOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` over the user's optimizer ``self.optimizer`` (``OffloadOptimizer``,
+    ``StepInBackward``): ``param_groups``, ``state`` and ``defaults`` are that optimizer's, so LR schedulers and state
+    dicts see one set of groups. Subclasses do not call ``Optimizer.__init__``; :meth:`_init_hook_dicts` makes the
+    hook tables it would have."""
+
+    optimizer: torch.optim.Optimizer
+
+    def _init_hook_dicts(self) -> None:
+        for name in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
+                     "load_state_dict_post"):
+            setattr(self, f"_optimizer_{name}_hooks", OrderedDict())
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
