@@ -47,6 +47,11 @@ def train(cfg: dict[str, Any], in_backward: bool, steps: int = STEPS) -> tuple[F
     model = _wrap(_models.build(cfg), cfg)
     if cfg.get("fused"):
         opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    elif cfg.get("groups"):  # two groups of their own settings; with "subset" the root unit's shard in none
+        blocks = [p for b in model.blocks for p in b.parameters()]
+        rest = [] if cfg.get("subset") else [p for p in model.parameters() if all(p is not q for q in blocks)]
+        opt = torch.optim.AdamW([{"params": blocks, "lr": 3e-2, "weight_decay": 0.0},
+                                 *([{"params": rest}] if rest else [])], lr=1e-2, weight_decay=0.1)
     else:
         opt = make_optim(model.parameters(), cfg)
     live: list[int] = []
@@ -91,11 +96,13 @@ def check_same_as_plain(cfg: dict[str, Any]) -> bool:
         for key, value in want[i].items():
             if isinstance(value, torch.Tensor):
                 assert torch.equal(got[i][key], value), f"optimizer state {i}.{key} differs"
-    # Every trained unit was stepped in backward, each with no other unit's sharded gradient alive beside its own.
-    trained = sum(h.requires_grad for h in _handles(model))
-    assert len(live) >= STEPS * (trained - (1 if cfg.get("extra") else 0)), live
-    assert live and max(live) == 1, f"sharded gradients alive at an update in backward: {live}"
-    assert all(p.grad is None for p in model.parameters())
+    # Every trained unit the optimizer holds was stepped in backward, each with no other unit's sharded gradient
+    # alive beside its own (a unit the optimizer does not hold keeps its gradient, as without StepInBackward).
+    held = {id(h) for h in _handles(model) if h.requires_grad} - ({id(model._unit.handles[0])} if cfg.get("subset")
+                                                                   else set())
+    assert len(live) >= STEPS * (len(held) - (1 if cfg.get("extra") else 0)), live
+    assert live and max(live) == 1 + bool(cfg.get("subset")), f"sharded gradients alive at an update: {live}"
+    assert all((p.grad is None) == (id(h) in held) for h in _handles(model) for p in [h.flat] if h.requires_grad)
     return True
 
 
@@ -113,6 +120,8 @@ CASES = {
     "scheduler": dict(scheduler=True),
     "zero-to-zeros": dict(set_to_none=False),
     "no-reshard": dict(reshard_after_forward=False),
+    "param-groups": dict(groups=True),
+    "optimizer-over-some-units": dict(groups=True, subset=True),
 }
 
 
