@@ -221,3 +221,62 @@ def check_load_state_dict_is_followed() -> bool:
                                    check_load_state_dict_is_followed])
 def test_step_in_backward_contract(pool, check):
     assert pool.run(check) == [True] * WORLD
+
+
+def check_checkpoints(path: str) -> bool:
+    """A DCP checkpoint of a StepInBackward run (model and optimizer through ``sharded_state_dict(opt)``) loads into a
+    fresh model and a fresh StepInBackward, and the next step equals the original's; the full optimizer state
+    consolidates (``gather_full_optim_state_dict``) as for the plain optimizer."""
+    import torch.distributed.checkpoint as dcp
+
+    def make() -> tuple[FSDP, StepInBackward]:
+        model = wrap_model(_models.build({}), {})
+        return model, StepInBackward(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+
+    model, opt = make()
+    for step in range(2):
+        _one_backward(model, step)
+        opt.step()
+        opt.zero_grad()
+    dcp.save(model.sharded_state_dict(opt), checkpoint_id=path)
+    full = model.gather_full_optim_state_dict(opt)
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    plain.load_state_dict(opt.state_dict())  # the same state, through the plain optimizer
+    want = model.gather_full_optim_state_dict(plain)
+    if dist.get_rank() == 0:
+        assert full is not None and want is not None
+        assert full["param_groups"] == want["param_groups"]
+        for i, st in want["state"].items():
+            assert all(torch.equal(full["state"][i][k], v) for k, v in st.items() if isinstance(v, torch.Tensor))
+    fresh, fresh_opt = make()
+    state = fresh.sharded_state_dict(fresh_opt)
+    dcp.load(state, checkpoint_id=path)
+    fresh.load_sharded_state_dict(state, fresh_opt)
+    for m, o in ((model, opt), (fresh, fresh_opt)):
+        _one_backward(m, 2)
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    return True
+
+
+def test_step_in_backward_checkpoints(pool, tmp_path):
+    assert pool.run(check_checkpoints, str(tmp_path / "ckpt")) == [True] * WORLD
+
+
+def check_fresh_wrappers_give_a_sharded_state_dict() -> bool:
+    """A fresh StepInBackward or OffloadOptimizer (no step yet: the state's layout is learned by stepping a copy of
+    the optimizer they wrap) gives the sharded state dict to load a checkpoint into, with the optimizer's entries."""
+    from shardfuse import OffloadOptimizer
+
+    resident = wrap_model(_models.build({}), {})
+    offloaded = wrap_model(_models.build({}), {"move_params_to_cpu": True})
+    for model, opt in ((resident, StepInBackward(resident, torch.optim.AdamW(resident.parameters()))),
+                       (offloaded, OffloadOptimizer(offloaded, torch.optim.AdamW(offloaded.parameters()),
+                                                    gpu_budget_gib=0))):
+        keys = list(model.sharded_state_dict(opt))
+        assert any(k.endswith(".exp_avg") for k in keys) and "optim.param_groups" in keys, keys
+    return True
+
+
+def test_fresh_wrappers_give_a_sharded_state_dict(pool):
+    assert pool.run(check_fresh_wrappers_give_a_sharded_state_dict) == [True] * WORLD

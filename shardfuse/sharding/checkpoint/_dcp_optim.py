@@ -86,6 +86,10 @@ def _stand_in_plans(optim: torch.optim.Optimizer, slots: list[Slot], action: str
     gradients; the per-element state becomes zero buffers of the slot's size."""
     if not slots:
         return {}
+    # A wrapper driving the user's optimizer (OffloadOptimizer, StepInBackward) is tied to its model and keeps no
+    # state of its own: the copy is of the optimizer it wraps, whose groups and state it shows.
+    while isinstance(getattr(optim, "optimizer", None), torch.optim.Optimizer):
+        optim = optim.optimizer
     wanted = {id(s.param): s for s in slots}
     memo: dict[int, Any] = {id(optim.state): defaultdict(dict)}
     stand_ins: dict[int, torch.Tensor] = {}
