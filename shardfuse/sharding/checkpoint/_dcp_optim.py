@@ -88,8 +88,8 @@ def _stand_in_plans(optim: torch.optim.Optimizer, slots: list[Slot], action: str
         return {}
     # A wrapper driving the user's optimizer (OffloadOptimizer, StepInBackward) is tied to its model and keeps no
     # state of its own: the copy is of the optimizer it wraps, whose groups and state it shows.
-    while isinstance(getattr(optim, "optimizer", None), torch.optim.Optimizer):
-        optim = optim.optimizer
+    while isinstance(inner := getattr(optim, "optimizer", None), torch.optim.Optimizer):
+        optim = inner
     wanted = {id(s.param): s for s in slots}
     memo: dict[int, Any] = {id(optim.state): defaultdict(dict)}
     stand_ins: dict[int, torch.Tensor] = {}
