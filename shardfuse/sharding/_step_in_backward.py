@@ -34,7 +34,7 @@ from shardfuse.sharding.host._host_step import (
     settings_of,
     step_plan,
 )
-from shardfuse.sharding.host._wrapped_hooks import WrapsOptimizer
+from shardfuse.sharding.host._wrapped_hooks import WrapsOptimizer, refusing_step
 
 
 class StepInBackward(WrapsOptimizer):
@@ -74,7 +74,10 @@ class StepInBackward(WrapsOptimizer):
         self._signature: tuple = ()
         self._stepped: set[int] = set()  # id(handle) of the units stepped in this backward
         self._init_hook_dicts()
-        self._hooks: list[RemovableHandle] = [optimizer.register_step_pre_hook(_refuse_step(self))]
+        self._hooks: list[RemovableHandle] = [optimizer.register_step_pre_hook(refusing_step(
+            self, "a StepInBackward drives: its units were stepped during backward already; call step() on the "
+                  "StepInBackward (also what LR schedulers should be given), or close() it first to step this "
+                  "optimizer by itself"))]
         self._consumer = functools.partial(_consume_weakly, weakref.WeakMethod(self._on_grad))
         self._refresh_plans()  # hands the consumer to the handles the optimizer holds
         self.root.host_engine = weakref.ref(self)
@@ -130,7 +133,8 @@ class StepInBackward(WrapsOptimizer):
     def _on_grad(self, handle: FlatParamHandle) -> bool:
         """The reduction wrote ``handle.flat.grad`` (on the post-backward stream, current now): step the unit with it
         and drop it. False where the optimizer does not hold the shard (its gradient stays)."""
-        self._refresh_plans()
+        if not self._stepped:  # once a backward (its groups and state cannot change within one)
+            self._refresh_plans()
         plan = self._plans.get(id(handle))
         if plan is None:
             return False
@@ -217,17 +221,3 @@ def _consume_weakly(method: weakref.WeakMethod, handle: FlatParamHandle) -> bool
     """The handle's ``grad_consumer``: holds its StepInBackward weakly (a dropped one steps nothing)."""
     on_grad = method()
     return bool(on_grad(handle)) if on_grad is not None else False
-
-
-def _refuse_step(driver: StepInBackward) -> Any:
-    ref = weakref.ref(driver)
-
-    def refuse(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if ref() is not None:
-            raise RuntimeError(
-                f"{type(opt).__name__}.step() called on the optimizer a StepInBackward drives: its units were "
-                f"stepped during backward already; call step() on the StepInBackward (also what LR schedulers "
-                f"should be given), or close() it first to step this optimizer by itself"
-            )
-
-    return refuse

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -28,18 +29,25 @@ class Driver(Protocol):
     def state_loaded(self) -> None: ...
 
 
-def attach(driver: Driver, optimizer: torch.optim.Optimizer) -> list[RemovableHandle]:
-    """Hook ``optimizer`` for ``driver``; returns the handles to remove at ``close()``."""
+def refusing_step(driver: object, why: str) -> Callable[[torch.optim.Optimizer, Any, Any], None]:
+    """A step pre-hook that refuses the wrapped optimizer's own ``step()`` while ``driver`` (held weakly) lives:
+    ``"<class>.step() called on the optimizer <why>"``."""
     ref = weakref.ref(driver)
 
     def refuse_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if ref() is not None:
-            raise RuntimeError(
-                f"{type(opt).__name__}.step() called on the optimizer an OffloadOptimizer wraps: it would update the "
-                f"host shards beside the OffloadOptimizer's own updates (and without a deferred clip): call step() "
-                f"on the OffloadOptimizer (also what GradScaler.step and LR schedulers should be given), or close() "
-                f"it first to step this optimizer by itself"
-            )
+            raise RuntimeError(f"{type(opt).__name__}.step() called on the optimizer {why}")
+
+    return refuse_step
+
+
+def attach(driver: Driver, optimizer: torch.optim.Optimizer) -> list[RemovableHandle]:
+    """Hook ``optimizer`` for ``driver``; returns the handles to remove at ``close()``."""
+    ref = weakref.ref(driver)
+    refuse_step = refusing_step(
+        driver, "an OffloadOptimizer wraps: it would update the host shards beside the OffloadOptimizer's own updates "
+                "(and without a deferred clip): call step() on the OffloadOptimizer (also what GradScaler.step and LR "
+                "schedulers should be given), or close() it first to step this optimizer by itself")
 
     def before_read(opt: torch.optim.Optimizer) -> None:
         if (d := ref()) is not None:
