@@ -36,7 +36,9 @@ from shardfuse.kernels._cast_multi import cast_shards
 
 FAMILY = "shard_cast"
 DISPATCH_FAMILY = "shard_cast_dispatch"
-CROSSOVER_NUMELS = (1 << 10, 1 << 14, 1 << 18)  # elements per tensor, from host-bound to GPU-bound
+# Elements per tensor, from host-bound to GPU-bound; 64K and 256K on either side of the list form's
+# FOREACH_LARGE_MIN_NUMEL (from 32 tensors, ends this large take the kernel where the GPU's rule does).
+CROSSOVER_NUMELS = (1 << 10, 1 << 14, 1 << 16, 1 << 18)
 NUM_PARAMS = 16  # per-parameter shards in one FSDP unit's flat shard
 NUM_SMALL = 1000  # tensors in the multi-tensor case
 WORLD_SIZE = 2  # the all-gather input is this rank's slice of a WORLD_SIZE-times larger buffer
@@ -132,7 +134,7 @@ def _list_case(num: int, per_tensor: int) -> KernelCase:
     run = lambda: cast_shards(srcs, outs)  # noqa: E731
     return KernelCase(
         family=DISPATCH_FAMILY,
-        name=f"list fp32->bf16 {num} tensors x{per_tensor} ({_list_side(srcs, sum(sizes) * 6)})",
+        name=f"list fp32->bf16 {num} tensors x{per_tensor} ({_list_side(srcs, outs, sum(sizes) * 6)})",
         numel=sum(sizes),
         bytes_moved=sum(sizes) * (4 + 2),
         shardfuse=run,
@@ -175,9 +177,9 @@ def _side(family: str, num: int, nbytes: int) -> str:
     return "triton" if _crossover.use_triton_at(family, torch.device("cuda"), num, nbytes) else "torch"
 
 
-def _list_side(srcs: list[torch.Tensor], nbytes: int) -> str:
+def _list_side(srcs: list[torch.Tensor], outs: list[torch.Tensor], nbytes: int) -> str:
     """:func:`_side` of the list form: its count rules first (``_cast_multi.use_foreach``)."""
-    return "foreach" if _cast_multi.use_foreach(srcs) else _side("cast_shards_list", len(srcs), nbytes)
+    return "foreach" if _cast_multi.use_foreach(srcs, outs) else _side("cast_shards_list", len(srcs), nbytes)
 
 
 def crossover_cases() -> list[KernelCase]:

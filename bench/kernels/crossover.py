@@ -44,7 +44,12 @@ from pathlib import Path
 
 from bench.kernels.cases import TORCH_PATH, TRITON_PATH
 from shardfuse.kernels import _crossover
-from shardfuse.kernels._cast_multi import FOREACH_MIN_TENSORS, FOREACH_SMALL_MAX_NUMEL, FOREACH_SMALL_MIN_TENSORS
+from shardfuse.kernels._cast_multi import (
+    FOREACH_LARGE_MIN_NUMEL,
+    FOREACH_MIN_TENSORS,
+    FOREACH_SMALL_MAX_NUMEL,
+    FOREACH_SMALL_MIN_TENSORS,
+)
 from shardfuse.kernels._crossover import NEVER, Crossover
 
 # family of the library -> (bench family, row-name prefix, label of the PyTorch sequence's time)
@@ -55,7 +60,7 @@ ROW_PATHS: dict[str, tuple[str, str, str]] = {
 }
 # The Crossover fields each family's rule is fitted on (the others keep their defaults).
 FITTED: dict[str, tuple[str, ...]] = {
-    "cast_shards_list": ("max_tensors", "min_bytes"),
+    "cast_shards_list": ("max_tensors", "min_bytes", "big_tensor_bytes"),
     "cast_shards_flat": ("many_tensors", "min_bytes"),
     "concat": ("min_bytes",),
 }
@@ -74,9 +79,18 @@ def _prekey_triton(family: str, num: int, nbytes: int) -> bool:
     ``num`` tensors moving ``nbytes`` to the kernel. The list rows are fp32 -> bf16 (6 bytes an element) of near-even
     sizes: their mean size stands for the first and last tensors the launcher samples."""
     if family == "cast_shards_list":
-        small = nbytes / max(num, 1) / 6 <= FOREACH_SMALL_MAX_NUMEL
-        return num < FOREACH_SMALL_MIN_TENSORS or (num < FOREACH_MIN_TENSORS and not small)
+        mean_numel = nbytes / max(num, 1) / 6
+        small = mean_numel <= FOREACH_SMALL_MAX_NUMEL
+        return (num < FOREACH_SMALL_MIN_TENSORS or (num < FOREACH_MIN_TENSORS and not small)
+                or mean_numel >= FOREACH_LARGE_MIN_NUMEL)
     return True
+
+
+def _bare_torch(family: str, num: int) -> bool:
+    """Whether the entry point's PyTorch side of such a call is the bare sequence, not its plan's PyTorch path: the
+    list form's large calls from ``FOREACH_MIN_TENSORS`` tensors, which ``use_foreach`` sends to
+    ``_foreach_copy_`` itself where the rule does not take the kernel."""
+    return family == "cast_shards_list" and num >= FOREACH_MIN_TENSORS
 
 
 def points(family: str, rows: Iterable[dict]) -> list[Point]:
@@ -91,8 +105,9 @@ def points(family: str, rows: Iterable[dict]) -> list[Point]:
         triton_ms = base[TRITON_PATH]["ms"] if TRITON_PATH in base else r["shardfuse_ms"]
         if TORCH_PATH in base and TRITON_PATH not in base:
             continue  # the row's own time may be either path
-        torch_ms = base[TORCH_PATH]["ms"] if TORCH_PATH in base else base[torch_label]["ms"]
         num, nbytes = int(r.get("num_tensors", 1)), int(r["bytes"])
+        own = TORCH_PATH in base and not _bare_torch(family, num)
+        torch_ms = base[TORCH_PATH]["ms"] if own else base[torch_label]["ms"]
         if _prekey_triton(family, num, nbytes):
             out.append(Point(num, nbytes, float(triton_ms), float(torch_ms)))
     return out

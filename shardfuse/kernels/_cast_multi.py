@@ -7,8 +7,9 @@ the tensor count and nothing waits on the host. The launch plans (device tables 
 of tensors, so a repeat call costs little more than the launch itself, plus reading each tensor's address for
 the plan key and checking their layouts against the plan's guard (one C++ call for all of them). From
 ``FOREACH_MIN_TENSORS`` tensors on (from ``FOREACH_SMALL_MIN_TENSORS`` when the first and last are small), that
-per-tensor Python work costs more than PyTorch's C++ ``torch._foreach_copy_``, so the list form hands over to it
-(docs/kernels.md, "Dispatch").
+per-tensor Python work costs more than PyTorch's C++ ``torch._foreach_copy_``, so the list form hands over to it,
+unless the first and last are large enough that the copies, not the host, bound the call (docs/kernels.md,
+"Dispatch").
 
 Layout: ``@triton.jit`` kernel, launcher (``cast_shards``), reference (``cast_shards_ref``).
 """
@@ -43,6 +44,12 @@ FOREACH_MIN_TENSORS = 32
 # three; 16 tensors x 16K took 5.4-7.8 through the kernel against 11.4 (docs/kernels.md, "Dispatch").
 FOREACH_SMALL_MIN_TENSORS = 16
 FOREACH_SMALL_MAX_NUMEL = 4096
+# ... but not when the first and the last source hold at least FOREACH_LARGE_MIN_NUMEL elements each and the GPU's
+# measured crossover ("cast_shards_list", its big_tensor_bytes) takes the kernel for such a call: there the copies
+# are bound by the GPU, not the host, and the one launch beat _foreach_copy_'s copy per tensor on an H200, 32-1000
+# tensors x 256K fp32 -> bf16 through the kernel 20.3-427.2 us against 30.4-558.7 (1.1-1.5x; 3805688), while at 16K
+# _foreach_copy_ was the faster from 256 tensors on (the plan keys and guards every tensor).
+FOREACH_LARGE_MIN_NUMEL = 1 << 17
 
 _LIST_FIX = (
     "give every source a destination of its own that no other source or destination shares "
@@ -277,22 +284,31 @@ def _torch_copy(plan: _Plan, srcs: list[torch.Tensor], out: torch.Tensor | list[
     torch._foreach_copy_(dsts, [s.view(-1) for s in srcs] if plan.flatten else srcs)
 
 
-def use_foreach(srcs: Sequence[torch.Tensor]) -> bool:
+def use_foreach(srcs: Sequence[torch.Tensor], dests: Sequence[torch.Tensor] | None = None) -> bool:
     """Whether the list form of :func:`cast_shards` runs ``torch._foreach_copy_``, decided from the count and the
     first and last tensors alone (reading every tensor's layout is the cost being avoided): from
     ``FOREACH_MIN_TENSORS`` tensors, or from ``FOREACH_SMALL_MIN_TENSORS`` when the first and last source hold at most
-    ``FOREACH_SMALL_MAX_NUMEL`` elements each. The sample only moves calls between two paths that give the same
-    bits (a call of mostly large tensors between two small ones runs ``_foreach_copy_``, at its speed)."""
+    ``FOREACH_SMALL_MAX_NUMEL`` elements each; not from ``FOREACH_MIN_TENSORS`` when both hold at least
+    ``FOREACH_LARGE_MIN_NUMEL`` and the GPU's measured crossover takes the kernel for a call of ``len(srcs)`` such
+    tensors (``dests``: the destinations, whose first one gives the bytes written; default, a same-dtype copy). The
+    sample only moves calls between two paths that give the same bits (a call of mostly large tensors between two
+    small ones runs ``_foreach_copy_``, at its speed)."""
     n = len(srcs)
     if n < min(FOREACH_MIN_TENSORS, FOREACH_SMALL_MIN_TENSORS) or not isinstance(srcs[0], torch.Tensor) or (
             not common.triton_device(srcs[0])):
         return False
+    first, last = srcs[0], srcs[-1]
     if n >= FOREACH_MIN_TENSORS:
-        return True
+        if not (isinstance(last, torch.Tensor) and first.numel() >= FOREACH_LARGE_MIN_NUMEL
+                and last.numel() >= FOREACH_LARGE_MIN_NUMEL):
+            return True
+        dst = dests[0] if dests else None
+        written = dst.element_size() if isinstance(dst, torch.Tensor) else first.element_size()
+        nbytes = n * first.numel() * (first.element_size() + written)  # as if every tensor were the first
+        return not _crossover.use_triton_at("cast_shards_list", first.device, n, nbytes)
     if n < FOREACH_SMALL_MIN_TENSORS:
         return False
-    last = srcs[-1]
-    return (isinstance(last, torch.Tensor) and srcs[0].numel() <= FOREACH_SMALL_MAX_NUMEL
+    return (isinstance(last, torch.Tensor) and first.numel() <= FOREACH_SMALL_MAX_NUMEL
             and last.numel() <= FOREACH_SMALL_MAX_NUMEL)
 
 
@@ -317,7 +333,8 @@ def cast_shards(
     A repeat call with the same tensors (same addresses, sizes, dtypes, layouts and device, on the same
     stream) reuses the cached launch plan: no validation, no table building, no host->device copy. With a
     list ``out`` of at least ``FOREACH_MIN_TENSORS`` CUDA tensors (or ``FOREACH_SMALL_MIN_TENSORS`` whose first and
-    last source are small, :func:`use_foreach`), the call is ``torch._foreach_copy_(out, srcs)`` (same bits;
+    last source are small; not where both are large and the GPU's crossover takes the kernel: :func:`use_foreach`),
+    the call is ``torch._foreach_copy_(out, srcs)`` (same bits;
     PyTorch's own argument checks apply, see docs/kernels.md, "Dispatch"). On CUDA, below
     the GPU's measured size crossover (``shardfuse.kernels._crossover``, families ``"cast_shards_list"`` and
     ``"cast_shards_flat"``) the call is ``torch._foreach_copy_`` into the destinations: the same bits, faster there.
@@ -329,7 +346,7 @@ def cast_shards(
             dests = out
         elif type(out) is list or isinstance(out, Iterable):  # a list first: the ABC check costs more
             dests = out if type(out) is list else list(out)  # a list as given: no copy of a thousand entries
-            if offsets is None and use_foreach(srcs):
+            if offsets is None and use_foreach(srcs, dests):
                 try:
                     torch._foreach_copy_(dests, srcs)
                     return dests

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardfuse.kernels import _cast_multi
+from shardfuse.kernels import _cast_multi, _crossover
 from shardfuse.kernels._cast_multi import cast_shards, cast_shards_ref, use_foreach
 from shardfuse.kernels._common import clear_plan_caches, interpreting
 from tests._asserts import assert_bits, max_ulp
@@ -160,7 +160,20 @@ def test_use_foreach_decision(monkeypatch):
     assert use_foreach(srcs[:few]) and not use_foreach(srcs[: few - 1])
     assert not use_foreach([big, *srcs[: few - 1]]) and not use_foreach([*srcs[: few - 1], big])  # first or last big
     assert use_foreach([srcs[0], *[big] * (few - 2), srcs[0]])  # only the ends are sampled: same bits, its speed
-    assert use_foreach([big, *srcs[:-1]])  # from FOREACH_MIN_TENSORS the sizes do not matter
+    assert use_foreach([big, *srcs[:-1]])  # from FOREACH_MIN_TENSORS only large ends matter
+    large = torch.zeros(_cast_multi.FOREACH_LARGE_MIN_NUMEL)
+    ends = [large, *srcs[2:], large]
+    assert len(ends) == len(srcs) and not use_foreach(ends)  # large ends: the kernel, where the rule takes it
+    assert use_foreach([large, *srcs[1:]]) and use_foreach([*srcs[1:], large])  # one large end is not enough
+    with _crossover.override({"cast_shards_list": "torch"}):
+        assert use_foreach(ends)  # the rule sends such a call to PyTorch: _foreach_copy_ itself, not the plan's
+    # the rule sees the call's bytes as if every tensor were the first: len x numel x (source + destination size)
+    seen = []
+    monkeypatch.setattr(_crossover.Crossover, "triton", lambda self, num, nbytes: seen.append((num, nbytes)) or True)
+    halves = [torch.zeros(1, dtype=torch.float16)]
+    assert not use_foreach(ends, halves) and not use_foreach(ends)
+    n, k = len(ends), _cast_multi.FOREACH_LARGE_MIN_NUMEL
+    assert seen[:2] == [(n, n * k * (4 + 2)), (n, n * k * (4 + 4))]
     assert not use_foreach([*srcs[: few - 1], 3.0])  # a non-tensor at the end: the validating path names it
     assert not use_foreach([3.0] * len(srcs))  # not tensors: the validating path names them
     monkeypatch.setenv("TRITON_INTERPRET", "0")

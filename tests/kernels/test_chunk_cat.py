@@ -227,6 +227,27 @@ def test_torch_branch_keeps_clear_errors(torch_path):
         chunk_cat([t, t], 2, out=torch.empty(8, 2, device=DEVICE).t())
 
 
+def test_torch_branch_sizes_a_buffer_of_its_own(monkeypatch, torch_path):
+    """The branch runs PyTorch's out= variant (the functional call costs a pass more over the tensors) into an empty
+    buffer of its own: never the caller's out, never a resize warning for a wrong-shaped out."""
+    import warnings
+
+    seen = []
+    spy = torch._chunk_cat
+    monkeypatch.setattr(torch, "_chunk_cat", lambda *a, **k: seen.append(k.get("out")) or spy(*a, **k))
+    tensors = [randn(s, torch.float32) for s in MIXED_SHAPES]
+    expected = chunk_cat_ref(tensors, 4, factor=2.0)
+    out = poisoned(expected.shape, expected.dtype, DEVICE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert chunk_cat(tensors, 4, factor=2.0, out=out) is out and torch.equal(out, expected)
+        wrong = poisoned((4, expected.shape[1] + 3), torch.float32, DEVICE)
+        with pytest.raises(ValueError, match="expected \\(world_size, row_numel\\)"):
+            chunk_cat(tensors, 4, factor=2.0, out=wrong)
+    assert len(seen) == 2 and all(isinstance(b, torch.Tensor) and b is not out and b is not wrong for b in seen)
+    assert wrong.isnan().all()
+
+
 def test_use_torch_chunk_cat_decision(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     n = _chunk_cat.TORCH_MIN_TENSORS
