@@ -87,7 +87,7 @@ for stage in "${STAGES[@]}"; do
           --timeout "$(( ${TESTS_TIMEOUT:-560} - 20 ))"
       fi ;;
     kernels)
-      step kernels 360 python3 -m bench.kernels.run --sizes "${KERNEL_SIZES:-1M,16M,64M,256M,512M}" ;;
+      step kernels "${KERNELS_TIMEOUT:-360}" python3 -m bench.kernels.run --sizes "${KERNEL_SIZES:-1M,16M,64M,256M,512M}" ;;
     kernels-pb)
       # pytest-benchmark's own storage and compare. The runs stored for this GPU (a previous suite's
       # $OUT/work/pytest-benchmark/, copied to bench/results/<gpu>/pytest-benchmark/) seed this run's storage;
