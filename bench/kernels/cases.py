@@ -39,9 +39,9 @@ class ForcedPath:
     ``(module, name, value)`` set: one path of a dispatching entry point, whatever it would pick.
 
     Calling it forces the path around that one call (correct anywhere). A timer takes ``with path.forcing():``
-    around each timed call of ``path.fn`` instead, outside the call's events (``bench.kernels.timing``): entering the
-    overrides costs host time of its own (some 5-15 us on a slow host), which a forcing inside the events would add to
-    every timed call of a host-bound case, and only to the forced path's, not to the entry point's or PyTorch's."""
+    around its whole timing of ``path.fn`` instead (``bench.kernels.run.interleaved_ms``): entering the overrides
+    costs host time of its own (some 5-15 us on a slow host), which a per-call forcing would add to every timed call
+    of a host-bound case, and only to the forced path's, not to the entry point's or PyTorch's."""
 
     def __init__(self, mode: str, families: Sequence[str], fn: Callable[[], object],
                  counts: Sequence[tuple[ModuleType, str, Any]] = ()) -> None:

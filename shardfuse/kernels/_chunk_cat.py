@@ -268,7 +268,16 @@ def _run_torch(tensors: list[torch.Tensor], world_size: int, scale: tuple[float,
 def use_torch_chunk_cat(
     tensors: Sequence[torch.Tensor], factor: float, dtype: torch.dtype | None, out: torch.Tensor | None
 ) -> bool:
-    """Whether :func:`chunk_cat` runs ``torch._chunk_cat`` and one scaling pass instead of its kernel.
+    """Whether :func:`chunk_cat` runs ``torch._chunk_cat`` and one scaling pass instead of its kernel
+    (:func:`_torch_branch_scale`)."""
+    return _torch_branch_scale(tensors, factor, dtype, out) is not None
+
+
+def _torch_branch_scale(
+    tensors: Sequence[torch.Tensor], factor: float, dtype: torch.dtype | None, out: torch.Tensor | None
+) -> tuple[float, bool, bool] | None:
+    """``common.scale_args`` of ``factor`` where :func:`chunk_cat` runs ``torch._chunk_cat`` and one scaling pass
+    instead of its kernel, else None (the branch uses the scale it was judged on: no second check of the factor).
 
     Decided from the count, the first tensor and ``out`` alone (reading every tensor's layout is the cost
     being avoided): at least TORCH_MIN_TENSORS tensors on CUDA, with less than TORCH_MAX_OUT_BYTES_PER_TENSOR
@@ -278,21 +287,22 @@ def use_torch_chunk_cat(
     multiplication by an exact power of two.
     """
     if len(tensors) < TORCH_MIN_TENSORS:
-        return False
+        return None
     t0 = tensors[0]
     if not isinstance(t0, torch.Tensor) or t0.dtype not in common.FLOAT_DTYPES or not common.triton_device(t0):
-        return False
+        return None
     if dtype is not None and dtype != t0.dtype:
-        return False
+        return None
     try:
-        _, divide, multiply = common.scale_args(common.check_factor(factor))
+        scale = common.scale_args(common.check_factor(factor))
     except ValueError:
-        return False  # the validating path names the bad factor
+        return None  # the validating path names the bad factor
+    _, divide, multiply = scale
     if divide and not multiply:
-        return False
+        return None
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.dtype != t0.dtype or out.device != t0.device:
-            return False
+            return None
         out_bytes = out.numel() * out.element_size()
         # Past the count rule's bytes per tensor the kernel wins, unless the GPU's measured crossover sends the
         # call to PyTorch anyway: judged at 2 x out's bytes, at least what the call moves (no cast: the inputs
@@ -303,8 +313,8 @@ def use_torch_chunk_cat(
         # division reads into ``out`` in the pass it makes anyway, while without one it is a copy more.
         if out_bytes >= len(tensors) * TORCH_MAX_OUT_BYTES_PER_TENSOR and (not divide or _crossover.use_triton_at(
                 "chunk_cat", out.device, len(tensors), 2 * out_bytes)):
-            return False
-    return True
+            return None
+    return scale
 
 
 def _below_crossover(tensors: list[torch.Tensor], out: torch.Tensor) -> bool:
@@ -313,9 +323,10 @@ def _below_crossover(tensors: list[torch.Tensor], out: torch.Tensor) -> bool:
     return not _crossover.use_triton_at("chunk_cat", out.device, len(tensors), nbytes)
 
 
-def _chunk_cat_torch(tensors: list[torch.Tensor], world_size: int, factor: float,
+def _chunk_cat_torch(tensors: list[torch.Tensor], world_size: int, scale: tuple[float, bool, bool],
                      out: torch.Tensor | None) -> torch.Tensor | None:
-    """``torch._chunk_cat`` into a new buffer, then one pass ``* (1 / factor)`` into ``out``; None where
+    """``torch._chunk_cat`` into a new buffer, then one pass ``* (1 / factor)`` into ``out`` (``scale``:
+    ``common.scale_args(factor)``, a factor of 1 or a multiply); None where
     PyTorch refuses the arguments or its result does not fit ``out`` (the validating path then says why).
 
     The whole result exists before ``out`` is written, so ``out`` is never resized by PyTorch and an ``out``
@@ -333,7 +344,7 @@ def _chunk_cat_torch(tensors: list[torch.Tensor], world_size: int, factor: float
         out = full
     elif full.shape != out.shape or not out.is_contiguous():
         return None
-    kernel_factor, divide, _ = common.scale_args(factor)
+    kernel_factor, divide, _ = scale
     if divide:
         torch.mul(full, kernel_factor, out=out)  # x * 2**-k rounds like x / 2**k: one rounding of one value
     elif out is not full:
@@ -362,9 +373,9 @@ def chunk_cat(
     """
     with profiled("shardfuse.kernels:chunk_cat"):
         tensors = common.as_list(tensors)
-        if isinstance(tensors, list) and use_torch_chunk_cat(tensors, factor, dtype, out):
-            world_size = common.check_world_size(world_size, "chunk_cat")
-            result = _chunk_cat_torch(tensors, world_size, common.check_factor(factor), out)
+        scale = _torch_branch_scale(tensors, factor, dtype, out) if isinstance(tensors, list) else None
+        if scale is not None:
+            result = _chunk_cat_torch(tensors, common.check_world_size(world_size, "chunk_cat"), scale, out)
             if result is not None:
                 return result
         guarded = _guarded(tensors, out) if type(tensors) is list else None
