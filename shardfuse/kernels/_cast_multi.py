@@ -45,11 +45,11 @@ FOREACH_MIN_TENSORS = 32
 FOREACH_SMALL_MIN_TENSORS = 16
 FOREACH_SMALL_MAX_NUMEL = 4096
 # ... but not when the first and the last source hold at least FOREACH_LARGE_MIN_NUMEL elements each and the GPU's
-# measured crossover ("cast_shards_list", its big_tensor_bytes) takes the kernel for such a call: there the copies
-# are bound by the GPU, not the host, and the one launch beat _foreach_copy_'s copy per tensor on an H200, 32-1000
-# tensors x 256K fp32 -> bf16 through the kernel 20.3-427.2 us against 30.4-558.7 (1.1-1.5x; 3805688), while at 16K
-# _foreach_copy_ was the faster from 256 tensors on (the plan keys and guards every tensor).
-FOREACH_LARGE_MIN_NUMEL = 1 << 17
+# measured crossover ("cast_shards_list", its big_tensor_bytes) takes the kernel for such a call: there the copies,
+# not the host, bound the call, and the one launch beat _foreach_copy_'s copy per tensor on an H200 host (7faacaa,
+# bench/results/h200/kernels.json), 32-1000 tensors x 64K fp32 -> bf16 through the kernel 9.7-312.7 us against
+# 22.7-357.8, while at 16K _foreach_copy_ was the faster from 256 tensors on (the plan keys and guards every tensor).
+FOREACH_LARGE_MIN_NUMEL = 1 << 16
 
 _LIST_FIX = (
     "give every source a destination of its own that no other source or destination shares "

@@ -87,9 +87,9 @@ MEASURED: dict[str, dict[str, Crossover]] = {
         "concat": Crossover(min_bytes=268427264),
     },
     "h200": {
-        "cast_shards_list": Crossover(min_bytes=402653184, max_tensors=9, big_tensor_bytes=1572864),
+        "cast_shards_list": Crossover(min_bytes=786432, max_tensors=9, big_tensor_bytes=98304),
         "cast_shards_flat": Crossover(min_bytes=1572864),
-        "concat": NEVER,
+        "concat": Crossover(min_bytes=4294950912),
     },
 }
 

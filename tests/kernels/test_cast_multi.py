@@ -219,6 +219,24 @@ def test_cast_shards_foreach_branch_keeps_clear_errors(monkeypatch):
     assert_bits(outs[1].view(-1), t.to(torch.bfloat16), ulp)
 
 
+def test_cast_shards_many_tensors_with_large_ends_take_the_kernel(monkeypatch):
+    """From FOREACH_MIN_TENSORS tensors, large first and last sources take the kernel (where the rule does): same
+    bits as the reference, no _foreach_copy_; a 1-element source PyTorch would broadcast is refused there."""
+    monkeypatch.setattr(_cast_multi, "FOREACH_MIN_TENSORS", 3)
+    monkeypatch.setattr(_cast_multi, "FOREACH_LARGE_MIN_NUMEL", 64)
+    monkeypatch.setattr(torch, "_foreach_copy_", _no_kernel)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    clear_plan_caches()
+    sizes = [64, 5, 300, 1, 97]
+    srcs = [fresh(k, torch.float32) for k in sizes]
+    outs = [poisoned((k,), torch.bfloat16, DEVICE) for k in sizes]
+    assert cast_shards(srcs, outs) is outs
+    for s, o in zip(srcs, outs):
+        assert_bits(o, s.to(torch.bfloat16), max_ulp(torch.float32, torch.bfloat16))
+    with pytest.raises(ValueError, match=r"out\[1\].numel\(\)=5 != srcs\[1\].numel\(\)=1"):
+        cast_shards([srcs[0], fresh(1, torch.float32), srcs[4]], [outs[0], outs[1], outs[4]])
+
+
 def test_cast_shards_non_tensor_entries():
     t = fresh(4, torch.float32)
     out = torch.empty(8, device=DEVICE)
