@@ -87,6 +87,7 @@ for stage in "${STAGES[@]}"; do
           --timeout "$(( ${TESTS_TIMEOUT:-560} - 20 ))"
       fi ;;
     kernels)
+      # KERNEL_SIZES: the sweep's sizes; KERNELS_TIMEOUT (default 360 s): the stage's limit (noisy cases take 9 rounds)
       step kernels "${KERNELS_TIMEOUT:-360}" python3 -m bench.kernels.run --sizes "${KERNEL_SIZES:-1M,16M,64M,256M,512M}" ;;
     kernels-pb)
       # pytest-benchmark's own storage and compare. The runs stored for this GPU (a previous suite's

@@ -19,14 +19,13 @@ to what that fit gives for the stored files. The families and the rows each is f
 - ``"concat"``: ``concat_microbatches`` vs ``torch.cat`` (``concat`` rows).
 
 The H100 rules come from ``bench/results/h100/kernels.json`` (commit b5976d4, launches through Triton's JIT), the
-H200 rules from ``bench/results/h200/kernels.json`` (3805688), ``kernels_runs/f19e517.json`` and
-``kernels_runs/f19e517-first.json`` (f19e517): three interleaved rounds each (seven at 3805688 for a case whose every
-timing is under 20 us) on one GPU of a 16-core host, launches through ``_launch.DirectLauncher``, each forced path
-forced once around its timing; the runs of the present kernel code: the runs kept beside them timed other code
-(``bench.kernels.crossover.run_files``). 2eba698's run alone had the list form's kernel from 90 KiB, 3805688's from
-768 KiB; the pooled runs, like cb130ce, 6e8ff09 and b55c5a0's, from 12 MiB (16-31 tensors x 1024 at the event timer's
-floor, 4.6-5.8 us either way, and 8-31 tensors x 16K, 13.6-18.9 us through the kernel against 10.7-12.9 in
-f19e517's runs, tip the rule from run to run).
+H200 rules from ``bench/results/h200/kernels.json`` (7faacaa): three interleaved rounds per case (seven for a case
+whose every timing is under 20 us, nine for one whose rounds disagree by more than 20%) on one GPU of a 16-core host,
+launches through ``_launch.DirectLauncher``, each forced path forced once around its timing; the one stored run of the
+present kernel code (``bench.kernels.crossover.run_files``). c7c0c05's run on a 32-core host (``kernels_runs/``, one
+constant apart) agrees with it on every row but a tie. The pooled runs before it (3805688, f19e517's two) took the list
+form's kernel only from 12 MiB: on f19e517's slower hosts 8-31 tensors x 16K lost through the kernel (13.6-18.9 us
+against 10.7-12.9), where 7faacaa's and c7c0c05's hosts had it 1.7x faster (docs/kernels.md, "Dispatch").
 Any other GPU kind gets ``FALLBACK``: for each family, the most cautious of the measured kinds' rules
 (:func:`merge`). CPU tensors under
 Triton's interpreter always take the kernel (``CPU``), so that the CPU suite exercises it.
