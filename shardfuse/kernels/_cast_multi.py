@@ -46,12 +46,12 @@ FOREACH_SMALL_MIN_TENSORS = 16
 FOREACH_SMALL_MAX_NUMEL = 4096
 # ... but not when the first and the last source hold at least FOREACH_LARGE_MIN_NUMEL elements each and the GPU's
 # measured crossover ("cast_shards_list", its big_tensor_bytes) takes the kernel for such a call: there the copies,
-# not the host, bound the call, and the one launch beat _foreach_copy_'s copy per tensor on H200 hosts, 32-1000
-# tensors x 256K fp32 -> bf16 through the kernel 20.9-428.6 us against 30.7-557.7 (c7c0c05, a 32-core host) and
-# 20.1-536.9 against 30.3-557.6 (7faacaa, 16 cores). Not from 64K: 256 tensors x 64K took 58.1 us through the kernel
-# against 93.7 on the 16-core host and 132.3 against 94.0 on the 32-core one (the plan keys and guards 512 tensors),
-# and at 16K _foreach_copy_ was the faster from 256 tensors on both (bench/results/h200/kernels_runs/).
-FOREACH_LARGE_MIN_NUMEL = 1 << 17
+# not the host, bound the call. The plan keys and guards every tensor, 0.4-0.7 us a tensor pair on a slow H200 host, so
+# the kernel wins only where a tensor's copy takes the GPU longer than that whatever the host: 1000 tensors x 512K
+# fp32 -> bf16 (3 MB moved each) took 852.0-852.4 us through it against 1053.9-1056.6 for _foreach_copy_ on all three
+# hosts measured (7faacaa, c7c0c05, 241027f), while at 256K it won on the faster ones (437.6 against 563.5) and lost
+# on the slowest (682.8 against 563.1); at 64K it lost on one host of two, at 16K from 256 tensors on every one.
+FOREACH_LARGE_MIN_NUMEL = 1 << 19
 
 _LIST_FIX = (
     "give every source a destination of its own that no other source or destination shares "
