@@ -47,10 +47,11 @@ FOREACH_SMALL_MAX_NUMEL = 4096
 # ... but not when the first and the last source hold at least FOREACH_LARGE_MIN_NUMEL elements each and the GPU's
 # measured crossover ("cast_shards_list", its big_tensor_bytes) takes the kernel for such a call: there the copies,
 # not the host, bound the call. The plan keys and guards every tensor, 0.4-0.7 us a tensor pair on a slow H200 host, so
-# the kernel wins only where a tensor's copy takes the GPU longer than that whatever the host: 1000 tensors x 512K
-# fp32 -> bf16 (3 MB moved each) took 852.0-852.4 us through it against 1053.9-1056.6 for _foreach_copy_ on all three
-# hosts measured (7faacaa, c7c0c05, 241027f), while at 256K it won on the faster ones (437.6 against 563.5) and lost
-# on the slowest (682.8 against 563.1); at 64K it lost on one host of two, at 16K from 256 tensors on every one.
+# the kernel wins only where a tensor's copy takes the GPU longer than that whatever the host: 1000 tensors of 537K
+# elements on average, fp32 -> bf16 (3.2 MB moved each), took 852.0-852.4 us through it against 1053.9-1056.6 for
+# _foreach_copy_ on all three hosts measured (7faacaa, c7c0c05, 241027f), while at 256K it won on the faster ones
+# (437.6 against 563.5) and lost on the slowest (682.8 against 563.1); at 64K it lost on one host of two, at 16K from
+# 256 tensors on every one.
 FOREACH_LARGE_MIN_NUMEL = 1 << 19
 
 _LIST_FIX = (
