@@ -66,3 +66,18 @@ def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
 def assert_near(actual: torch.Tensor, expected: torch.Tensor, what: str, *, rtol: float, atol: float) -> None:
     """``torch.testing.assert_close`` within ``rtol``/``atol``, its message prefixed with ``what``."""
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def assert_same_training_state(model: torch.nn.Module, ref: torch.nn.Module, opt: torch.optim.Optimizer,
+                               ref_opt: torch.optim.Optimizer) -> None:
+    """``model`` and ``opt`` hold the bits of ``ref`` and ``ref_opt``: every state-dict entry, every optimizer state
+    tensor (keyed as the reference's)."""
+    sd, ref_sd = model.state_dict(), ref.state_dict()
+    for k in ref_sd:
+        assert torch.equal(sd[k], ref_sd[k]), f"{k}: max |diff| {(sd[k] - ref_sd[k]).abs().max().item():.3e}"
+    got, want = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    assert got.keys() == want.keys()
+    for i in want:
+        for key, value in want[i].items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(got[i][key], value), f"optimizer state {i}.{key} differs"

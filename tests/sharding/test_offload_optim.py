@@ -23,6 +23,7 @@ from shardfuse.sharding import FullyShardedDataParallel as FSDP
 from shardfuse.sharding.host import _gpu_assist, _host_fused, _host_step
 from shardfuse.sharding.host._offload_optim import HOST_TILES_ENV
 from shardfuse.sharding.host._placement import make_resident as _make_resident
+from tests._asserts import assert_same_training_state
 from tests.sharding._models import batch, build, loss_fn, make_optim, wrap_model
 
 WORLD = 2
@@ -149,15 +150,7 @@ def check_same_as_plain(cfg: dict[str, Any]) -> bool:
     if cfg.get("gpu_update_share"):
         _check_gpu_share_ran(cfg, stats)
     assert losses == ref_losses, f"losses (and clip norms) differ: {losses} vs {ref_losses}"
-    sd, ref_sd = model.state_dict(), ref.state_dict()  # state_dict finishes the step in flight first
-    for k in ref_sd:
-        assert torch.equal(sd[k], ref_sd[k]), f"{k}: max |diff| {(sd[k] - ref_sd[k]).abs().max().item():.3e}"
-    got, want = opt.state_dict()["state"], ref_opt.state_dict()["state"]
-    assert got.keys() == want.keys()
-    for i in want:
-        for key, value in want[i].items():
-            if isinstance(value, torch.Tensor):
-                assert torch.equal(got[i][key], value), f"optimizer state {i}.{key} differs"
+    assert_same_training_state(model, ref, opt, ref_opt)  # state_dict finishes the step in flight first
     for p, q in zip(model.parameters(), ref.parameters()):
         assert (p.grad is None) == (q.grad is None)
         if p.grad is not None:

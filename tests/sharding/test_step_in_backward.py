@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from shardfuse import StepInBackward
 from shardfuse.sharding import FullyShardedDataParallel as FSDP
+from tests._asserts import assert_same_training_state
 from tests.sharding import _models
 from tests.sharding._models import batch, loss_fn, make_optim, wrap_model
 
@@ -87,15 +88,7 @@ def check_same_as_plain(cfg: dict[str, Any]) -> bool:
     model, opt, losses, live = train(cfg, in_backward=True)
     ref, ref_opt, ref_losses, _ = train(cfg, in_backward=False)
     assert losses == ref_losses, f"losses differ: {losses} vs {ref_losses}"
-    sd, ref_sd = model.state_dict(), ref.state_dict()
-    for k in ref_sd:
-        assert torch.equal(sd[k], ref_sd[k]), f"{k}: max |diff| {(sd[k] - ref_sd[k]).abs().max().item():.3e}"
-    got, want = opt.state_dict()["state"], ref_opt.state_dict()["state"]
-    assert got.keys() == want.keys()
-    for i in want:
-        for key, value in want[i].items():
-            if isinstance(value, torch.Tensor):
-                assert torch.equal(got[i][key], value), f"optimizer state {i}.{key} differs"
+    assert_same_training_state(model, ref, opt, ref_opt)
     # Every trained unit the optimizer holds was stepped in backward, each with no other unit's sharded gradient
     # alive beside its own (a unit the optimizer does not hold keeps its gradient, as without StepInBackward).
     held = {id(h) for h in _handles(model) if h.requires_grad} - ({id(model._unit.handles[0])} if cfg.get("subset")
