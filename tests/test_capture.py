@@ -74,6 +74,18 @@ def batches(n: int, micro: int, device: torch.device, seed: int) -> list[tuple[t
              torch.randint(0, 5, (micro, 4), generator=g).to(device)) for _ in range(n)]
 
 
+def train(step, data: list[tuple[torch.Tensor, torch.Tensor]], captured: bool, graphed: bool = True):
+    """Three warm-up steps on ``data[0]``, then one step per later batch, eager or through ``capture_step``
+    (whose ``graphed`` must be as given): the losses, on the CPU, and the captured step (None eager)."""
+    if captured:
+        run = capture_step(step, *data[0], warmup=3)
+        assert run.graphed == graphed
+        return torch.stack([run(x, y).clone() for x, y in data[1:]]).cpu(), run
+    for _ in range(3):
+        step(*data[0])
+    return torch.stack([step(x, y) for x, y in data[1:]]).cpu(), None
+
+
 def check_captured_equals_eager(device: torch.device, cfg: dict[str, Any], micro: int, steps: int = 20) -> dict:
     """Captured and eager training from the same init on the same batches: losses and final parameters."""
     rank = dist.get_rank()
@@ -84,20 +96,8 @@ def check_captured_equals_eager(device: torch.device, cfg: dict[str, Any], micro
         model = build(7, device, **cfg)
         init = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, capturable=capturable)
-        step = make_step(model, opt, micro)
-        losses = []
-        if captured:
-            run = capture_step(step, *data[0], warmup=3)
-            assert run.graphed == (device.type == "cuda")
-            for x, y in data[1:]:
-                losses.append(run(x, y).clone())
-        else:
-            for _ in range(3):
-                step(*data[0])
-            for x, y in data[1:]:
-                losses.append(step(x, y))
-        results.append((torch.stack(losses).cpu(), {k: v.cpu() for k, v in model.state_dict().items()}, run
-                        if captured else None))
+        losses, run = train(make_step(model, opt, micro), data, captured, graphed=device.type == "cuda")
+        results.append((losses, {k: v.cpu() for k, v in model.state_dict().items()}, run))
     (eager_losses, eager_sd, _), (cap_losses, cap_sd, run) = results
     assert torch.equal(cap_losses, eager_losses), (cap_losses, eager_losses)
     for k, v in eager_sd.items():

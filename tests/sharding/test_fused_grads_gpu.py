@@ -11,10 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardfuse import capture_step
 from shardfuse.sharding.core._flat_param import FlatParamHandle
 from tests.sharding.test_fused_grads import BF16, check
-from tests.test_capture import batches, build, make_step
+from tests.test_capture import batches, build, make_step, train
 
 pytestmark = pytest.mark.multigpu
 
@@ -39,16 +38,8 @@ def check_captured_fused_equals_eager_old(cfg: dict[str, Any], micro: int, steps
             FlatParamHandle.fuse_grads = fused
             model = build(7, dev, **cfg)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, capturable=True)
-            step = make_step(model, opt, micro)
-            if fused:
-                run = capture_step(step, *data[0], warmup=3)
-                assert run.graphed
-                losses = [run(x, y).clone() for x, y in data[1:]]
-            else:
-                for _ in range(3):
-                    step(*data[0])
-                losses = [step(x, y) for x, y in data[1:]]
-            out.append((torch.stack(losses).cpu(), {k: v.cpu() for k, v in model.state_dict().items()}))
+            losses, _ = train(make_step(model, opt, micro), data, captured=fused)
+            out.append((losses, {k: v.cpu() for k, v in model.state_dict().items()}))
     finally:
         FlatParamHandle.fuse_grads = default
     (old_losses, old_sd), (new_losses, new_sd) = out

@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardfuse import StepInBackward, capture_step
+from shardfuse import StepInBackward
 from shardfuse.sharding import FullyShardedDataParallel as FSDP
 from tests._gpu import on_device
 from tests.sharding import _models
 from tests.sharding import test_step_in_backward as cpu
-from tests.test_capture import batches, build, make_step
+from tests.test_capture import batches, build, make_step, train
 
 pytestmark = pytest.mark.multigpu
 
@@ -94,16 +94,8 @@ def check_captured_equals_eager(steps: int = 12) -> bool:
         model = build(7, dev)
         opt = StepInBackward(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1,
                                                       capturable=True))
-        step = make_step(model, opt, 1, clip=None)
-        if captured:
-            run = capture_step(step, *data[0], warmup=3)
-            assert run.graphed
-            losses = [run(x, y).clone() for x, y in data[1:]]
-        else:
-            for _ in range(3):
-                step(*data[0])
-            losses = [step(x, y) for x, y in data[1:]]
-        results.append((torch.stack(losses).cpu(), {k: v.cpu() for k, v in model.state_dict().items()}))
+        losses, _ = train(make_step(model, opt, 1, clip=None), data, captured)
+        results.append((losses, {k: v.cpu() for k, v in model.state_dict().items()}))
     (eager_losses, eager_sd), (graph_losses, graph_sd) = results
     assert torch.equal(graph_losses, eager_losses), (graph_losses, eager_losses)
     for k, v in eager_sd.items():
