@@ -36,6 +36,7 @@ import io
 import itertools
 import json
 import math
+import re
 import sys
 import tokenize
 from collections.abc import Iterable, Sequence
@@ -149,11 +150,20 @@ def fit(family: str, pts: Sequence[Point]) -> Crossover:
 KERNELS_DIR = Path(_crossover.__file__).resolve().parent
 # Not part of the digest: the dispatch table itself (refitting it changes no forced path's time).
 DIGEST_SKIPS = ("_crossover.py",)
+# Nor the values of the launchers' count rules: they only choose between the two paths, which the runs time apart
+# with the rules forced off (``forced_path``), and the fit applies the current values (``_prekey_triton``), so moving
+# a count threshold must not split the runs of one code into two pools. The names stay in the digest.
+COUNT_RULES = (
+    "FOREACH_MIN_TENSORS", "FOREACH_SMALL_MIN_TENSORS", "FOREACH_SMALL_MAX_NUMEL", "FOREACH_LARGE_MIN_NUMEL",
+    "TORCH_MIN_TENSORS", "TORCH_MAX_OUT_BYTES_PER_TENSOR",
+)
+_COUNT_RULE_LINE = re.compile(rf"^({'|'.join(COUNT_RULES)})\s*=.*$")
 
 
 def _code_text(source: bytes) -> bytes:
-    """``source`` without its comments and blank lines: an edit of a comment (or a blank line) changes no path a run
-    times, so it must not split the runs of one code into two pools. The comments are found by Python's tokenizer and
+    """``source`` without its comments and blank lines, and with the values of the module-level ``COUNT_RULES`` left
+    out: an edit of a comment (or a blank line, or a count threshold) changes no path a run times, so it must not
+    split the runs of one code into two pools. The comments are found by Python's tokenizer and
     cut out of the text (the tokens themselves differ between Python versions: 3.12 splits f-strings, 3.11 does not;
     the text left is the same on both). Source that does not tokenize is taken as it is."""
     try:
@@ -163,6 +173,7 @@ def _code_text(source: bytes) -> bytes:
         return source
     for row, col in comments:  # a comment runs to the end of its line
         lines[row - 1] = lines[row - 1][:col]
+    lines = [_COUNT_RULE_LINE.sub(r"\1 = ...", line) for line in lines]
     return "\n".join(line.rstrip() for line in lines if line.strip()).encode()
 
 

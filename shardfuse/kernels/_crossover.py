@@ -19,16 +19,17 @@ to what that fit gives for the stored files. The families and the rows each is f
 - ``"concat"``: ``concat_microbatches`` vs ``torch.cat`` (``concat`` rows).
 
 The H100 rules come from ``bench/results/h100/kernels.json`` (commit b5976d4, launches through Triton's JIT), the
-H200 rules from ``bench/results/h200/kernels.json`` (241027f) and ``kernels_runs/7faacaa.json`` (7faacaa): three
-interleaved rounds per case (seven for a case whose every timing is under 20 us, nine for one whose rounds disagree by
-more than 20%) on one GPU of a 16-core host each, launches through ``_launch.DirectLauncher``, each forced path forced
-once around its timing; the two runs of one kernel code (``bench.kernels.crossover.run_files``; 3805688 and f19e517's
-two before them, c7c0c05's beside them timed other code). 241027f's host was up to 2x slower in host time than
-7faacaa's (the bare ``_chunk_cat`` + ``div_`` of 1024 tensors x 8K: 334.4 us against 158.5): on it 31 tensors x 16K
-lost through the kernel (15.4 us against 11.9), so the pooled rule takes the list form's kernel from 768 KiB below 17
-tensors and from 384 KiB a tensor above (7faacaa's alone: below 9, or from 96 KiB a tensor), and ``concat``'s never
-(the 4 GiB row lost there). The f19e517 runs' slower hosts had 8-31 x 16K lose too (13.6-18.9 us against 10.7-12.9):
-a host slower still would see 8-16 x 16K lose by up to 1.7x (docs/kernels.md, "Dispatch").
+H200 rules from four runs of one kernel code pooled (``bench.kernels.crossover.run_files``: the count rules' values
+aside, which only choose between the two paths the runs time apart): ``bench/results/h200/kernels.json`` (81ed8f3,
+a 32-core host) and ``kernels_runs/`` 241027f, 7faacaa (16-core hosts) and c7c0c05 (32-core); three interleaved
+rounds per case (seven for a case whose every timing is under 20 us, nine for one whose rounds disagree by more than
+20%) on one GPU of the host, launches through ``_launch.DirectLauncher``, each forced path forced once around its
+timing. 241027f's host was up to 2x slower in host time than 7faacaa's (the bare ``_chunk_cat`` + ``div_`` of 1024
+tensors x 8K: 334.4 us against 158.5): on it 31 tensors x 16K lost through the kernel (15.4 us against 11.9), so the
+pooled rule takes the list form's kernel from 768 KiB below 17 tensors and from 384 KiB a tensor above (7faacaa's or
+81ed8f3's alone: below 9, or from 96 KiB a tensor), and ``concat``'s never (the 4 GiB row lost there). The f19e517
+runs' slower hosts had 8-31 x 16K lose too (13.6-18.9 us against 10.7-12.9): a host slower still would see 8-16 x 16K
+lose by up to 1.7x (docs/kernels.md, "Dispatch").
 Any other GPU kind gets ``FALLBACK``: for each family, the most cautious of the measured kinds' rules
 (:func:`merge`). CPU tensors under
 Triton's interpreter always take the kernel (``CPU``), so that the CPU suite exercises it.

@@ -166,6 +166,14 @@ def test_kernels_source_digest_follows_the_kernels_but_not_the_table():
     assert fit_mod.kernels_source_digest({**base, "_chunk_cat.py": code.replace(b"\n\n\n", b"\n")}) == one
     assert fit_mod.kernels_source_digest({**base, "_chunk_cat.py": code.replace(b"96", b"1024")}) != one
     assert fit_mod.kernels_source_digest({**base, "_chunk_cat.py": code.replace(b"x * N", b"x + N")}) != one
+    # A count rule's value is not code either (its paths are timed apart); its name, or another constant's value, is.
+    rule = b"FOREACH_LARGE_MIN_NUMEL = 1 << 19\nK = 96\n"
+    base_rule = fit_mod.kernels_source_digest({**base, "_cast_multi.py": rule})
+    assert fit_mod.kernels_source_digest({**base, "_cast_multi.py": rule.replace(b"1 << 19", b"1 << 18")}) == base_rule
+    assert fit_mod.kernels_source_digest({**base, "_cast_multi.py": rule.replace(b"96", b"97")}) != base_rule
+    assert fit_mod.kernels_source_digest({**base, "_cast_multi.py": rule.replace(b"LARGE", b"BIG")}) != base_rule
+    indented = b"def f():\n    TORCH_MIN_TENSORS = 3\n"  # only module-level assignments
+    assert fit_mod._code_text(indented) == indented.rstrip()
     fstr = b'A = 1\nS = f"{A}#kept"  # said\n'  # a '#' inside a string (an f-string: tokenized apart on 3.12) stays
     assert fit_mod._code_text(fstr) == b'A = 1\nS = f"{A}#kept"'
     assert fit_mod._code_text(fstr.replace(b"said", b"unsaid")) == fit_mod._code_text(fstr)
@@ -175,3 +183,11 @@ def test_kernels_source_digest_follows_the_kernels_but_not_the_table():
     assert fit_mod.kernels_source_digest({**base, "_chunk_cat.py": broken}) != one
     assert fit_mod.kernels_source_digest() == fit_mod.kernels_source_digest(
         {p.name: p.read_bytes() for p in fit_mod.KERNELS_DIR.glob("*.py")})
+
+
+def test_count_rules_name_the_launchers_constants():
+    # A renamed count rule would silently enter the digest again: every listed name is a constant of the kernels.
+    from shardfuse.kernels import _cast_multi, _chunk_cat
+
+    for name in fit_mod.COUNT_RULES:
+        assert isinstance(getattr(_cast_multi, name, None) or getattr(_chunk_cat, name, None), int), name
