@@ -127,7 +127,7 @@ def check_overlap(steps: int = 5) -> list[dict[str, float]]:
 
     # 16K tokens: each unit's GEMMs (~1.4 ms forward on an H200) outlast its gather many times over, so the host
     # stays ahead of the GPU. At 8K one rank's three steps read 20-38% (all-gathers) inside the whole module
-    # and 49-92% in a fresh pool of the same host: the compute stream stalled 0.6-2.9 ms mid-forward in every
+    # and 49-92% in a fresh pool of the same host: the compute stream stalled 0.6-2.9 ms mid-step in every
     # step, the gathers running alone at their uncontended 146-150 us beside the stalls
     # (logs/h200-overlap-test-probe-81ed8f3.txt). At 16K, three runs of the module: every step 60-92% on both
     # ranks (logs/h200-overlap-test-16k-81ed8f3.txt); with both prefetches off, 0% in every step
