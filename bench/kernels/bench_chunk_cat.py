@@ -115,6 +115,7 @@ def crossover_cases() -> list[KernelCase]:
     per_bytes = _chunk_cat.TORCH_MAX_OUT_BYTES_PER_TENSOR
     # 48-192: where the guarded-plan path once had a size crossover of its own (now the kernel at every size)
     counts = sorted({16, 48, 96, 192, t // 2, t - 1, t, min(2 * t, 1024)})
-    # bf16 elements per tensor: 16 KB to 1 MB of output each, the threshold (per_bytes // 2 elements) among them.
-    sizes = sorted({per_bytes // 32, per_bytes // 8, per_bytes // 4, per_bytes // 2, per_bytes, 2 * per_bytes})
+    # bf16 elements per tensor: 16 KB to 1 MB of output each (the rows of every stored run), and the threshold
+    # (per_bytes // 2 elements) among them.
+    sizes = sorted({8 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, per_bytes // 2})
     return [_crossover_case(num, k) for k in sizes for num in counts if num * k <= 1 << 28]

@@ -41,10 +41,12 @@ __all__ = ["chunk_cat", "chunk_cat_ref"]
 # and layout guard, ~0.25 us a tensor on a slow host) is as much as torch._chunk_cat's own, and skipping it is
 # worth the branch's extra buffer. Measured with direct launches (``_launch``) on H200 hosts, bf16, world size 8,
 # factor 4 (docs/kernels.md, "Dispatch"): the kernel through its plan as fast as the branch or faster up to 1023
-# tensors, and 1.6-2.5x the bare pair from 256 KiB of output per tensor at any count; at 1024 tensors below that
-# the two within ~10% of each other, both 0.8-0.97x of the bare pair.
+# tensors, and 1.6-2.5x the bare pair from 256 KiB of output per tensor at any count. At 1024 tensors the branch
+# won at 16 KiB a tensor (8K bf16 elements) in six stored runs of seven (174 against 182 us at 81ed8f3),
+# the kernel at 64 and 128 KiB in all seven (1024 x 32K: 174 against 183, 1024 x 64K: 177 against 191 at 81ed8f3;
+# by 2-57 us elsewhere): the threshold lies between, at 32 KiB.
 TORCH_MIN_TENSORS = 1024
-TORCH_MAX_OUT_BYTES_PER_TENSOR = 256 * 1024
+TORCH_MAX_OUT_BYTES_PER_TENSOR = 32 * 1024
 
 _PLANS = common.GuardedPlanCache()
 

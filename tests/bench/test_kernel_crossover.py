@@ -47,6 +47,33 @@ def test_the_library_rule_picks_the_faster_path_on_every_stored_row(kind):
                 assert p.triton_ms <= p.torch_ms, (kind, family, p)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunk_cat_count_branch_picks_the_faster_path_on_every_stored_row(kind):
+    # chunk_cat's count branch (TORCH_MIN_TENSORS tensors or more, less than TORCH_MAX_OUT_BYTES_PER_TENSOR of
+    # output each) against the kernel through its plan, both timed forced in the pooled runs' chunk_cat_dispatch
+    # rows (bf16, factor 4): the path the threshold picks is never the slower one. At 256 KiB, the value before
+    # 2026-11-30, the branch took 1024 x 32K and 1024 x 64K, where the kernel won in every run. Runs of several
+    # interleaved rounds only: the H100's one run (b5976d4) timed one round through Triton's JIT, forcing each path
+    # inside every call (some 15 us of host time a call on the forced rows alone: docs/kernels.md).
+    from shardfuse.kernels import _chunk_cat
+
+    runs = [json.loads(path.read_text()) for path in fit_mod.run_files(RESULTS / kind)]
+    rows = [r for run in runs if int(run.get("rounds") or 1) >= 2 for r in run["rows"]]
+    judged = 0
+    for r in rows:
+        base = r.get("baselines", {})
+        num = int(r.get("num_tensors", 1))
+        if r.get("family") != "chunk_cat_dispatch" or num < _chunk_cat.TORCH_MIN_TENSORS or not (
+                {"triton path", "torch path"} <= set(base)):
+            continue
+        out_bytes = int(r["numel"]) * 2  # bf16 out
+        branch = out_bytes < num * _chunk_cat.TORCH_MAX_OUT_BYTES_PER_TENSOR
+        picked, other = ("torch path", "triton path") if branch else ("triton path", "torch path")
+        assert base[picked]["ms"] <= base[other]["ms"], (kind, r["name"], picked, base[picked], other, base[other])
+        judged += 1
+    assert judged or kind != "h200", "no 1024-tensor chunk_cat_dispatch row with both paths timed in the pool"
+
+
 def test_fallback_is_the_merge_of_the_measured_kinds():
     for family in _crossover.FAMILIES:
         measured = [k[family] for k in _crossover.MEASURED.values() if family in k]
