@@ -59,6 +59,8 @@ class Env:
     gpu_count: int | None = None
     cuda: str | None = None
     nccl: str | None = None
+    host_cpus: int | None = None  # the CPUs the run could use (files from before 2026-11-30 lack it)
+    cpu_model: str | None = None
     recorded: bool = False  # False when the file has no (or an empty) ``env``
 
     @classmethod
@@ -66,7 +68,8 @@ class Env:
         d = _obj(v)
         texts = {k: _text(d.get(k)) for k in ("date", "commit", "python", "torch", "triton", "gpu_key", "gpu_name")}
         return cls(**texts, gpu_count=_int(d.get("gpu_count")), cuda=_text(d.get("cuda")),
-                   nccl=_text(d.get("nccl")), recorded=bool(d))  # fmt: skip
+                   nccl=_text(d.get("nccl")), host_cpus=_int(d.get("host_cpus")), cpu_model=_text(d.get("cpu_model")),
+                   recorded=bool(d))  # fmt: skip
 
     def get(self, key: str) -> str | int | None:
         """A field by its JSON name (for listing several at once)."""

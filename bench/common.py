@@ -55,6 +55,9 @@ def env_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "gpu_key": gpu_key(),
+        # The host: its CPU speed sets every host-bound row (H200 hosts of one kind differed up to 11x there).
+        "host_cpus": usable_cpus(),
+        "cpu_model": cpu_model(),
     }
     try:
         import triton
@@ -71,6 +74,26 @@ def env_info() -> dict[str, Any]:
         except (AttributeError, RuntimeError):
             info["nccl"] = None
     return info
+
+
+def usable_cpus() -> int | None:
+    """The CPUs this process may run on (its affinity mask; the machine's count where the OS does not say)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count()
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere), None where neither says."""
+    try:
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or None
 
 
 def host_topology(device: int | None = None, sys_root: Path = Path("/sys")) -> dict[str, Any]:

@@ -187,6 +187,8 @@ def env_line(env: Env) -> str:
         parts.append(f"GPU {env.gpu_name}" + (f" x{env.gpu_count}" if env.gpu_count else ""))
     elif env.gpu_key:
         parts.append(f"GPU key {env.gpu_key}")
+    if env.host_cpus:
+        parts.append(f"host {env.host_cpus} CPUs" + (f" ({env.cpu_model})" if env.cpu_model else ""))
     for key, label in (
         ("torch", "torch"),
         ("triton", "triton"),

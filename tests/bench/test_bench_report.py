@@ -129,3 +129,19 @@ def test_report_leaves_out_cpu_smoke_runs(results_dir: Path, tmp_path: Path, cap
     assert "| H200 |" in text  # the GPU results stay
     assert report.main(["--results", str(results_dir), "--summary"]) == 0
     assert "| CPU |" not in capsys.readouterr().out
+
+
+def test_results_name_their_host(tmp_path: Path) -> None:
+    # Host-bound rows move with the host's CPU (H200 hosts of one kind up to 11x apart): every result's env says which.
+    from bench._results_fields import Env
+    from bench.common import cpu_model, env_info
+    from bench.report._common import env_line
+
+    env = env_info()
+    assert isinstance(env["host_cpus"], int) and env["host_cpus"] >= 1
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: X\nmodel name\t: Test CPU 9000 @ 2.00GHz\n\nprocessor\t: 1\n")
+    assert cpu_model(info) == "Test CPU 9000 @ 2.00GHz"
+    line = env_line(Env.parse({**env, "host_cpus": 16, "cpu_model": "Test CPU 9000"}))
+    assert "host 16 CPUs (Test CPU 9000)" in line
+    assert "host" not in env_line(Env.parse({"commit": "abc1234", "gpu_name": "NVIDIA H200"}))  # older files
