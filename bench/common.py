@@ -101,7 +101,7 @@ def host_topology(device: int | None = None, sys_root: Path = Path("/sys")) -> d
     GPU's PCIe slot, so runs on different GPUs of one host can be told apart (an offloaded step leans on host
     memory and PCIe; a GPU on the other socket can change it). None where the host does not say."""
     nodes = sorted(p.name for p in (sys_root / "devices/system/node").glob("node[0-9]*"))
-    out: dict[str, Any] = {"numa_nodes": len(nodes) or None, "affinity_cores": len(os.sched_getaffinity(0)),
+    out: dict[str, Any] = {"numa_nodes": len(nodes) or None, "affinity_cores": usable_cpus(),
                            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "gpu_numa_node": None}
     if device is not None and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(device)
