@@ -13,7 +13,9 @@ modifier. Bases that take modifiers: ``shardfuse``, ``shardfuse-budget``, ``fsdp
   ``convert_to_float8_training`` with the same config (the fp8 all-gather from the fused shard cast, tensorwise).
   On the CPU torchao's ``emulate`` runs the float8 matmuls.
 - ``+ac``: activation checkpointing of every decoder layer (torch's ``checkpoint_wrapper``; the wrapper is the
-  sharded unit).
+  sharded unit). ``+acK`` (K >= 2, ``fsdp2`` only): of one layer in K (layers K-1, 2K-1, ...: torchtitan's
+  selective layer checkpointing, ``ac_freq`` K), what fits between the two when full checkpointing is more than
+  the memory needs.
 - ``+compile``: ``torch.compile`` of every decoder layer (``module.compile()``, before wrapping, as torchtitan).
 - ``+split``: the input embedding and the output head wrapped as units of their own (torchtitan's layout), for
   ``shardfuse``, ``shardfuse-graph``, ``fsdp2`` and ``fsdp2-compile``: the step's first all-gather and last
@@ -49,6 +51,7 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -78,7 +81,7 @@ class Variant:
     name: str
     base: str
     float8: str | None = None  # a recipe of RECIPES
-    ac: bool = False
+    ac: int = 0  # checkpointed decoder layers: 0 none, 1 every layer (+ac), K (+acK) one in K
     compile: bool = False
     once: bool = False
     split: bool = False
@@ -88,7 +91,7 @@ class Variant:
     step_in_backward: bool = False  # +sib: shardfuse's StepInBackward drives the optimizer
 
     @property
-    def modifiers(self) -> tuple[str | None, bool, bool, bool]:
+    def modifiers(self) -> tuple[str | None, int, bool, bool]:
         """What "FSDP2 with the same modifiers" matches (``+once`` only says when the run goes)."""
         return (self.float8, self.ac, self.compile, self.split)
 
@@ -104,13 +107,30 @@ def split_name(name: str) -> tuple[str, list[str]]:
     return base, mods
 
 
+def _checkpoint_every(name: str, base: str, every: list[str], full: bool) -> int:
+    """``Variant.ac`` of a name whose ``+acK`` modifiers are ``every`` and where ``full`` says whether ``+ac`` or
+    ``--ac`` asks for every layer."""
+    if not every:
+        return 1 if full else 0
+    k = int(every[0][2:])
+    if len(every) > 1 or full or k < 2:
+        raise ValueError(f"{name!r}: {'+'.join(every)}{' with +ac/--ac' if full else ''}: give one of +ac (every "
+                         f"decoder layer) or +acK with K >= 2 (one layer in K, e.g. +ac2)")
+    if base != "fsdp2":
+        raise ValueError(f"{name!r}: +{every[0]} (checkpointing one layer in {k}) applies to fsdp2 only (the other "
+                         f"wrappers make units of one layer class): use +ac for every layer or drop it")
+    return k
+
+
 def parse_variant(name: str, known: Sequence[str], *, float8: str | None = None, ac: bool = False,
                   compile: bool = False) -> Variant:
     """Parse ``name`` (a base of ``known`` or ``BASES`` plus modifiers) with the job-wide flags added; raises
     ValueError naming the part that is wrong and what to write instead."""
     base, mods = split_name(name)
     aoff = [m for m in mods if m.startswith("aoff")]
-    mods = [m for m in mods if not m.startswith("aoff")]
+    every = [m for m in mods if re.fullmatch(r"ac\d+", m)]
+    mods = [m for m in mods if m not in aoff and m not in every]
+    ac_every = _checkpoint_every(name, base, every, ac or "ac" in mods)
     if len(aoff) > 1 or (aoff and not (aoff[0][4:].isdigit() and int(aoff[0][4:]) > 0)):
         raise ValueError(f"{name!r}: {'+'.join(aoff)}: give one +aoffN with N >= 1 decoder layers (e.g. +aoff6)")
     if aoff and base != "shardfuse":
@@ -127,14 +147,14 @@ def parse_variant(name: str, known: Sequence[str], *, float8: str | None = None,
     if len(recipes) > 1:
         raise ValueError(f"{name!r}: float8 recipes {sorted(recipes)} at once (from the name and --float8): "
                          f"give one, +fp8 for tensorwise or +fp8row for rowwise")
-    v = Variant(name, base, float8=next(iter(recipes), None), ac=ac or "ac" in mods,
+    v = Variant(name, base, float8=next(iter(recipes), None), ac=ac_every,
                 compile=compile or "compile" in mods, once="once" in mods, split="split" in mods,
                 fused=True if "fused" in mods else False if "unfused" in mods else None, separate_rs="rspg" in mods,
                 offload_activations=int(aoff[0][4:]) if aoff else 0, step_in_backward="sib" in mods)
     if v.step_in_backward and base != "shardfuse":
         raise ValueError(f"{name!r}: +sib (shardfuse's StepInBackward) applies to shardfuse only: drop it or use "
                          f"shardfuse+sib")
-    if base not in BASES and v.modifiers[:3] != (None, False, False):
+    if base not in BASES and v.modifiers[:3] != (None, 0, False):
         raise ValueError(f"{name!r}: float8, activation checkpointing and compile apply to {', '.join(BASES)} only "
                          f"(drop --float8/--ac/--compile or the modifier, or pick one of those)")
     if v.split and base not in SPLIT_BASES:
@@ -302,9 +322,14 @@ def prepare(v: Variant, model: nn.Module, spec: Any, device: torch.device, args:
     if v.ac:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 
-        for i, layer in enumerate(layers):
-            layers[i] = checkpoint_wrapper(layer)
-        layer_cls, info["activation_checkpointing"] = CheckpointWrapper, "every decoder layer"
+        # torchtitan's ac_freq: the K-th, 2K-th, ... layer counting from 1
+        chosen = [i for i in range(len(layers)) if (i + 1) % v.ac == 0]
+        for i in chosen:
+            layers[i] = checkpoint_wrapper(layers[i])
+        # +acK is fsdp2's alone, whose wrapper shards spec.layers(model) whatever their class.
+        layer_cls = CheckpointWrapper if v.ac == 1 else layer_cls
+        info["activation_checkpointing"] = ("every decoder layer" if v.ac == 1 else
+                                            f"one decoder layer in {v.ac} ({len(chosen)} of {len(layers)})")
     if v.compile:
         _raise_recompile_limit()
         for layer in layers:

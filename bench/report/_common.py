@@ -45,19 +45,23 @@ MODIFIER_LABEL = {
     "unfused": "concatenated gradients (`SHARDFUSE_FUSED_GRADS=0`)",
     "rspg": "reduce-scatters on a separate group of the same ranks",
     "once": "one round",
-    "aoff": "activation offload of the first {n} layers (`offload_activations`)",
+    "aoff": "activation offload of {n} layers, spread (`offload_activations`)",
+    "acK": "activation checkpointing of one layer in {n}",
 }
 MODIFIER_SHORT = {"fp8": "float8", "fp8row": "float8 rowwise", "ac": "AC", "compile": "compile", "split": "split",
                   "fused": "fused grads", "unfused": "unfused grads", "rspg": "RS group", "once": "once",
-                  "aoff": "{n} layers' activations offloaded"}
+                  "aoff": "{n} layers' activations offloaded", "acK": "AC of 1 layer in {n}"}
 
 
 def modifier_text(mod: str, names: dict[str, str]) -> str | None:
     """What ``mod`` adds to a name, from ``names`` (``MODIFIER_LABEL`` or ``MODIFIER_SHORT``); ``aoffN`` (activation
-    offload of N layers) fills in its count; None for a modifier ``names`` does not know."""
+    offload of N layers) and ``acK`` (checkpointing of one layer in K) fill in their count; None for a modifier
+    ``names`` does not know."""
     if mod.startswith("aoff") and mod[4:].isdigit():
         return names["aoff"].format(n=int(mod[4:]))
-    return names.get(mod) if mod != "aoff" else None
+    if re.fullmatch(r"ac\d+", mod):  # +acK: checkpointing of one layer in K
+        return names["acK"].format(n=int(mod[2:]))
+    return names.get(mod) if mod not in ("aoff", "acK") else None
 CAPTURED = "shardfuse-graph"  # shardfuse's whole step captured by ``capture_step`` into a CUDA graph, replayed
 REGIME_ORDER = ("8k", "4k", "1k", "sft")
 REGIME_LABEL = {

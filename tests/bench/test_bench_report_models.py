@@ -206,9 +206,13 @@ def test_names_with_modifiers_read_as_the_base_and_what_each_adds() -> None:
     # an unknown base or modifier: the name as it is
     assert impl_label(res, "mystery+fused") == "mystery+fused" and impl_short(res, "shardfuse+odd") == "shardfuse+odd"
     assert impl_label(res, "shardfuse") == "shardfuse `FullyShardedDataParallel`"
-    # a modifier with a count (+aoffN: activation offload of the first N layers), and one without its count
+    # modifiers with a count (+aoffN: activation offload of N layers, spread; +acK: checkpointing of one layer in
+    # K), and ones without their count
     assert impl_short(res, "shardfuse+fp8+aoff4") == "shardfuse, float8, 4 layers' activations offloaded"
     assert impl_label(res, "shardfuse+aoff12").endswith(
-        "activation offload of the first 12 layers (`offload_activations`)")
+        "activation offload of 12 layers, spread (`offload_activations`)")
     assert impl_short(res, "shardfuse+aoff") == "shardfuse+aoff"
+    assert impl_short(res, "fsdp2+fp8+ac4") == "FSDP2, float8, AC of 1 layer in 4"
+    assert impl_label(res, "fsdp2+ac2").endswith("activation checkpointing of one layer in 2")
+    assert impl_short(res, "fsdp2+acK") == "fsdp2+acK" and impl_short(res, "fsdp2+ac") == "FSDP2, AC"
     assert impl_short(res, "shardfuse+rspg") == "shardfuse, RS group"

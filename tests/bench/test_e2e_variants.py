@@ -51,6 +51,35 @@ def test_names_parse_into_base_and_modifiers() -> None:
     assert parse_variant("fsdp1+once", KNOWN).once  # +once goes on any implementation
 
 
+def test_checkpointing_every_kth_layer_is_fsdp2s_between_none_and_all(world_of_one) -> None:
+    # +acK: torchtitan's selective layer checkpointing (ac_freq K), for FSDP2's best configuration that fits
+    assert parse_variant("fsdp2+fp8+ac2", KNOWN).ac == 2 and parse_variant("fsdp2+ac", KNOWN).ac == 1
+    assert parse_variant("fsdp2", KNOWN, ac=True).ac == 1 and parse_variant("fsdp2+fp8", KNOWN).ac == 0
+    assert parse_variant("fsdp2+ac4", KNOWN).modifiers != parse_variant("fsdp2+ac", KNOWN).modifiers
+    for name, flags, match in [("fsdp2+ac+ac2", {}, "give one of"), ("fsdp2+ac2+ac4", {}, "give one of"),
+                               ("fsdp2+ac1", {}, "K >= 2"), ("fsdp2+ac2", {"ac": True}, "with \\+ac/--ac"),
+                               ("shardfuse+ac2", {}, "applies to fsdp2 only"), ("fsdp2+acx", {}, "not distinct")]:
+        with pytest.raises(ValueError, match=match):
+            parse_variant(name, KNOWN, **flags)
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from bench.e2e.run import WRAPPERS, model_spec
+
+    spec = model_spec("decoder", "tiny")
+    args = SimpleNamespace(lr=1e-4, optim="foreach", budget_gib=None)
+    cpu = torch.device("cpu")
+    for name, wrapped, text in [("fsdp2+ac2", [False, True], "one decoder layer in 2 (1 of 2)"),
+                                ("fsdp2+ac", [True, True], "every decoder layer"),
+                                ("fsdp2+ac3", [False, False], "one decoder layer in 3 (0 of 2)")]:
+        prepared = variants.prepare(parse_variant(name, KNOWN), spec.make(cpu, 0), spec, cpu, args, WRAPPERS)
+        layers = spec.layers(prepared.model)
+        assert [isinstance(layer, CheckpointWrapper) for layer in layers] == wrapped, name
+        assert prepared.info["activation_checkpointing"] == text
+        loss = prepared.model(torch.randint(0, 257, (1, 8))).float().sum()
+        loss.backward()  # the checkpointed layer recomputes its forward in backward
+        assert all(p.grad is not None for p in prepared.model.parameters()), name
+
+
 def test_run_arguments_take_variants(capsys: pytest.CaptureFixture) -> None:
     from bench.e2e.run import REGIMES, parse_args
 
