@@ -15,7 +15,8 @@ modifier. Bases that take modifiers: ``shardfuse``, ``shardfuse-budget``, ``fsdp
 - ``+ac``: activation checkpointing of every decoder layer (torch's ``checkpoint_wrapper``; the wrapper is the
   sharded unit). ``+acK`` (K >= 2, ``fsdp2`` only): of one layer in K (layers K-1, 2K-1, ...: torchtitan's
   selective layer checkpointing, ``ac_freq`` K), what fits between the two when full checkpointing is more than
-  the memory needs.
+  the memory needs. ``+acop``: every layer under torchtitan's op-level selective rule (``selective_ac_option = "op"``:
+  attention, float8's amax and every other matrix product kept, the rest recomputed; ``_checkpointing``).
 - ``+compile``: ``torch.compile`` of every decoder layer (``module.compile()``, before wrapping, as torchtitan).
 - ``+split``: the input embedding and the output head wrapped as units of their own (torchtitan's layout), for
   ``shardfuse``, ``shardfuse-graph``, ``fsdp2`` and ``fsdp2-compile``: the step's first all-gather and last
@@ -63,11 +64,13 @@ from unittest import mock
 import torch
 from torch import nn
 
+from bench.e2e._checkpointing import checkpoint_layers
+
 BASES = ("shardfuse", "shardfuse-budget", "fsdp2")  # the implementations that take modifiers
 SPLIT_BASES = ("shardfuse", "shardfuse-graph", "fsdp2", "fsdp2-compile")  # the ones that take +split
 FUSED_BASES = ("shardfuse", "shardfuse-graph", "shardfuse-budget")  # the ones that take +fused / +unfused
 RECIPES = ("tensorwise", "rowwise")
-MODIFIERS = ("fp8", "fp8row", "ac", "compile", "once", "split", "fused", "unfused", "rspg", "sib")
+MODIFIERS = ("fp8", "fp8row", "ac", "acop", "compile", "once", "split", "fused", "unfused", "rspg", "sib")
 FP8_RECIPE = {"fp8": "tensorwise", "fp8row": "rowwise"}
 DYNAMO_RECOMPILE_LIMIT = 64  # every variant is a new guard set on the same layer code; the default 8 falls back
 GIB = 1 << 30
@@ -82,6 +85,7 @@ class Variant:
     base: str
     float8: str | None = None  # a recipe of RECIPES
     ac: int = 0  # checkpointed decoder layers: 0 none, 1 every layer (+ac), K (+acK) one in K
+    ac_ops: bool = False  # +acop: every layer, op-level selective checkpointing
     compile: bool = False
     once: bool = False
     split: bool = False
@@ -91,9 +95,9 @@ class Variant:
     step_in_backward: bool = False  # +sib: shardfuse's StepInBackward drives the optimizer
 
     @property
-    def modifiers(self) -> tuple[str | None, int, bool, bool]:
+    def modifiers(self) -> tuple[str | None, int, bool, bool, bool]:
         """What "FSDP2 with the same modifiers" matches (``+once`` only says when the run goes)."""
-        return (self.float8, self.ac, self.compile, self.split)
+        return (self.float8, self.ac, self.compile, self.split, self.ac_ops)
 
     @property
     def fp8_all_gather(self) -> bool:
@@ -131,6 +135,9 @@ def parse_variant(name: str, known: Sequence[str], *, float8: str | None = None,
     every = [m for m in mods if re.fullmatch(r"ac\d+", m)]
     mods = [m for m in mods if m not in aoff and m not in every]
     ac_every = _checkpoint_every(name, base, every, ac or "ac" in mods)
+    if "acop" in mods and ac_every:
+        raise ValueError(f"{name!r}: +acop (op-level selective checkpointing of every layer) with +ac, +acK or --ac: "
+                         f"give one checkpointing modifier")
     if len(aoff) > 1 or (aoff and not (aoff[0][4:].isdigit() and int(aoff[0][4:]) > 0)):
         raise ValueError(f"{name!r}: {'+'.join(aoff)}: give one +aoffN with N >= 1 decoder layers (e.g. +aoff6)")
     if aoff and base != "shardfuse":
@@ -150,11 +157,12 @@ def parse_variant(name: str, known: Sequence[str], *, float8: str | None = None,
     v = Variant(name, base, float8=next(iter(recipes), None), ac=ac_every,
                 compile=compile or "compile" in mods, once="once" in mods, split="split" in mods,
                 fused=True if "fused" in mods else False if "unfused" in mods else None, separate_rs="rspg" in mods,
-                offload_activations=int(aoff[0][4:]) if aoff else 0, step_in_backward="sib" in mods)
+                offload_activations=int(aoff[0][4:]) if aoff else 0, step_in_backward="sib" in mods,
+                ac_ops="acop" in mods)
     if v.step_in_backward and base != "shardfuse":
         raise ValueError(f"{name!r}: +sib (shardfuse's StepInBackward) applies to shardfuse only: drop it or use "
                          f"shardfuse+sib")
-    if base not in BASES and v.modifiers[:3] != (None, 0, False):
+    if base not in BASES and (v.modifiers[:3] != (None, 0, False) or v.ac_ops):
         raise ValueError(f"{name!r}: float8, activation checkpointing and compile apply to {', '.join(BASES)} only "
                          f"(drop --float8/--ac/--compile or the modifier, or pick one of those)")
     if v.split and base not in SPLIT_BASES:
@@ -319,17 +327,12 @@ def prepare(v: Variant, model: nn.Module, spec: Any, device: torch.device, args:
     info: dict[str, Any] = {}
     if v.float8:
         info.update(convert_float8(v, model, layers, device))
-    if v.ac:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
+    if v.ac or v.ac_ops:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-        # torchtitan's ac_freq: the K-th, 2K-th, ... layer counting from 1
-        chosen = [i for i in range(len(layers)) if (i + 1) % v.ac == 0]
-        for i in chosen:
-            layers[i] = checkpoint_wrapper(layers[i])
+        every_layer, info["activation_checkpointing"] = checkpoint_layers(layers, v.ac, v.ac_ops)
         # +acK is fsdp2's alone, whose wrapper shards spec.layers(model) whatever their class.
-        layer_cls = CheckpointWrapper if v.ac == 1 else layer_cls
-        info["activation_checkpointing"] = ("every decoder layer" if v.ac == 1 else
-                                            f"one decoder layer in {v.ac} ({len(chosen)} of {len(layers)})")
+        layer_cls = CheckpointWrapper if every_layer else layer_cls
     if v.compile:
         _raise_recompile_limit()
         for layer in layers:

@@ -39,6 +39,7 @@ MODIFIER_LABEL = {
     "fp8": "torchao float8 (tensorwise)",
     "fp8row": "torchao float8 (rowwise)",
     "ac": "activation checkpointing",
+    "acop": "op-level selective activation checkpointing (attention and every other matrix product kept)",
     "compile": "per-layer `torch.compile`",
     "split": "embedding and output head as units of their own",
     "fused": "fused gradient pre-divide (`SHARDFUSE_FUSED_GRADS=1`)",
@@ -48,7 +49,8 @@ MODIFIER_LABEL = {
     "aoff": "activation offload of {n} layers, spread (`offload_activations`)",
     "acK": "activation checkpointing of one layer in {n}",
 }
-MODIFIER_SHORT = {"fp8": "float8", "fp8row": "float8 rowwise", "ac": "AC", "compile": "compile", "split": "split",
+MODIFIER_SHORT = {"fp8": "float8", "fp8row": "float8 rowwise", "ac": "AC", "acop": "op-level AC", "compile": "compile",
+                  "split": "split",
                   "fused": "fused grads", "unfused": "unfused grads", "rspg": "RS group", "once": "once",
                   "aoff": "{n} layers' activations offloaded", "acK": "AC of 1 layer in {n}"}
 

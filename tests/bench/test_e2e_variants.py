@@ -80,6 +80,62 @@ def test_checkpointing_every_kth_layer_is_fsdp2s_between_none_and_all(world_of_o
         assert all(p.grad is not None for p in prepared.model.parameters()), name
 
 
+def test_op_level_checkpointing_keeps_attention_and_every_other_matrix_product() -> None:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from bench.e2e._checkpointing import op_policy
+
+    aten, keep, redo = torch.ops.aten, CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    policy = op_policy()
+    fwd, again = SimpleNamespace(is_recompute=False), SimpleNamespace(is_recompute=True)
+    calls = [(fwd, aten.mm.default, keep), (fwd, aten.add.Tensor, redo), (fwd, aten._scaled_mm.default, redo),
+             (fwd, aten._scaled_dot_product_flash_attention.default, keep), (fwd, aten.max.default, keep),
+             (fwd, aten.mm.default, keep), (fwd, aten.mm.default, redo),
+             # the recomputation counts apart and so decides as the forward did
+             (again, aten.mm.default, keep), (again, aten._scaled_mm.default, redo), (again, aten.mm.default, keep)]
+    assert [policy(ctx, func) for ctx, func, _ in calls] == [want for _, _, want in calls]
+    assert op_policy()(fwd, aten.mm.default) == keep  # a fresh policy for each checkpointed call
+
+
+def test_checkpointing_variants_recompute_what_they_say_and_change_no_gradient(world_of_one) -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from bench.e2e.run import WRAPPERS, model_spec
+
+    class CountMatmuls(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.count += func is torch.ops.aten.mm.default
+            return func(*args, **(kwargs or {}))
+
+    assert parse_variant("fsdp2+fp8+acop", KNOWN).ac_ops and parse_variant("shardfuse+acop", KNOWN).ac_ops
+    for name in ("fsdp2+ac+acop", "fsdp2+ac2+acop", "fsdp1+acop"):
+        with pytest.raises(ValueError, match="one checkpointing modifier|apply to shardfuse"):
+            parse_variant(name, KNOWN)
+    spec = model_spec("decoder", "tiny")
+    args = SimpleNamespace(lr=1e-4, optim="foreach", budget_gib=None)
+    cpu = torch.device("cpu")
+    tokens = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads, backward_matmuls = {}, {}
+    for name in ("fsdp2", "fsdp2+ac", "fsdp2+acop", "fsdp2+ac2"):
+        prepared = variants.prepare(parse_variant(name, KNOWN), spec.make(cpu, 0), spec, cpu, args, WRAPPERS)
+        loss = prepared.model(tokens).float().sum()
+        with CountMatmuls() as counted:
+            loss.backward()
+        backward_matmuls[name] = counted.count
+        grads[name] = [p.grad.full_tensor() for p in prepared.model.parameters()]
+    # 2 layers x 7 products a forward: checkpointed, the backward recomputes them (but a layer's last, which no
+    # gradient needs: 6 a layer), the op-level rule the 2nd, 4th and 6th of each layer, one layer in two one layer's
+    plain = backward_matmuls["fsdp2"]
+    assert {n: c - plain for n, c in backward_matmuls.items()} == {"fsdp2": 0, "fsdp2+ac": 12, "fsdp2+acop": 6,
+                                                                    "fsdp2+ac2": 6}
+    for name, got in grads.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, grads["fsdp2"], strict=True)), name
+
+
 def test_run_arguments_take_variants(capsys: pytest.CaptureFixture) -> None:
     from bench.e2e.run import REGIMES, parse_args
 
