@@ -49,8 +49,10 @@ Measured per implementation and regime: mean step time (forward + backward + opt
 before and after every step) over ``--steps`` after ``--warmup``, max over ranks; tokens/s/GPU; MFU =
 (6 * N * tokens + causal attention flops 6 * L * seq^2 * dim * batch) / (step time * peak), N = the parameters
 used in matrix products (all but the input embedding table), peak = ``--peak-tflops`` (989 TFLOP/s, H100/H200
-dense bf16); peak memory (``max_memory_allocated`` from after wrapping to the last step, max over ranks); the
-last step's loss averaged over ranks (all implementations start from the same weights and see the same data).
+dense bf16); peak memory (``max_memory_allocated`` from after wrapping to the last step, max over ranks), the peak
+the allocator reserved and its allocation retries in the timed steps (each a failed device allocation, the cache
+freed and a second try: a run near the memory cap); the last step's loss averaged over ranks (all implementations
+start from the same weights and see the same data).
 
 Variants (``bench.e2e._variants`` says more): ``--compile``, ``--float8 tensorwise|rowwise``, ``--ac`` for every
 implementation, or per implementation as modifiers of its name (``fsdp2+fp8+ac``, ``shardfuse+fp8``, ``fsdp2+once``);
@@ -224,6 +226,26 @@ def _eager_step(
     return step_fn(model, opt, tokens, autocast, spec, after_step)
 
 
+def _alloc_retries(device: torch.device) -> int:
+    """The caching allocator's retries so far: each a failed device allocation, the cached blocks freed and a second
+    try; what steps pay that run near the memory cap."""
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
+def _cuda_memory(device: torch.device, captured: Any, leftover: int, mem_after_wrap: int) -> dict[str, int]:
+    """The memory numbers of an implementation's run: its peak allocated above what earlier ones left
+    (``leftover``), with a captured step's own peaks (``captured``: the ``capture_step`` object, or None), the peak
+    the allocator reserved, and what wrapping left allocated."""
+    peak = torch.cuda.max_memory_allocated(device)
+    out = {"leftover_bytes": leftover, "mem_after_wrap_bytes": mem_after_wrap,
+           "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)}
+    if captured is not None:  # capture_step reset the peak statistics: its own numbers cover the warm-up and capture
+        peak = max(peak, captured.eager_peak_bytes, captured.captured_peak_bytes)
+        out["graph_pool_bytes"] = captured.graph_pool_bytes
+    out["peak_bytes"] = peak - leftover
+    return out
+
+
 def measure(
     impl: str, regime: str, spec: ModelSpec, args: argparse.Namespace, device: torch.device, rank: int,
     extras: bool = True,
@@ -257,26 +279,24 @@ def measure(
         first = 1
     times, warm = [], []
     loss = None
-    for i in range(first, max(args.warmup, first) + args.steps):
+    timed_from, retries_before = max(args.warmup, first), 0
+    for i in range(first, timed_from + args.steps):
+        if i == timed_from and device.type == "cuda":
+            retries_before = _alloc_retries(device)
         sync(device)
         t0 = time.perf_counter()
         with torch.profiler.record_function(f"bench.e2e:{impl}_step"):
             loss = step(data[i % len(data)])
         sync(device)
-        (times if i >= max(args.warmup, first) else warm).append(time.perf_counter() - t0)
+        (times if i >= timed_from else warm).append(time.perf_counter() - t0)
     out: dict[str, Any] = {
         "batch": batch, "seq": seq, "step_ms_list": [t * 1e3 for t in times],
         "step_ms": 1e3 * sum(times) / len(times), "loss_last": loss.float().item(),
         "info": prepared.info, "warmup_s": sum(warm),
     }
     if device.type == "cuda":
-        out["peak_bytes"] = torch.cuda.max_memory_allocated(device)
-        if graphed:  # capture_step reset the peak statistics: its own numbers cover the warm-up and the capture
-            out["peak_bytes"] = max(out["peak_bytes"], step.eager_peak_bytes, step.captured_peak_bytes)
-            out["graph_pool_bytes"] = step.graph_pool_bytes
-        out["peak_bytes"] -= leftover
-        out["leftover_bytes"] = leftover
-        out["mem_after_wrap_bytes"] = mem_after_wrap
+        out.update(_cuda_memory(device, step if graphed else None, leftover, mem_after_wrap))
+        out["alloc_retries"] = _alloc_retries(device) - retries_before
     if extras and not graphed and regime == args.profile_regime:
         one_step = functools.partial(step_fn, model, opt, autocast=autocast, spec=spec, after_step=after_step)
         recording.record_extras(impl, regime, args, device, rank, one_step, data, sync)
@@ -319,6 +339,7 @@ def run_one(
     participants = 1 if only_rank0 else world
     stats = torch.tensor([
         mine.get("step_ms", 0.0), float(mine.get("peak_bytes", 0)), mine.get("loss_last", 0.0),
+        float(mine.get("peak_reserved_bytes", 0)), float(mine.get("alloc_retries", 0)),
     ], dtype=torch.float64)
     maxed = stats.clone()
     dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=host_group)
@@ -345,6 +366,10 @@ def run_one(
         flops = spec.flops_per_step(mine["batch"], mine["seq"])
         row["mfu"] = flops / (step_ms * 1e-3) / (args.peak_tflops * 1e12)
         row["peak_gib"] = maxed[1].item() / 2**30
+        # Over the ranks, the most: the reserved peak (earlier implementations' leftovers in it) and the timed
+        # steps' allocation retries (each a free of the allocator's cache and a second try, near the memory cap).
+        row["peak_reserved_gib"] = maxed[3].item() / 2**30
+        row["alloc_retries"] = int(maxed[4].item())
         row["mem_after_wrap_gib_rank0"] = mine["mem_after_wrap_bytes"] / 2**30
         row["leftover_gib_rank0"] = mine["leftover_bytes"] / 2**30
         if "graph_pool_bytes" in mine:

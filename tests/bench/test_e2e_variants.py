@@ -328,6 +328,33 @@ def test_out_of_memory_is_recorded_as_an_oom_row(monkeypatch: pytest.MonkeyPatch
     assert variants.is_oom(RuntimeError("CUDA error: out of memory")) and not variants.is_oom(ValueError("x"))
 
 
+def test_gpu_rows_carry_the_reserved_peak_and_the_timed_steps_allocation_retries(
+        monkeypatch: pytest.MonkeyPatch, world_of_one) -> None:
+    from bench.e2e import run
+
+    retries = iter([1, 3])  # the allocator's count before the first timed step, then after the last: 2 in them
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda d: {"num_alloc_retries": next(retries)})
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: 7 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: 9 * 2**30)
+    memory = run._cuda_memory(torch.device("cuda"), None, 2**30, 3 * 2**30)
+    assert memory == {"leftover_bytes": 2**30, "mem_after_wrap_bytes": 3 * 2**30, "peak_reserved_bytes": 9 * 2**30,
+                      "peak_bytes": 6 * 2**30}
+    captured = SimpleNamespace(eager_peak_bytes=8 * 2**30, captured_peak_bytes=2**30, graph_pool_bytes=5)
+    assert run._cuda_memory(torch.device("cuda"), captured, 0, 0)["peak_bytes"] == 8 * 2**30
+    before = run._alloc_retries(torch.device("cuda"))
+    assert run._alloc_retries(torch.device("cuda")) - before == 2
+    # run_one's row: the most over the ranks, in GiB and a count
+    args = run.parse_args(["--device", "cpu", "--config", "tiny", "--impls", "fsdp2"])
+    spec = run.model_spec("decoder", "tiny")
+    mine = {"batch": 1, "seq": 8, "step_ms": 10.0, "step_ms_list": [10.0], "loss_last": 1.0, "info": {},
+            "warmup_s": 0.1, "peak_bytes": 3 * 2**30, "peak_reserved_bytes": 5 * 2**30, "alloc_retries": 7,
+            "leftover_bytes": 0, "mem_after_wrap_bytes": 2**30}
+    monkeypatch.setattr(run, "measure", lambda *a, **k: mine)
+    monkeypatch.setattr(run, "free_memory", lambda device: None)
+    row = run.run_one("fsdp2", "8k1", spec, args, torch.device("cuda"), 0, 1, None)
+    assert (row["peak_gib"], row["peak_reserved_gib"], row["alloc_retries"]) == (3.0, 5.0, 7)
+
+
 def test_fsdp2_float8_refreshes_scales_after_the_step_where_it_gathers_in_fp8(world_of_one) -> None:
     pytest.importorskip("torchao.float8")
     from bench.e2e.run import WRAPPERS, model_spec
