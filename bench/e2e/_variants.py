@@ -489,7 +489,8 @@ def variant_table(payload: dict[str, Any]) -> list[str]:
     if summary and not any("fsdp2_best" in s or "vs_fsdp2_same" in s for s in summary):
         variant_ratios(summary)
     lines = [f"{'impl':22s} {'regime':6s} {'rounds':>6s} {'median ms':>10s} {'tok/s/GPU':>10s} {'peak GiB':>9s} "
-             f"{'vs FSDP2 same':>14s} {'peak/same':>10s} {'vs FSDP2 best':>14s}  best FSDP2"]
+             f"{'reserved':>9s} {'retries':>7s} {'vs FSDP2 same':>14s} {'peak/same':>10s} {'vs FSDP2 best':>14s}  "
+             f"best FSDP2"]
     done = set()
     for s in summary:
         done.add((s["impl"], s["regime"]))
@@ -497,8 +498,13 @@ def variant_table(payload: dict[str, Any]) -> list[str]:
         peak = f"{s['peak_vs_fsdp2_same']:9.3f}x" if "peak_vs_fsdp2_same" in s else f"{'-':>10s}"
         best = f"{s['vs_fsdp2_best']:13.3f}x" if "vs_fsdp2_best" in s else f"{'-':>14s}"
         gib = f"{s['peak_gib_max']:9.2f}" if s.get("peak_gib_max") else f"{'-':>9s}"  # no peak on the CPU
+        # the allocator's reserved peak and retries in the timed steps, most over rounds (GPU rows from a41648c on)
+        runs = [r for r in rows if (r.get("impl"), r.get("regime")) == (s["impl"], s["regime"])
+                and "alloc_retries" in r]
+        reserved = f"{max(r['peak_reserved_gib'] for r in runs):9.2f}" if runs else f"{'-':>9s}"
+        retries = f"{max(r['alloc_retries'] for r in runs):7d}" if runs else f"{'-':>7s}"
         lines.append(f"{s['impl']:22s} {s['regime']:6s} {s['rounds']:6d} {s['step_ms_median']:10.1f} "
-                     f"{s['tok_s_gpu_median']:10,.0f} {gib} {same} {peak} {best}  "
+                     f"{s['tok_s_gpu_median']:10,.0f} {gib} {reserved} {retries} {same} {peak} {best}  "
                      f"{s.get('fsdp2_best', '-')}")
     for r in rows:
         key = (r.get("impl"), r.get("regime"))
@@ -509,7 +515,8 @@ def variant_table(payload: dict[str, Any]) -> list[str]:
             lines.append(f"{key[0]:22s} {key[1]:6s} {status}: {reason[:110]}")
     lines.append("(median step times over rounds; vs FSDP2: FSDP2's median / this one, > 1 is faster; same = FSDP2 "
                  "with the same modifiers, best = FSDP2's fastest configuration that ran; peak/same: this peak / "
-                 "that one)")
+                 "that one; reserved: the allocator's peak, retries: its allocation retries in the timed steps, "
+                 "both the most over rounds and ranks)")
     cap = (payload.get("config") or {}).get("gpu_mem_cap_gib")
     if cap:
         lines.append(f"(every rank's GPU allocations capped at {cap:g} GiB of "

@@ -268,6 +268,11 @@ def test_variant_table_shows_oom_rows_and_ratios() -> None:
     payload["config"] = {"gpu_mem_cap_gib": 78.0, "gpu_mem_total_gib": 139.8}
     assert variant_table(payload)[-1] == ("(every rank's GPU allocations capped at 78 GiB of 139.8: --gpu-mem-gib, "
                                           "a smaller GPU's memory)")
+    # GPU rows from a41648c on: the reserved peak and the allocation retries, the most over the rounds
+    payload["results"] += [{"impl": "fsdp2+ac", "regime": "8k1", "step_ms": ms, "peak_reserved_gib": gib,
+                            "alloc_retries": n} for ms, gib, n in ((1400.0, 58.25, 3), (1390.0, 61.5, 1))]
+    lines = {line.split()[0]: line for line in variant_table(payload) if line.startswith(("fsdp2+ac ", "shardfuse "))}
+    assert lines["fsdp2+ac"].split()[6:8] == ["61.50", "3"] and lines["shardfuse"].split()[6:8] == ["-", "-"]
 
 
 def test_gpu_memory_cap_sets_the_fraction_of_a_larger_gpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
