@@ -46,7 +46,8 @@ MODIFIER_LABEL = {
     "unfused": "concatenated gradients (`SHARDFUSE_FUSED_GRADS=0`)",
     "rspg": "reduce-scatters on a separate group of the same ranks",
     "once": "one round",
-    "aoff": "activation offload of {n} layers, spread (`offload_activations`)",
+    # which layers: the first N before 4da66db, spread from it on (the result's notes say which)
+    "aoff": "activation offload of {n} layers (`offload_activations`)",
     "acK": "activation checkpointing of one layer in {n}",
 }
 MODIFIER_SHORT = {"fp8": "float8", "fp8row": "float8 rowwise", "ac": "AC", "acop": "op-level AC", "compile": "compile",

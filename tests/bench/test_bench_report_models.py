@@ -206,11 +206,11 @@ def test_names_with_modifiers_read_as_the_base_and_what_each_adds() -> None:
     # an unknown base or modifier: the name as it is
     assert impl_label(res, "mystery+fused") == "mystery+fused" and impl_short(res, "shardfuse+odd") == "shardfuse+odd"
     assert impl_label(res, "shardfuse") == "shardfuse `FullyShardedDataParallel`"
-    # modifiers with a count (+aoffN: activation offload of N layers, spread; +acK: checkpointing of one layer in
-    # K), and ones without their count
+    # modifiers with a count (+aoffN: activation offload of N layers; +acK: checkpointing of one layer in K), and
+    # ones without their count
     assert impl_short(res, "shardfuse+fp8+aoff4") == "shardfuse, float8, 4 layers' activations offloaded"
     assert impl_label(res, "shardfuse+aoff12").endswith(
-        "activation offload of 12 layers, spread (`offload_activations`)")
+        "activation offload of 12 layers (`offload_activations`)")
     assert impl_short(res, "shardfuse+aoff") == "shardfuse+aoff"
     assert impl_short(res, "fsdp2+fp8+ac4") == "FSDP2, float8, AC of 1 layer in 4"
     assert impl_label(res, "fsdp2+ac2").endswith("activation checkpointing of one layer in 2")
