@@ -11,6 +11,7 @@ configurations FSDP2 may need to fit, so that its best one that fits is measured
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -20,12 +21,13 @@ from torch import nn
 _MATMULS = (torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default)
 
 
-def _kept_ops() -> set[Any]:
+@functools.cache
+def _kept_ops() -> frozenset[Any]:
     """Ops whose outputs the op-level rule keeps (beyond every other matrix product); the attention kernels this
-    build has."""
+    build has. Looked up once: a policy is made for every checkpointed call."""
     names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
              "_scaled_dot_product_cudnn_attention", "max")
-    return {getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)}
+    return frozenset(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
 
 
 def op_policy() -> Callable[..., Any]:
