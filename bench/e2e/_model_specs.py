@@ -49,6 +49,7 @@ class ModelSpec:
     # carry the embedding alone and the head's reduction overlaps the layers' backward.
     edges: Callable[[nn.Module], list[tuple[nn.Module, str]]] = lambda model: []
     split_edges: bool = False  # set by the +split variant for the wrapper
+    keep_gathered: int = 0  # set by the +keepN variant: the last N layers not resharded after forward
 
     def flops_per_step(self, batch: int, seq: int) -> float:
         """Training flops of one step on one GPU: 6 N T for the matrix products plus causal attention."""

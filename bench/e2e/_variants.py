@@ -32,6 +32,12 @@ modifier. Bases that take modifiers: ``shardfuse``, ``shardfuse-budget``, ``fsdp
 - ``+aoffN`` (e.g. ``+aoff6``): shardfuse's activation offload (``shardfuse.offload_activations``) of N decoder
   layers (its count: spread from the first layer on), for ``shardfuse``: what they save for backward waits in pinned
   host memory from the end of their forward to their backward. FSDP2 has none: ratios match FSDP2 without it.
+- ``+keepN`` (e.g. ``+keep16``): the last N decoder layers keep their gathered parameters from forward to backward
+  (``reshard_after_forward=False`` for them; with the float8 all-gather their weights stay in float8), for
+  ``shardfuse``, ``shardfuse-graph``, ``fsdp2`` and ``fsdp2-compile``: backward gathers (and casts) them no more,
+  for 1 byte a float8 weight element (2 in bf16) held through the step's memory peak. What spare memory buys where
+  checkpointing is not needed. shardfuse keeps the last unit of the forward anyway, so ``+keep1`` changes nothing
+  there.
 - ``+sib``: shardfuse's ``StepInBackward``: each unit's optimizer step runs as its gradient is reduced, the
   sharded gradient freed then (the runs here do not clip), for ``shardfuse``. FSDP2 has none: ratios match FSDP2
   without it.
@@ -93,11 +99,12 @@ class Variant:
     separate_rs: bool = False  # +rspg: shardfuse's reduce-scatters on a separate group of the same ranks
     offload_activations: int = 0  # +aoffN: N decoder layers' saved activations in host memory
     step_in_backward: bool = False  # +sib: shardfuse's StepInBackward drives the optimizer
+    keep_gathered: int = 0  # +keepN: the last N decoder layers not resharded after forward
 
     @property
-    def modifiers(self) -> tuple[str | None, int, bool, bool, bool]:
+    def modifiers(self) -> tuple[str | None, int, bool, bool, bool, int]:
         """What "FSDP2 with the same modifiers" matches (``+once`` only says when the run goes)."""
-        return (self.float8, self.ac, self.compile, self.split, self.ac_ops)
+        return (self.float8, self.ac, self.compile, self.split, self.ac_ops, self.keep_gathered)
 
     @property
     def fp8_all_gather(self) -> bool:
@@ -126,6 +133,15 @@ def _checkpoint_every(name: str, base: str, every: list[str], full: bool) -> int
     return k
 
 
+def _check_keep(name: str, base: str, keep: list[str]) -> None:
+    """Refuse ``+keepN`` modifiers (``keep``) that are not one count >= 1 on a base whose wrapper places units."""
+    if len(keep) > 1 or (keep and not (keep[0][4:].isdigit() and int(keep[0][4:]) > 0)):
+        raise ValueError(f"{name!r}: {'+'.join(keep)}: give one +keepN with N >= 1 decoder layers (e.g. +keep16)")
+    if keep and base not in SPLIT_BASES:
+        raise ValueError(f"{name!r}: +{keep[0]} (the last layers kept gathered for backward) applies to "
+                         f"{', '.join(SPLIT_BASES)} only: drop it or pick one of those")
+
+
 def parse_variant(name: str, known: Sequence[str], *, float8: str | None = None, ac: bool = False,
                   compile: bool = False) -> Variant:
     """Parse ``name`` (a base of ``known`` or ``BASES`` plus modifiers) with the job-wide flags added; raises
@@ -133,7 +149,8 @@ def parse_variant(name: str, known: Sequence[str], *, float8: str | None = None,
     base, mods = split_name(name)
     aoff = [m for m in mods if m.startswith("aoff")]
     every = [m for m in mods if re.fullmatch(r"ac\d+", m)]
-    mods = [m for m in mods if m not in aoff and m not in every]
+    keep = [m for m in mods if m.startswith("keep")]
+    mods = [m for m in mods if m not in aoff and m not in every and m not in keep]
     ac_every = _checkpoint_every(name, base, every, ac or "ac" in mods)
     if "acop" in mods and ac_every:
         raise ValueError(f"{name!r}: +acop (op-level selective checkpointing of every layer) with +ac, +acK or --ac: "
@@ -143,6 +160,7 @@ def parse_variant(name: str, known: Sequence[str], *, float8: str | None = None,
     if aoff and base != "shardfuse":
         raise ValueError(f"{name!r}: +{aoff[0]} (shardfuse's activation offload) applies to shardfuse only: drop it "
                          f"or use shardfuse+{aoff[0]}")
+    _check_keep(name, base, keep)
     if base not in known and base not in BASES:
         choices = ", ".join(dict.fromkeys([*known, *BASES]))
         raise ValueError(f"{name!r}: unknown implementation {base!r}; choose from {choices}")
@@ -158,7 +176,7 @@ def parse_variant(name: str, known: Sequence[str], *, float8: str | None = None,
                 compile=compile or "compile" in mods, once="once" in mods, split="split" in mods,
                 fused=True if "fused" in mods else False if "unfused" in mods else None, separate_rs="rspg" in mods,
                 offload_activations=int(aoff[0][4:]) if aoff else 0, step_in_backward="sib" in mods,
-                ac_ops="acop" in mods)
+                ac_ops="acop" in mods, keep_gathered=int(keep[0][4:]) if keep else 0)
     if v.step_in_backward and base != "shardfuse":
         raise ValueError(f"{name!r}: +sib (shardfuse's StepInBackward) applies to shardfuse only: drop it or use "
                          f"shardfuse+sib")
@@ -319,6 +337,21 @@ def _choose_gradient_path(fused: bool | None) -> None:
 REDUCE_SCATTER_GROUP_ENV = "SHARDFUSE_REDUCE_SCATTER_GROUP"
 
 
+def _unit_layout(v: Variant, n_layers: int) -> dict[str, str]:
+    """What the row records of where the wrapper draws units (``+split``) and what they keep gathered for backward
+    (``+keepN``); refuses a ``+keepN`` of more layers than the model's ``n_layers``."""
+    info = {}
+    if v.split:
+        info["split"] = "input embedding and output head as units of their own"
+    if v.keep_gathered:
+        if v.keep_gathered > n_layers:
+            raise ValueError(f"{v.name!r}: +keep{v.keep_gathered} asks for more layers than the model's {n_layers}: "
+                             f"use +keep{n_layers} at most")
+        info["keep_gathered"] = (f"the last {v.keep_gathered} decoder layers keep their gathered parameters from "
+                                 f"forward to backward (reshard_after_forward=False)")
+    return info
+
+
 def prepare(v: Variant, model: nn.Module, spec: Any, device: torch.device, args: Any,
             wrappers: dict[str, Callable[..., nn.Module]], capturable: bool = False) -> Prepared:
     """Float8, then checkpointing, then compile (torchtitan's order), then the wrapper and the optimizer."""
@@ -341,8 +374,7 @@ def prepare(v: Variant, model: nn.Module, spec: Any, device: torch.device, args:
     if v.base == "shardfuse-budget":
         model, opt, extra = _wrap_budget(model, layer_cls, device, args)
         return Prepared(model, opt, None, {**info, **extra})
-    if v.split:
-        info["split"] = "input embedding and output head as units of their own"
+    info.update(_unit_layout(v, len(layers)))
     if v.base in FUSED_BASES:
         _choose_gradient_path(v.fused)
         if v.fused is not None:
@@ -353,7 +385,8 @@ def prepare(v: Variant, model: nn.Module, spec: Any, device: torch.device, args:
     # Set only while wrapping (read at wrap time), restored after.
     choice = mock.patch.dict(os.environ, {REDUCE_SCATTER_GROUP_ENV: "reduce_scatter"})
     with choice if v.separate_rs else contextlib.nullcontext():
-        model = wrappers[v.base](model, dataclasses.replace(spec, layer_cls=layer_cls, split_edges=v.split), device)
+        placed = dataclasses.replace(spec, layer_cls=layer_cls, split_edges=v.split, keep_gathered=v.keep_gathered)
+        model = wrappers[v.base](model, placed, device)
     if v.offload_activations:
         import shardfuse
 

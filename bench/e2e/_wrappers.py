@@ -65,7 +65,13 @@ def _wrap_with(package: str, model: nn.Module, spec: ModelSpec) -> nn.Module:
     sf = importlib.import_module(package)
     kwargs = dict(mixed_precision=True, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True)
     with sf.enable_wrap(wrapper_cls=sf.FullyShardedDataParallel, **kwargs):
-        model = sf.auto_wrap(model, auto_wrap_policy=sf.ModuleClassWrapPolicy({spec.layer_cls}))
+        if spec.keep_gathered:
+            layers = spec.layers(model)
+            first_kept = len(layers) - spec.keep_gathered
+            for i, layer in enumerate(layers):  # +keepN: the last N layers not resharded after forward
+                layers[i] = sf.wrap(layer, **({"reshard_after_forward": False} if i >= first_kept else {}))
+        else:
+            model = sf.auto_wrap(model, auto_wrap_policy=sf.ModuleClassWrapPolicy({spec.layer_cls}))
         edges = split_edges(model, spec)
         for i, (parent, attr) in enumerate(edges):
             # The head runs last in forward and first in backward: kept gathered between them (torchtitan's
@@ -91,8 +97,9 @@ def wrap_fsdp2(model: nn.Module, spec: ModelSpec, device: torch.device) -> nn.Mo
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in spec.layers(model):
-        fully_shard(layer, mp_policy=mp)
+    layers = spec.layers(model)
+    for i, layer in enumerate(layers):  # +keepN: the last N layers not resharded after forward
+        fully_shard(layer, mp_policy=mp, reshard_after_forward=i < len(layers) - spec.keep_gathered)
     edges = split_edges(model, spec)
     for i, (parent, attr) in enumerate(edges):
         fully_shard(getattr(parent, attr), mp_policy=mp, reshard_after_forward=i < len(edges) - 1)

@@ -49,22 +49,27 @@ MODIFIER_LABEL = {
     # which layers: the first N before 4da66db, spread from it on (the result's notes say which)
     "aoff": "activation offload of {n} layers (`offload_activations`)",
     "acK": "activation checkpointing of one layer in {n}",
+    "keep": "the last {n} layers kept gathered for backward",
 }
 MODIFIER_SHORT = {"fp8": "float8", "fp8row": "float8 rowwise", "ac": "AC", "acop": "op-level AC", "compile": "compile",
                   "split": "split",
                   "fused": "fused grads", "unfused": "unfused grads", "rspg": "RS group", "once": "once",
-                  "aoff": "{n} layers' activations offloaded", "acK": "AC of 1 layer in {n}"}
+                  "aoff": "{n} layers' activations offloaded", "acK": "AC of 1 layer in {n}",
+                  "keep": "{n} layers kept gathered"}
 
 
 def modifier_text(mod: str, names: dict[str, str]) -> str | None:
     """What ``mod`` adds to a name, from ``names`` (``MODIFIER_LABEL`` or ``MODIFIER_SHORT``); ``aoffN`` (activation
-    offload of N layers) and ``acK`` (checkpointing of one layer in K) fill in their count; None for a modifier
+    offload of N layers), ``acK`` (checkpointing of one layer in K) and ``keepN`` (the last N layers kept gathered)
+    fill in their count; None for a modifier
     ``names`` does not know."""
     if mod.startswith("aoff") and mod[4:].isdigit():
         return names["aoff"].format(n=int(mod[4:]))
     if re.fullmatch(r"ac\d+", mod):  # +acK: checkpointing of one layer in K
         return names["acK"].format(n=int(mod[2:]))
-    return names.get(mod) if mod not in ("aoff", "acK") else None
+    if re.fullmatch(r"keep\d+", mod):  # +keepN: the last N layers not resharded after forward
+        return names["keep"].format(n=int(mod[4:]))
+    return names.get(mod) if mod not in ("aoff", "acK", "keep") else None
 CAPTURED = "shardfuse-graph"  # shardfuse's whole step captured by ``capture_step`` into a CUDA graph, replayed
 REGIME_ORDER = ("8k", "4k", "1k", "sft")
 REGIME_LABEL = {

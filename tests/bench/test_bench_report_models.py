@@ -215,4 +215,7 @@ def test_names_with_modifiers_read_as_the_base_and_what_each_adds() -> None:
     assert impl_short(res, "fsdp2+fp8+ac4") == "FSDP2, float8, AC of 1 layer in 4"
     assert impl_label(res, "fsdp2+ac2").endswith("activation checkpointing of one layer in 2")
     assert impl_short(res, "fsdp2+acK") == "fsdp2+acK" and impl_short(res, "fsdp2+ac") == "FSDP2, AC"
+    assert impl_short(res, "shardfuse+fp8+keep16") == "shardfuse, float8, 16 layers kept gathered"
+    assert impl_label(res, "fsdp2+keep2").endswith("the last 2 layers kept gathered for backward")
+    assert impl_short(res, "shardfuse+keep") == "shardfuse+keep"
     assert impl_short(res, "shardfuse+rspg") == "shardfuse, RS group"

@@ -693,3 +693,59 @@ def test_sib_drives_shardfuse_with_step_in_backward_and_compares_with_fsdp2(worl
                for i, ms in (("fsdp2+fp8", 10.0), ("shardfuse+fp8+sib+aoff6", 5.0))]
     variant_ratios(summary)
     assert summary[1].get("fsdp2_same") == "fsdp2+fp8"
+
+
+def test_keep_parses_for_the_bases_that_place_units_and_compares_with_the_same_fsdp2() -> None:
+    known = (*KNOWN, "fsdp2-compile")
+    for name, n in (("shardfuse+fp8+keep16", 16), ("fsdp2+keep2", 2), ("shardfuse-graph+keep1", 1)):
+        assert parse_variant(name, known).keep_gathered == n, name
+    assert parse_variant("shardfuse+fp8", known).keep_gathered == 0
+    for name, match in (("shardfuse+keep0", "N >= 1"), ("shardfuse+keepx", "N >= 1"), ("fsdp2+keep1+keep2", "give one"),
+                        ("fairscale+keep2", r"applies to shardfuse, shardfuse-graph, fsdp2, fsdp2-compile only"),
+                        ("shardfuse-budget+keep2", "applies to")):
+        with pytest.raises(ValueError, match=match):
+            parse_variant(name, known)
+    summary = [{"impl": i, "regime": "8k1", "step_ms_median": ms, "peak_gib_max": 1.0}
+               for i, ms in (("fsdp2+fp8", 10.0), ("fsdp2+fp8+keep4", 9.0), ("shardfuse+fp8+keep4", 5.0))]
+    variant_ratios(summary)
+    assert summary[2]["fsdp2_same"] == "fsdp2+fp8+keep4"  # not FSDP2 without it
+
+
+@pytest.mark.parametrize("base", ["shardfuse", "fsdp2"])
+def test_keep_leaves_the_last_layers_gathered_from_forward_to_backward(base: str, world_of_one, monkeypatch) -> None:
+    from bench.e2e.run import WRAPPERS, model_spec
+    from shardfuse.sharding.core._flat_param import FlatParamHandle
+
+    spec = model_spec("decoder", "tiny")
+    args = SimpleNamespace(lr=1e-4, optim="foreach", budget_gib=None)
+    cpu = torch.device("cpu")
+    tokens = torch.randint(0, spec.vocab_size, (2, 16))
+    resharded: list[FlatParamHandle] = []
+    real_reshard = FlatParamHandle.reshard
+
+    def counting_reshard(self: FlatParamHandle) -> None:
+        resharded.append(self)
+        real_reshard(self)
+
+    monkeypatch.setattr(FlatParamHandle, "reshard", counting_reshard)
+    grads = {}
+    for name in (base, f"{base}+keep1"):
+        prepared = variants.prepare(parse_variant(name, KNOWN), spec.make(cpu, 0), spec, cpu, args, WRAPPERS)
+        layers = prepared.model.layers
+        resharded.clear()
+        loss = spec.logits(prepared.model, tokens).float().square().mean()
+        if base == "fsdp2":  # FSDP2 registers the sharded DTensors again where it reshards after forward
+            assert [type(layer.attention.wq.weight).__name__ for layer in layers] == (
+                ["DTensor", "Parameter"] if "keep" in name else ["DTensor", "DTensor"]), name
+        else:  # the first step records the order: until then shardfuse reshards every layer after forward
+            kept = [h for h in layers[1]._unit.handles]
+            assert any(h in resharded for h in kept) == ("keep" not in name), name
+            assert all(h in resharded for h in layers[0]._unit.handles), name
+        assert ("keep_gathered" in prepared.info) == ("keep" in name)
+        loss.backward()
+        grads[name] = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+                       for p in prepared.model.parameters()]
+    # Where the parameters wait for backward changes no gradient.
+    assert all(torch.equal(a, b) for a, b in zip(grads[base], grads[f"{base}+keep1"], strict=True))
+    with pytest.raises(ValueError, match=r"\+keep3 asks for more layers than the model's 2: use \+keep2 at most"):
+        variants.prepare(parse_variant(f"{base}+keep3", KNOWN), spec.make(cpu, 0), spec, cpu, args, WRAPPERS)
