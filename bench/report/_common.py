@@ -61,8 +61,7 @@ MODIFIER_SHORT = {"fp8": "float8", "fp8row": "float8 rowwise", "ac": "AC", "acop
 def modifier_text(mod: str, names: dict[str, str]) -> str | None:
     """What ``mod`` adds to a name, from ``names`` (``MODIFIER_LABEL`` or ``MODIFIER_SHORT``); ``aoffN`` (activation
     offload of N layers), ``acK`` (checkpointing of one layer in K) and ``keepN`` (the last N layers kept gathered)
-    fill in their count; None for a modifier
-    ``names`` does not know."""
+    fill in their count; None for a modifier ``names`` does not know."""
     if mod.startswith("aoff") and mod[4:].isdigit():
         return names["aoff"].format(n=int(mod[4:]))
     if re.fullmatch(r"ac\d+", mod):  # +acK: checkpointing of one layer in K
